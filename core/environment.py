@@ -1,0 +1,191 @@
+"""Deployment environments (`cdk.json` context key `environments`), parsed once into typed, validated objects.
+
+The environment owns the cluster's shape: node pools and their sizes, network, storage, observability. Runs
+(core.run) are checked against it; infra/ builds it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from .catalog import CATALOG
+from .schema import ConfigError, fail, parse
+
+# Kubernetes versions we ship a kubectl Lambda layer for (infra/ needs one per version for Helm charts).
+KUBERNETES_VERSIONS = ("1.33",)
+CapacityType = Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"]
+
+
+@dataclass(frozen=True)
+class NodePoolConfig:
+    instance_type: str
+    min_size: int = 0
+    desired_size: int = 0
+    max_size: int = 1
+    capacity_type: CapacityType = "ON_DEMAND"
+    capacity_reservation_id: str | None = None  # required for CAPACITY_BLOCK (cr-...)
+    efa: bool = True  # attach every EFA interface the type has; a rollout pool may opt out
+    root_volume_gib: int = 200
+    hugepages_2mi: int = 5120  # 2 MiB pages reserved at boot (10 GiB), for libfabric/NVSHMEM buffers
+
+    def validate(self) -> None:
+        if self.instance_type not in CATALOG:
+            fail("instance_type", self.instance_type, "supported: " + ", ".join(CATALOG))
+        for name in ("min_size", "desired_size", "max_size"):
+            if getattr(self, name) < 0:
+                fail(name, getattr(self, name), "must be >= 0")
+        if self.min_size > self.max_size:
+            fail("min_size", self.min_size, f"must be <= max_size ({self.max_size})")
+        if not self.min_size <= self.desired_size <= self.max_size:
+            fail("desired_size", self.desired_size, f"must be between min_size ({self.min_size}) and max_size ({self.max_size})")
+        if self.max_size < 1:
+            fail("max_size", self.max_size, "must be >= 1")
+        if self.efa and not CATALOG[self.instance_type].has_efa:
+            with_efa = [n for n, t in CATALOG.items() if t.has_efa]
+            fail("efa", self.efa, f"{self.instance_type} has no EFA; set efa: false or use one of {', '.join(with_efa)}")
+        if self.capacity_type == "CAPACITY_BLOCK":
+            if not self.capacity_reservation_id:
+                fail("capacity_reservation_id", self.capacity_reservation_id, "required when capacity_type is CAPACITY_BLOCK (cr-...)")
+        if self.capacity_reservation_id is not None and not re.fullmatch(r"cr-[0-9a-f]{8,17}", self.capacity_reservation_id):
+            fail("capacity_reservation_id", self.capacity_reservation_id, "expected a reservation id like cr-0123456789abcdef0")
+        if self.capacity_type == "SPOT" and self.capacity_reservation_id:
+            fail("capacity_reservation_id", self.capacity_reservation_id, "spot capacity takes no reservation")
+        if not 20 <= self.root_volume_gib <= 16384:
+            fail("root_volume_gib", self.root_volume_gib, "must be between 20 and 16384")
+        if self.hugepages_2mi < 0:
+            fail("hugepages_2mi", self.hugepages_2mi, "must be >= 0")
+
+    @property
+    def spec(self):
+        return CATALOG[self.instance_type]
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    public: bool = False  # private endpoint only unless opted in
+    public_cidrs: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.public and not self.public_cidrs:
+            fail("public_cidrs", list(self.public_cidrs), "a public endpoint needs an allow-list of CIDRs")
+        if not self.public and self.public_cidrs:
+            fail("public_cidrs", list(self.public_cidrs), "only allowed with public: true")
+        for i, cidr in enumerate(self.public_cidrs):
+            try:
+                net = ipaddress.ip_network(cidr)
+            except ValueError:
+                fail(f"public_cidrs[{i}]", cidr, "expected a CIDR like 203.0.113.0/24")
+            if net.prefixlen == 0:
+                fail(f"public_cidrs[{i}]", cidr, "the whole internet is not an allow-list")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    fsx: bool = True  # FSx for Lustre in the GPU AZ, linked to the bucket
+    fsx_storage_capacity_gib: int = 1200
+    fsx_throughput_mbps_per_tib: Literal[125, 250, 500, 1000] = 250
+    noncurrent_version_expiry_days: int = 30
+    rollout_log_expiry_days: int = 90
+    retain_on_delete: bool = True
+
+    def validate(self) -> None:
+        cap = self.fsx_storage_capacity_gib
+        if cap != 1200 and (cap < 2400 or cap % 2400):
+            fail("fsx_storage_capacity_gib", cap, "PERSISTENT_2 takes 1200 or a multiple of 2400")
+        for name in ("noncurrent_version_expiry_days", "rollout_log_expiry_days"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    alarm_email: str | None = None  # subscribed to the alarm topic when given
+    prometheus: bool = True  # Amazon Managed Prometheus workspace, scraper and alert rules
+
+    def validate(self) -> None:
+        if self.alarm_email is not None and not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", self.alarm_email):
+            fail("alarm_email", self.alarm_email, "expected an email address")
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    account: str
+    region: str
+    gpu_availability_zone: str  # where the GPU capacity (and every EFA pool) lives
+    availability_zones: tuple[str, ...]  # of the VPC; at least two (EKS), including the GPU zone
+    rollout_pool: NodePoolConfig
+    trainer_pool: NodePoolConfig
+    kubernetes_version: str = KUBERNETES_VERSIONS[-1]
+    vpc_cidr: str = "10.0.0.0/16"
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    admin_role_arn: str | None = None  # granted cluster admin through an access entry
+    run_namespace: str = "moe-rl"
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    name: str = ""  # filled from the key in `environments`
+
+    def validate(self) -> None:
+        if not re.fullmatch(r"\d{12}", self.account):
+            fail("account", self.account, "expected a 12-digit AWS account id")
+        if not re.fullmatch(r"[a-z]{2}(-gov)?-[a-z]+-\d", self.region):
+            fail("region", self.region, "expected a region name like us-east-1")
+        for i, az in enumerate(self.availability_zones):
+            if not re.fullmatch(re.escape(self.region) + r"[a-z]", az):
+                fail(f"availability_zones[{i}]", az, f"not an availability zone of {self.region} (like {self.region}a)")
+        if len(set(self.availability_zones)) < 2:
+            fail("availability_zones", list(self.availability_zones), "EKS needs at least two distinct zones")
+        if self.gpu_availability_zone not in self.availability_zones:
+            fail("gpu_availability_zone", self.gpu_availability_zone,
+                 f"must be one of availability_zones ({', '.join(self.availability_zones)}) of {self.region}")
+        if self.kubernetes_version not in KUBERNETES_VERSIONS:
+            fail("kubernetes_version", self.kubernetes_version, "supported: " + ", ".join(KUBERNETES_VERSIONS))
+        try:
+            net = ipaddress.ip_network(self.vpc_cidr)
+        except ValueError:
+            fail("vpc_cidr", self.vpc_cidr, "expected a CIDR like 10.0.0.0/16")
+        if not 16 <= net.prefixlen <= 20 or not net.is_private:
+            fail("vpc_cidr", self.vpc_cidr, "expected a private CIDR from /16 to /20")
+        if self.admin_role_arn is not None and not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+", self.admin_role_arn):
+            fail("admin_role_arn", self.admin_role_arn, "expected an IAM role ARN")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.run_namespace):
+            fail("run_namespace", self.run_namespace, "expected a Kubernetes namespace name")
+        if self.trainer_pool.max_size > 1 and not self.trainer_pool.efa:
+            fail("trainer_pool.efa", False, "a trainer pool of more than one node needs EFA for its collectives")
+
+    def pools(self) -> dict[str, NodePoolConfig]:
+        """Pools by role, the value of the `moe-rl/role` node label."""
+        return {"rollout": self.rollout_pool, "trainer": self.trainer_pool}
+
+
+def load_environments(context: Mapping[str, Any], *, source: str = "cdk.json") -> dict[str, EnvironmentConfig]:
+    """Parse every environment under the context key `environments`."""
+    envs = context.get("environments")
+    if not isinstance(envs, Mapping) or not envs:
+        raise ConfigError(source, "context.environments", envs, "expected a mapping of environment name to settings")
+    out = {}
+    for name, data in envs.items():
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,19}", name):
+            raise ConfigError(source, "context.environments", name, "environment names are lowercase letters, digits and '-'")
+        env = parse(EnvironmentConfig, data, source=f"{source} environment {name!r}")
+        out[name] = _with_name(env, name)
+    return out
+
+
+def _with_name(env: EnvironmentConfig, name: str) -> EnvironmentConfig:
+    from dataclasses import replace
+    return replace(env, name=name)
+
+
+def load_cdk_json(path: str | Path = "cdk.json") -> dict[str, EnvironmentConfig]:
+    path = Path(path)
+    return load_environments(json.loads(path.read_text())["context"], source=str(path.name))
+
+
+def select_environment(envs: Mapping[str, EnvironmentConfig], name: str) -> EnvironmentConfig:
+    if name not in envs:
+        raise ConfigError("cdk.json", "env", name, "known environments: " + ", ".join(envs))
+    return envs[name]

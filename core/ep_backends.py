@@ -1,0 +1,93 @@
+"""Expert-parallel token dispatch backends: their limits, and the rule `auto` uses to pick one.
+
+One place for both, so a run is resolved once against its environment (core.run.resolve_run) and the resolved
+backend travels into the manifests (k8s/) and the trainer's logs (workloads/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EpBackend = Literal["local", "alltoall", "deepep"]
+EpBackendChoice = Literal["auto", "local", "alltoall", "deepep"]
+
+# DeepEP V1 limits (DeepEP README and source; ../shared/REFERENCE.md).
+DEEPEP_INTRANODE_RANKS = (2, 4, 8)
+DEEPEP_INTERNODE_RANKS = tuple(range(16, 161, 8))
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    ranks_per_node: int
+    device: Literal["cpu", "cuda"]
+    num_experts: int
+
+    @property
+    def ep_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    min_nodes: int
+    max_nodes: int
+    backend: EpBackend
+    why: str
+
+
+# `auto` on CUDA, first match wins. AWS measured plain NCCL all-to-all matching or beating DeepEP over EFA up to
+# ~8 nodes and DeepEP ahead from ~16-32 nodes; inside one node DeepEP's NVLink kernels beat NCCL
+# (153/158 GB/s dispatch/combine at EP8 on H800). Between 9 and 15 nodes nothing was measured: stay with NCCL.
+AUTO_RULES: tuple[AutoRule, ...] = (
+    AutoRule(1, 1, "deepep", "single node: DeepEP intranode NVLink kernels"),
+    AutoRule(2, 15, "alltoall", "2-15 nodes over EFA: NCCL all-to-all matches or beats DeepEP (AWS, p5 4 and 8 nodes)"),
+    AutoRule(16, 10**6, "deepep", ">= 16 nodes: DeepEP internode wins (AWS, Megatron-Bridge on 32 nodes)"),
+)
+
+
+class UnsupportedBackend(ValueError):
+    pass
+
+
+def check_backend(backend: EpBackend, topo: Topology) -> None:
+    """Raise UnsupportedBackend naming the constraint that `backend` breaks on `topo`."""
+    if topo.num_experts % topo.ep_size:
+        raise UnsupportedBackend(
+            f"num_experts ({topo.num_experts}) must be divisible by the expert-parallel size ({topo.ep_size})")
+    if backend == "local":
+        if topo.ep_size != 1:
+            raise UnsupportedBackend(f"ep backend 'local' runs one rank, not {topo.ep_size}")
+        return
+    if topo.ep_size < 2:
+        raise UnsupportedBackend(f"ep backend {backend!r} needs at least 2 ranks; use 'local' for 1")
+    if backend == "deepep":
+        if topo.device != "cuda":
+            raise UnsupportedBackend("ep backend 'deepep' needs CUDA GPUs")
+        if topo.nodes == 1 and topo.ranks_per_node not in DEEPEP_INTRANODE_RANKS:
+            raise UnsupportedBackend(
+                f"ep backend 'deepep' intranode needs {DEEPEP_INTRANODE_RANKS} ranks, not {topo.ranks_per_node}")
+        if topo.nodes > 1 and (topo.ranks_per_node != 8 or topo.ep_size not in DEEPEP_INTERNODE_RANKS):
+            raise UnsupportedBackend(
+                f"ep backend 'deepep' internode needs 8 ranks per node and 16 to 160 ranks in multiples of 8, "
+                f"not {topo.nodes} nodes x {topo.ranks_per_node}")
+
+
+def resolve_backend(choice: EpBackendChoice, topo: Topology) -> tuple[EpBackend, str]:
+    """The backend to run and why; `auto` follows AUTO_RULES (gloo/CPU always uses all-to-all)."""
+    if choice != "auto":
+        check_backend(choice, topo)
+        return choice, "set in the run configuration"
+    if topo.ep_size == 1:
+        backend, why = "local", "one rank: no expert parallelism"
+    elif topo.device == "cpu":
+        backend, why = "alltoall", "CPU (gloo): all_to_all_single"
+    else:
+        rule = next(r for r in AUTO_RULES if r.min_nodes <= topo.nodes <= r.max_nodes)
+        backend, why = rule.backend, rule.why
+        try:
+            check_backend(backend, topo)
+        except UnsupportedBackend as exc:
+            backend, why = "alltoall", f"{rule.why}, but {exc}; falling back to NCCL all-to-all"
+    check_backend(backend, topo)
+    return backend, why

@@ -1,0 +1,196 @@
+"""Run configuration (`configs/runs/<name>.yaml`): one typed file per RL run, read by k8s/ and workloads/ alike.
+
+`resolve_run` checks a run against the environment it targets (pool sizes, GPU memory, EP backend limits) and
+fixes the EP backend once, so manifests and trainer logs carry the same resolved choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, resolve_backend
+from .environment import EnvironmentConfig
+from .schema import ConfigError, fail, parse
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-MoE-compatible decoder (field names follow Hugging Face's Qwen3MoeConfig) plus router options."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    # Router: "softmax" = Qwen3 (softmax, top-k, optional renormalisation); "sigmoid" = DeepSeek-V3 (sigmoid
+    # scores, selection-only bias, group-limited top-k, routed scaling factor).
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    max_nodes_per_token: int | None = None  # node-limited routing over contiguous expert ranges
+    n_shared_experts: int = 0
+    router_aux_loss_coef: float = 0.0
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                     "num_experts_per_tok", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", self.num_key_value_heads,
+                 f"must divide num_attention_heads ({self.num_attention_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            fail("num_experts_per_tok", self.num_experts_per_tok, f"must be <= num_experts ({self.num_experts})")
+        if self.num_experts % self.n_group:
+            fail("n_group", self.n_group, f"must divide num_experts ({self.num_experts})")
+        if self.topk_group > self.n_group:
+            fail("topk_group", self.topk_group, f"must be <= n_group ({self.n_group})")
+        if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+            fail("topk_group", self.topk_group, "the selected groups hold fewer experts than num_experts_per_tok")
+        if self.router == "softmax" and self.n_group != 1:
+            fail("n_group", self.n_group, "group-limited routing needs router: sigmoid")
+        if self.max_nodes_per_token is not None and self.max_nodes_per_token < 1:
+            fail("max_nodes_per_token", self.max_nodes_per_token, "must be >= 1 or omitted")
+        if self.n_shared_experts < 0:
+            fail("n_shared_experts", self.n_shared_experts, "must be >= 0")
+
+    def parameter_count(self) -> int:
+        h, e, i = self.hidden_size, self.num_experts, self.moe_intermediate_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + 2 * self.head_dim
+        experts = (e + self.n_shared_experts) * 3 * h * i + h * e
+        per_layer = attn + experts + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h
+
+    @property
+    def bytes_per_parameter(self) -> int:
+        return 2 if self.dtype == "bfloat16" else 4
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    ep_backend: EpBackendChoice = "auto"
+    trainer_nodes: int = 1
+    # Trainer ranks per node; default: every GPU of the trainer instance type (or 2 CPU processes locally).
+    ranks_per_node: int | None = None
+
+    def validate(self) -> None:
+        if self.trainer_nodes < 1:
+            fail("trainer_nodes", self.trainer_nodes, "must be >= 1")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            fail("ranks_per_node", self.ranks_per_node, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    min_servers: int = 1
+    max_servers: int = 1
+    gpus_per_server: int = 1
+    max_batch_size: int = 64
+    max_new_tokens: int = 256
+
+    def validate(self) -> None:
+        if not 1 <= self.min_servers <= self.max_servers:
+            fail("min_servers", self.min_servers, f"must be between 1 and max_servers ({self.max_servers})")
+        for name in ("gpus_per_server", "max_batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    model: ModelConfig
+    environment: str | None = None  # the cdk.json environment it runs in; None = this machine, no cluster
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run checked against where it runs; the single answer to 'which EP backend, how many ranks'."""
+
+    run: RunConfig
+    environment: EnvironmentConfig | None
+    topology: Topology
+    ep_backend: EpBackend
+    ep_backend_reason: str
+
+
+LOCAL_RANKS = 2  # the CPU run: two gloo processes
+
+
+def load_run(path: str | Path) -> RunConfig:
+    import yaml  # light, but only needed when reading files
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "", None, f"not valid YAML: {exc}") from None
+    return parse(RunConfig, data, source=str(path))
+
+
+def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = "run") -> ResolvedRun:
+    """Check `run` against `env` (None for a local run) and resolve its EP backend."""
+    src = f"{source} {run.name!r}"
+    if (run.environment is None) != (env is None):
+        raise ConfigError(src, "environment", run.environment,
+                          "a run with an environment needs that environment's config; a local run takes none")
+    if env is None:
+        ranks = run.parallelism.ranks_per_node or LOCAL_RANKS
+        if run.parallelism.trainer_nodes != 1:
+            raise ConfigError(src, "parallelism.trainer_nodes", run.parallelism.trainer_nodes, "a local run has one node")
+        topo = Topology(nodes=1, ranks_per_node=ranks, device="cpu", num_experts=run.model.num_experts)
+    else:
+        _check_fits(run, env, src)
+        trainer = env.trainer_pool.spec
+        ranks = run.parallelism.ranks_per_node or trainer.gpus
+        topo = Topology(nodes=run.parallelism.trainer_nodes, ranks_per_node=ranks, device="cuda",
+                        num_experts=run.model.num_experts)
+    try:
+        backend, why = resolve_backend(run.parallelism.ep_backend, topo)
+    except UnsupportedBackend as exc:
+        raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
+    return ResolvedRun(run, env, topo, backend, why)
+
+
+def _check_fits(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
+    trainer, rollout = env.trainer_pool, env.rollout_pool
+    p, r = run.parallelism, run.rollout
+    if p.trainer_nodes > trainer.max_size:
+        raise ConfigError(src, "parallelism.trainer_nodes", p.trainer_nodes,
+                          f"environment {env.name!r} trainer pool has at most {trainer.max_size} nodes")
+    if p.ranks_per_node is not None and p.ranks_per_node > trainer.spec.gpus:
+        raise ConfigError(src, "parallelism.ranks_per_node", p.ranks_per_node,
+                          f"{trainer.instance_type} has {trainer.spec.gpus} GPUs")
+    rspec = rollout.spec
+    if r.gpus_per_server > rspec.gpus:
+        raise ConfigError(src, "rollout.gpus_per_server", r.gpus_per_server, f"{rollout.instance_type} has {rspec.gpus} GPUs")
+    servers_per_node = rspec.gpus // r.gpus_per_server
+    if r.max_servers > servers_per_node * rollout.max_size:
+        raise ConfigError(src, "rollout.max_servers", r.max_servers,
+                          f"environment {env.name!r} rollout pool fits at most {servers_per_node * rollout.max_size} "
+                          f"servers of {r.gpus_per_server} GPU(s) ({rollout.max_size} x {rollout.instance_type})")
+    weights_gib = run.model.parameter_count() * run.model.bytes_per_parameter / 2**30
+    # Weights may use at most 80 % of the server's GPU memory: the rest is KV cache and activations.
+    usable = 0.8 * r.gpus_per_server * rspec.gpu_memory_gib
+    if weights_gib > usable:
+        raise ConfigError(src, "rollout.gpus_per_server", r.gpus_per_server,
+                          f"{weights_gib:.0f} GiB of weights need more than 80 % of {r.gpus_per_server} x "
+                          f"{rspec.gpu_memory_gib:.0f} GiB ({rspec.gpu_model}); raise gpus_per_server")
