@@ -1,2 +1,30 @@
-def main():
-    print("hi")
+"""`moerl`: one console script; each subcommand lives with the part it belongs to and is imported lazily,
+so `moerl manifests` never loads torch and `moerl train` never loads the CDK."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help). The function takes argv (list[str]) and returns an exit code.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "synth-summary": ("moe_rl_eks.infra.summary", "main", "summarise the synthesized CloudFormation in cdk.out/"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: moerl <command> [args]\n\ncommands:")
+        for name, (_, _, help_) in SUBCOMMANDS.items():
+            print(f"  {name:16} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"moerl: unknown command {name!r}; known: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module, func, _ = SUBCOMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+# Two commands on a fresh machine: `make run` and `make test`. Each bootstraps what it needs, idempotently.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CDK := node_modules/.bin/cdk
+STAMP := $(VENV)/.bootstrapped
+
+# Caches stay inside ignored folders of the repo.
+export JSII_RUNTIME_PACKAGE_CACHE_ROOT := $(CURDIR)/.cache/jsii
+export CDK_HOME := $(CURDIR)/.cache/cdk
+export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
+export npm_config_cache := $(CURDIR)/.cache/npm
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
+export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
+export HF_HOME := $(CURDIR)/.cache/huggingface
+export HF_HUB_OFFLINE := 1
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+export CDK_DISABLE_VERSION_CHECK := 1
+export CDK_DISABLE_CLI_TELEMETRY := true
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+ENVS = $(shell $(PY) -c 'import json; print(" ".join(json.load(open("cdk.json"))["context"]["environments"]))')
+
+.PHONY: bootstrap run test synth lint clean
+.DEFAULT_GOAL := run
+
+# torch and triton first, by pip, from the pinned constraints (the CPU wheel on local disk): a resolver that
+# reached them through another package would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt package.json
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -c constraints.txt torch==2.13.0 triton==3.7.1
+	$(PIP) install -q -c constraints.txt -e '.[infra,workloads,kernels,dev]'
+	npm ci --no-fund --no-audit --loglevel=error
+	touch $@
+
+bootstrap: $(STAMP)
+
+synth: $(STAMP)
+	rm -rf cdk.out
+	for e in $(ENVS); do $(CDK) synth --no-notices -q -c env=$$e -o cdk.out/$$e; done
+	$(PY) -m moe_rl_eks.core.cli synth-summary cdk.out
+
+run: synth
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m pytest tests -k "lint or nag or checkov"
+
+clean:
+	rm -rf cdk.out dist runs .pytest_cache
