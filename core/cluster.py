@@ -30,3 +30,8 @@ OUTPUT_ROLLOUT_REPOSITORY_URI = "RolloutRepositoryUri"
 OUTPUT_BUCKET_NAME = "ArtifactBucketName"
 OUTPUT_CLUSTER_NAME = "ClusterName"
 OUTPUT_PROMETHEUS_ENDPOINT = "PrometheusEndpoint"
+# Ports and commands the manifests (k8s/) start and the workloads (workloads/) serve.
+ROLLOUT_PORT = 8000  # OpenAI-style /v1/completions, /health, /metrics
+ORCHESTRATOR_PORT = 8080  # /health, /metrics (queue depth: the rollout autoscaler's signal)
+TRAINER_METRICS_PORT = 9400  # /metrics of trainer rank 0 on each node
+TRAINER_RENDEZVOUS_PORT = 29400  # torchrun c10d rendezvous
