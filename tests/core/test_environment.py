@@ -1,0 +1,66 @@
+"""Every bad environment setting fails at load with the environment, field, value and what is allowed."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_rl_eks.core.environment import load_environments
+from moe_rl_eks.core.schema import ConfigError
+
+CONTEXT = json.loads((Path(__file__).parents[2] / "cdk.json").read_text())["context"]
+
+
+def _load_with(env: str, patch) -> None:
+    context = copy.deepcopy(CONTEXT)
+    patch(context["environments"][env])
+    load_environments(context)
+
+
+def test_shipped_environments_load():
+    envs = load_environments(CONTEXT)
+    assert set(envs) >= {"dev", "prod"}
+    assert envs["prod"].trainer_pool.spec.efa_interfaces == 16
+    assert envs["dev"].rollout_pool.efa is False
+    assert all(e.name == n for n, e in envs.items())
+
+
+def _set(path: str, value):
+    def patch(env):
+        *parents, leaf = path.split(".")
+        for p in parents:
+            env = env[p]
+        env[leaf] = value
+    return patch
+
+
+@pytest.mark.parametrize("env, path, value, fragment", [
+    ("dev", "trainer_pool.instance_type", "p9.large", "supported: p4d.24xlarge"),
+    ("dev", "rollout_pool", {"instance_type": "g6e.2xlarge", "efa": True}, "g6e.2xlarge has no EFA; set efa: false"),
+    ("dev", "gpu_availability_zone", "us-west-2a", "must be one of availability_zones"),
+    ("dev", "availability_zones", ["us-east-1a", "eu-west-1b"], "not an availability zone of us-east-1"),
+    ("dev", "trainer_pool.min_size", 3, "must be <= max_size (2)"),
+    ("dev", "trainer_pool.desired_size", 5, "must be between min_size (0) and max_size (2)"),
+    ("dev", "trainer_pool.capacity_type", "CAPACITY_BLOCK", "required when capacity_type is CAPACITY_BLOCK"),
+    ("dev", "trainer_pool.capacity_type", "RESERVED", "allowed: 'ON_DEMAND', 'SPOT', 'CAPACITY_BLOCK'"),
+    ("dev", "trainer_pool.efa", False, "a trainer pool of more than one node needs EFA"),
+    ("dev", "endpoint", {"public": True}, "a public endpoint needs an allow-list"),
+    ("dev", "endpoint", {"public": True, "public_cidrs": ["0.0.0.0/0"]}, "the whole internet is not an allow-list"),
+    ("dev", "kubernetes_version", "1.21", "supported: 1.33"),
+    ("dev", "account", "12345", "12-digit"),
+    ("dev", "vpc_cidr", "8.8.0.0/16", "private CIDR"),
+    ("prod", "storage.fsx_storage_capacity_gib", 2000, "1200 or a multiple of 2400"),
+    ("prod", "trainer_pool.capacity_reservation_id", "reservation-1", "cr-0123456789abcdef0"),
+])
+def test_bad_environment_fails_naming_environment_field_and_value(env, path, value, fragment):
+    with pytest.raises(ConfigError) as err:
+        _load_with(env, _set(path, value))
+    msg = str(err.value)
+    assert f"environment {env!r}" in msg
+    assert path.split(".")[0] in msg
+    assert fragment in msg
+
+
+def test_unknown_field_is_refused_with_the_known_ones():
+    with pytest.raises(ConfigError, match=r"trainer_pool.gpus: 8 is not allowed; unknown field; known fields: capacity_reservation_id"):
+        _load_with("dev", _set("trainer_pool.gpus", 8))
