@@ -11,6 +11,7 @@ from typing import Literal
 
 from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, resolve_backend
 from .environment import EnvironmentConfig
+from .rl_config import RLConfig
 from .schema import ConfigError, fail, parse
 
 
@@ -119,6 +120,7 @@ class RunConfig:
     environment: str | None = None  # the cdk.json environment it runs in; None = this machine, no cluster
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 @dataclass(frozen=True)

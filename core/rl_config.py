@@ -1,0 +1,190 @@
+"""RL section of a run configuration (`rl:` in `configs/runs/<name>.yaml`): algorithm, loss, task, rewards,
+orchestration, weight store and checkpoints. Read by the orchestrator, the trainers, the rollout servers and the
+manifests alike, so it imports nothing heavy.
+
+Invariants that span processes are checked here once (e.g. routing replay needs the rollout servers to return
+routed experts, which they do on request, so the orchestrator asks for them when `routing_replay` is on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .schema import fail
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """How scored groups become per-token advantages, and the policy loss."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_size: int = 8  # completions per prompt (GRPO's group; PPO samples them too)
+    scale_by_std: bool = True  # GRPO divides by the group's std; false = Dr. GRPO (centering only)
+    dynamic_sampling: bool = False  # drop groups whose rewards do not vary (they carry no GRPO signal)
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low = clip-higher
+    clip_high: float = 0.28
+    importance_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (off-policy correction)
+    kl_coef: float = 0.0  # KL to the frozen initial policy; 0 = no reference model is kept
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    epochs_per_batch: int = 1  # optimizer steps on each batch; > 1 makes the clipped ratio bite
+    gamma: float = 1.0  # PPO: discount
+    gae_lambda: float = 0.95  # PPO: GAE lambda
+    value_coef: float = 0.5  # PPO: weight of the value loss
+    value_clip: float = 0.2  # PPO: clip of the value update around the rollout-time values
+    routing_replay: bool = False  # train on the experts the rollout chose (R3)
+
+    def validate(self) -> None:
+        if self.group_size < 2 and self.name == "grpo":
+            fail("group_size", self.group_size, "GRPO needs >= 2 completions per prompt")
+        if self.group_size < 1:
+            fail("group_size", self.group_size, "must be >= 1")
+        for name in ("clip_low", "clip_high"):
+            if not 0 < getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be between 0 and 1 (exclusive)")
+        if self.importance_cap < 1:
+            fail("importance_cap", self.importance_cap, "must be >= 1 (1 = ignore off-policy mismatch)")
+        for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
+            if getattr(self, name) < 0:
+                fail(name, getattr(self, name), "must be >= 0")
+        if self.epochs_per_batch < 1:
+            fail("epochs_per_batch", self.epochs_per_batch, "must be >= 1")
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                fail(name, getattr(self, name), "must be between 0 and 1")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The built-in verifiable task: `a <op> b =` with operands in [0, max_operand], exact integer answer."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = 4
+    operators: tuple[Literal["+", "-", "*"], ...] = ("+",)
+
+    def validate(self) -> None:
+        if not 1 <= self.max_operand <= 999:
+            fail("max_operand", self.max_operand, "must be between 1 and 999")
+        if not self.operators:
+            fail("operators", self.operators, "list at least one of '+', '-', '*'")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """reward = correct_weight * exact answer + format_weight * well-formed answer [+ custom] [+ remote].
+
+    A reward that raises, times out or returns a non-number counts as a failure (exported) and scores
+    `failure_reward`; it never stops the run."""
+
+    correct_weight: float = 1.0
+    format_weight: float = 0.1
+    custom: str | None = None  # "package.module:function" called as f(prompt, completion, answer) -> float
+    remote_url: str | None = None  # POST {"prompt","completion","answer"} -> {"reward": float}
+    remote_timeout_s: float = 2.0
+    failure_reward: float = 0.0
+
+    def validate(self) -> None:
+        if self.custom is not None and (self.custom.count(":") != 1 or not all(self.custom.split(":"))):
+            fail("custom", self.custom, "expected 'package.module:function'")
+        if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
+            fail("remote_url", self.remote_url, "expected an http:// or https:// URL")
+        if self.remote_timeout_s <= 0:
+            fail("remote_timeout_s", self.remote_timeout_s, "must be > 0")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What the orchestrator asks the rollout servers for, and what the servers accept."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 4  # completion length cap per request (<= rollout.max_new_tokens)
+    max_prompt_tokens: int = 512  # servers reject longer prompts with 400
+    max_n: int = 64  # servers reject larger `n` with 400
+    tokenizer: str = "builtin"  # "builtin" (the tasks' character vocabulary) or a path to a tokenizer.json
+
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            fail("temperature", self.temperature, "must be > 0 (greedy decoding is not used for RL)")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "must be in (0, 1]")
+        for name in ("max_tokens", "max_prompt_tokens", "max_n"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    max_staleness: int = 1  # newest trainer version minus oldest in-flight version; 0 = synchronous on-policy
+    request_timeout_s: float = 30.0  # deadline of one completion request; then it is retried elsewhere
+    straggler_after_s: float = 10.0  # a request still running after this is also sent to another server
+    max_attempts: int = 4  # per request, across servers
+    prompts_per_request: int = 1  # groups packed into one HTTP request (each asks for n = group_size)
+    max_inflight_requests: int = 16  # per rollout server
+    endpoints: tuple[str, ...] = ()  # rollout base URLs; a local run fills them in
+
+    def validate(self) -> None:
+        if self.max_staleness < 0:
+            fail("max_staleness", self.max_staleness, "must be >= 0 (0 = synchronous)")
+        for name in ("request_timeout_s", "straggler_after_s"):
+            if getattr(self, name) <= 0:
+                fail(name, getattr(self, name), "must be > 0 seconds")
+        for name in ("max_attempts", "prompts_per_request", "max_inflight_requests"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class WeightStoreConfig:
+    """Where each published weight version goes. `local` and `fs` are the same atomic directory store (`fs` on a
+    shared filesystem such as FSx for Lustre); `s3` publishes shards first and the manifest last."""
+
+    kind: Literal["local", "fs", "s3"] = "local"
+    path: str | None = None  # local/fs: the directory (default: <output_dir>/weights)
+    bucket: str | None = None  # s3
+    prefix: str = "weights"  # s3 key prefix
+    endpoint_url: str | None = None  # s3: a non-AWS endpoint (tests use moto's server on 127.0.0.1)
+    keep_versions: int = 3  # older versions are deleted after a newer one is published
+
+    def validate(self) -> None:
+        if self.kind == "s3" and not self.bucket:
+            fail("bucket", self.bucket, "an s3 weight store needs a bucket")
+        if self.kind == "fs" and not self.path:
+            fail("path", self.path, "an fs weight store needs the shared filesystem path")
+        if self.keep_versions < 2:
+            fail("keep_versions", self.keep_versions, "must be >= 2 (readers may still load the previous one)")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 100
+    prompts_per_step: int = 16  # groups per optimizer step (before dynamic sampling)
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    warmup_sft_steps: int = 0  # supervised steps on well-formed (not necessarily correct) answers, before RL
+    checkpoint_every: int = 10  # steps; a SIGTERM also writes one
+    output_dir: str = "runs/{name}"  # metrics, TensorBoard, checkpoints, plots; {name} = run name
+
+    def validate(self) -> None:
+        for name in ("steps", "prompts_per_step", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+        if self.learning_rate <= 0:
+            fail("learning_rate", self.learning_rate, "must be > 0")
+        if self.warmup_sft_steps < 0:
+            fail("warmup_sft_steps", self.warmup_sft_steps, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    weights: WeightStoreConfig = field(default_factory=WeightStoreConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    # Shared secret for the rollout servers' weight-load endpoint, read from this environment variable.
+    weight_token_env: str = "MOERL_WEIGHT_TOKEN"
