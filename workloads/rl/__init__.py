@@ -1,0 +1,1 @@
+"""The RL loop: algorithms and losses (pure), rewards, weight store, rollout server, orchestrator, trainer."""
