@@ -22,6 +22,7 @@ class Topology:
     ranks_per_node: int
     device: Literal["cpu", "cuda"]
     num_experts: int
+    nvlink_domain: int | None = None  # GPUs of a node that share NVLink (catalog); None: not known (CPU)
 
     @property
     def ep_size(self) -> int:
@@ -64,6 +65,10 @@ def check_backend(backend: EpBackend, topo: Topology) -> None:
     if backend == "deepep":
         if topo.device != "cuda":
             raise UnsupportedBackend("ep backend 'deepep' needs CUDA GPUs")
+        if topo.nvlink_domain is not None and topo.nvlink_domain < topo.ranks_per_node:
+            raise UnsupportedBackend(
+                f"ep backend 'deepep' moves tokens between a node's ranks over NVLink; this node type's GPUs share "
+                f"NVLink in groups of {topo.nvlink_domain}, not {topo.ranks_per_node}")
         if topo.nodes == 1 and topo.ranks_per_node not in DEEPEP_INTRANODE_RANKS:
             raise UnsupportedBackend(
                 f"ep backend 'deepep' intranode needs {DEEPEP_INTRANODE_RANKS} ranks, not {topo.ranks_per_node}")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .cluster import FSX_MOUNT_PATH
+from .deploy import DeployConfig
 from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, resolve_backend
 from .environment import EnvironmentConfig
 from .rl_config import RLConfig
@@ -40,6 +42,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     max_nodes_per_token: int | None = None  # node-limited routing over contiguous expert ranges
+    # How many contiguous expert ranges ("nodes") max_nodes_per_token counts; static, so rollout and trainer
+    # choose alike. Set it to the trainer's EP node count so the limit keeps expert traffic inside nodes.
+    expert_node_groups: int = 1
     n_shared_experts: int = 0
     router_aux_loss_coef: float = 0.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -65,6 +70,15 @@ class ModelConfig:
             fail("n_group", self.n_group, "group-limited routing needs router: sigmoid")
         if self.max_nodes_per_token is not None and self.max_nodes_per_token < 1:
             fail("max_nodes_per_token", self.max_nodes_per_token, "must be >= 1 or omitted")
+        if self.max_nodes_per_token is not None:
+            if self.num_experts % self.expert_node_groups:
+                fail("expert_node_groups", self.expert_node_groups, f"must divide num_experts ({self.num_experts})")
+            if self.max_nodes_per_token > self.expert_node_groups:
+                fail("max_nodes_per_token", self.max_nodes_per_token,
+                     f"must be <= expert_node_groups ({self.expert_node_groups})")
+            if self.max_nodes_per_token * (self.num_experts // self.expert_node_groups) < self.num_experts_per_tok:
+                fail("max_nodes_per_token", self.max_nodes_per_token,
+                     "the allowed nodes hold fewer experts than num_experts_per_tok")
         if self.n_shared_experts < 0:
             fail("n_shared_experts", self.n_shared_experts, "must be >= 0")
 
@@ -121,6 +135,7 @@ class RunConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    deploy: DeployConfig | None = None  # images and pod settings; required when the run has an environment
 
 
 @dataclass(frozen=True)
@@ -164,11 +179,13 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         trainer = env.trainer_pool.spec
         ranks = run.parallelism.ranks_per_node or trainer.gpus
         topo = Topology(nodes=run.parallelism.trainer_nodes, ranks_per_node=ranks, device="cuda",
-                        num_experts=run.model.num_experts)
+                        num_experts=run.model.num_experts, nvlink_domain=trainer.nvlink_domain)
     try:
         backend, why = resolve_backend(run.parallelism.ep_backend, topo)
     except UnsupportedBackend as exc:
         raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
+    if env is not None:
+        _check_cluster_run(run, env, src)
     return ResolvedRun(run, env, topo, backend, why)
 
 
@@ -196,3 +213,30 @@ def _check_fits(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
         raise ConfigError(src, "rollout.gpus_per_server", r.gpus_per_server,
                           f"{weights_gib:.0f} GiB of weights need more than 80 % of {r.gpus_per_server} x "
                           f"{rspec.gpu_memory_gib:.0f} GiB ({rspec.gpu_model}); raise gpus_per_server")
+
+
+def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
+    """What a run needs to start on a cluster at all: images, shared storage, the autoscaler's metric source."""
+    if run.deploy is None:
+        raise ConfigError(src, "deploy", None, "a run with an environment needs deploy.images (trainer and rollout "
+                          "image tags or digests in the stack's ECR repositories)")
+    if run.rollout.max_servers > run.rollout.min_servers and not env.observability.prometheus:
+        raise ConfigError(src, "rollout.max_servers", run.rollout.max_servers,
+                          f"autoscaling (max_servers > min_servers = {run.rollout.min_servers}) reads the queue depth "
+                          f"from Amazon Managed Prometheus, which environment {env.name!r} turns off "
+                          "(observability.prometheus); set max_servers = min_servers")
+    # Pods come and go (restarts, autoscaling): what must outlive one lives on FSx or S3, never on a pod's disk.
+    shared = f"{FSX_MOUNT_PATH}/"
+    output_dir = run.rl.training.output_dir
+    if not output_dir.startswith(shared):
+        raise ConfigError(src, "rl.training.output_dir", output_dir,
+                          f"checkpoints of a cluster run must be on the FSx volume (under {shared}) so a restarted "
+                          "trainer resumes from them")
+    if not env.storage.fsx:
+        raise ConfigError(src, "environment", run.environment,
+                          f"environment {env.name!r} has no FSx volume (storage.fsx) for the run's checkpoints")
+    weights = run.rl.weights
+    if weights.kind == "local" or (weights.kind == "fs" and not str(weights.path).startswith(shared)):
+        raise ConfigError(src, "rl.weights", weights.kind if weights.kind == "local" else weights.path,
+                          f"rollout servers on other nodes load the weights: use kind: fs with a path under {shared} "
+                          "or kind: s3")

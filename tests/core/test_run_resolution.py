@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl_eks.core.deploy import DeployConfig, ImagesConfig
 from moe_rl_eks.core.ep_backends import Topology, UnsupportedBackend, check_backend, resolve_backend
 from moe_rl_eks.core.environment import load_environments
+from moe_rl_eks.core.rl_config import RLConfig, TrainingConfig, WeightStoreConfig
 from moe_rl_eks.core.run import ModelConfig, ParallelismConfig, RolloutConfig, RunConfig, resolve_run
 from moe_rl_eks.core.schema import ConfigError, parse
 
@@ -17,6 +19,11 @@ QWEN3_30B = ModelConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=4
                         num_experts_per_tok=8)
 TINY = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+
+# What any cluster run carries besides its shape: images, and checkpoints and weights on the shared FSx volume.
+CLUSTER_READY = dict(
+    deploy=DeployConfig(images=ImagesConfig(trainer="v1.0.0", rollout="v1.0.0")),
+    rl=RLConfig(training=TrainingConfig(output_dir="/fsx/runs/q"), weights=WeightStoreConfig(kind="fs", path="/fsx/runs/q/weights")))
 
 
 def test_parameter_count_matches_qwen3_30b_a3b():
@@ -57,7 +64,7 @@ def test_local_run_resolves_to_two_gloo_ranks():
 
 def test_prod_run_on_p5en_resolves_against_its_pools():
     run = RunConfig(name="q", model=QWEN3_30B, environment="prod",
-                    parallelism=ParallelismConfig(trainer_nodes=4), rollout=RolloutConfig(max_servers=8))
+                    parallelism=ParallelismConfig(trainer_nodes=4), rollout=RolloutConfig(max_servers=8), **CLUSTER_READY)
     resolved = resolve_run(run, ENVS["prod"])
     assert resolved.topology.ep_size == 32
     assert resolved.ep_backend == "alltoall"
