@@ -1,0 +1,131 @@
+"""The model against transformers' Qwen3-MoE on the same weights, checkpoint round trips, KV cache, padding
+and routing replay."""
+import json
+
+import pytest
+import torch
+
+from moe_rl_eks.workloads.model import KVCache, MoETransformer
+from moe_rl_eks.workloads.model.checkpoint import CheckpointError, load_hf, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(norm_topk_prob: bool, tie: bool = False):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def ours_from(directory) -> MoETransformer:
+    config, state = load_hf(directory)
+    model = MoETransformer(config).eval()
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_logits_match_transformers_qwen3_moe_on_its_checkpoint(tmp_path, norm_topk_prob):
+    hf = hf_model(norm_topk_prob)
+    hf.save_pretrained(tmp_path)
+    ours = ours_from(tmp_path)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids).logits
+    assert got.shape == expected.shape == (2, 11, 96)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_save_hf_loads_in_transformers_and_back_with_identical_logits(tmp_path, tiny_config):
+    model = MoETransformer(tiny_config(tie_word_embeddings=True)).eval()
+    save_hf(model, model.config, tmp_path / "ours")
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    again = ours_from(tmp_path / "ours")
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(hf(ids).logits, logits, atol=2e-5, rtol=1e-4)
+        assert torch.equal(again(ids).logits, logits)
+
+
+def test_sharded_checkpoint_has_an_index_and_round_trips_exactly(tmp_path, tiny_config):
+    config = tiny_config(router="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1)
+    model = MoETransformer(config)
+    model.model.layers[0].mlp.gate.e_score_correction_bias.normal_()
+    save_hf(model, config, tmp_path, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in index["weight_map"]
+    assert not list(tmp_path.glob(".*.tmp"))
+    loaded_config, state = load_hf(tmp_path)
+    assert loaded_config == config
+    original = model.state_dict()
+    assert state.keys() == original.keys()
+    assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_load_hf_refuses_a_dense_layer_naming_the_field(tmp_path, tiny_config):
+    save_hf(MoETransformer(tiny_config()), tiny_config(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["mlp_only_layers"] = [0]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mlp_only_layers"):
+        load_hf(tmp_path)
+
+
+def test_kv_cache_decoding_matches_the_full_forward(tiny_config):
+    model = MoETransformer(tiny_config()).eval()
+    ids = torch.randint(0, 96, (3, 10))
+    cache = KVCache.allocate(model.config, 3, 16, "cpu", torch.float32)
+    with torch.no_grad():
+        full = model(ids).logits
+        steps = [model(ids[:, :6], kv_cache=cache).logits]
+        steps += [model(ids[:, i:i + 1], kv_cache=cache).logits for i in range(6, 10)]
+    assert cache.length == 10
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="kv_cache holds 16"):
+        model(torch.zeros(3, 7, dtype=torch.long), kv_cache=cache)
+
+
+def test_left_padding_with_attention_mask_matches_the_unpadded_sequence(tiny_config):
+    model = MoETransformer(tiny_config()).eval()
+    short = torch.randint(0, 96, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)
+    mask = torch.tensor([[False] * 3 + [True] * 5])
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4]])
+    cache = KVCache.allocate(model.config, 1, 10, "cpu", torch.float32)
+    nxt = torch.randint(0, 96, (1, 1))
+    with torch.no_grad():
+        expected = model(torch.cat([short, nxt], 1)).logits
+        got = model(padded, positions=positions, attention_mask=mask, kv_cache=cache).logits[:, 3:]
+        step = model(nxt, positions=torch.tensor([[5]]), kv_cache=cache).logits
+    torch.testing.assert_close(torch.cat([got, step], 1), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_routing_replay_reuses_the_given_experts_and_keeps_router_gradients(tiny_config):
+    model = MoETransformer(tiny_config())
+    ids = torch.randint(0, 96, (2, 7))
+    first = model(ids, return_routing=True)
+    assert [r.shape for r in first.routing] == [(2, 7, 2)] * 2
+    replayed = model(ids, routing_replay=first.routing, return_routing=True)
+    torch.testing.assert_close(replayed.logits, first.logits)
+    forced = [torch.zeros_like(r) + torch.tensor([3, 5]) for r in first.routing]
+    out = model(ids, routing_replay=forced, return_routing=True)
+    assert all(torch.equal(r, f) for r, f in zip(out.routing, forced))
+    assert out.expert_load[:, 3].tolist() == [14.0, 14.0] and out.expert_load.sum().item() == 2 * 14 * 2
+    out.logits.square().mean().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_aux_loss_is_coefficient_times_mean_layer_balance_loss(tiny_config):
+    ids = torch.randint(0, 96, (2, 7))
+    assert MoETransformer(tiny_config())(ids).aux_loss.item() == 0.0
+    torch.manual_seed(1)
+    model = MoETransformer(tiny_config(router_aux_loss_coef=0.1))
+    aux = model(ids).aux_loss
+    assert aux.requires_grad and 0.1 * 0.5 < aux.item() < 0.1 * 8

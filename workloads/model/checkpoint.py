@@ -1,0 +1,169 @@
+"""Hugging Face checkpoints: `config.json` (Qwen3-MoE, `model_type: qwen3_moe`) and safetensors shards with one
+tensor per expert projection (`mlp.experts.{j}.gate_proj.weight`), the layout published Qwen3-MoE checkpoints,
+transformers, vLLM and SGLang read. In memory the experts are fused per layer ([E, 2I, h] and [E, h, I])."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_rl_eks.core.run import ModelConfig
+
+# Our router options beyond Qwen3-MoE go under this key of config.json (Hugging Face keeps unknown keys).
+EXTRA_KEY = "moe_rl_eks"
+EXTRA_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "max_nodes_per_token",
+                "expert_node_groups", "n_shared_experts")
+QWEN3_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "router_aux_loss_coef")
+INDEX_FILE = "model.safetensors.index.json"
+FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def hf_config(config: ModelConfig) -> dict:
+    out = {name: getattr(config, name) for name in QWEN3_FIELDS}
+    out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+               attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
+               intermediate_size=config.moe_intermediate_size, dtype=config.dtype,
+               rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+               rope_theta=config.rope_theta)
+    out[EXTRA_KEY] = {name: getattr(config, name) for name in EXTRA_FIELDS}
+    return out
+
+
+def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json mapping; refuses what this model cannot run."""
+    def need(cond: bool, field: str, allowed: str) -> None:
+        if not cond:
+            raise CheckpointError(f"{source}: {field}: {hf.get(field)!r} is not supported; {allowed}")
+
+    need(hf.get("model_type") == "qwen3_moe", "model_type", "expected 'qwen3_moe'")
+    need(hf.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step", "every layer must be MoE (1)")
+    need(not hf.get("mlp_only_layers"), "mlp_only_layers", "dense layers are not supported (expected [])")
+    need(not hf.get("attention_bias", False), "attention_bias", "expected false")
+    need(hf.get("hidden_act", "silu") == "silu", "hidden_act", "expected 'silu'")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{source}: rope_parameters.rope_type: {rope['rope_type']!r} is not supported; "
+                              "expected 'default'")
+    fields = {name: hf[name] for name in QWEN3_FIELDS if name in hf and name != "num_experts"}
+    fields["num_experts"] = hf.get("num_experts", hf.get("num_local_experts"))
+    fields["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", ModelConfig.rope_theta)))
+    fields.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if hf.get("dtype", hf.get("torch_dtype")) in ("float32", "bfloat16"):
+        fields["dtype"] = hf.get("dtype", hf.get("torch_dtype"))
+    fields.update(hf.get(EXTRA_KEY, {}))
+    config = ModelConfig(**fields)
+    config.validate()
+    return config
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Fused experts -> one tensor per expert projection; a tied lm_head is not written."""
+    out = {}
+    width = config.moe_intermediate_size
+    for name, tensor in state.items():
+        match = FUSED.match(name)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        for j in range(tensor.shape[0]):
+            if kind == "gate_up_proj":
+                out[f"{prefix}.{j}.gate_proj.weight"] = tensor[j, :width]
+                out[f"{prefix}.{j}.up_proj.weight"] = tensor[j, width:]
+            else:
+                out[f"{prefix}.{j}.down_proj.weight"] = tensor[j]
+    return {name: t.detach().contiguous() for name, t in out.items()}
+
+
+def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """One tensor per expert projection (or transformers 5's fused layout) -> our fused state dict."""
+    state, per_expert = {}, {}
+    for name, tensor in tensors.items():
+        match = PER_EXPERT.match(name)
+        if match is None:
+            state[name] = tensor
+        else:
+            prefix, j, kind = match.groups()
+            per_expert.setdefault(prefix, {})[(int(j), kind)] = tensor
+    for prefix, parts in per_expert.items():
+        missing = [f"{prefix}.{j}.{kind}.weight" for j in range(config.num_experts)
+                   for kind in ("gate_proj", "up_proj", "down_proj") if (j, kind) not in parts]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[0]}")
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(j, "gate_proj")], parts[(j, "up_proj")]]) for j in range(config.num_experts)])
+        state[f"{prefix}.down_proj"] = torch.stack([parts[(j, "down_proj")] for j in range(config.num_experts)])
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: ModelConfig, directory: str | Path,
+            *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and safetensors shards (with an index when there is more than one) into `directory`.
+    A module is saved through its state_dict(): pass `model.full_state_dict()` (a collective) from EP ranks.
+    Files are written under temporary names and renamed, so a crash leaves no half-written checkpoint."""
+    from safetensors.torch import save_file
+
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
+    tensors = to_hf_tensors(state, config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name].cpu()
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    written = []
+    for name, shard in zip(names, shards):
+        save_file(shard, directory / f".{name}.tmp", metadata={"format": "pt"})
+        written.append(name)
+    files = {"config.json": json.dumps(hf_config(config), indent=2)}
+    if len(shards) > 1:
+        weight_map = {t: name for name, shard in zip(names, shards) for t in shard}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        files[INDEX_FILE] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    for name, text in files.items():
+        (directory / f".{name}.tmp").write_text(text)
+        written.append(name)
+    for name in written:
+        os.replace(directory / f".{name}.tmp", directory / name)
+
+
+def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, full state dict with fused experts)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json; expected a Hugging Face checkpoint directory")
+    config = model_config(json.loads(config_path.read_text()), source=str(config_path))
+    index = directory / INDEX_FILE
+    shard_names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                   else ["model.safetensors"])
+    tensors: dict[str, torch.Tensor] = {}
+    for name in shard_names:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory}: missing weights file {name}")
+        tensors.update(load_file(directory / name))
+    return config, from_hf_tensors(tensors, config)

@@ -1,0 +1,217 @@
+"""A decoder-only MoE transformer with Qwen3-MoE's layout and parameter names (so Hugging Face checkpoints load
+and save; see checkpoint.py), DeepSeek-V3-style router options, expert parallelism, a static KV cache for
+rollouts, and routing replay for training on the experts the rollout used."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_rl_eks.core.run import ModelConfig
+
+from ..moe.backends import get_compute
+from ..moe.dispatch import LocalDispatcher
+from ..moe.layer import MoEBlock
+from ..moe.parallel import ExpertParallel
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, S, V]
+    routing: list[torch.Tensor] | None  # per MoE layer: expert ids [B, S, k] (int64), when return_routing
+    aux_loss: torch.Tensor  # router_aux_loss_coef x mean per-layer balance loss (0 when the coefficient is 0)
+    expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's tokens; detached
+
+
+@dataclass
+class KVCache:
+    """Static per-layer keys/values [L, B, H_kv, max_len, D] and which slots hold real tokens [B, max_len].
+    All sequences of a batch advance together; left-padded prompts mark their padding invalid."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As Hugging Face: normalise in float32, cast back, then scale.
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, S] -> cos, sin [B, 1, S, D] (the half-rotation layout of Llama/Qwen)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            end = cache.length + s
+            cache.keys[layer, :, :, cache.length:end] = k
+            cache.values[layer, :, :, cache.length:end] = v
+            k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, mlp: MoEBlock):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: ModelConfig, *, ep: ExpertParallel | None = None, compute: str = "torch"):
+        super().__init__()
+        config.validate()
+        self.config, self.ep = config, ep
+        self.compute = get_compute(compute)
+        layers = []
+        for _ in range(config.num_hidden_layers):
+            dispatcher = (ep.dispatcher(self.compute, config.num_experts, config.hidden_size) if ep is not None
+                          else LocalDispatcher(self.compute, config.num_experts))
+            layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute)))
+        self.model = Backbone(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Hugging Face's init: normal(0, std) matrices, ones for norms, zero router bias. Seed before calling
+        (under EP, seed every rank alike so replicated weights agree; experts then differ by rank slice)."""
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std)
+        for name, buf in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+
+    def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, routing_replay: list[torch.Tensor] | None = None,
+                return_routing: bool = False, attention_mask: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids [B, S]. positions [B, S] default: cache length + 0..S-1. attention_mask [B, S] bool (True =
+        real token; padding is never attended; stored in the cache for later steps). routing_replay: per MoE
+        layer the expert ids [B, S, k] to use instead of routing (rollout routing replay)."""
+        b, s = input_ids.shape
+        c = self.config
+        past = kv_cache.length if kv_cache is not None else 0
+        if kv_cache is not None and past + s > kv_cache.max_len:
+            raise ValueError(f"kv_cache holds {kv_cache.max_len} positions; {past} used + {s} new do not fit")
+        if routing_replay is not None and len(routing_replay) != c.num_hidden_layers:
+            raise ValueError(f"routing_replay has {len(routing_replay)} layers; the model has {c.num_hidden_layers}")
+        device = input_ids.device
+        if positions is None:
+            positions = torch.arange(past, past + s, device=device).expand(b, s)
+        valid = torch.ones(b, s, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+        if kv_cache is not None:
+            kv_cache.valid[:, past:past + s] = valid
+            valid = kv_cache.valid[:, :past + s]
+        # Causal over cache slots, padding masked out; every query sees itself so no row is empty (an empty row
+        # would give NaN, and NaN values multiplied by zero weights would still poison real tokens).
+        slots = torch.arange(past + s, device=device)
+        query_slots = slots[past:].unsqueeze(-1)
+        mask = (slots <= query_slots) & valid[:, None, :] | (slots == query_slots)
+        mask = mask.unsqueeze(1)
+
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
+        routing, aux, loads = [], [], []
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, mask, kv_cache, i)
+            replay = routing_replay[i].reshape(b * s, -1) if routing_replay is not None else None
+            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, -1), replay)
+            h = h + moe.out.view(b, s, -1)
+            routing.append(moe.ids.view(b, s, -1))
+            aux.append(moe.aux_loss)
+            loads.append(moe.load)
+        if kv_cache is not None:
+            kv_cache.length = past + s
+        logits = self.lm_head(self.model.norm(h))
+        aux_loss = c.router_aux_loss_coef * torch.stack(aux).mean()
+        return ModelOutput(logits, routing if return_routing else None, aux_loss, torch.stack(loads))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state (Hugging Face names, fused experts [E, ...]). Under EP this is a collective:
+        every rank all-gathers the expert slices and gets the full dict."""
+        state = self.state_dict()
+        if self.ep is None or self.ep.size == 1:
+            return state
+        import torch.distributed as dist
+
+        for name, tensor in state.items():
+            if ".mlp.experts." in name:
+                parts = [torch.empty_like(tensor) for _ in range(self.ep.size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.ep.group)
+                state[name] = torch.cat(parts)
+        return state
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""
+        mine = dict(state)
+        if self.ep is not None and self.ep.size > 1:
+            experts = self.ep.local_experts(self.config.num_experts)
+            for name in mine:
+                if ".mlp.experts." in name:
+                    mine[name] = mine[name][experts.start:experts.stop]
+        self.load_state_dict(mine, strict=True)

@@ -1,0 +1,94 @@
+"""The sparse MoE block: router -> dispatcher -> SwiGLU experts -> combine, plus optional shared experts.
+Parameter names follow Hugging Face (Qwen3-MoE `mlp.gate.weight`, fused `mlp.experts.gate_up_proj` /
+`down_proj` as transformers 5 holds them; DeepSeek-V3 `e_score_correction_bias` and `shared_experts`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_rl_eks.core.run import ModelConfig
+
+from .compute import MoECompute, RoutingSpec
+from .dispatch import Dispatcher
+from .router import expert_load, expert_scores, load_balancing_loss, node_limit_bias, weights_for
+
+
+def routing_spec(config: ModelConfig) -> RoutingSpec:
+    return RoutingSpec(top_k=config.num_experts_per_tok, scoring=config.router, n_group=config.n_group,
+                       topk_group=config.topk_group, renormalize=config.norm_topk_prob,
+                       scaling=config.routed_scaling_factor)
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.spec = routing_spec(config)
+        self.node_groups, self.max_nodes = config.expert_node_groups, config.max_nodes_per_token
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # The auxiliary-loss-free balancing bias (DeepSeek-V3): steers selection, never weights; updated by the
+        # trainer from expert-load statistics, not by gradients.
+        if config.router == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """This rank's experts, fused: gate_up_proj [E_local, 2I, h] (gate rows first), down_proj [E_local, h, I]."""
+
+    def __init__(self, num_local: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, width))
+
+
+@dataclass
+class MoEOutput:
+    out: torch.Tensor  # [T, h]
+    ids: torch.Tensor  # [T, k] expert ids used
+    aux_loss: torch.Tensor  # scalar, unscaled balance loss
+    load: torch.Tensor  # [E] (token, slot) pairs per expert
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig, dispatcher: Dispatcher, compute: MoECompute):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate = Router(config)
+        self.experts = Experts(dispatcher.num_local_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+        self.dispatcher, self.compute = dispatcher, compute
+
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
+        gate, spec = self.gate, self.gate.spec
+        logits = F.linear(x, gate.weight)
+        if replay_ids is not None:
+            ids = replay_ids.to(torch.int64)
+            weights = weights_for(expert_scores(logits, spec), ids, spec)
+        else:
+            bias = gate.e_score_correction_bias
+            if gate.max_nodes is not None:
+                bias = node_limit_bias(logits, spec, bias, gate.node_groups, gate.max_nodes)
+            weights, ids = self.compute.route(logits, spec, bias)
+        x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
+        y_sorted = self.compute.experts(x_sorted, counts, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.dispatcher.combine(y_sorted, handle)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        aux = load_balancing_loss(expert_scores(logits, spec), ids, spec)
+        return MoEOutput(out, ids, aux, expert_load(ids.detach(), self.num_experts))

@@ -1,0 +1,48 @@
+"""Expert parallelism: which experts this rank owns and which dispatcher moves tokens to them."""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from moe_rl_eks.core.ep_backends import EpBackend, Topology, check_backend
+
+from .compute import MoECompute
+from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
+
+log = logging.getLogger(__name__)
+
+
+class ExpertParallel:
+    """The EP process group and the resolved backend (core.run.resolve_run picks it once per run; see
+    core/ep_backends.py). Every rank of `group` holds E / R experts in contiguous order; non-expert weights are
+    replicated and each rank routes its own tokens."""
+
+    def __init__(self, group: dist.ProcessGroup, backend: EpBackend, *, ranks_per_node: int | None = None,
+                 device: str = "cpu"):
+        self.group, self.backend = group, backend
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks_per_node = ranks_per_node or self.size
+        self.device = device
+        self._deepep_buffer = None  # one DeepEP Buffer shared by every layer
+        log.info("expert parallelism: backend=%s ranks=%d rank=%d", backend, self.size, self.rank)
+
+    def topology(self, num_experts: int) -> Topology:
+        return Topology(nodes=self.size // self.ranks_per_node, ranks_per_node=self.ranks_per_node,
+                        device="cuda" if self.device.startswith("cuda") else "cpu", num_experts=num_experts)
+
+    def local_experts(self, num_experts: int) -> range:
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def dispatcher(self, compute: MoECompute, num_experts: int, hidden_size: int) -> Dispatcher:
+        check_backend(self.backend, self.topology(num_experts))
+        if self.backend == "local":
+            return LocalDispatcher(compute, num_experts)
+        if self.backend == "alltoall":
+            return AllToAllDispatcher(compute, num_experts, self.group)
+        from .deepep import DeepEPDispatcher, make_buffer  # needs deep_ep and CUDA: imported only when chosen
+
+        if self._deepep_buffer is None:
+            self._deepep_buffer = make_buffer(self.group, hidden_size)
+        return DeepEPDispatcher(compute, num_experts, self._deepep_buffer)
