@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moe_rl_eks.core.run import ModelConfig
+from moe_rl_eks.core.schema import parse
 
 # Our router options beyond Qwen3-MoE go under this key of config.json (Hugging Face keeps unknown keys).
 EXTRA_KEY = "moe_rl_eks"
@@ -62,9 +63,7 @@ def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
     if hf.get("dtype", hf.get("torch_dtype")) in ("float32", "bfloat16"):
         fields["dtype"] = hf.get("dtype", hf.get("torch_dtype"))
     fields.update(hf.get(EXTRA_KEY, {}))
-    config = ModelConfig(**fields)
-    config.validate()
-    return config
+    return parse(ModelConfig, fields, source=source)
 
 
 def to_hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

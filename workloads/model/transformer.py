@@ -3,13 +3,14 @@ and save; see checkpoint.py), DeepSeek-V3-style router options, expert paralleli
 rollouts, and routing replay for training on the experts the rollout used."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_rl_eks.core.run import ModelConfig
+from moe_rl_eks.core.schema import parse
 
 from ..moe.backends import get_compute
 from ..moe.dispatch import LocalDispatcher
@@ -120,7 +121,7 @@ class Backbone(nn.Module):
 class MoETransformer(nn.Module):
     def __init__(self, config: ModelConfig, *, ep: ExpertParallel | None = None, compute: str = "torch"):
         super().__init__()
-        config.validate()
+        parse(ModelConfig, asdict(config), source="model config")  # ConfigError naming the field
         self.config, self.ep = config, ep
         self.compute = get_compute(compute)
         layers = []
