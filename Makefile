@@ -25,7 +25,7 @@ export PYTHONUNBUFFERED := 1
 
 ENVS = $(shell $(PY) -c 'import json; print(" ".join(json.load(open("cdk.json"))["context"]["environments"]))')
 
-.PHONY: bootstrap run test synth lint clean
+.PHONY: bootstrap run test synth lint clean manifests manifests-examples
 .DEFAULT_GOAL := run
 
 # torch and triton first, by pip, from the pinned constraints (the CPU wheel on local disk): a resolver that
@@ -52,6 +52,20 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m pytest tests -k "lint or nag or checkov"
+
+# A run's manifests: make manifests RUN=<name in configs/runs> [ENV=<environment>] OUTPUTS=<cdk deploy --outputs-file>
+RUN ?=
+ENV ?=
+OUTPUTS ?=
+EXAMPLE_OUTPUTS := tests/k8s/data/outputs.example.json
+manifests: $(STAMP)
+	@test -n "$(RUN)" || { echo "usage: make manifests RUN=<name in configs/runs> [ENV=<env>] OUTPUTS=<outputs.json>"; exit 2; }
+	$(PY) -m moe_rl_eks.core.cli manifests --run configs/runs/$(RUN).yaml $(if $(ENV),--env $(ENV)) $(if $(OUTPUTS),--outputs $(OUTPUTS)) --out dist
+
+# Every example run that declares an environment, against the committed example stack outputs.
+manifests-examples: $(STAMP)
+	for f in $$(grep -l '^environment: *[a-z]' configs/runs/*.yaml); do \
+	  $(PY) -m moe_rl_eks.core.cli manifests --run $$f --outputs $(EXAMPLE_OUTPUTS) --out dist; done
 
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

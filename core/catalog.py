@@ -28,10 +28,17 @@ class InstanceType:
         return self.efa_interfaces > 0
 
     @property
+    def efa_gpudirect_rdma(self) -> bool:
+        # EFA reads and writes GPU memory directly (FI_EFA_USE_DEVICE_RDMA) on the P-family types; the EFA of
+        # g5/g6e moves data through host memory.
+        return self.has_efa and self.gpu_model in _GPUDIRECT_RDMA_GPUS
+
+    @property
     def gpu_memory_gib(self) -> float:
         return self.gpu_memory_mib / 1024
 
 
+_GPUDIRECT_RDMA_GPUS = frozenset({"A100", "H100", "H200", "B200"})
 _TYPES = (
     # name, gpu, gpus, MiB/GPU, vCPU, GiB, cards, EFA, Gbps, NVLink domain, NVMe
     InstanceType("p4d.24xlarge", "A100", 8, 40960, 96, 1152, 4, 4, 400, 8, True),

@@ -8,6 +8,7 @@ import sys
 # subcommand -> (module, function, one-line help). The function takes argv (list[str]) and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "synth-summary": ("moe_rl_eks.infra.summary", "main", "summarise the synthesized CloudFormation in cdk.out/"),
+    "manifests": ("moe_rl_eks.k8s.manifests", "main", "write a run's Kubernetes manifests to dist/<env>/<run>/"),
 }
 
 

@@ -1,0 +1,69 @@
+"""Values that exist only after `cdk deploy`: read from its outputs file (`cdk deploy --outputs-file FILE`).
+
+The file maps stack name -> {output key: value}. One file may hold several stacks (`--all`); the stack of an
+environment is the one whose ECR repositories live in that environment's account and region.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl_eks.core import cluster
+from moe_rl_eks.core.environment import EnvironmentConfig
+from moe_rl_eks.core.schema import ConfigError
+
+_ECR_URI = re.compile(r"(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com/[a-z0-9]+(?:[._/-][a-z0-9]+)*")
+_AMP_ENDPOINT = re.compile(r"https://aps-workspaces\.([a-z0-9-]+)\.amazonaws\.com/workspaces/ws-[0-9a-f-]+/?")
+
+
+@dataclass(frozen=True)
+class StackOutputs:
+    stack: str
+    trainer_repository_uri: str
+    rollout_repository_uri: str
+    prometheus_endpoint: str | None  # the workspace URL, no trailing slash; None when the stack has none
+
+
+def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
+    """The outputs of `env`'s stack in `path`, checked against the environment's account and region."""
+    source = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(source, "", None, "outputs file not found; write it with `cdk deploy --outputs-file`") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(source, "", None, f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError(source, "", None, "expected {stack name: {output key: value}} as `cdk deploy` writes it")
+    ours = {name: outs for name, outs in data.items() if _stack_home(outs.get(cluster.OUTPUT_TRAINER_REPOSITORY_URI))
+            == (env.account, env.region)}
+    if len(ours) != 1:
+        found = ", ".join(f"{n} ({'/'.join(_stack_home(o.get(cluster.OUTPUT_TRAINER_REPOSITORY_URI)) or ('?',))})"
+                          for n, o in data.items()) or "no stacks"
+        raise ConfigError(source, cluster.OUTPUT_TRAINER_REPOSITORY_URI, None,
+                          f"expected exactly one stack with repositories in account {env.account}, region {env.region} "
+                          f"(environment {env.name!r}); found: {found}")
+    (stack, outs), = ours.items()
+    uris = {}
+    for key in (cluster.OUTPUT_TRAINER_REPOSITORY_URI, cluster.OUTPUT_ROLLOUT_REPOSITORY_URI):
+        value = outs.get(key)
+        if _stack_home(value) != (env.account, env.region):
+            raise ConfigError(source, f"{stack}.{key}", value,
+                              f"expected an ECR repository URI in {env.account}.dkr.ecr.{env.region}.amazonaws.com")
+        uris[key] = value
+    endpoint = outs.get(cluster.OUTPUT_PROMETHEUS_ENDPOINT)
+    if endpoint is not None:
+        match = _AMP_ENDPOINT.fullmatch(str(endpoint))
+        if not match or match.group(1) != env.region:
+            raise ConfigError(source, f"{stack}.{cluster.OUTPUT_PROMETHEUS_ENDPOINT}", endpoint,
+                              f"expected https://aps-workspaces.{env.region}.amazonaws.com/workspaces/ws-...")
+        endpoint = endpoint.rstrip("/")
+    return StackOutputs(stack, uris[cluster.OUTPUT_TRAINER_REPOSITORY_URI], uris[cluster.OUTPUT_ROLLOUT_REPOSITORY_URI],
+                        endpoint)
+
+
+def _stack_home(uri: object) -> tuple[str, str] | None:
+    match = _ECR_URI.fullmatch(uri) if isinstance(uri, str) else None
+    return (match.group(1), match.group(2)) if match else None

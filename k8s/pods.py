@@ -1,0 +1,154 @@
+"""Pod building blocks shared by the run chart and the validation chart: sizes, security, volumes, placement.
+
+Typed L1 structs (`cdk8s_plus_33.k8s`) throughout: cdk8s-plus cannot express GPU, EFA or hugepages resources,
+and the JobSet's pod template must be the same struct the Deployment uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cdk8s_plus_33 import k8s
+
+from moe_rl_eks.core import cluster, labels
+from moe_rl_eks.core.environment import NodePoolConfig
+from moe_rl_eks.core.schema import ConfigError
+
+# Kubelet, system reservations and the node's daemon sets (CNI, device plugins, FSx CSI, Pod Identity agent,
+# metrics) keep this share of a GPU node's CPU and memory.
+NODE_HEADROOM = 0.10
+RUN_CONFIG_DIR = "/etc/moerl"
+RUN_FILE = f"{RUN_CONFIG_DIR}/run.yaml"
+UID = 1000  # the images' unprivileged user; set here too so a root USER in an image cannot slip through
+
+
+@dataclass(frozen=True)
+class PodSize:
+    cpu_millis: int
+    memory_mib: int
+    gpus: int = 0
+    efa: int = 0
+    hugepages_mib: int = 0
+
+    def resources(self) -> k8s.ResourceRequirements:
+        """Requests equal limits: GPUs and hugepages demand it, and Guaranteed QoS pins CPUs for NCCL threads."""
+        amounts = {"cpu": k8s.Quantity.from_string(f"{self.cpu_millis}m"),
+                   "memory": k8s.Quantity.from_string(f"{self.memory_mib}Mi")}
+        if self.gpus:
+            amounts[labels.GPU_RESOURCE] = k8s.Quantity.from_number(self.gpus)
+        if self.efa:
+            amounts[labels.EFA_RESOURCE] = k8s.Quantity.from_number(self.efa)
+        if self.hugepages_mib:
+            amounts["hugepages-2Mi"] = k8s.Quantity.from_string(f"{self.hugepages_mib}Mi")
+        return k8s.ResourceRequirements(requests=amounts, limits=amounts)
+
+
+def _node_share(pool: NodePoolConfig, fraction: float, hugepages_mib: int) -> tuple[int, int]:
+    spec = pool.spec
+    usable = (1 - NODE_HEADROOM) * fraction
+    cpu_millis = int(spec.vcpus * usable) * 1000
+    memory_mib = int(spec.memory_gib * 1024 * usable) - hugepages_mib
+    return cpu_millis, memory_mib
+
+
+def trainer_size(pool: NodePoolConfig) -> PodSize:
+    """One trainer pod per node: every GPU and EFA interface, the node's hugepages, the rest of its CPU/memory."""
+    hugepages_mib = pool.hugepages_2mi * 2
+    cpu, memory = _node_share(pool, 1.0, hugepages_mib)
+    return PodSize(cpu, memory, gpus=pool.spec.gpus, efa=pool.spec.efa_interfaces if pool.efa else 0,
+                   hugepages_mib=hugepages_mib)
+
+
+def rollout_size(pool: NodePoolConfig, gpus_per_server: int) -> PodSize:
+    """A rollout server gets its GPUs' share of the node, EFA interfaces included (none if the share rounds to 0:
+    asking for one would fit fewer servers on a node than its GPUs allow)."""
+    spec = pool.spec
+    fraction = gpus_per_server / spec.gpus
+    cpu, memory = _node_share(pool, fraction, 0)
+    efa = spec.efa_interfaces * gpus_per_server // spec.gpus if pool.efa else 0
+    return PodSize(cpu, memory, gpus=gpus_per_server, efa=efa)
+
+
+ORCHESTRATOR_SIZE = PodSize(cpu_millis=2000, memory_mib=4096)
+
+
+def check_shm(size: PodSize, shm_gib: int, field: str, source: str) -> None:
+    """/dev/shm is memory-backed and counts against the pod's memory limit: keep it to half of it."""
+    if shm_gib * 1024 > size.memory_mib // 2:
+        raise ConfigError(source, field, shm_gib, f"must be at most half of the pod's memory "
+                          f"({size.memory_mib // 1024} GiB), so at most {size.memory_mib // 2048}")
+
+
+def container_security(extra_capabilities: tuple[str, ...] = ()) -> k8s.SecurityContext:
+    return k8s.SecurityContext(
+        allow_privilege_escalation=False,
+        privileged=False,
+        read_only_root_filesystem=True,
+        run_as_non_root=True,
+        run_as_user=UID,
+        run_as_group=UID,
+        capabilities=k8s.Capabilities(drop=["ALL"], add=list(extra_capabilities) or None),
+        seccomp_profile=k8s.SeccompProfile(type="RuntimeDefault"),
+    )
+
+
+def pod_security() -> k8s.PodSecurityContext:
+    return k8s.PodSecurityContext(run_as_non_root=True, run_as_user=UID, run_as_group=UID, fs_group=UID,
+                                  seccomp_profile=k8s.SeccompProfile(type="RuntimeDefault"))
+
+
+def efa_capabilities(size: PodSize) -> tuple[str, ...]:
+    # EFA registers (pins) memory for RDMA; IPC_LOCK is the one capability that allows it.
+    return ("IPC_LOCK",) if size.efa else ()
+
+
+@dataclass(frozen=True)
+class Volumes:
+    """The volumes a pod mounts and where: run config, FSx, /dev/shm, a writable /tmp on a read-only root."""
+
+    volumes: list[k8s.Volume]
+    mounts: list[k8s.VolumeMount]
+
+
+def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: bool) -> Volumes:
+    volumes = [
+        k8s.Volume(name="run-config", config_map=k8s.ConfigMapVolumeSource(name=config_map)),
+        k8s.Volume(name="fsx", persistent_volume_claim=k8s.PersistentVolumeClaimVolumeSource(
+            claim_name=cluster.FSX_CLAIM_NAME, read_only=fsx_read_only)),
+        k8s.Volume(name="tmp", empty_dir=k8s.EmptyDirVolumeSource(size_limit=k8s.Quantity.from_string("8Gi"))),
+    ]
+    mounts = [
+        k8s.VolumeMount(name="run-config", mount_path=RUN_CONFIG_DIR, read_only=True),
+        k8s.VolumeMount(name="fsx", mount_path=cluster.FSX_MOUNT_PATH, read_only=fsx_read_only),
+        k8s.VolumeMount(name="tmp", mount_path="/tmp"),
+    ]
+    if shm_gib:
+        volumes.append(k8s.Volume(name="dshm", empty_dir=k8s.EmptyDirVolumeSource(
+            medium="Memory", size_limit=k8s.Quantity.from_string(f"{shm_gib}Gi"))))
+        mounts.append(k8s.VolumeMount(name="dshm", mount_path="/dev/shm"))
+    return Volumes(volumes, mounts)
+
+
+# Writable locations a read-only root filesystem leaves: everything that caches goes under /tmp.
+CACHE_ENV = {"HOME": "/tmp", "TRITON_CACHE_DIR": "/tmp/triton", "HF_HOME": "/tmp/huggingface",
+             "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def env_vars(values: dict[str, str], secret_env: tuple[str, str, str] | None = None) -> list[k8s.EnvVar]:
+    """Sorted plain variables, plus (name, secret, key) read from a Secret."""
+    out = [k8s.EnvVar(name=k, value=v) for k, v in sorted(values.items())]
+    if secret_env:
+        name, secret, key = secret_env
+        out.append(k8s.EnvVar(name=name, value_from=k8s.EnvVarSource(
+            secret_key_ref=k8s.SecretKeySelector(name=secret, key=key))))
+    return out
+
+
+def gpu_placement(role: str) -> dict:
+    """Keyword arguments for k8s.PodSpec: only nodes of `role`'s pool, tolerating their GPU taint."""
+    return dict(
+        affinity=k8s.Affinity(node_affinity=k8s.NodeAffinity(
+            required_during_scheduling_ignored_during_execution=k8s.NodeSelector(node_selector_terms=[
+                k8s.NodeSelectorTerm(match_expressions=[
+                    k8s.NodeSelectorRequirement(key=labels.ROLE_LABEL, operator="In", values=[role])])]))),
+        tolerations=[k8s.Toleration(key=labels.GPU_TAINT_KEY, operator="Exists", effect="NoSchedule")],
+    )

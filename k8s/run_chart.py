@@ -1,0 +1,256 @@
+"""One RL run on a cluster built by infra/: rollout pool, orchestrator, gang-scheduled trainers, network policy.
+
+The in-cluster objects the run only references (namespace, service accounts, FSx claim, Kueue queues,
+PriorityClasses) are named in core.cluster; values known only after `cdk deploy` come from the stack outputs.
+"""
+from __future__ import annotations
+
+import json
+
+import cdk8s
+import yaml
+from cdk8s_plus_33 import k8s
+from constructs import Construct
+
+from moe_rl_eks.core import cluster, labels, metrics
+from moe_rl_eks.core.deploy import image_reference
+from moe_rl_eks.core.run import ResolvedRun
+
+from .outputs import StackOutputs
+from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, RUN_FILE, check_shm, container_security, efa_capabilities, \
+    env_vars, gpu_placement, pod_security, rollout_size, standard_volumes
+from .trainer import GangJob, add_gang_job
+
+KEDA_API = "keda.sh/v1alpha1"
+ROLES = ("rollout", "orchestrator", "trainer")
+
+
+def role_labels(run: str, role: str) -> dict[str, str]:
+    """Pod labels; network policies and selectors match on (run, role)."""
+    return {labels.RUN_LABEL: run, labels.ROLE_LABEL: role, labels.APP_NAME_LABEL: f"{run}-{role}",
+            labels.PART_OF_LABEL: labels.PART_OF}
+
+
+def selector(run: str, role: str | None = None) -> dict[str, str]:
+    return {labels.RUN_LABEL: run, **({labels.ROLE_LABEL: role} if role else {})}
+
+
+def config_map_name(run: str) -> str:
+    return f"{run}-config"
+
+
+def rollout_url(run: str, namespace: str) -> str:
+    """The rollout servers' headless Service: its DNS name resolves to every ready server."""
+    return f"http://{run}-rollout.{namespace}.svc.cluster.local:{cluster.ROLLOUT_PORT}"
+
+
+def queue_depth_query(run: str, namespace: str) -> str:
+    return (f'sum({metrics.ROLLOUT_QUEUE_DEPTH.name}{{namespace="{namespace}",'
+            f'pod=~"{run}-orchestrator-.*"}})')
+
+
+def weight_secret(run: str) -> str:
+    return f"{run}-weight-token"
+
+
+class RunChart(cdk8s.Chart):
+    def __init__(self, scope: Construct, id: str, *, resolved: ResolvedRun, outputs: StackOutputs,
+                 run_data: dict, environment_data: dict, source: str):
+        env = resolved.environment
+        assert env is not None and resolved.run.deploy is not None, "resolve_run checked this is a cluster run"
+        super().__init__(scope, id, namespace=env.run_namespace, disable_resource_name_hashes=True)
+        self.resolved, self.outputs, self.source = resolved, outputs, source
+        run, deploy = resolved.run, resolved.run.deploy
+        self.name = run.name
+        self.trainer_image = image_reference(outputs.trainer_repository_uri, deploy.images.trainer)
+        self.rollout_image = image_reference(outputs.rollout_repository_uri, deploy.images.rollout)
+        self.secret_env = (run.rl.weight_token_env, weight_secret(run.name), "token")
+
+        self._config_map(run_data, environment_data)
+        self._rollout()
+        self._orchestrator()
+        add_gang_job(self, resolved, GangJob(
+            name=f"{self.name}-trainer", image=self.trainer_image, command=["moerl", "train", "--run", RUN_FILE],
+            pod_labels=role_labels(self.name, "trainer"), config_map=config_map_name(self.name),
+            max_restarts=deploy.trainer_max_restarts, shm_gib=deploy.trainer_shm_gib, extra_env={},
+            secret_env=self.secret_env))
+        self._network_policies()
+
+    def _config_map(self, run_data: dict, environment_data: dict) -> None:
+        """The run file the pods read, with the orchestrator pointed at the rollout Service, and the environment
+        it was resolved against (so a pod resolves the same EP backend)."""
+        data = json.loads(json.dumps(run_data))  # a deep copy of plain YAML data
+        orchestrator = data.setdefault("rl", {}).setdefault("orchestrator", {})
+        orchestrator.setdefault("endpoints", [rollout_url(self.name, self.namespace)])
+        env = self.resolved.environment
+        cdk_json = {"context": {"env": env.name, "environments": {env.name: environment_data}}}
+        k8s.KubeConfigMap(self, "config", metadata=k8s.ObjectMeta(name=config_map_name(self.name)),
+                          data={"run.yaml": yaml.safe_dump(data, sort_keys=False),
+                                "cdk.json": json.dumps(cdk_json, indent=2)})
+
+    def _rollout(self) -> None:
+        run, env = self.resolved.run, self.resolved.environment
+        deploy, rollout = run.deploy, run.rollout
+        size = rollout_size(env.rollout_pool, rollout.gpus_per_server)
+        check_shm(size, deploy.rollout_shm_gib, "deploy.rollout_shm_gib", self.source)
+        name, pod_labels = f"{self.name}-rollout", role_labels(self.name, "rollout")
+        volumes = standard_volumes(config_map_name(self.name), shm_gib=deploy.rollout_shm_gib, fsx_read_only=True)
+        health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))
+        container = k8s.Container(
+            name="server",
+            image=self.rollout_image,
+            command=["moerl", "serve-rollout", "--run", RUN_FILE, "--port", str(cluster.ROLLOUT_PORT)],
+            env=env_vars(CACHE_ENV, self.secret_env),
+            ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
+            resources=size.resources(),
+            security_context=container_security(efa_capabilities(size)),
+            volume_mounts=volumes.mounts,
+            # Loading tens of GB of weights takes minutes: liveness waits for the startup probe.
+            startup_probe=k8s.Probe(http_get=health, period_seconds=10, failure_threshold=90),
+            readiness_probe=k8s.Probe(http_get=health, period_seconds=5, failure_threshold=2),
+            liveness_probe=k8s.Probe(http_get=health, period_seconds=20, failure_threshold=3, timeout_seconds=5),
+            # Endpoints drop a terminating pod asynchronously: keep serving in-flight and late requests first.
+            lifecycle=k8s.Lifecycle(pre_stop=k8s.LifecycleHandler(
+                sleep=k8s.SleepAction(seconds=deploy.rollout_drain_seconds))),
+        )
+        autoscaled = rollout.max_servers > rollout.min_servers
+        k8s.KubeDeployment(self, "rollout", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
+                           spec=k8s.DeploymentSpec(
+                               # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
+                               replicas=None if autoscaled else rollout.min_servers,
+                               selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout")),
+                               strategy=k8s.DeploymentStrategy(type="RollingUpdate", rolling_update=k8s.RollingUpdateDeployment(
+                                   max_surge=k8s.IntOrString.from_number(0),  # GPUs are full; replace in place
+                                   max_unavailable=k8s.IntOrString.from_number(1))),
+                               template=k8s.PodTemplateSpec(
+                                   metadata=k8s.ObjectMeta(labels=pod_labels),
+                                   spec=k8s.PodSpec(
+                                       containers=[container],
+                                       volumes=volumes.volumes,
+                                       service_account_name=cluster.ROLLOUT_SERVICE_ACCOUNT,
+                                       automount_service_account_token=False,
+                                       priority_class_name=cluster.ROLLOUT_PRIORITY_CLASS,
+                                       security_context=pod_security(),
+                                       termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
+                                       topology_spread_constraints=[k8s.TopologySpreadConstraint(
+                                           # Spread servers over nodes: one lost node takes few of them.
+                                           max_skew=1, topology_key="kubernetes.io/hostname",
+                                           when_unsatisfiable="ScheduleAnyway",
+                                           label_selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout")))],
+                                       **gpu_placement("rollout")))))
+        k8s.KubeService(self, "rollout-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
+                        spec=k8s.ServiceSpec(cluster_ip="None", selector=selector(self.name, "rollout"),
+                                             ports=[k8s.ServicePort(name="http", port=cluster.ROLLOUT_PORT,
+                                                                    target_port=k8s.IntOrString.from_string("http"))]))
+        k8s.KubePodDisruptionBudget(self, "rollout-pdb", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
+                                    spec=k8s.PodDisruptionBudgetSpec(
+                                        max_unavailable=k8s.IntOrString.from_number(1),
+                                        selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout"))))
+        if autoscaled:
+            self._autoscaler(name, pod_labels)
+
+    def _autoscaler(self, deployment: str, pod_labels: dict[str, str]) -> None:
+        """KEDA scales the rollout servers on the orchestrator's backlog (queued + in-flight requests), read
+        from Amazon Managed Prometheus with SigV4 under the KEDA operator's Pod Identity role."""
+        run, env = self.resolved.run, self.resolved.environment
+        assert self.outputs.prometheus_endpoint, "checked when the outputs were loaded"
+        auth = cdk8s.ApiObject(self, "amp-auth", api_version=KEDA_API, kind="TriggerAuthentication",
+                               metadata=cdk8s.ApiObjectMetadata(name=f"{self.name}-amp", labels=pod_labels))
+        auth.add_json_patch(cdk8s.JsonPatch.add("/spec", {"podIdentity": {"provider": "aws"}}))
+        scaled = cdk8s.ApiObject(self, "rollout-scaler", api_version=KEDA_API, kind="ScaledObject",
+                                 metadata=cdk8s.ApiObjectMetadata(name=deployment, labels=pod_labels))
+        scaled.add_json_patch(cdk8s.JsonPatch.add("/spec", {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "minReplicaCount": run.rollout.min_servers,
+            "maxReplicaCount": run.rollout.max_servers,
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,
+            # New servers take minutes to load weights: scale down slowly so a burst does not thrash them.
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleDown": {"stabilizationWindowSeconds": 600}}}},
+            "triggers": [{
+                "type": "prometheus",
+                "authenticationRef": {"name": f"{self.name}-amp"},
+                "metadata": {
+                    "serverAddress": self.outputs.prometheus_endpoint,
+                    "awsRegion": env.region,
+                    "identityOwner": "operator",
+                    "query": queue_depth_query(self.name, env.run_namespace),
+                    # Target backlog per server: one full decoding batch waiting for each.
+                    "threshold": str(run.rollout.max_batch_size),
+                    "ignoreNullValues": "false",  # a lost metric is an error, not "scale to min"
+                },
+            }],
+        }))
+
+    def _orchestrator(self) -> None:
+        name, pod_labels = f"{self.name}-orchestrator", role_labels(self.name, "orchestrator")
+        volumes = standard_volumes(config_map_name(self.name), shm_gib=None, fsx_read_only=False)
+        health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))
+        container = k8s.Container(
+            name="orchestrator",
+            image=self.trainer_image,
+            command=["moerl", "orchestrate", "--run", RUN_FILE],
+            env=env_vars(CACHE_ENV, self.secret_env),
+            ports=[k8s.ContainerPort(name="http", container_port=cluster.ORCHESTRATOR_PORT)],
+            resources=ORCHESTRATOR_SIZE.resources(),
+            security_context=container_security(),
+            volume_mounts=volumes.mounts,
+            readiness_probe=k8s.Probe(http_get=health, period_seconds=10),
+            liveness_probe=k8s.Probe(http_get=health, period_seconds=20, failure_threshold=3, timeout_seconds=5),
+        )
+        k8s.KubeDeployment(self, "orchestrator", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
+                           spec=k8s.DeploymentSpec(
+                               replicas=1,  # it owns the run's single queue and step counter
+                               strategy=k8s.DeploymentStrategy(type="Recreate"),
+                               selector=k8s.LabelSelector(match_labels=selector(self.name, "orchestrator")),
+                               template=k8s.PodTemplateSpec(
+                                   metadata=k8s.ObjectMeta(labels=pod_labels),
+                                   spec=k8s.PodSpec(
+                                       containers=[container],
+                                       volumes=volumes.volumes,
+                                       service_account_name=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
+                                       automount_service_account_token=False,
+                                       # It drives the whole run: it must not be preempted by rollout servers.
+                                       priority_class_name=cluster.TRAINER_PRIORITY_CLASS,
+                                       security_context=pod_security()))))
+        k8s.KubeService(self, "orchestrator-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
+                        spec=k8s.ServiceSpec(selector=selector(self.name, "orchestrator"),
+                                             ports=[k8s.ServicePort(name="http", port=cluster.ORCHESTRATOR_PORT,
+                                                                    target_port=k8s.IntOrString.from_string("http"))]))
+
+    def _network_policies(self) -> None:
+        """Deny all ingress to the run's pods, then allow exactly: orchestrator -> rollout, orchestrator <->
+        trainers, trainer <-> trainer, and the metrics scraper -> every /metrics port.
+
+        The Amazon Managed Prometheus scraper is agentless: it reaches pods from its network interfaces in the
+        cluster's subnets, so it is matched by the VPC CIDR (which also admits the kubelet's probes)."""
+        env = self.resolved.environment
+
+        def peers(*roles: str) -> list[k8s.NetworkPolicyPeer]:
+            return [k8s.NetworkPolicyPeer(pod_selector=k8s.LabelSelector(match_labels=selector(self.name, r)))
+                    for r in roles]
+
+        def tcp(*ports: int) -> list[k8s.NetworkPolicyPort]:
+            return [k8s.NetworkPolicyPort(protocol="TCP", port=k8s.IntOrString.from_number(p)) for p in ports]
+
+        rules = {
+            "default-deny": (None, []),
+            "rollout-from-orchestrator": ("rollout", [k8s.NetworkPolicyIngressRule(
+                from_=peers("orchestrator"), ports=tcp(cluster.ROLLOUT_PORT))]),
+            "orchestrator-from-trainer": ("orchestrator", [k8s.NetworkPolicyIngressRule(
+                from_=peers("trainer"), ports=tcp(cluster.ORCHESTRATOR_PORT))]),
+            # NCCL's bootstrap and torch.distributed use ephemeral ports between ranks: no port list.
+            "trainer-from-trainer-and-orchestrator": ("trainer", [k8s.NetworkPolicyIngressRule(
+                from_=peers("trainer", "orchestrator"))]),
+            "metrics-from-scraper": (None, [k8s.NetworkPolicyIngressRule(
+                from_=[k8s.NetworkPolicyPeer(ip_block=k8s.IpBlock(cidr=env.vpc_cidr))],
+                ports=tcp(cluster.ROLLOUT_PORT, cluster.ORCHESTRATOR_PORT, cluster.TRAINER_METRICS_PORT))]),
+        }
+        for policy, (role, ingress) in rules.items():
+            k8s.KubeNetworkPolicy(self, f"netpol-{policy}",
+                                  metadata=k8s.ObjectMeta(name=f"{self.name}-{policy}",
+                                                          labels={labels.RUN_LABEL: self.name}),
+                                  spec=k8s.NetworkPolicySpec(
+                                      pod_selector=k8s.LabelSelector(match_labels=selector(self.name, role)),
+                                      policy_types=["Ingress"], ingress=ingress))
