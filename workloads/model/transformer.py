@@ -96,7 +96,7 @@ class Attention(nn.Module):
             cache.values[layer, :, :, cache.length:end] = v
             k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -180,10 +180,10 @@ class MoETransformer(nn.Module):
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, mask, kv_cache, i)
-            replay = routing_replay[i].reshape(b * s, -1) if routing_replay is not None else None
-            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, -1), replay)
-            h = h + moe.out.view(b, s, -1)
-            routing.append(moe.ids.view(b, s, -1))
+            replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
+            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size), replay)
+            h = h + moe.out.view(b, s, c.hidden_size)
+            routing.append(moe.ids.view(b, s, c.num_experts_per_tok))
             aux.append(moe.aux_loss)
             loads.append(moe.load)
         if kv_cache is not None:

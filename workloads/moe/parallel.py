@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from moe_rl_eks.core.ep_backends import EpBackend, Topology, check_backend
@@ -46,3 +47,20 @@ class ExpertParallel:
         if self._deepep_buffer is None:
             self._deepep_buffer = make_buffer(self.group, hidden_size)
         return DeepEPDispatcher(compute, num_experts, self._deepep_buffer)
+
+    def sum_replicated_grads(self, module) -> None:
+        """All-reduce (sum) the gradients of the weights every rank holds a copy of (all but the experts), so
+        they equal the gradient of the sum of the ranks' losses, as the experts' gradients already do. One
+        flat buffer, one collective."""
+        grads = [p.grad for name, p in module.named_parameters()
+                 if p.grad is not None and ".mlp.experts." not in name]
+        if not grads or self.size == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        host = flat.cpu() if flat.is_cuda and dist.get_backend(self.group) == dist.Backend.GLOO else flat
+        dist.all_reduce(host, group=self.group)
+        flat.copy_(host)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -33,7 +33,7 @@ class TorchCompute:
 
     def unpermute(self, y_sorted: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
         order, t, k = handle
-        y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted).view(t, k, -1)
+        y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted).view(t, k, y_sorted.shape[-1])
         return (y.float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

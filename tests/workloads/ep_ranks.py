@@ -1,0 +1,151 @@
+"""Run a function on N gloo ranks (processes) and collect what rank 0 returns; the EP cases the CPU and GPU
+tests share. Imported by the tests by module name, so spawned workers can unpickle these functions."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core.run import ModelConfig
+from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.moe.parallel import ExpertParallel
+
+CONFIG = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, rope_theta=10000.0,
+                     router_aux_loss_coef=0.01, dtype="float32")
+
+
+def _entry(fn, rank, world, init_file, out_file, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            torch.save(result, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "fork"):
+    """fn(rank, world, *args) on `world` processes of one gloo group; returns rank 0's result."""
+    ctx = mp.get_context(start_method)
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, out_file, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout} s")
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"ranks exited with {codes}")
+        return torch.load(out_file)
+
+
+def _batch(rank: int, scenario: str, world: int, device) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    sequences = 0 if scenario == "rank_sends_none" and rank == world - 1 else 2
+    ids = torch.randint(0, CONFIG.vocab_size, (sequences, 8), generator=gen)
+    replay = None
+    if scenario == "skewed":
+        # Every token of every rank to experts 0 and 1 (rank 0's): the other ranks' experts get nothing and
+        # rank 0 sends to nobody else.
+        replay = [torch.tensor([0, 1]).expand(sequences, 8, 2).to(device) for _ in range(CONFIG.num_hidden_layers)]
+    return ids.to(device), replay
+
+
+def _loss(out) -> torch.Tensor:
+    # A sum, not a mean: a rank with no tokens contributes 0, not NaN.
+    return out.logits.float().square().sum() / 100 + out.aux_loss
+
+
+def _gather_objects(obj, world):
+    parts = [None] * world
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: str, dtype_name: str,
+                     scenarios: tuple[str, ...]) -> dict:
+    """For each scenario and backend: every rank's logits, the total loss and the full gradients, run as
+    `local` (one process, all ranks' batches, same weights) or EP over this group."""
+    dtype = getattr(torch, dtype_name)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    full = MoETransformer(CONFIG).state_dict()
+    results: dict = {}
+    for scenario in scenarios:
+        batches = [_batch(r, scenario, world, device) for r in range(world)]
+        for backend in backends:
+            if backend == "local":
+                model = MoETransformer(CONFIG).to(device, dtype)
+                model.load_state_dict(full)
+                outs = [model(ids, routing_replay=replay) for ids, replay in batches]
+                logits = [o.logits.detach().float().cpu() for o in outs]
+                loss = sum(_loss(o) for o in outs)
+                loss.backward()
+                grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+                results[scenario, backend] = dict(logits=logits, loss=loss.item(), grads=grads)
+                continue
+            ep = ExpertParallel(dist.group.WORLD, backend, device=device)
+            model = MoETransformer(CONFIG, ep=ep).to(device, dtype)
+            model.load_full_state_dict(full)
+            ids, replay = batches[rank]
+            out = model(ids, routing_replay=replay)
+            loss = _loss(out)
+            loss.backward()
+            ep.sum_replicated_grads(model)
+            grads = {}
+            for name, p in model.named_parameters():
+                g = p.grad.float().cpu()
+                grads[name] = torch.cat(_gather_objects(g, world)) if ".mlp.experts." in name else g
+            results[scenario, backend] = dict(logits=_gather_objects(out.logits.detach().float().cpu(), world),
+                                              loss=sum(_gather_objects(loss.item(), world)), grads=grads)
+    return results
+
+
+def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
+    """EP training on next-token prediction of a fixed cycle; returns the global loss per step, the final
+    logits of rank 0's batch, and rank 1's expert slice, after saving an HF checkpoint from the EP ranks."""
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+
+    torch.manual_seed(0)
+    ep = ExpertParallel(dist.group.WORLD, "alltoall")
+    model = MoETransformer(CONFIG, ep=ep)
+    full = MoETransformer(CONFIG).state_dict()
+    model.load_full_state_dict(full)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cycle = torch.arange(0, 48, 3)
+    starts = torch.arange(4) + 4 * rank
+    ids = torch.stack([cycle.roll(-int(s)) for s in starts])
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, CONFIG.vocab_size), ids[:, 1:].reshape(-1))
+        (loss + out.aux_loss).backward()
+        ep.sum_replicated_grads(model)
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    state = model.full_state_dict()
+    if rank == 0:
+        save_hf(state, CONFIG, checkpoint_dir)
+    slices = _gather_objects(model.model.layers[0].mlp.experts.down_proj.detach().clone(), world)
+    with torch.no_grad():
+        final = model(ids[:, :-1]).logits
+    return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1])

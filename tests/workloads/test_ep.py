@@ -1,0 +1,59 @@
+"""Expert parallelism over 2 and 4 gloo processes against the single-process model on the same weights."""
+import pytest
+import torch
+
+from ep_ranks import CONFIG, compare_backends, run_ranks, train_toy
+from moe_rl_eks.core.ep_backends import UnsupportedBackend
+from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.checkpoint import load_hf
+from moe_rl_eks.workloads.moe.dispatch import source_major_to_expert_major
+
+SCENARIOS = ("random", "skewed", "rank_sends_none")
+
+
+def assert_same(results, scenario, backend, reference="local", atol=1e-5):
+    got, want = results[scenario, backend], results[scenario, reference]
+    for rank, (g, w) in enumerate(zip(got["logits"], want["logits"])):
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-4, msg=lambda m: f"{scenario} rank {rank} logits: {m}")
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name in want["grads"]:
+        torch.testing.assert_close(got["grads"][name], want["grads"][name], atol=atol, rtol=1e-3,
+                                   msg=lambda m: f"{scenario} grad {name}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alltoall_ep_equals_single_process_outputs_loss_and_grads(world):
+    results = run_ranks(world, compare_backends, ("local", "alltoall"), "cpu", "float32", SCENARIOS)
+    for scenario in SCENARIOS:
+        assert_same(results, scenario, "alltoall")
+    skewed = results["skewed", "local"]["grads"]["model.layers.0.mlp.experts.down_proj"]
+    assert skewed[2:].abs().sum() == 0 and skewed[:2].abs().sum() > 0  # experts that got nothing
+    assert results["rank_sends_none", "alltoall"]["logits"][world - 1].shape[0] == 0
+
+
+def test_ep2_training_lowers_the_loss_and_saves_a_full_hf_checkpoint(tmp_path):
+    result = run_ranks(2, train_toy, 30, str(tmp_path))
+    losses = result["losses"]
+    assert losses[-1] < 0.5 * losses[0], losses
+    config, state = load_hf(tmp_path)
+    assert config == CONFIG
+    assert torch.equal(state["model.layers.0.mlp.experts.down_proj"][4:], result["rank1_down_proj"])
+    model = MoETransformer(config)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(result["ids"][:, :-1]).logits, result["logits"], atol=1e-5, rtol=1e-4)
+
+
+def test_received_rows_regroup_by_local_expert():
+    counts = torch.tensor([[2, 0, 1], [1, 2, 0]])  # from rank 0: e0 e0 e2; from rank 1: e0 e1 e1
+    assert source_major_to_expert_major(counts).tolist() == [0, 1, 3, 4, 5, 2]
+
+
+def test_deepep_refuses_one_rank_and_cpu_naming_the_constraint():
+    from moe_rl_eks.core.ep_backends import Topology, check_backend
+
+    with pytest.raises(UnsupportedBackend, match="needs CUDA GPUs"):
+        check_backend("deepep", Topology(nodes=1, ranks_per_node=2, device="cpu", num_experts=8))
+    with pytest.raises(UnsupportedBackend, match=r"intranode needs \(2, 4, 8\) ranks, not 3"):
+        check_backend("deepep", Topology(nodes=1, ranks_per_node=3, device="cuda", num_experts=9))
