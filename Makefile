@@ -38,7 +38,16 @@ $(STAMP): pyproject.toml constraints.txt package.json
 	npm ci --no-fund --no-audit --loglevel=error
 	touch $@
 
-bootstrap: $(STAMP)
+# checkov pins boto3 and packaging versions that clash with ours: it gets its own virtual environment.
+CHECKOV_VENV := .venv-checkov
+CHECKOV := $(CHECKOV_VENV)/bin/checkov
+CHECKOV_VERSION := 3.3.30
+$(CHECKOV):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VERSION)
+	touch $@
+
+bootstrap: $(STAMP) $(CHECKOV)
 
 synth: $(STAMP)
 	rm -rf cdk.out
@@ -47,7 +56,7 @@ synth: $(STAMP)
 
 run: synth
 
-test: $(STAMP)
+test: $(STAMP) $(CHECKOV)
 	$(PY) -m pytest
 
 lint: $(STAMP)
