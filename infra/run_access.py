@@ -1,0 +1,91 @@
+"""The namespace runs live in: its three service accounts bound by Pod Identity to least-privilege roles, and the
+FSx for Lustre PersistentVolume/Claim trainers mount. A run's manifests (k8s/) only refer to these by name."""
+from __future__ import annotations
+
+from aws_cdk import Acknowledgment, Stack, Validations, aws_eks_v2 as eks, aws_fsx as fsx, aws_iam as iam
+from constructs import Construct
+
+from moe_rl_eks.core import cluster as names
+from moe_rl_eks.core.labels import PART_OF, PART_OF_LABEL
+
+from .storage import PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX, RUNS_PREFIX, MoeRlStorage
+
+# Rollout servers read published weights only: runs/<run>/weights/...
+WEIGHTS_PREFIX = f"{RUNS_PREFIX}*/weights/"
+METRICS_NAMESPACE = "MoeRl"  # CloudWatch namespace the trainer may put metrics into
+
+
+class RunAccess(Construct):
+    """Namespace, service accounts and shared volume for runs.
+
+    Attributes: ``namespace_manifest``, ``service_accounts`` (role name -> eks.ServiceAccount: ``trainer``,
+    ``orchestrator``, ``rollout``), ``roles`` (the same keys -> their IAM roles).
+    """
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.Cluster, storage: MoeRlStorage,
+                 namespace: str = "moe-rl", file_system: fsx.LustreFileSystem | None = None) -> None:
+        """
+        :param cluster: the cluster (with a kubectl provider).
+        :param storage: the artifact bucket the roles are scoped to.
+        :param namespace: the run namespace; default ``moe-rl``.
+        :param file_system: FSx for Lustre to expose as the ``moe-rl-fsx`` claim; default none.
+        """
+        super().__init__(scope, id)
+        labels = {PART_OF_LABEL: PART_OF}
+        self.namespace_manifest = cluster.add_manifest("RunNamespace", {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}})
+        self.service_accounts: dict[str, eks.ServiceAccount] = {}
+        for role, sa_name in (("trainer", names.TRAINER_SERVICE_ACCOUNT),
+                              ("orchestrator", names.ORCHESTRATOR_SERVICE_ACCOUNT),
+                              ("rollout", names.ROLLOUT_SERVICE_ACCOUNT)):
+            sa = cluster.add_service_account(f"{role.capitalize()}ServiceAccount", name=sa_name, namespace=namespace,
+                                             labels=labels, identity_type=eks.IdentityType.POD_IDENTITY)
+            sa.node.add_dependency(self.namespace_manifest)
+            self.service_accounts[role] = sa
+        self.roles = {role: sa.role for role, sa in self.service_accounts.items()}
+
+        storage.grant_read_write_prefix(self.roles["trainer"], RUNS_PREFIX)
+        self.roles["trainer"].add_to_principal_policy(iam.PolicyStatement(
+            actions=["cloudwatch:PutMetricData"], resources=["*"],
+            conditions={"StringEquals": {"cloudwatch:namespace": METRICS_NAMESPACE}}))
+        storage.grant_read_prefix(self.roles["orchestrator"], PROMPTS_PREFIX)
+        storage.grant_read_write_prefix(self.roles["orchestrator"], ROLLOUT_LOGS_PREFIX)
+        storage.grant_read_prefix(self.roles["rollout"], WEIGHTS_PREFIX)
+        self._acknowledge_prefix_wildcards(storage)
+
+        if file_system is not None:
+            self._fsx_volume(cluster, namespace, file_system)
+
+    def _acknowledge_prefix_wildcards(self, storage: MoeRlStorage) -> None:
+        # cdk-nag names a finding by the statement's resource as written in the template.
+        bucket_arn = f"<{Stack.of(self).get_logical_id(storage.bucket.node.default_child)}.Arn>"
+        for role, prefixes in (("trainer", [RUNS_PREFIX]), ("orchestrator", [PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX]),
+                               ("rollout", [WEIGHTS_PREFIX])):
+            policy = self.roles[role].node.find_child("DefaultPolicy")
+            for prefix in prefixes:
+                Validations.of(policy).acknowledge(Acknowledgment(
+                    id=f"AwsSolutions-IAM5[Resource::{bucket_arn}/{prefix}*]",
+                    reason=f"Objects under the {prefix} prefix the {role} owns or reads; object keys are only known at run time."))
+        Validations.of(self.roles["trainer"].node.find_child("DefaultPolicy")).acknowledge(Acknowledgment(
+            id="AwsSolutions-IAM5[Resource::*]",
+            reason="cloudwatch:PutMetricData has no resource type; the statement is limited to one metric namespace by condition."))
+
+    def _fsx_volume(self, cluster: eks.Cluster, namespace: str, file_system: fsx.LustreFileSystem) -> None:
+        pv_name = f"{names.FSX_CLAIM_NAME}-{namespace}"
+        capacity = f"{file_system.node.default_child.storage_capacity}Gi"
+        manifest = cluster.add_manifest("FsxVolume", {
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+            "spec": {"capacity": {"storage": capacity}, "accessModes": ["ReadWriteMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "claimRef": {"namespace": namespace, "name": names.FSX_CLAIM_NAME},
+                     "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": file_system.file_system_id,
+                             "volumeAttributes": {"dnsname": file_system.dns_name,
+                                                  "mountname": file_system.mount_name}}},
+        }, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": names.FSX_CLAIM_NAME, "namespace": namespace},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv_name,
+                     "resources": {"requests": {"storage": capacity}}},
+        })
+        manifest.node.add_dependency(self.namespace_manifest)
+

@@ -1,0 +1,156 @@
+"""In-cluster services the run manifests rely on, installed through the kubectl provider with pinned Helm charts:
+KEDA, JobSet, Kueue (one ClusterQueue per GPU pool), Cluster Autoscaler (Pod Identity), the NVIDIA and EFA device
+plugins, and the PriorityClasses."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aws_cdk import Acknowledgment, Stack, Validations, aws_eks_v2 as eks, aws_iam as iam
+from constructs import Construct
+
+from moe_rl_eks.core import cluster as names
+from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
+
+from ._ids import pascal
+from .node_pool import EfaNodePool
+
+
+@dataclass(frozen=True)
+class Chart:
+    repository: str
+    chart: str
+    version: str
+    namespace: str
+
+
+# Pinned chart versions; bump deliberately (each is a cluster-wide upgrade).
+CHARTS = {
+    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.17.2", "keda"),
+    "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.10.1", "jobset-system"),
+    "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.13.4", "kueue-system"),
+    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.47.0", "kube-system"),
+    "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.0", "kube-system"),
+    "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6", "kube-system"),
+}
+CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.33.0"  # matches the cluster's minor version
+CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
+_SYSTEM_NODES = {ROLE_LABEL: "system"}
+_GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+TRAINER_PRIORITY = 100_000
+ROLLOUT_PRIORITY = 10_000
+
+
+class ClusterServices(Construct):
+    """Cluster-wide services for runs. Attributes: ``charts`` (name -> HelmChart), ``cluster_queues`` (pool role ->
+    the ClusterQueue manifest), ``autoscaler_role``."""
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.Cluster, pools: Mapping[str, EfaNodePool],
+                 run_namespace: str, namespace_manifest: eks.KubernetesManifest) -> None:
+        """
+        :param cluster: the cluster (with a kubectl provider).
+        :param pools: GPU pools by role; each gets a Kueue ResourceFlavor, ClusterQueue and LocalQueue.
+        :param run_namespace: where LocalQueues live.
+        :param namespace_manifest: the run namespace's manifest; LocalQueues are created after it.
+        """
+        super().__init__(scope, id)
+        self.charts: dict[str, eks.HelmChart] = {}
+        self.autoscaler_role = self._cluster_autoscaler(cluster)
+        self._chart(cluster, "keda", {"nodeSelector": _SYSTEM_NODES})
+        self._chart(cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
+        self._chart(cluster, "kueue", {"controllerManager": {"nodeSelector": _SYSTEM_NODES}})
+        # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
+        # EFA device plugin's allocation.
+        self._chart(cluster, "nvidia-device-plugin", {"mofedEnabled": False, "tolerations": [_GPU_TOLERATION]})
+        # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
+        # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
+        self._chart(cluster, "aws-efa-k8s-device-plugin", {
+            "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
+                                        "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
+            "tolerations": [_GPU_TOLERATION]})
+        self._priority_classes(cluster)
+        self.cluster_queues = {role: self._queues(cluster, role, pool, run_namespace, namespace_manifest)
+                               for role, pool in pools.items()}
+
+    def _chart(self, cluster: eks.Cluster, name: str, values: dict) -> eks.HelmChart:
+        c = CHARTS[name]
+        chart = cluster.add_helm_chart(pascal(name), chart=c.chart, repository=c.repository, version=c.version,
+                                       namespace=c.namespace, release=name, values=values, create_namespace=True)
+        self.charts[name] = chart
+        return chart
+
+    def _cluster_autoscaler(self, cluster: eks.Cluster) -> iam.IRole:
+        sa = cluster.add_service_account(
+            "ClusterAutoscalerServiceAccount", name=CLUSTER_AUTOSCALER_SERVICE_ACCOUNT, namespace="kube-system",
+            identity_type=eks.IdentityType.POD_IDENTITY)
+        # Describe calls take no resource; scaling is limited to this cluster's node groups by their EKS tag.
+        sa.role.add_to_principal_policy(iam.PolicyStatement(
+            actions=["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
+                     "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
+                     "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
+                     "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"],
+            resources=["*"]))
+        sa.role.add_to_principal_policy(iam.PolicyStatement(
+            actions=["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
+            resources=["*"], conditions={"StringEquals": {"aws:ResourceTag/eks:cluster-name": cluster.cluster_name}}))
+        sa.role.add_to_principal_policy(iam.PolicyStatement(
+            actions=["eks:DescribeNodegroup"],
+            resources=[Stack.of(self).format_arn(service="eks", resource="nodegroup",
+                                                 resource_name=f"{cluster.cluster_name}/*")]))
+        Validations.of(sa.role).acknowledge(
+            Acknowledgment(id="AwsSolutions-IAM5[Resource::*]",
+                           reason="Cluster Autoscaler's Describe* calls have no resource-level permissions; scaling "
+                                  "actions are limited to this cluster's node groups by tag condition."),
+            Acknowledgment(id=f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:eks:{Stack.of(self).region}:"
+                              f"{Stack.of(self).account}:nodegroup/<{Stack.of(self).get_logical_id(cluster.node.default_child)}>/*]",
+                           reason="DescribeNodegroup on this cluster's node groups only (labels, taints and tags for "
+                                  "scale from zero); their ids are generated by EKS."))
+        chart = self._chart(cluster, "cluster-autoscaler", {
+            "cloudProvider": "aws",
+            "awsRegion": Stack.of(self).region,
+            "autoDiscovery": {"clusterName": cluster.cluster_name},
+            "image": {"tag": CLUSTER_AUTOSCALER_IMAGE_TAG},
+            "rbac": {"serviceAccount": {"create": False, "name": CLUSTER_AUTOSCALER_SERVICE_ACCOUNT}},
+            "nodeSelector": _SYSTEM_NODES,
+            "extraArgs": {"balance-similar-node-groups": True, "skip-nodes-with-system-pods": False,
+                          "expander": "least-waste"},
+        })
+        chart.node.add_dependency(sa)
+        return sa.role
+
+    def _priority_classes(self, cluster: eks.Cluster) -> None:
+        cluster.add_manifest("PriorityClasses", *[{
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
+            "value": value, "preemptionPolicy": policy, "globalDefault": False, "description": description,
+        } for name, value, policy, description in (
+            (names.TRAINER_PRIORITY_CLASS, TRAINER_PRIORITY, "PreemptLowerPriority", "moe-rl trainer gangs"),
+            (names.ROLLOUT_PRIORITY_CLASS, ROLLOUT_PRIORITY, "Never", "moe-rl rollout servers: never preempt"),
+        )])
+
+    def _queues(self, cluster: eks.Cluster, role: str, pool: EfaNodePool, namespace: str,
+                namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
+        spec, n = pool.spec, pool.config.max_size
+        # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
+        # request must be covered or Kueue refuses the workload.
+        quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
+        if pool.efa_interfaces:
+            quota[EFA_RESOURCE] = pool.efa_interfaces * n
+        if pool.config.hugepages_2mi:
+            quota["hugepages-2Mi"] = f"{pool.config.hugepages_2mi * 2 * n}Mi"
+        flavor = f"moe-rl-{role}"
+        objects = [
+            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": flavor},
+             "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": [_GPU_TOLERATION]}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
+             "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+                      "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
+                          "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
+             "metadata": {"name": names.local_queue(role), "namespace": namespace},
+             "spec": {"clusterQueue": names.cluster_queue(role)}},
+        ]
+        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *objects)
+        manifest.node.add_dependency(self.charts["kueue"], namespace_manifest)
+        return manifest
+

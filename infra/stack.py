@@ -1,0 +1,77 @@
+"""MoeRlStack: one environment (core.environment.EnvironmentConfig) composed from the constructs of this package."""
+from __future__ import annotations
+
+from typing import Any
+
+from aws_cdk import CfnOutput, Environment, Stack
+from constructs import Construct
+
+from moe_rl_eks.core import cluster as names
+from moe_rl_eks.core.environment import EnvironmentConfig
+
+from .cluster import MoeRlCluster
+from .network import MoeRlNetwork
+from .node_pool import EfaNodePool
+from .observability import MoeRlObservability
+from .run_access import RunAccess
+from .services import ClusterServices
+from .storage import MoeRlStorage
+
+
+class MoeRlStack(Stack):
+    """Everything one environment needs: network, cluster, GPU pools, cluster services, storage, observability.
+
+    Attributes mirror the parts: ``network``, ``cluster``, ``pools`` (role -> EfaNodePool), ``storage``,
+    ``run_access``, ``services``, ``observability``.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, config: EnvironmentConfig, **kwargs: Any) -> None:
+        super().__init__(scope, id, env=Environment(account=config.account, region=config.region),
+                         description=f"moe-rl-eks {config.name or id}: EKS with EFA GPU pools", **kwargs)
+        self._zones = list(config.availability_zones)
+        self.config = config
+        self.network = MoeRlNetwork(self, "Network", availability_zones=config.availability_zones, cidr=config.vpc_cidr)
+        gpu_subnet = self.network.private_subnet(config.gpu_availability_zone)
+        cluster_name = f"moe-rl-{config.name or id.lower()}"
+        self.cluster = MoeRlCluster(
+            self, "Cluster", vpc=self.network.vpc, kubernetes_version=config.kubernetes_version,
+            cluster_name=cluster_name, public_endpoint_cidrs=config.endpoint.public_cidrs,
+            admin_role_arn=config.admin_role_arn, subnets=self.network.private_subnets)
+        eks_cluster = self.cluster.cluster
+        self.pools = {}
+        for role, pool_config in config.pools().items():
+            pool = EfaNodePool.from_config(self, f"{role.capitalize()}Pool", cluster=eks_cluster, subnet=gpu_subnet,
+                                           role=role, config=pool_config)
+            # A node joins only once the CNI can wire its interfaces.
+            pool.nodegroup.node.add_dependency(self.cluster.addons["vpc-cni"])
+            self.pools[role] = pool
+        storage = config.storage
+        self.storage = MoeRlStorage(
+            self, "Storage", vpc=self.network.vpc, fsx_subnet=gpu_subnet if storage.fsx else None,
+            fsx_client_security_group_id=self.cluster.cluster_security_group_id,
+            fsx_storage_capacity_gib=storage.fsx_storage_capacity_gib,
+            fsx_throughput_mbps_per_tib=storage.fsx_throughput_mbps_per_tib,
+            noncurrent_version_expiry_days=storage.noncurrent_version_expiry_days,
+            rollout_log_expiry_days=storage.rollout_log_expiry_days, retain_on_delete=storage.retain_on_delete)
+        self.run_access = RunAccess(self, "RunAccess", cluster=eks_cluster, storage=self.storage,
+                                    namespace=config.run_namespace, file_system=self.storage.file_system)
+        self.services = ClusterServices(self, "Services", cluster=eks_cluster, pools=self.pools,
+                                        run_namespace=config.run_namespace,
+                                        namespace_manifest=self.run_access.namespace_manifest)
+        self.observability = MoeRlObservability(
+            self, "Observability", cluster=eks_cluster, cluster_name=cluster_name, run_namespace=config.run_namespace,
+            scraper_subnets=self.network.private_subnets, alarm_email=config.observability.alarm_email,
+            prometheus=config.observability.prometheus)
+
+        CfnOutput(self, names.OUTPUT_CLUSTER_NAME, value=eks_cluster.cluster_name)
+        CfnOutput(self, names.OUTPUT_BUCKET_NAME, value=self.storage.bucket.bucket_name)
+        CfnOutput(self, names.OUTPUT_TRAINER_REPOSITORY_URI, value=self.storage.trainer_repository.repository_uri)
+        CfnOutput(self, names.OUTPUT_ROLLOUT_REPOSITORY_URI, value=self.storage.rollout_repository.repository_uri)
+        if self.observability.workspace is not None:
+            CfnOutput(self, names.OUTPUT_PROMETHEUS_ENDPOINT,
+                      value=self.observability.workspace.attr_prometheus_endpoint)
+
+    @property
+    def availability_zones(self) -> list[str]:
+        # The zones come from the environment, so synthesis never looks them up (no credentials needed).
+        return self._zones
