@@ -29,8 +29,11 @@ def build(run_path: Path, env_name: str | None, outputs_path: Path | None, cdk_j
     """Check everything, then write the manifests; returns the directory written. Raises ConfigError."""
     from .outputs import load_outputs  # the cdk8s imports below are the slow part; fail on config first
 
-    run = load_run(run_path)
     source = str(run_path)
+    for path, what in ((run_path, "run file"), (cdk_json, "cdk.json")):
+        if not path.is_file():
+            raise ConfigError(str(path), "", None, f"{what} not found")
+    run = load_run(run_path)
     if not RUN_NAME.fullmatch(run.name):
         raise ConfigError(source, "name", run.name, "a cluster run's name is a lowercase DNS label of at most "
                           "30 characters (it prefixes every object name)")
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         target = build(args.run, args.env, args.outputs, args.cdk_json, args.out)
-    except (ConfigError, KeyError) as exc:
+    except ConfigError as exc:
         print(f"moerl manifests: {exc}", file=sys.stderr)
         print("moerl manifests: nothing written", file=sys.stderr)
         return 2

@@ -37,11 +37,10 @@ def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
         raise ConfigError(source, "", None, f"not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ConfigError(source, "", None, "expected {stack name: {output key: value}} as `cdk deploy` writes it")
-    ours = {name: outs for name, outs in data.items() if _stack_home(outs.get(cluster.OUTPUT_TRAINER_REPOSITORY_URI))
-            == (env.account, env.region)}
+    homes = {name: _stack_home(outs.get(cluster.OUTPUT_TRAINER_REPOSITORY_URI)) for name, outs in data.items()}
+    ours = {name: data[name] for name, home in homes.items() if home == (env.account, env.region)}
     if len(ours) != 1:
-        found = ", ".join(f"{n} ({'/'.join(_stack_home(o.get(cluster.OUTPUT_TRAINER_REPOSITORY_URI)) or ('?',))})"
-                          for n, o in data.items()) or "no stacks"
+        found = ", ".join(f"{name} in {home or 'no repository'}" for name, home in homes.items()) or "no stacks"
         raise ConfigError(source, cluster.OUTPUT_TRAINER_REPOSITORY_URI, None,
                           f"expected exactly one stack with repositories in account {env.account}, region {env.region} "
                           f"(environment {env.name!r}); found: {found}")

@@ -18,7 +18,10 @@ from moe_rl_eks.core.schema import ConfigError
 NODE_HEADROOM = 0.10
 RUN_CONFIG_DIR = "/etc/moerl"
 RUN_FILE = f"{RUN_CONFIG_DIR}/run.yaml"
-UID = 1000  # the images' unprivileged user; set here too so a root USER in an image cannot slip through
+# Tags are immutable, so `Always` only costs a manifest lookup; it also makes every pull check the registry's
+# access control instead of trusting an image another pod left on the node.
+PULL_POLICY = "Always"
+UID = 10001  # unprivileged, above host UIDs; set here so a root USER in an image cannot slip through
 
 
 @dataclass(frozen=True)

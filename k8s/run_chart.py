@@ -17,8 +17,8 @@ from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
-from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, RUN_FILE, check_shm, container_security, efa_capabilities, \
-    env_vars, gpu_placement, pod_security, rollout_size, standard_volumes
+from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
+    efa_capabilities, env_vars, gpu_placement, pod_security, rollout_size, standard_volumes
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -99,6 +99,7 @@ class RunChart(cdk8s.Chart):
         container = k8s.Container(
             name="server",
             image=self.rollout_image,
+            image_pull_policy=PULL_POLICY,
             command=["moerl", "serve-rollout", "--run", RUN_FILE, "--port", str(cluster.ROLLOUT_PORT)],
             env=env_vars(CACHE_ENV, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
@@ -190,6 +191,7 @@ class RunChart(cdk8s.Chart):
         container = k8s.Container(
             name="orchestrator",
             image=self.trainer_image,
+            image_pull_policy=PULL_POLICY,
             command=["moerl", "orchestrate", "--run", RUN_FILE],
             env=env_vars(CACHE_ENV, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ORCHESTRATOR_PORT)],

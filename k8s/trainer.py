@@ -18,8 +18,8 @@ from moe_rl_eks.core import cluster, labels
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
-from .pods import CACHE_ENV, container_security, efa_capabilities, env_vars, gpu_placement, pod_security, \
-    standard_volumes, trainer_size
+from .pods import CACHE_ENV, PULL_POLICY, container_security, efa_capabilities, env_vars, gpu_placement, \
+    pod_security, standard_volumes, trainer_size
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -62,6 +62,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     container = k8s.Container(
         name="trainer",
         image=job.image,
+        image_pull_policy=PULL_POLICY,
         command=torchrun_command(resolved, job.name, job.command),
         env=env_vars(variables, job.secret_env),
         ports=[k8s.ContainerPort(name="rendezvous", container_port=cluster.TRAINER_RENDEZVOUS_PORT),

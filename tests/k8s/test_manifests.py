@@ -1,0 +1,222 @@
+"""What the example runs' manifests must say: gang scheduling, autoscaling, resources, security, network policy."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from manifest_helpers import EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
+
+from moe_rl_eks.core import cluster, labels, metrics
+from moe_rl_eks.core.environment import load_cdk_json
+from moe_rl_eks.core.run import load_run, resolve_run
+
+ENVS = load_cdk_json(ROOT / "cdk.json")
+
+
+def resolved(name: str):
+    run = load_run(run_file(name))
+    return resolve_run(run, ENVS[run.environment])
+
+
+def containers(objects):
+    return [c for obj in objects for spec in pod_specs(obj) for c in spec["containers"]]
+
+
+def test_example_runs_resolve_to_the_backends_the_auto_rule_promises():
+    assert (resolved("dev-small").ep_backend, resolved("dev-small").topology.ep_size) == ("deepep", 8)
+    assert (resolved("qwen3-30b-a3b-p5").ep_backend, resolved("qwen3-30b-a3b-p5").topology.ep_size) == ("alltoall", 16)
+
+
+def test_each_run_writes_a_run_and_a_validation_manifest(manifests):
+    assert sorted(manifests) == ["dev-small/run.k8s.yaml", "dev-small/validation.k8s.yaml",
+                                 "qwen3-30b-a3b-p5/run.k8s.yaml", "qwen3-30b-a3b-p5/validation.k8s.yaml"]
+
+
+def test_everything_lands_in_the_environments_run_namespace(objects):
+    assert {o["metadata"]["namespace"] for o in objects} == {ENVS["dev"].run_namespace}
+
+
+@pytest.mark.parametrize("run", ["dev-small", "qwen3-30b-a3b-p5"])
+def test_trainer_is_one_gang_admitted_through_kueue(manifests, run):
+    r = resolved(run)
+    jobset = find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer")
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+    assert jobset["spec"]["suspend"] is True  # nothing starts before Kueue admits the whole JobSet
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    assert rjob["replicas"] == 1
+    assert job["parallelism"] == job["completions"] == r.topology.nodes
+    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    assert jobset["spec"]["failurePolicy"] == {"maxRestarts": r.run.deploy.trainer_max_restarts,
+                                               "restartStrategy": "Recreate"}
+
+
+def test_torchrun_rendezvous_goes_through_the_headless_service(manifests):
+    docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    name = "qwen3-30b-a3b-p5-trainer"
+    jobset, service = find(docs, "JobSet", name), find(docs, "Service", name)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert jobset["spec"]["network"]["subdomain"] == name
+    (container,) = pod_specs(jobset)[0]["containers"]
+    command = container["command"]
+    assert command[:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+    # pod 0 of job 0 of replicated job "node": JobSet's host name scheme, under the Service's subdomain
+    assert f"--rdzv-endpoint={name}-node-0-0.{name}:{cluster.TRAINER_RENDEZVOUS_PORT}" in command
+    assert "--rdzv-backend=c10d" in command and "--max-restarts=0" in command
+    assert command[command.index("--no-python") + 1:] == ["moerl", "train", "--run", "/etc/moerl/run.yaml"]
+
+
+@pytest.mark.parametrize("run, gpus, efa", [("dev-small", 8, 32), ("qwen3-30b-a3b-p5", 8, 32)])
+def test_trainer_pod_takes_the_whole_p5_node(manifests, run, gpus, efa):
+    spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
+    (c,) = spec["containers"]
+    limits = c["resources"]["limits"]
+    assert (limits[labels.GPU_RESOURCE], limits[labels.EFA_RESOURCE]) == (gpus, efa)
+    assert limits["hugepages-2Mi"] == "10240Mi" and c["resources"]["requests"]["memory"] == limits["memory"]
+    assert c["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["fsx"]["persistentVolumeClaim"]["claimName"] == cluster.FSX_CLAIM_NAME
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/dev/shm", cluster.FSX_MOUNT_PATH}
+    assert spec["serviceAccountName"] == cluster.TRAINER_SERVICE_ACCOUNT
+    assert spec["priorityClassName"] == cluster.TRAINER_PRIORITY_CLASS
+    assert spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": labels.ROLE_LABEL, "operator": "In", "values": ["trainer"]}]}]
+
+
+@pytest.mark.parametrize("run, nvshmem", [("dev-small", "libfabric"), ("qwen3-30b-a3b-p5", None)])
+def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
+    (c,) = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["MOERL_EP_BACKEND"] == resolved(run).ep_backend
+    assert env.get("NVSHMEM_REMOTE_TRANSPORT") == nvshmem
+
+
+def test_autoscaled_rollout_has_no_replicas_and_a_queue_depth_scaler(manifests):
+    docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    deployment = find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout")
+    assert "replicas" not in deployment["spec"]
+    scaler = find(docs, "ScaledObject", "qwen3-30b-a3b-p5-rollout")["spec"]
+    assert scaler["scaleTargetRef"]["name"] == "qwen3-30b-a3b-p5-rollout"
+    assert (scaler["minReplicaCount"], scaler["maxReplicaCount"]) == (1, 4)
+    (trigger,) = scaler["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "prometheus" and meta["query"].startswith(f"sum({metrics.ROLLOUT_QUEUE_DEPTH.name}{{")
+    amp = yaml.safe_load(EXAMPLE_OUTPUTS.read_text())["MoeRlEks-dev"]["PrometheusEndpoint"]
+    assert meta["serverAddress"] == amp.rstrip("/") and meta["awsRegion"] == "us-east-1"
+    assert find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])["spec"] == {
+        "podIdentity": {"provider": "aws"}}
+
+
+def test_fixed_size_rollout_sets_replicas_and_has_no_scaler(manifests):
+    docs = manifests["dev-small/run.k8s.yaml"]
+    assert find(docs, "Deployment", "dev-small-rollout")["spec"]["replicas"] == 1
+    assert not [d for d in docs if d["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")]
+
+
+def test_rollout_servers_probe_health_drain_and_yield_to_trainers(manifests):
+    docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    spec = pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]
+    (c,) = spec["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 60}}
+    assert spec["terminationGracePeriodSeconds"] > 60
+    assert spec["priorityClassName"] == cluster.ROLLOUT_PRIORITY_CLASS
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    assert c["resources"]["limits"][labels.GPU_RESOURCE] == 2 and labels.EFA_RESOURCE not in c["resources"]["limits"]
+    assert find(docs, "PodDisruptionBudget", "qwen3-30b-a3b-p5-rollout")["spec"]["maxUnavailable"] == 1
+    assert find(docs, "Service", "qwen3-30b-a3b-p5-rollout")["spec"]["clusterIP"] == "None"
+
+
+def test_orchestrator_is_pointed_at_the_rollout_service(manifests):
+    docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    run = yaml.safe_load(find(docs, "ConfigMap", "qwen3-30b-a3b-p5-config")["data"]["run.yaml"])
+    assert run["rl"]["orchestrator"]["endpoints"] == [
+        f"http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
+    orchestrator = find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator")
+    assert orchestrator["spec"]["replicas"] == 1
+    assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml"]
+
+
+def test_every_container_is_locked_down_and_sized(objects):
+    found = containers(objects)
+    assert len(found) == 2 * (3 + 2)  # per run: rollout, orchestrator, trainer + two validation jobs
+    for c in found:
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] >= 10000, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        # IPC_LOCK only where EFA memory is registered, nothing else ever added
+        uses_efa = labels.EFA_RESOURCE in c["resources"]["limits"]
+        assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if uses_efa else [])
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), (c["name"], kind)
+        repo, _, tag = c["image"].rpartition(":")
+        assert repo.startswith("111111111111.dkr.ecr.us-east-1.amazonaws.com/") and tag == "v0.1.0"
+    for obj in objects:
+        for spec in pod_specs(obj):
+            assert spec["automountServiceAccountToken"] is False
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def _allowed(policies: list[dict], pod_labels: dict, source: dict | str, port: int) -> bool:
+    """NetworkPolicy ingress semantics for one namespace: a pod selected by any policy accepts only what some
+    selecting policy's rule allows. `source` is a peer's labels, or an IP address string."""
+    import ipaddress
+
+    selecting = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            for peer in rule.get("from", []):
+                if isinstance(source, dict) and "podSelector" in peer and \
+                        peer["podSelector"]["matchLabels"].items() <= source.items():
+                    return True
+                if isinstance(source, str) and "ipBlock" in peer and \
+                        ipaddress.ip_address(source) in ipaddress.ip_network(peer["ipBlock"]["cidr"]):
+                    return True
+    return False
+
+
+def test_network_policy_admits_exactly_the_runs_edges(manifests):
+    from moe_rl_eks.k8s.run_chart import role_labels
+
+    run = "qwen3-30b-a3b-p5"
+    policies = [d for d in manifests[f"{run}/run.k8s.yaml"] if d["kind"] == "NetworkPolicy"]
+    pods = {r: role_labels(run, r) for r in ("rollout", "orchestrator", "trainer")}
+    stranger = role_labels("other-run", "orchestrator")
+    ports = {"rollout": cluster.ROLLOUT_PORT, "orchestrator": cluster.ORCHESTRATOR_PORT, "trainer": 12345}
+    allowed = {(src, dst) for src in [*pods, "stranger"] for dst in pods
+               if _allowed(policies, pods[dst], stranger if src == "stranger" else pods[src], ports[dst])}
+    assert allowed == {("orchestrator", "rollout"), ("trainer", "orchestrator"), ("orchestrator", "trainer"),
+                       ("trainer", "trainer")}
+    scraper = "10.20.7.9"  # inside the dev VPC, where the managed scraper's interfaces live
+    for role, metrics_port in (("rollout", cluster.ROLLOUT_PORT), ("orchestrator", cluster.ORCHESTRATOR_PORT),
+                               ("trainer", cluster.TRAINER_METRICS_PORT)):
+        assert _allowed(policies, pods[role], scraper, metrics_port)
+        assert not _allowed(policies, pods[role], "192.168.1.1", metrics_port)
+    assert not _allowed(policies, pods["trainer"], scraper, cluster.TRAINER_RENDEZVOUS_PORT)
+
+
+def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manifests):
+    docs = manifests["qwen3-30b-a3b-p5/validation.k8s.yaml"]
+    nccl = find(docs, "JobSet", "qwen3-30b-a3b-p5-nccl-check")
+    ep = find(docs, "JobSet", "qwen3-30b-a3b-p5-ep-bench")
+    for jobset in (nccl, ep):
+        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+        assert jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
+    (c,) = pod_specs(nccl)[0]["containers"]
+    assert c["command"][-2:] == ["python", "/etc/moerl/collectives_check.py"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["NCCL_DEBUG"] == "INFO" and env["FI_PROVIDER"] == "efa"  # the log names the selected provider
+    (c,) = pod_specs(ep)[0]["containers"]
+    assert c["command"][-2:] == ["moerl", "bench-ep"]
+    script = find(docs, "ConfigMap", "qwen3-30b-a3b-p5-validate")["data"]["collectives_check.py"]
+    assert "Selected provider is efa" in script

@@ -1,0 +1,119 @@
+"""Every object validates: core kinds with kubernetes-validate --strict at the cluster's Kubernetes version,
+custom resources against their CRD's openAPIV3Schema (committed under data/crd_schemas, source in each file's
+$comment), with unknown fields refused as the API server's strict field validation would."""
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import kubernetes_validate
+import pytest
+from manifest_helpers import DATA, ROOT
+
+from moe_rl_eks.core.environment import KUBERNETES_VERSIONS, load_cdk_json
+
+CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.x-k8s.io_v1alpha2_JobSet.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_ScaledObject.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda.sh_v1alpha1_TriggerAuthentication.json",
+}
+CLUSTER_VERSION = load_cdk_json(ROOT / "cdk.json")["dev"].kubernetes_version
+
+
+def strict(schema: dict) -> dict:
+    """A structural schema prunes unknown fields; refuse them instead (a typo must fail here, not vanish)."""
+    schema = copy.deepcopy(schema)
+
+    def visit(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+    visit(schema)
+    return schema
+
+
+_VALIDATORS: dict = {}
+
+
+def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    key = (api_version, kind)
+    if key not in _VALIDATORS:
+        schema = json.loads((DATA / "crd_schemas" / CRD_SCHEMAS[key]).read_text())
+        _VALIDATORS[key] = jsonschema.Draft7Validator(strict(schema))
+    return _VALIDATORS[key]
+
+
+def crd_errors(obj: dict) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in crd_validator(obj["apiVersion"], obj["kind"]).iter_errors(obj)]
+
+
+def is_core(obj: dict) -> bool:
+    return (obj["apiVersion"], obj["kind"]) not in CRD_SCHEMAS
+
+
+def test_kubernetes_validate_ships_every_cluster_version_we_support():
+    for version in KUBERNETES_VERSIONS:
+        assert kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}},
+                                            version, strict=True) == version
+
+
+def test_every_core_object_passes_strict_validation(objects):
+    core = [o for o in objects if is_core(o)]
+    kinds = {o["kind"] for o in core}
+    assert kinds == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    for obj in core:
+        kubernetes_validate.validate(obj, CLUSTER_VERSION, strict=True)
+
+
+def test_jobset_job_templates_pass_strict_validation_as_jobs(objects):
+    """The CRD schema embeds the Job schema of JobSet's own Kubernetes version; check ours too."""
+    jobsets = [o for o in objects if o["kind"] == "JobSet"]
+    assert len(jobsets) == 6  # per run: trainer, nccl-check, ep-bench
+    for jobset in jobsets:
+        for rjob in jobset["spec"]["replicatedJobs"]:
+            job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rjob["name"]},
+                   "spec": rjob["template"]["spec"]}
+            kubernetes_validate.validate(job, CLUSTER_VERSION, strict=True)
+
+
+def test_every_custom_resource_matches_its_crd_schema(objects):
+    custom = [o for o in objects if not is_core(o)]
+    assert {o["kind"] for o in custom} == {"JobSet", "ScaledObject", "TriggerAuthentication"}
+    for obj in custom:
+        assert crd_errors(obj) == [], obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("path, value, fragment", [
+    (("spec", "failurePolicy", "maxRestart"), 3, "'maxRestart' was unexpected"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0, "resource"), {},
+     "'resource' was unexpected"),
+    (("spec", "successPolicy", "operator"), "Most", "'Most' is not one of"),
+])
+def test_crd_validation_catches_typos_and_bad_values(objects, path, value, fragment):
+    jobset = copy.deepcopy(next(o for o in objects if o["kind"] == "JobSet"))
+    node = jobset
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert any(fragment in e for e in crd_errors(jobset)), crd_errors(jobset)
+
+
+def test_strict_core_validation_catches_a_misspelled_field(objects):
+    deployment = copy.deepcopy(next(o for o in objects if o["kind"] == "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="readOnlyRootFileSystem"):
+        kubernetes_validate.validate(deployment, CLUSTER_VERSION, strict=True)
+
+
+def test_crd_schema_files_name_their_source():
+    for name in CRD_SCHEMAS.values():
+        comment = json.loads((DATA / "crd_schemas" / name).read_text())["$comment"]
+        assert comment.startswith("openAPIV3Schema of ") and "github.com/" in comment
