@@ -123,7 +123,7 @@ class MoeRlCluster(Construct):
         cloudwatch_role = self.pod_identity_role(
             "CloudWatchAgentRole", managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(CLOUDWATCH_AGENT_POLICY)])
         Validations.of(cloudwatch_role).acknowledge(Acknowledgment(
-            id=f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{CLOUDWATCH_AGENT_POLICY}]",
+            id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{CLOUDWATCH_AGENT_POLICY}]",
             reason="The CloudWatch observability add-on documents this AWS managed policy for its agent; it only "
                    "writes metrics and logs and AWS keeps it current with the agent."))
         self._add_addon("amazon-cloudwatch-observability", pod_identities={"cloudwatch-agent": cloudwatch_role}
@@ -132,7 +132,7 @@ class MoeRlCluster(Construct):
 
     def _acknowledge_construct_library_findings(self) -> None:
         """cdk-nag findings on roles and functions aws_eks_v2 creates for us, each with why it is acceptable."""
-        managed = "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
+        managed = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
         _acknowledge(self.cluster.role, managed.format("AmazonEKSClusterPolicy"),
                      "The EKS service role policy EKS requires for the control plane; AWS maintains it.")
         for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryReadOnly", "AmazonEKS_CNI_Policy"):
@@ -148,11 +148,11 @@ class MoeRlCluster(Construct):
         has_ecr_public = Stack.of(self).get_logical_id(handler.node.find_child("HasEcrPublic"))
         ecr_public = ('{"Fn::If":["%s",{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},'
                       '":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}') % has_ecr_public
-        _acknowledge(provider, f"AwsSolutions-IAM4[Policy::{ecr_public}]",
+        _acknowledge(provider, f"AwsSolutions::AwsSolutions-IAM4[Policy::{ecr_public}]",
                      "Read-only ECR Public access of the kubectl provider (charts hosted on ECR Public), added by aws_eks_v2.")
-        _acknowledge(provider, f"AwsSolutions-IAM5[Resource::<{Stack.of(self).get_logical_id(handler.node.default_child)}.Arn>:*]",
+        _acknowledge(provider, f"AwsSolutions::AwsSolutions-IAM5[Resource::<{Stack.of(self).get_logical_id(handler.node.default_child)}.Arn>:*]",
                      "The provider framework may invoke any version of its own handler function, nothing else.")
-        _acknowledge(provider, "AwsSolutions-L1",
+        _acknowledge(provider, "AwsSolutions::AwsSolutions-L1",
                      "aws_eks_v2 pins the kubectl provider's runtime to the one its kubectl/helm layer is built for.")
 
     def pod_identity_role(self, id: str, **role_props) -> iam.Role:

@@ -76,7 +76,7 @@ class MoeRlNetwork(Construct):
                 name, service=service, private_dns_enabled=True,
                 subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS))
             Validations.of(endpoint).acknowledge(Acknowledgment(
-                id="AwsSolutions-EC23",
+                id="AwsSolutions::AwsSolutions-EC23",
                 reason="The endpoint's security group admits HTTPS from the VPC's own CIDR only; cdk-nag cannot "
                        "evaluate that CIDR because it is a reference to the VPC resource."))
         self.private_subnets: list[ec2.ISubnet] = list(self.vpc.private_subnets)

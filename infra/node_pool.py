@@ -22,7 +22,7 @@ _MIME_BOUNDARY = "==MOERL=="
 
 
 def network_interfaces(efa_interfaces: int, security_group_ids: list[str]) -> list[dict]:
-    """Launch-template interfaces: one per network card, EFA on every card when ``efa_interfaces`` > 0.
+    """Launch-template interfaces (CfnLaunchTemplate.NetworkInterfaceProperty arguments): one per network card, EFA on every card when ``efa_interfaces`` > 0.
 
     Card 0 / device 0 is the primary interface: EFA with ENA (``efa``) so the node keeps its IP networking;
     every other card carries an ``efa-only`` interface at device 1, which takes no IP address (no pod-IP
@@ -30,11 +30,8 @@ def network_interfaces(efa_interfaces: int, security_group_ids: list[str]) -> li
     has a SubnetId: the node group chooses the subnet.
     """
     def interface(card: int, kind: str | None) -> dict:
-        spec = {"NetworkCardIndex": card, "DeviceIndex": 0 if card == 0 else 1, "Groups": security_group_ids,
-                "DeleteOnTermination": True}
-        if kind:
-            spec["InterfaceType"] = kind
-        return spec
+        return {"network_card_index": card, "device_index": 0 if card == 0 else 1, "groups": security_group_ids,
+                "delete_on_termination": True, "interface_type": kind}
 
     if efa_interfaces == 0:
         return [interface(0, None)]
@@ -131,24 +128,25 @@ class EfaNodePool(Construct):
 
         self.placement_group = (ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
                                 if efa_interfaces else None)
-        data: dict = {
-            "NetworkInterfaces": network_interfaces(
-                efa_interfaces, [self.security_group.security_group_id, cluster.cluster_security_group_id]),
-            "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
-                                # 2 hops: containers (one hop behind the node) may read instance metadata.
-                                "HttpPutResponseHopLimit": 2},
-            "BlockDeviceMappings": [{"DeviceName": "/dev/xvda", "Ebs": {
-                "VolumeSize": root_volume_gib, "VolumeType": "gp3", "Encrypted": True, "DeleteOnTermination": True}}],
-            "UserData": base64.b64encode(
+        lt = ec2.CfnLaunchTemplate
+        sg_ids = [self.security_group.security_group_id, cluster.cluster_security_group_id]
+        data = lt.LaunchTemplateDataProperty(
+            network_interfaces=[lt.NetworkInterfaceProperty(**i) for i in network_interfaces(efa_interfaces, sg_ids)],
+            # 2 hops: containers (one hop behind the node) may read instance metadata.
+            metadata_options=lt.MetadataOptionsProperty(http_tokens="required", http_endpoint="enabled",
+                                                        http_put_response_hop_limit=2),
+            block_device_mappings=[lt.BlockDeviceMappingProperty(device_name="/dev/xvda", ebs=lt.EbsProperty(
+                volume_size=root_volume_gib, volume_type="gp3", encrypted=True, delete_on_termination=True))],
+            user_data=base64.b64encode(
                 user_data(hugepages_2mi=hugepages_2mi, local_nvme=self.spec.local_nvme).encode()).decode(),
-        }
-        if self.placement_group is not None:
-            data["Placement"] = {"GroupName": self.placement_group.ref}
-        if capacity_reservation_id:
-            data["CapacityReservationSpecification"] = {
-                "CapacityReservationTarget": {"CapacityReservationId": capacity_reservation_id}}
-        if capacity_type == "CAPACITY_BLOCK":
-            data["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+            placement=(lt.PlacementProperty(group_name=self.placement_group.ref)
+                       if self.placement_group is not None else None),
+            capacity_reservation_specification=(lt.CapacityReservationSpecificationProperty(
+                capacity_reservation_target=lt.CapacityReservationTargetProperty(
+                    capacity_reservation_id=capacity_reservation_id)) if capacity_reservation_id else None),
+            instance_market_options=(lt.InstanceMarketOptionsProperty(market_type="capacity-block")
+                                     if capacity_type == "CAPACITY_BLOCK" else None),
+        )
         self.launch_template = ec2.CfnLaunchTemplate(self, "LaunchTemplate", launch_template_data=data)
 
         # nvidia.com/gpu.present is what the NVIDIA device plugin's DaemonSet selects nodes by.
@@ -191,7 +189,7 @@ class EfaNodePool(Construct):
                         managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p) for p in NODE_POLICIES])
         for policy in NODE_POLICIES:
             Validations.of(role).acknowledge(Acknowledgment(
-                id=f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
+                id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
                 reason=f"{policy} is the AWS managed policy EKS documents for node roles; AWS keeps it in step "
                        "with what the kubelet, the VPC CNI and image pulls need."))
         return role

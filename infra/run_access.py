@@ -64,10 +64,10 @@ class RunAccess(Construct):
             policy = self.roles[role].node.find_child("DefaultPolicy")
             for prefix in prefixes:
                 Validations.of(policy).acknowledge(Acknowledgment(
-                    id=f"AwsSolutions-IAM5[Resource::{bucket_arn}/{prefix}*]",
+                    id=f"AwsSolutions::AwsSolutions-IAM5[Resource::{bucket_arn}/{prefix}*]",
                     reason=f"Objects under the {prefix} prefix the {role} owns or reads; object keys are only known at run time."))
         Validations.of(self.roles["trainer"].node.find_child("DefaultPolicy")).acknowledge(Acknowledgment(
-            id="AwsSolutions-IAM5[Resource::*]",
+            id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
             reason="cloudwatch:PutMetricData has no resource type; the statement is limited to one metric namespace by condition."))
 
     def _fsx_volume(self, cluster: eks.Cluster, namespace: str, file_system: fsx.LustreFileSystem) -> None:

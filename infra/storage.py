@@ -58,7 +58,7 @@ class MoeRlStorage(Construct):
             lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(365),
                                               noncurrent_version_expiration=Duration.days(30))])
         Validations.of(access_logs).acknowledge(Acknowledgment(
-            id="AwsSolutions-S1",
+            id="AwsSolutions::AwsSolutions-S1",
             reason="This is the access-log bucket itself; logging it to another bucket would only move the question."))
         self.bucket = s3.Bucket(
             self, "Bucket",
