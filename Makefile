@@ -76,5 +76,12 @@ manifests-examples: $(STAMP)
 	for f in $$(grep -l '^environment: *[a-z]' configs/runs/*.yaml); do \
 	  $(PY) -m moe_rl_eks.core.cli manifests --run $$f --outputs $(EXAMPLE_OUTPUTS) --out dist; done
 
+# EP dispatch + combine throughput per backend, after DeepEP's method; results go in workloads/BENCHMARKS.md.
+# Arguments: make bench-ep BENCH_EP_ARGS="--ranks 2 4 --reps 3" (see moerl bench-ep --help).
+.PHONY: bench-ep
+BENCH_EP_ARGS ?= --ranks 2
+bench-ep: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-ep $(BENCH_EP_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

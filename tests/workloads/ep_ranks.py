@@ -54,15 +54,15 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "
         return torch.load(out_file)
 
 
-def _batch(rank: int, scenario: str, world: int, device) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+def _batch(rank: int, scenario: str, world: int, device, config: ModelConfig):
     gen = torch.Generator().manual_seed(100 + rank)
     sequences = 0 if scenario == "rank_sends_none" and rank == world - 1 else 2
-    ids = torch.randint(0, CONFIG.vocab_size, (sequences, 8), generator=gen)
+    ids = torch.randint(0, config.vocab_size, (sequences, 8), generator=gen)
     replay = None
     if scenario == "skewed":
         # Every token of every rank to experts 0 and 1 (rank 0's): the other ranks' experts get nothing and
         # rank 0 sends to nobody else.
-        replay = [torch.tensor([0, 1]).expand(sequences, 8, 2).to(device) for _ in range(CONFIG.num_hidden_layers)]
+        replay = [torch.tensor([0, 1]).expand(sequences, 8, 2).to(device) for _ in range(config.num_hidden_layers)]
     return ids.to(device), replay
 
 
@@ -78,20 +78,20 @@ def _gather_objects(obj, world):
 
 
 def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: str, dtype_name: str,
-                     scenarios: tuple[str, ...]) -> dict:
+                     scenarios: tuple[str, ...], config: ModelConfig = CONFIG) -> dict:
     """For each scenario and backend: every rank's logits, the total loss and the full gradients, run as
     `local` (one process, all ranks' batches, same weights) or EP over this group."""
     dtype = getattr(torch, dtype_name)
     if device == "cuda":
         torch.cuda.set_device(0)
     torch.manual_seed(0)
-    full = MoETransformer(CONFIG).state_dict()
+    full = MoETransformer(config).state_dict()
     results: dict = {}
     for scenario in scenarios:
-        batches = [_batch(r, scenario, world, device) for r in range(world)]
+        batches = [_batch(r, scenario, world, device, config) for r in range(world)]
         for backend in backends:
             if backend == "local":
-                model = MoETransformer(CONFIG).to(device, dtype)
+                model = MoETransformer(config).to(device, dtype)
                 model.load_state_dict(full)
                 outs = [model(ids, routing_replay=replay) for ids, replay in batches]
                 logits = [o.logits.detach().float().cpu() for o in outs]
@@ -101,7 +101,7 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
                 results[scenario, backend] = dict(logits=logits, loss=loss.item(), grads=grads)
                 continue
             ep = ExpertParallel(dist.group.WORLD, backend, device=device)
-            model = MoETransformer(CONFIG, ep=ep).to(device, dtype)
+            model = MoETransformer(config, ep=ep).to(device, dtype)
             model.load_full_state_dict(full)
             ids, replay = batches[rank]
             out = model(ids, routing_replay=replay)

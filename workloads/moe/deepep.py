@@ -95,11 +95,14 @@ class DeepEPDispatcher(Dispatcher):
         x_sorted, counts, permute_handle = self.compute.permute(recv_x, slot_ids, self.num_local_experts + 1)
         rows = sum(info["counts"])  # DeepEP returns the per-expert counts on the host: no extra sync
         weights_here = torch.where(local, recv_weights, 0.0)
-        handle = (permute_handle, weights_here, info["handle"], x_sorted.shape[0])
+        handle = (permute_handle, weights_here, info["handle"], x_sorted.shape[0], recv_x.shape[0])
         return x_sorted[:rows], counts[:self.num_local_experts], handle
 
     def combine(self, y_sorted, handle):
-        permute_handle, weights_here, deepep_handle, all_slots = handle
+        permute_handle, weights_here, deepep_handle, all_slots, _ = handle
         padded = torch.cat([y_sorted, y_sorted.new_zeros(all_slots - y_sorted.shape[0], y_sorted.shape[1])])
         per_token = self.compute.unpermute(padded, weights_here, permute_handle)
         return _Combine.apply(per_token, self.buffer, deepep_handle)
+
+    def received_rows(self, handle):
+        return handle[4]  # one row per (token, this rank), however many of its experts are here

@@ -29,6 +29,10 @@ class Dispatcher(ABC):
     def combine(self, y_sorted: torch.Tensor, handle: Any) -> torch.Tensor:
         """Expert outputs [N, h] (same order as dispatch gave) -> [T, h] = sum_j weights[t, j] * y of (t, j)."""
 
+    @abstractmethod
+    def received_rows(self, handle: Any) -> int:
+        """Rows of h values the dispatch that made `handle` delivered to this rank (its traffic, for metrics)."""
+
 
 class LocalDispatcher(Dispatcher):
     def __init__(self, compute: MoECompute, num_experts: int):
@@ -41,6 +45,9 @@ class LocalDispatcher(Dispatcher):
     def combine(self, y_sorted, handle):
         permute_handle, weights = handle
         return self.compute.unpermute(y_sorted, weights, permute_handle)
+
+    def received_rows(self, handle):
+        return handle[0][0].numel()  # every (token, slot) pair, though none crossed a network
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -110,3 +117,6 @@ class AllToAllDispatcher(Dispatcher):
         source_major = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)
         returned = _AllToAll.apply(source_major, send_splits, recv_splits, self.group)
         return self.compute.unpermute(returned, weights, permute_handle)
+
+    def received_rows(self, handle):
+        return sum(handle[4])
