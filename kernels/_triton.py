@@ -1,0 +1,33 @@
+"""What every kernel module shares: the interpreter switch and the device check."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET=1 (the CPU test path) decides at import time how kernels are built.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Triton 3.7.1's interpreter multiplies bf16 operands of tl.dot as raw uint16 bits, so under the interpreter the
+# operands are widened to fp32 first; compiled kernels keep bf16 operands for the tensor cores.
+UPCAST_DOT = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot_acc(a, b, acc):
+    """acc + a @ b with fp32 accumulation."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or INTERPRET):
+        raise ValueError(f"{name} is on {t.device}; the triton backend needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 to run its kernels on the CPU)")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))

@@ -1,0 +1,25 @@
+"""The `triton` MoE compute backend: the MoECompute contract of moe_rl_eks.workloads.moe.compute, on the kernels of
+this package. kernels never imports workloads; `spec` is any object with RoutingSpec's attributes."""
+from __future__ import annotations
+
+import torch
+
+from .grouped_gemm import swiglu_experts
+from .permute import PermuteHandle, permute, unpermute
+from .routing import route
+
+
+class TritonCompute:
+    """Routing, permutation and SwiGLU experts as Triton kernels with autograd; no host synchronisation."""
+
+    def route(self, logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, spec, bias)
+
+    def permute(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermuteHandle]:
+        return permute(x, ids, num_experts)
+
+    def unpermute(self, y_sorted: torch.Tensor, weights: torch.Tensor, handle: PermuteHandle) -> torch.Tensor:
+        return unpermute(y_sorted, weights, handle)
+
+    def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return swiglu_experts(x_sorted, counts, w13, w2)
