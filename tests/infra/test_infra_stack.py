@@ -1,0 +1,208 @@
+"""What the synthesized dev and prod stacks contain, per construct (aws_cdk.assertions on the CLI's templates)."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from aws_cdk.assertions import Match, Template
+
+from moe_rl_eks.core import cluster as names
+from moe_rl_eks.core import metrics
+from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.infra.services import CHARTS
+
+from infra_helpers import helm_charts, join_string, kubernetes_objects, pool, resources_of
+
+
+@pytest.mark.parametrize("env,role,instance_type,efa", [
+    ("dev", "trainer", "p5.48xlarge", 32),
+    ("prod", "trainer", "p5en.48xlarge", 16),
+    ("prod", "rollout", "p5e.48xlarge", 32),
+])
+def test_efa_pool_has_every_efa_interface_card0_efa_then_efa_only(templates, env, role, instance_type, efa):
+    props, data = pool(templates[env], role)
+    assert props["InstanceTypes"] == [instance_type] and CATALOG[instance_type].efa_interfaces == efa
+    layout = [(i["NetworkCardIndex"], i["DeviceIndex"], i["InterfaceType"]) for i in data["NetworkInterfaces"]]
+    assert layout == [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, efa)]
+    for interface in data["NetworkInterfaces"]:
+        assert "SubnetId" not in interface
+        # The pool's own security group and the cluster security group on every interface.
+        assert interface["Groups"][1]["Fn::GetAtt"][1] == "ClusterSecurityGroupId"
+        assert len(interface["Groups"]) == 2
+    assert "SecurityGroupIds" not in data and "SubnetId" not in json.dumps(data)
+
+
+def test_efa_pool_placement_group_is_cluster_strategy(templates):
+    template = Template.from_json(templates["dev"])
+    template.resource_count_is("AWS::EC2::PlacementGroup", 1)  # the trainer's; the dev rollout pool opts out of EFA
+    template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
+    _, data = pool(templates["dev"], "trainer")
+    assert templates["dev"]["Resources"][data["Placement"]["GroupName"]["Ref"]]["Type"] == "AWS::EC2::PlacementGroup"
+    _, rollout = pool(templates["dev"], "rollout")
+    assert "Placement" not in rollout
+    assert [(i["NetworkCardIndex"], i["DeviceIndex"], i.get("InterfaceType")) for i in rollout["NetworkInterfaces"]] == [(0, 0, None)]
+
+
+def test_efa_pool_security_group_allows_all_traffic_to_and_from_itself(templates):
+    template = templates["prod"]
+    _, data = pool(template, "trainer")
+    sg = data["NetworkInterfaces"][0]["Groups"][0]["Fn::GetAtt"][0]
+    ingress = [r["Properties"] for r in resources_of(template, "AWS::EC2::SecurityGroupIngress").values()
+               if r["Properties"]["GroupId"] == {"Fn::GetAtt": [sg, "GroupId"]}]
+    egress = [r["Properties"] for r in resources_of(template, "AWS::EC2::SecurityGroupEgress").values()
+              if r["Properties"]["GroupId"] == {"Fn::GetAtt": [sg, "GroupId"]}]
+    assert [(r["IpProtocol"], r["SourceSecurityGroupId"]) for r in ingress] == [("-1", {"Fn::GetAtt": [sg, "GroupId"]})]
+    assert [(r["IpProtocol"], r["DestinationSecurityGroupId"]) for r in egress] == [("-1", {"Fn::GetAtt": [sg, "GroupId"]})]
+    # No other egress: allow_all_outbound is off on the pool group (the cluster group carries node egress).
+    assert template["Resources"][sg]["Properties"].get("SecurityGroupEgress") in (None, [])
+
+
+def test_gpu_pools_require_imdsv2_encrypted_gp3_root_and_nodeadm_user_data(templates):
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            props, data = pool(templates[env], role)
+            assert data["MetadataOptions"] == {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 2}
+            ebs = data["BlockDeviceMappings"][0]["Ebs"]
+            assert (ebs["VolumeType"], ebs["Encrypted"], ebs["VolumeSize"]) == ("gp3", True, 200)
+            user_data = base64.b64decode(data["UserData"]).decode()
+            assert "kind: NodeConfig" in user_data and "strategy: RAID0" in user_data
+            assert "vm.nr_hugepages = 5120" in user_data
+
+
+def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templates):
+    template = Template.from_json(templates["prod"])
+    template.has_resource_properties("AWS::EKS::Nodegroup", {
+        "AmiType": "AL2023_x86_64_NVIDIA", "InstanceTypes": ["p5en.48xlarge"], "CapacityType": "CAPACITY_BLOCK",
+        "Labels": {"moe-rl/role": "trainer", "vpc.amazonaws.com/efa.present": "true", "nvidia.com/gpu.present": "true"},
+        "Taints": [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_SCHEDULE"}],
+        "ScalingConfig": {"MinSize": 0, "DesiredSize": 4, "MaxSize": 16},
+    })
+    props, data = pool(templates["prod"], "trainer")
+    assert len(props["Subnets"]) == 1
+    assert data["CapacityReservationSpecification"] == {"CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
+    assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    dev_rollout, _ = pool(templates["dev"], "rollout")
+    assert "vpc.amazonaws.com/efa.present" not in dev_rollout["Labels"]
+
+
+def test_gpu_pools_carry_cluster_autoscaler_node_template_tags(templates):
+    props, _ = pool(templates["prod"], "trainer")
+    prefix = "k8s.io/cluster-autoscaler/node-template"
+    assert props["Tags"][f"{prefix}/resources/nvidia.com/gpu"] == "8"
+    assert props["Tags"][f"{prefix}/resources/vpc.amazonaws.com/efa"] == "16"
+    assert props["Tags"][f"{prefix}/resources/hugepages-2Mi"] == "10240Mi"
+    assert props["Tags"][f"{prefix}/label/moe-rl/role"] == "trainer"
+    assert props["Tags"][f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
+
+
+def test_cluster_is_private_logs_everything_and_encrypts_secrets(templates):
+    template = Template.from_json(templates["dev"])
+    template.has_resource_properties("AWS::EKS::Cluster", {
+        "ResourcesVpcConfig": Match.object_like({"EndpointPublicAccess": False, "EndpointPrivateAccess": True}),
+        "Logging": {"ClusterLogging": {"EnabledTypes": Match.array_with([
+            {"Type": t} for t in ("api", "audit", "authenticator", "controllerManager", "scheduler")])}},
+        "EncryptionConfig": [{"Provider": {"KeyArn": Match.any_value()}, "Resources": ["secrets"]}],
+    })
+
+
+def test_cluster_addons_and_admin_access_entry(templates):
+    addons = {r["Properties"]["AddonName"]: r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::Addon").values()}
+    assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
+                           "amazon-cloudwatch-observability"}
+    assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
+    major, minor, patch = (int(x) for x in addons["vpc-cni"]["AddonVersion"].lstrip("v").split("-")[0].split("."))
+    assert (major, minor, patch) >= (1, 18, 5)  # first version that leaves efa-only interfaces alone
+    assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
+    admin = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::AccessEntry").values()
+             if r["Properties"]["PrincipalArn"] == "arn:aws:iam::222222222222:role/PlatformAdmin"]
+    assert [join_string(p["PolicyArn"]).rsplit("/", 1)[-1] for p in admin[0]["AccessPolicies"]] == ["AmazonEKSClusterAdminPolicy"]
+    assert admin[0]["AccessPolicies"][0]["AccessScope"] == {"Type": "cluster"}
+
+
+def test_cluster_services_are_pinned_and_configured_for_efa(templates):
+    charts = helm_charts(templates["prod"])
+    assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in CHARTS.items()}
+    assert charts["nvidia-device-plugin"]["Values"]["mofedEnabled"] is False
+    efa_types = charts["aws-efa-k8s-device-plugin"]["Values"]["supportedInstanceLabels"]["values"]
+    assert set(efa_types) == {n for n, t in CATALOG.items() if t.has_efa}
+    assert charts["cluster-autoscaler"]["Values"]["rbac"]["serviceAccount"] == {"create": False, "name": "cluster-autoscaler"}
+
+
+def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates):
+    objects = kubernetes_objects(templates["prod"])
+    by_kind = {}
+    for o in objects:
+        by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+    for role, max_nodes, spec in (("trainer", 16, CATALOG["p5en.48xlarge"]), ("rollout", 8, CATALOG["p5e.48xlarge"])):
+        queue = by_kind["ClusterQueue"][names.cluster_queue(role)]
+        quota = {r["name"]: r["nominalQuota"] for r in queue["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
+        assert quota["nvidia.com/gpu"] == spec.gpus * max_nodes
+        assert quota["vpc.amazonaws.com/efa"] == spec.efa_interfaces * max_nodes
+        local = by_kind["LocalQueue"][names.local_queue(role)]
+        assert (local["metadata"]["namespace"], local["spec"]["clusterQueue"]) == ("moe-rl", names.cluster_queue(role))
+    assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
+    assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
+    assert "moe-rl" in by_kind["Namespace"]
+    claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
+    assert claim["metadata"]["namespace"] == "moe-rl"
+    assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"
+
+
+def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcard_actions(templates):
+    template = templates["prod"]
+    associations = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in
+                    resources_of(template, "AWS::EKS::PodIdentityAssociation").values()}
+    run_accounts = (names.TRAINER_SERVICE_ACCOUNT, names.ORCHESTRATOR_SERVICE_ACCOUNT, names.ROLLOUT_SERVICE_ACCOUNT)
+    for sa in run_accounts:
+        assert associations[sa]["Namespace"] == "moe-rl"
+        role = associations[sa]["RoleArn"]["Fn::GetAtt"][0]
+        policies = [p for p in resources_of(template, "AWS::IAM::Policy").values()
+                    if {"Ref": role} in p["Properties"]["Roles"]]
+        actions = [a for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"]
+                   for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])]
+        assert actions and not [a for a in actions if "*" in a], (sa, actions)
+
+
+def test_storage_bucket_fsx_and_repositories(templates):
+    template = Template.from_json(templates["prod"])
+    template.has_resource_properties("AWS::S3::Bucket", {
+        "BucketEncryption": {"ServerSideEncryptionConfiguration": [Match.object_like({
+            "ServerSideEncryptionByDefault": Match.object_like({"SSEAlgorithm": "aws:kms"})})]},
+        "VersioningConfiguration": {"Status": "Enabled"},
+        "LoggingConfiguration": Match.object_like({"DestinationBucketName": Match.any_value()}),
+        "LifecycleConfiguration": {"Rules": Match.array_with([Match.object_like({"Prefix": "rollout-logs/"})])},
+    })
+    template.has_resource_properties("AWS::S3::BucketPolicy", {"PolicyDocument": {"Statement": Match.array_with([
+        Match.object_like({"Effect": "Deny", "Condition": {"Bool": {"aws:SecureTransport": "false"}}})])}})
+    template.has_resource_properties("AWS::FSx::FileSystem", {
+        "FileSystemType": "LUSTRE", "StorageCapacity": 4800,
+        "LustreConfiguration": Match.object_like({"DeploymentType": "PERSISTENT_2", "PerUnitStorageThroughput": 500})})
+    template.has_resource_properties("AWS::FSx::DataRepositoryAssociation", {"FileSystemPath": "/data"})
+    template.resource_count_is("AWS::ECR::Repository", 2)
+    template.all_resources_properties("AWS::ECR::Repository", {
+        "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
+    fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]
+    trainer, _ = pool(templates["prod"], "trainer")
+    assert fs["SubnetIds"] == trainer["Subnets"]  # the file system lives in the GPU zone
+
+
+def test_observability_alarms_dashboard_prometheus_rules_and_alert_routing(templates):
+    template = Template.from_json(templates["prod"])
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {"MetricName": "node_gpu_temperature", "Namespace": "ContainerInsights"})
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {"MetricName": "node_efa_rx_dropped"})
+    template.resource_count_is("AWS::CloudWatch::Dashboard", 1)
+    rules = next(iter(resources_of(templates["prod"], "AWS::APS::RuleGroupsNamespace").values()))["Properties"]["Data"]
+    for alert, metric in (("TrainerStalled", metrics.TRAINER_LAST_STEP_TIMESTAMP), ("TrainerStraggler", metrics.STRAGGLER_RATIO),
+                          ("RolloutBacklog", metrics.ROLLOUT_QUEUE_DEPTH)):
+        assert f"alert: {alert}" in rules and metric.name in rules
+    workspace = next(iter(resources_of(templates["prod"], "AWS::APS::Workspace").values()))["Properties"]
+    assert "sns_configs" in join_string(workspace["AlertManagerDefinition"])
+    template.resource_count_is("AWS::APS::Scraper", 1)
+
+
+def test_stack_outputs_use_the_shared_keys(templates):
+    outputs = templates["prod"]["Outputs"]
+    for key in (names.OUTPUT_CLUSTER_NAME, names.OUTPUT_BUCKET_NAME, names.OUTPUT_TRAINER_REPOSITORY_URI,
+                names.OUTPUT_ROLLOUT_REPOSITORY_URI, names.OUTPUT_PROMETHEUS_ENDPOINT):
+        assert key in outputs
