@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 # nccl-tests' bus bandwidth factors: bytes each rank moves over the slowest link per byte of payload.
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
-NET_MARKERS = (("Selected provider is efa", "efa"), ("NET/OFI", "ofi"), ("NET/IB", "ib"), ("NET/Socket", "socket"))
+# NCCL's INFO lines, most specific first: a plugin that loads and then fails still logs NET/OFI lines before
+# NCCL falls back to sockets.
+NET_MARKERS = (("Selected provider is efa", "efa"), ("NET/Socket", "socket"), ("NET/IB", "ib"), ("NET/OFI", "ofi"))
 
 
 def run_op(op: str, buf: torch.Tensor, out: torch.Tensor) -> None:
