@@ -48,8 +48,9 @@ def build(run_path: Path, env_name: str | None, outputs_path: Path | None, cdk_j
     env = select_environment(envs, env_name)
     resolved = resolve_run(run, env, source=source)
     if outputs_path is None:
-        raise ConfigError("--outputs", "", None, "the ECR repositories and the Prometheus endpoint exist only after "
-                          "`cdk deploy`: pass its --outputs-file (the tests use tests/k8s/data/outputs.example.json)")
+        raise ConfigError(source, "--outputs", None, "required: the ECR repositories and the Prometheus endpoint "
+                          "exist only after `cdk deploy`; pass its --outputs-file (the tests use "
+                          "tests/k8s/data/outputs.example.json)")
     outputs = load_outputs(outputs_path, env)
     autoscaled = run.rollout.max_servers > run.rollout.min_servers
     if autoscaled and outputs.prometheus_endpoint is None:
