@@ -32,7 +32,8 @@ def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(source, "", None, "outputs file not found; write it with `cdk deploy --outputs-file`") from None
+        raise ConfigError(source, "", None,
+                          "outputs file not found; write it with `cdk deploy --outputs-file`") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(source, "", None, f"not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):

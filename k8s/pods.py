@@ -94,9 +94,6 @@ def container_security(extra_capabilities: tuple[str, ...] = ()) -> k8s.Security
     )
 
 
-def pod_security() -> k8s.PodSecurityContext:
-    return k8s.PodSecurityContext(run_as_non_root=True, run_as_user=UID, run_as_group=UID, fs_group=UID,
-                                  seccomp_profile=k8s.SeccompProfile(type="RuntimeDefault"))
 
 
 def efa_capabilities(size: PodSize) -> tuple[str, ...]:
@@ -129,6 +126,19 @@ def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: boo
             medium="Memory", size_limit=k8s.Quantity.from_string(f"{shm_gib}Gi"))))
         mounts.append(k8s.VolumeMount(name="dshm", mount_path="/dev/shm"))
     return Volumes(volumes, mounts)
+
+
+def pod_spec(container: k8s.Container, volumes: Volumes, *, service_account: str, priority_class: str,
+             **extra) -> k8s.PodSpec:
+    """Every pod of a run: one container, non-root under RuntimeDefault seccomp, and no Kubernetes API token
+    (Pod Identity injects its own AWS token; nothing here talks to the API server)."""
+    return k8s.PodSpec(
+        containers=[container], volumes=volumes.volumes, service_account_name=service_account,
+        automount_service_account_token=False, priority_class_name=priority_class,
+        security_context=k8s.PodSecurityContext(
+            run_as_non_root=True, run_as_user=UID, run_as_group=UID, fs_group=UID,
+            seccomp_profile=k8s.SeccompProfile(type="RuntimeDefault")),
+        **extra)
 
 
 # Writable locations a read-only root filesystem leaves: everything that caches goes under /tmp.

@@ -18,7 +18,7 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
-    efa_capabilities, env_vars, gpu_placement, pod_security, rollout_size, standard_volumes
+    efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, standard_volumes
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -114,39 +114,33 @@ class RunChart(cdk8s.Chart):
             lifecycle=k8s.Lifecycle(pre_stop=k8s.LifecycleHandler(
                 sleep=k8s.SleepAction(seconds=deploy.rollout_drain_seconds))),
         )
+        match = k8s.LabelSelector(match_labels=selector(self.name, "rollout"))
+        pod = pod_spec(
+            container, volumes, service_account=cluster.ROLLOUT_SERVICE_ACCOUNT,
+            priority_class=cluster.ROLLOUT_PRIORITY_CLASS,
+            termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
+            # Spread servers over nodes: one lost node takes few of them.
+            topology_spread_constraints=[k8s.TopologySpreadConstraint(
+                max_skew=1, topology_key="kubernetes.io/hostname", when_unsatisfiable="ScheduleAnyway",
+                label_selector=match)],
+            **gpu_placement("rollout"))
         autoscaled = rollout.max_servers > rollout.min_servers
-        k8s.KubeDeployment(self, "rollout", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
-                           spec=k8s.DeploymentSpec(
-                               # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
-                               replicas=None if autoscaled else rollout.min_servers,
-                               selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout")),
-                               strategy=k8s.DeploymentStrategy(type="RollingUpdate", rolling_update=k8s.RollingUpdateDeployment(
-                                   max_surge=k8s.IntOrString.from_number(0),  # GPUs are full; replace in place
-                                   max_unavailable=k8s.IntOrString.from_number(1))),
-                               template=k8s.PodTemplateSpec(
-                                   metadata=k8s.ObjectMeta(labels=pod_labels),
-                                   spec=k8s.PodSpec(
-                                       containers=[container],
-                                       volumes=volumes.volumes,
-                                       service_account_name=cluster.ROLLOUT_SERVICE_ACCOUNT,
-                                       automount_service_account_token=False,
-                                       priority_class_name=cluster.ROLLOUT_PRIORITY_CLASS,
-                                       security_context=pod_security(),
-                                       termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
-                                       topology_spread_constraints=[k8s.TopologySpreadConstraint(
-                                           # Spread servers over nodes: one lost node takes few of them.
-                                           max_skew=1, topology_key="kubernetes.io/hostname",
-                                           when_unsatisfiable="ScheduleAnyway",
-                                           label_selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout")))],
-                                       **gpu_placement("rollout")))))
+        spec = k8s.DeploymentSpec(
+            # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
+            replicas=None if autoscaled else rollout.min_servers,
+            selector=match,
+            # The GPUs are taken: replace servers one at a time instead of surging.
+            strategy=k8s.DeploymentStrategy(type="RollingUpdate", rolling_update=k8s.RollingUpdateDeployment(
+                max_surge=k8s.IntOrString.from_number(0), max_unavailable=k8s.IntOrString.from_number(1))),
+            template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=pod_labels), spec=pod))
+        k8s.KubeDeployment(self, "rollout", metadata=k8s.ObjectMeta(name=name, labels=pod_labels), spec=spec)
         k8s.KubeService(self, "rollout-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                         spec=k8s.ServiceSpec(cluster_ip="None", selector=selector(self.name, "rollout"),
                                              ports=[k8s.ServicePort(name="http", port=cluster.ROLLOUT_PORT,
                                                                     target_port=k8s.IntOrString.from_string("http"))]))
         k8s.KubePodDisruptionBudget(self, "rollout-pdb", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
-                                    spec=k8s.PodDisruptionBudgetSpec(
-                                        max_unavailable=k8s.IntOrString.from_number(1),
-                                        selector=k8s.LabelSelector(match_labels=selector(self.name, "rollout"))))
+                                    spec=k8s.PodDisruptionBudgetSpec(max_unavailable=k8s.IntOrString.from_number(1),
+                                                                     selector=match))
         if autoscaled:
             self._autoscaler(name, pod_labels)
 
@@ -208,14 +202,10 @@ class RunChart(cdk8s.Chart):
                                selector=k8s.LabelSelector(match_labels=selector(self.name, "orchestrator")),
                                template=k8s.PodTemplateSpec(
                                    metadata=k8s.ObjectMeta(labels=pod_labels),
-                                   spec=k8s.PodSpec(
-                                       containers=[container],
-                                       volumes=volumes.volumes,
-                                       service_account_name=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
-                                       automount_service_account_token=False,
+                                   spec=pod_spec(
+                                       container, volumes, service_account=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
                                        # It drives the whole run: it must not be preempted by rollout servers.
-                                       priority_class_name=cluster.TRAINER_PRIORITY_CLASS,
-                                       security_context=pod_security()))))
+                                       priority_class=cluster.TRAINER_PRIORITY_CLASS))))
         k8s.KubeService(self, "orchestrator-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                         spec=k8s.ServiceSpec(selector=selector(self.name, "orchestrator"),
                                              ports=[k8s.ServicePort(name="http", port=cluster.ORCHESTRATOR_PORT,

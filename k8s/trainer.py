@@ -14,12 +14,12 @@ import cdk8s
 from cdk8s_plus_33 import k8s
 from constructs import Construct
 
-from moe_rl_eks.core import cluster, labels
+from moe_rl_eks.core import cluster
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
 from .pods import CACHE_ENV, PULL_POLICY, container_security, efa_capabilities, env_vars, gpu_placement, \
-    pod_security, standard_volumes, trainer_size
+    pod_spec, standard_volumes, trainer_size
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -71,17 +71,10 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
         security_context=container_security(efa_capabilities(size)),
         volume_mounts=volumes.mounts,
     )
-    pod = k8s.PodSpec(
-        containers=[container],
-        volumes=volumes.volumes,
-        restart_policy="Never",
-        service_account_name=cluster.TRAINER_SERVICE_ACCOUNT,
-        automount_service_account_token=False,  # Pod Identity injects its own token; the API token is not needed
-        priority_class_name=cluster.TRAINER_PRIORITY_CLASS,
-        security_context=pod_security(),
-        termination_grace_period_seconds=120,  # SIGTERM writes a checkpoint
-        **gpu_placement("trainer"),
-    )
+    pod = pod_spec(container, volumes, service_account=cluster.TRAINER_SERVICE_ACCOUNT,
+                   priority_class=cluster.TRAINER_PRIORITY_CLASS, restart_policy="Never",
+                   termination_grace_period_seconds=120,  # SIGTERM writes a checkpoint
+                   **gpu_placement("trainer"))
     job_spec = k8s.JobSpec(
         parallelism=nodes, completions=nodes, completion_mode="Indexed", backoff_limit=0,
         template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=job.pod_labels), spec=pod))
@@ -91,8 +84,9 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
                         cluster_ip="None",
                         publish_not_ready_addresses=True,  # ranks rendezvous before any of them is ready
                         selector={"jobset.sigs.k8s.io/jobset-name": job.name},
-                        ports=[k8s.ServicePort(name="rendezvous", port=cluster.TRAINER_RENDEZVOUS_PORT,
-                                               target_port=k8s.IntOrString.from_number(cluster.TRAINER_RENDEZVOUS_PORT))]))
+                        ports=[k8s.ServicePort(
+                            name="rendezvous", port=cluster.TRAINER_RENDEZVOUS_PORT,
+                            target_port=k8s.IntOrString.from_number(cluster.TRAINER_RENDEZVOUS_PORT))]))
     jobset = cdk8s.ApiObject(scope, f"{job.name}-jobset", api_version=JOBSET_API, kind="JobSet",
                              metadata=cdk8s.ApiObjectMetadata(
                                  name=job.name,
