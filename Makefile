@@ -83,5 +83,10 @@ BENCH_EP_ARGS ?= --ranks 2
 bench-ep: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-ep $(BENCH_EP_ARGS)
 
+# MoE layer, torch vs triton compute backend, on one GPU; results go in kernels/BENCHMARKS.md.
+.PHONY: bench-kernels
+bench-kernels: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-kernels $(BENCH_KERNELS_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

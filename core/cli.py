@@ -10,6 +10,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "synth-summary": ("moe_rl_eks.infra.summary", "main", "summarise the synthesized CloudFormation in cdk.out/"),
     "manifests": ("moe_rl_eks.k8s.manifests", "main", "write a run's Kubernetes manifests to dist/<env>/<run>/"),
     "bench-ep": ("moe_rl_eks.workloads.bench_ep", "main", "EP dispatch + combine throughput per backend (DeepEP method)"),
+    "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
 }
 
 

@@ -39,7 +39,16 @@ def _first_argmax(values, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, scaling,
+def _first_argmax_free(values, taken, cols, E: tl.constexpr, BLOCK: tl.constexpr):
+    """Like _first_argmax over the real columns not yet taken, so k picks stay distinct even when fewer than k
+    experts have a finite score (a -inf bias forbids experts)."""
+    free = (taken == 0) & (cols[None, :] < E)
+    best = tl.max(tl.where(free, values, float("-inf")), axis=1)
+    return tl.min(tl.where(free & (values == best[:, None]), cols[None, :], BLOCK), axis=1)
+
+
+@triton.jit
+def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, stride_bias_t, scaling,
                       E: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -48,8 +57,10 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, s
     cols = tl.arange(0, BLOCK_E)
     scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID)
     select = scores
-    if HAS_BIAS:
-        select = select + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # [E] (stride_bias_t = 0) or per token [T, E]
+        bias_mask = (rows[:, None] < T) & (cols[None, :] < E)
+        select = select + tl.load(bias_ptr + rows[:, None] * stride_bias_t + cols[None, :], mask=bias_mask,
+                                  other=0.0).to(tl.float32)
     select = tl.where(cols[None, :] < E, select, float("-inf"))
 
     if N_GROUP > 1:
@@ -58,10 +69,11 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, s
         group_score = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
         for g in tl.static_range(N_GROUP):
             in_group = tl.where(group_of[None, :] == g, select, float("-inf"))
-            top1 = tl.max(in_group, axis=1)
-            first = _first_argmax(in_group, cols, BLOCK_E)
-            top2 = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), in_group), axis=1)
-            group_score = tl.where(gcols[None, :] == g, (top1 + top2)[:, None], group_score)
+            score = tl.max(in_group, axis=1)
+            if E // N_GROUP > 1:  # a group scores its best two, or its only expert
+                first = _first_argmax(in_group, cols, BLOCK_E)
+                score += tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), in_group), axis=1)
+            group_score = tl.where(gcols[None, :] == g, score[:, None], group_score)
         keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             g_best = _first_argmax(group_score, gcols, BLOCK_G)
@@ -72,13 +84,14 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, s
     kcols = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     top_id = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    taken = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
     for j in tl.static_range(TOP_K):
-        idx = _first_argmax(select, cols, BLOCK_E)
+        idx = _first_argmax_free(select, taken, cols, E, BLOCK_E)
         hit = cols[None, :] == idx[:, None]
         w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
         top_w = tl.where(kcols[None, :] == j, w[:, None], top_w)
         top_id = tl.where(kcols[None, :] == j, idx[:, None], top_id)
-        select = tl.where(hit, float("-inf"), select)
+        taken = tl.where(hit, 1, taken)
     if RENORMALIZE:
         # DeepSeek-V3's guard on the sum; far below fp32 resolution of any real sum of scores
         top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
@@ -136,9 +149,6 @@ def validate_spec(spec, num_experts: int) -> None:
         raise ValueError(f"routing scoring={spec.scoring!r}; allowed: 'softmax', 'sigmoid'")
     if spec.n_group < 1 or num_experts % spec.n_group:
         raise ValueError(f"routing n_group={spec.n_group} must be >= 1 and divide the {num_experts} experts")
-    if spec.n_group > 1 and num_experts // spec.n_group < 2:
-        raise ValueError(f"routing n_group={spec.n_group} leaves fewer than 2 experts per group "
-                         f"({num_experts} experts); groups are scored by their best two")
     if not 1 <= spec.topk_group <= spec.n_group:
         raise ValueError(f"routing topk_group={spec.topk_group} must be in [1, n_group={spec.n_group}]")
     selectable = spec.topk_group * (num_experts // spec.n_group)
@@ -163,7 +173,8 @@ class _Route(torch.autograd.Function):
         ids = torch.empty(T, spec.top_k, device=logits.device, dtype=torch.int64)
         grid = (triton.cdiv(T, params["BLOCK_T"]),)
         _route_fwd_kernel[grid](
-            logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0), float(spec.scaling),
+            logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0),
+            bias.stride(0) if bias is not None and bias.dim() == 2 else 0, float(spec.scaling),
             SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias is not None, N_GROUP=spec.n_group,
             TOPK_GROUP=spec.topk_group, RENORMALIZE=bool(spec.renormalize), BLOCK_G=next_pow2(spec.n_group),
             **params)
@@ -187,12 +198,14 @@ class _Route(torch.autograd.Function):
 
 
 def route(logits: torch.Tensor, spec, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] float32, ids [T, k] int64); differentiable in logits, not in bias."""
+    """logits [T, E] -> (weights [T, k] float32, ids [T, k] int64); differentiable in logits, not in bias
+    ([E] or [T, E], added to the scores for selection only)."""
     check_device("logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [tokens, experts]; got shape {tuple(logits.shape)}")
     num_experts = logits.shape[1]
     validate_spec(spec, num_experts)
-    if bias is not None and tuple(bias.shape) != (num_experts,):
-        raise ValueError(f"routing bias must have shape ({num_experts},); got {tuple(bias.shape)}")
+    if bias is not None and tuple(bias.shape) not in ((num_experts,), tuple(logits.shape)):
+        raise ValueError(f"routing bias must have shape ({num_experts},) or {tuple(logits.shape)} "
+                         f"(per token, -inf forbids an expert); got {tuple(bias.shape)}")
     return _Route.apply(logits.contiguous(), None if bias is None else bias.detach().contiguous(), spec)

@@ -26,7 +26,7 @@ def route(logits, spec, bias=None):
     T, E = logits.shape
     if spec.n_group > 1:
         grouped = select.view(T, spec.n_group, E // spec.n_group)
-        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        group_score = grouped.topk(min(2, E // spec.n_group), dim=-1).values.sum(-1)
         keep = torch.zeros(T, spec.n_group).scatter_(1, group_score.topk(spec.topk_group, dim=-1).indices, 1.0)
         select = select.masked_fill(keep.repeat_interleave(E // spec.n_group, dim=1) == 0, float("-inf"))
     ids = select.topk(spec.top_k, dim=-1).indices

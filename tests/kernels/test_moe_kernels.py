@@ -71,6 +71,18 @@ def test_sigmoid_group_limited_routing_with_bias_matches_reference_forward_and_b
     torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-5)
 
 
+def test_per_token_bias_forbids_experts_and_single_expert_groups_route_like_reference():
+    # node-limited routing passes a [T, E] bias with -inf on forbidden experts; 12 groups of one expert each
+    spec = ref.Spec(top_k=3, scoring="sigmoid", n_group=12, topk_group=6, renormalize=True)
+    logits = torch.randn(21, 12, requires_grad=True)
+    bias = torch.zeros(21, 12)
+    bias[:, :4] = float("-inf")
+    weights, ids = TritonCompute().route(logits, spec, bias)
+    want_w, want_ids = ref.route(logits, spec, bias)
+    assert torch.equal(ids, want_ids) and (ids >= 4).all()
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("field,spec,message", [
     ("scoring", ref.Spec(top_k=2, scoring="relu"), "scoring='relu'"),
     ("n_group", ref.Spec(top_k=2, scoring="sigmoid", n_group=5), "n_group=5"),
