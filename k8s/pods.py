@@ -141,6 +141,11 @@ def pod_spec(container: k8s.Container, volumes: Volumes, *, service_account: str
         **extra)
 
 
+def scraped_on(port: int) -> dict[str, str]:
+    """Pod annotations the managed Prometheus scraper keeps (infra/observability.py): scrape /metrics on `port`."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+
+
 # Writable locations a read-only root filesystem leaves: everything that caches goes under /tmp.
 CACHE_ENV = {"HOME": "/tmp", "TRITON_CACHE_DIR": "/tmp/triton", "HF_HOME": "/tmp/huggingface",
              "PYTHONDONTWRITEBYTECODE": "1"}

@@ -18,7 +18,7 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
-    efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, standard_volumes
+    efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -44,9 +44,10 @@ def rollout_url(run: str, namespace: str) -> str:
     return f"http://{run}-rollout.{namespace}.svc.cluster.local:{cluster.ROLLOUT_PORT}"
 
 
-def queue_depth_query(run: str, namespace: str) -> str:
-    return (f'sum({metrics.ROLLOUT_QUEUE_DEPTH.name}{{namespace="{namespace}",'
-            f'pod=~"{run}-orchestrator-.*"}})')
+def queue_depth_query(run: str) -> str:
+    # The managed scraper keeps only the run namespace's pods and labels each series with its pod's name
+    # (infra/observability.py), so the orchestrator's pod name prefix picks this run's series.
+    return f'sum({metrics.ROLLOUT_QUEUE_DEPTH.name}{{pod=~"{run}-orchestrator-.*"}})'
 
 
 def weight_secret(run: str) -> str:
@@ -73,7 +74,7 @@ class RunChart(cdk8s.Chart):
             name=f"{self.name}-trainer", image=self.trainer_image, command=["moerl", "train", "--run", RUN_FILE],
             pod_labels=role_labels(self.name, "trainer"), config_map=config_map_name(self.name),
             max_restarts=deploy.trainer_max_restarts, shm_gib=deploy.trainer_shm_gib, extra_env={},
-            secret_env=self.secret_env))
+            secret_env=self.secret_env, pod_annotations=scraped_on(cluster.TRAINER_METRICS_PORT)))
         self._network_policies()
 
     def _config_map(self, run_data: dict, environment_data: dict) -> None:
@@ -132,7 +133,8 @@ class RunChart(cdk8s.Chart):
             # The GPUs are taken: replace servers one at a time instead of surging.
             strategy=k8s.DeploymentStrategy(type="RollingUpdate", rolling_update=k8s.RollingUpdateDeployment(
                 max_surge=k8s.IntOrString.from_number(0), max_unavailable=k8s.IntOrString.from_number(1))),
-            template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=pod_labels), spec=pod))
+            template=k8s.PodTemplateSpec(
+                metadata=k8s.ObjectMeta(labels=pod_labels, annotations=scraped_on(cluster.ROLLOUT_PORT)), spec=pod))
         k8s.KubeDeployment(self, "rollout", metadata=k8s.ObjectMeta(name=name, labels=pod_labels), spec=spec)
         k8s.KubeService(self, "rollout-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                         spec=k8s.ServiceSpec(cluster_ip="None", selector=selector(self.name, "rollout"),
@@ -170,7 +172,7 @@ class RunChart(cdk8s.Chart):
                     "serverAddress": self.outputs.prometheus_endpoint,
                     "awsRegion": env.region,
                     "identityOwner": "operator",
-                    "query": queue_depth_query(self.name, env.run_namespace),
+                    "query": queue_depth_query(self.name),
                     # Target backlog per server: one full decoding batch waiting for each.
                     "threshold": str(run.rollout.max_batch_size),
                     "ignoreNullValues": "false",  # a lost metric is an error, not "scale to min"
@@ -201,7 +203,8 @@ class RunChart(cdk8s.Chart):
                                strategy=k8s.DeploymentStrategy(type="Recreate"),
                                selector=k8s.LabelSelector(match_labels=selector(self.name, "orchestrator")),
                                template=k8s.PodTemplateSpec(
-                                   metadata=k8s.ObjectMeta(labels=pod_labels),
+                                   metadata=k8s.ObjectMeta(labels=pod_labels,
+                                                           annotations=scraped_on(cluster.ORCHESTRATOR_PORT)),
                                    spec=pod_spec(
                                        container, volumes, service_account=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
                                        # It drives the whole run: it must not be preempted by rollout servers.

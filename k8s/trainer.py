@@ -37,6 +37,7 @@ class GangJob:
     shm_gib: int
     extra_env: dict[str, str]
     secret_env: tuple[str, str, str] | None = None
+    pod_annotations: dict[str, str] | None = None
 
 
 def torchrun_command(resolved: ResolvedRun, job_name: str, command: list[str]) -> list[str]:
@@ -77,7 +78,8 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
                    **gpu_placement("trainer"))
     job_spec = k8s.JobSpec(
         parallelism=nodes, completions=nodes, completion_mode="Indexed", backoff_limit=0,
-        template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=job.pod_labels), spec=pod))
+        template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=job.pod_labels, annotations=job.pod_annotations),
+                                     spec=pod))
 
     k8s.KubeService(scope, f"{job.name}-service", metadata=k8s.ObjectMeta(name=job.name, labels=job.pod_labels),
                     spec=k8s.ServiceSpec(

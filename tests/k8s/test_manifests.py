@@ -220,3 +220,22 @@ def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manife
     assert c["command"][-2:] == ["moerl", "bench-ep"]
     script = find(docs, "ConfigMap", "qwen3-30b-a3b-p5-validate")["data"]["collectives_check.py"]
     assert "Selected provider is efa" in script
+
+
+@pytest.mark.parametrize("kind, name, port", [
+    ("Deployment", "qwen3-30b-a3b-p5-rollout", cluster.ROLLOUT_PORT),
+    ("Deployment", "qwen3-30b-a3b-p5-orchestrator", cluster.ORCHESTRATOR_PORT),
+    ("JobSet", "qwen3-30b-a3b-p5-trainer", cluster.TRAINER_METRICS_PORT),
+])
+def test_run_pods_are_annotated_for_the_managed_scraper_on_their_metrics_port(manifests, kind, name, port):
+    obj = find(manifests["qwen3-30b-a3b-p5/run.k8s.yaml"], kind, name)
+    template = obj["spec"]["template"] if kind == "Deployment" else \
+        obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+    assert port in [p["containerPort"] for p in template["spec"]["containers"][0]["ports"]]
+
+
+def test_scaler_query_selects_the_runs_orchestrator_by_the_pod_label_the_scraper_sets(manifests):
+    scaler = find(manifests["qwen3-30b-a3b-p5/run.k8s.yaml"], "ScaledObject", "qwen3-30b-a3b-p5-rollout")
+    assert scaler["spec"]["triggers"][0]["metadata"]["query"] == \
+        'sum(moerl_rollout_queue_depth{pod=~"qwen3-30b-a3b-p5-orchestrator-.*"})'
