@@ -26,14 +26,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--env", default="dev", help="environment name when run directly (default dev)")
     parser.add_argument("--outdir", help="output folder when run directly (default cdk.out/<env>)")
     args = parser.parse_args(argv)
-    if "CDK_OUTDIR" in os.environ:  # run by the CDK CLI: it passes cdk.json's context, -c env=NAME and the outdir
-        app = cdk.App()
-        name = app.node.try_get_context("env") or "dev"
-        context = app.node.try_get_context("environments")
-    else:  # run directly: cdk.json is not read for us and the default outdir would be a temporary folder
-        name = args.env
-        app = cdk.App(outdir=args.outdir or f"cdk.out/{name}")
-        context = None
+    run_by_cli = "CDK_OUTDIR" in os.environ  # the CLI passes cdk.json's context, -c env=NAME and the outdir
+    cli_app = cdk.App() if run_by_cli else None
+    name = (cli_app.node.try_get_context("env") or "dev") if cli_app else args.env
+    context = cli_app.node.try_get_context("environments") if cli_app else None
     try:
         environments = (load_environments({"environments": context}) if context is not None
                         else load_environments(json.loads(CDK_JSON.read_text())["context"], source=CDK_JSON.name))
@@ -41,6 +37,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    # Run directly, cdk.json is not read for us and App's default outdir is a temporary folder; App creates its
+    # outdir at once, so only after the environment is known to be valid.
+    app = cli_app or cdk.App(outdir=args.outdir or f"cdk.out/{name}")
     add_checks(app)
     MoeRlStack(app, f"MoeRl-{name}", config=config)
     app.synth()

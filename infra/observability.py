@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 
 from aws_cdk import (Duration, RemovalPolicy, Stack, aws_aps as aps, aws_cloudwatch as cw,
                      aws_cloudwatch_actions as cw_actions, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam,
@@ -16,7 +15,6 @@ from constructs import Construct
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.labels import RUN_LABEL
 
-GRAFANA_DASHBOARD = Path(__file__).parent / "dashboards" / "moe-rl.json"
 SCRAPER_USER = "aps-collector-user"  # the Kubernetes user AMP's scraper authenticates as
 _CONTAINER_INSIGHTS = "ContainerInsights"
 

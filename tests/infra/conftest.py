@@ -4,28 +4,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CDK = REPO / "node_modules" / ".bin" / "cdk"
-ENVIRONMENTS = tuple(json.loads((REPO / "cdk.json").read_text())["context"]["environments"])
-SYNTH_TIMEOUT_S = 240
+from infra_helpers import CDK, ENVIRONMENTS, REPO, SYNTH_TIMEOUT_S, offline_env
 
-
-def offline_env(**extra: str) -> dict[str, str]:
-    """The process environment for synthesis: no AWS credentials or config, caches inside the repo."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null", AWS_EC2_METADATA_DISABLED="true",
-        JSII_RUNTIME_PACKAGE_CACHE_ROOT=str(REPO / ".cache" / "jsii"), CDK_HOME=str(REPO / ".cache" / "cdk"),
-        JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION="20", CDK_DISABLE_VERSION_CHECK="1",
-        CDK_DISABLE_CLI_TELEMETRY="true", CDK_VALIDATION="false", OMP_NUM_THREADS="1",
-        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    env.update(extra)
-    return env
+# In-process synths (test_infra_constructs) start the jsii kernel with this process's environment: no AWS
+# credentials, caches in the repo, aws-cdk-lib's built-in validation off (one test turns it on, in a subprocess).
+os.environ.update({k: v for k, v in offline_env().items() if k != "PATH"})
+for _key in [k for k in os.environ if k.startswith("AWS_") and k not in offline_env()]:
+    del os.environ[_key]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,27 @@
-"""Reading synthesized CloudFormation templates in tests."""
+"""Shared by the infra tests: where things are, the offline process environment, reading synthesized templates."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CDK = REPO / "node_modules" / ".bin" / "cdk"
+ENVIRONMENTS = tuple(json.loads((REPO / "cdk.json").read_text())["context"]["environments"])
+SYNTH_TIMEOUT_S = 240
+
+
+def offline_env() -> dict[str, str]:
+    """The process environment for synthesis: no AWS credentials or config, caches inside the repo."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null", AWS_EC2_METADATA_DISABLED="true",
+        JSII_RUNTIME_PACKAGE_CACHE_ROOT=str(REPO / ".cache" / "jsii"), CDK_HOME=str(REPO / ".cache" / "cdk"),
+        JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION="20", CDK_DISABLE_VERSION_CHECK="1",
+        CDK_DISABLE_CLI_TELEMETRY="true", CDK_VALIDATION="false", OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    return env
 
 
 def resources_of(template: dict, resource_type: str) -> dict[str, dict]:

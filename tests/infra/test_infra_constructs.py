@@ -1,0 +1,103 @@
+"""The constructs used on their own: a platform team's stack, early validation of props, the checks' wiring."""
+from __future__ import annotations
+
+import aws_cdk as cdk
+import pytest
+from aws_cdk import aws_ec2 as ec2, aws_eks_v2 as eks, aws_s3 as s3
+from aws_cdk.assertions import Match, Template
+
+from moe_rl_eks.core.schema import ConfigError
+from moe_rl_eks.infra import EfaNodePool, MoeRlCluster, add_checks
+from moe_rl_eks.infra.checks import EksGuardrails
+from moe_rl_eks.infra.node_pool import network_interfaces, user_data
+
+ENV = cdk.Environment(account="333333333333", region="us-west-2")
+
+
+class PlatformStack(cdk.Stack):
+    """A platform team's own stack: their VPC, our cluster construct and one p5 pool."""
+
+    def __init__(self, scope, id, **kwargs):
+        super().__init__(scope, id, env=ENV, **kwargs)
+        vpc = ec2.Vpc(self, "TeamVpc", availability_zones=self.availability_zones, nat_gateways=1)
+        self.cluster = MoeRlCluster(self, "Cluster", vpc=vpc, public_endpoint_cidrs=["198.51.100.0/24"])
+        self.pool = EfaNodePool(self, "P5", cluster=self.cluster.cluster, subnet=vpc.private_subnets[0],
+                                role="trainer", instance_type="p5.48xlarge", max_size=4)
+
+    @property
+    def availability_zones(self):
+        return ["us-west-2a", "us-west-2b"]
+
+
+@pytest.fixture(scope="module")
+def platform():
+    app = cdk.App()
+    stack = PlatformStack(app, "Platform")
+    return stack, Template.from_stack(stack)
+
+
+def test_platform_team_stack_imports_the_cluster_and_an_efa_pool(platform):
+    stack, template = platform
+    template.has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig": Match.object_like(
+        {"EndpointPublicAccess": True, "PublicAccessCidrs": ["198.51.100.0/24"]})})
+    template.has_resource_properties("AWS::EKS::Nodegroup", {"InstanceTypes": ["p5.48xlarge"], "AmiType": "AL2023_x86_64_NVIDIA"})
+    assert stack.pool.efa_interfaces == 32 and stack.pool.placement_group is not None
+    template.has_resource_properties("AWS::EC2::LaunchTemplate", {"LaunchTemplateData": Match.object_like({
+        "NetworkInterfaces": Match.array_with([Match.object_like({"NetworkCardIndex": 31, "DeviceIndex": 1,
+                                                                  "InterfaceType": "efa-only"})])})})
+
+
+def test_efa_pool_rejects_bad_props_at_construction():
+    stack = PlatformStack(cdk.App(), "Bad")
+    cluster, subnet = stack.cluster.cluster, stack.cluster.cluster.vpc.private_subnets[0]
+    with pytest.raises(ConfigError, match=r"EfaNodePool 'X': instance_type: 'p9.48xlarge' is not allowed; supported: p4d"):
+        EfaNodePool(stack, "X", cluster=cluster, subnet=subnet, role="trainer", instance_type="p9.48xlarge")
+    with pytest.raises(ConfigError, match=r"efa: True is not allowed; g5.xlarge has no EFA"):
+        EfaNodePool(stack, "Y", cluster=cluster, subnet=subnet, role="rollout", instance_type="g5.xlarge")
+    with pytest.raises(ConfigError, match=r"capacity_reservation_id: None is not allowed; required when capacity_type is CAPACITY_BLOCK"):
+        EfaNodePool(stack, "Z", cluster=cluster, subnet=subnet, role="trainer", instance_type="p5en.48xlarge",
+                    capacity_type="CAPACITY_BLOCK")
+
+
+def test_cluster_rejects_an_open_public_endpoint():
+    stack = cdk.Stack(cdk.App(), "Open", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
+    with pytest.raises(ValueError, match=r"public_endpoint_cidrs: '0.0.0.0/0' is not allowed"):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, public_endpoint_cidrs=["0.0.0.0/0"])
+
+
+def test_network_interfaces_layout_for_p5en_and_without_efa():
+    layout = network_interfaces(16, ["sg-pool", "sg-cluster"])
+    assert [(i["network_card_index"], i["device_index"], i["interface_type"]) for i in layout] == \
+        [(0, 0, "efa")] + [(c, 1, "efa-only") for c in range(1, 16)]
+    assert all(i["groups"] == ["sg-pool", "sg-cluster"] and "subnet_id" not in i for i in layout)
+    assert [(i["network_card_index"], i["interface_type"]) for i in network_interfaces(0, ["sg"])] == [(0, None)]
+
+
+def test_user_data_is_mime_with_nodeconfig_and_hugepages_only_when_asked():
+    text = user_data(hugepages_2mi=1024, local_nvme=True)
+    assert text.startswith("MIME-Version: 1.0") and "application/node.eks.aws" in text
+    assert "vm.nr_hugepages = 1024" in text and text.rstrip().endswith("--")
+    plain = user_data(hugepages_2mi=0, local_nvme=False)
+    assert "NodeConfig" not in plain and "hugepages" not in plain
+
+
+def test_add_checks_makes_synth_fail_on_an_unacknowledged_nag_finding(tmp_path):
+    app = cdk.App(outdir=str(tmp_path))
+    add_checks(app)
+    stack = cdk.Stack(app, "Leaky", env=ENV)
+    s3.Bucket(stack, "NoTls")  # no TLS-only policy, no access logs
+    with pytest.raises(RuntimeError, match=r"(?s)ValidationFailed.*AwsSolutions-S10"):
+        app.synth()
+
+
+def test_guardrails_plugin_fails_synth_on_a_public_endpoint_without_allow_list(tmp_path):
+    app = cdk.App(outdir=str(tmp_path))
+    cdk.Validations.of(app).add_plugins(EksGuardrails())
+    stack = cdk.Stack(app, "Public", env=ENV)
+    eks.CfnCluster(stack, "Cluster", role_arn="arn:aws:iam::333333333333:role/eks",
+                   resources_vpc_config=eks.CfnCluster.ResourcesVpcConfigProperty(
+                       subnet_ids=["subnet-1", "subnet-2"], endpoint_public_access=True))
+    with pytest.raises(RuntimeError, match="ValidationFailed") as err:
+        app.synth()
+    assert "MoeRl-EKS-PublicEndpoint" in str(err.value) and "MoeRl-EKS-ControlPlaneLogs" in str(err.value)
