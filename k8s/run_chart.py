@@ -17,7 +17,7 @@ from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
-from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
+from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_CONFIG_DIR, RUN_FILE, check_shm, container_security, \
     efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes
 from .trainer import GangJob, add_gang_job
 
@@ -37,6 +37,10 @@ def selector(run: str, role: str | None = None) -> dict[str, str]:
 
 def config_map_name(run: str) -> str:
     return f"{run}-config"
+
+
+def orchestrator_url(run: str, namespace: str) -> str:
+    return f"http://{run}-orchestrator.{namespace}.svc.cluster.local:{cluster.ORCHESTRATOR_PORT}"
 
 
 def rollout_url(run: str, namespace: str) -> str:
@@ -65,7 +69,10 @@ class RunChart(cdk8s.Chart):
         self.name = run.name
         self.trainer_image = image_reference(outputs.trainer_repository_uri, deploy.images.trainer)
         self.rollout_image = image_reference(outputs.rollout_repository_uri, deploy.images.rollout)
+        # Only the orchestrator and the rollout servers use the weight-load token.
         self.secret_env = (run.rl.weight_token_env, weight_secret(run.name), "token")
+        # Every pod resolves the run against the environment shipped beside it (same EP backend as here).
+        self.run_env = {**CACHE_ENV, "MOERL_CDK_JSON": f"{RUN_CONFIG_DIR}/cdk.json"}
 
         self._config_map(run_data, environment_data)
         self._rollout()
@@ -73,8 +80,9 @@ class RunChart(cdk8s.Chart):
         add_gang_job(self, resolved, GangJob(
             name=f"{self.name}-trainer", image=self.trainer_image, command=["moerl", "train", "--run", RUN_FILE],
             pod_labels=role_labels(self.name, "trainer"), config_map=config_map_name(self.name),
-            max_restarts=deploy.trainer_max_restarts, shm_gib=deploy.trainer_shm_gib, extra_env={},
-            secret_env=self.secret_env, pod_annotations=scraped_on(cluster.TRAINER_METRICS_PORT)))
+            max_restarts=deploy.trainer_max_restarts, shm_gib=deploy.trainer_shm_gib,
+            extra_env={**self.run_env, "MOERL_ORCHESTRATOR": orchestrator_url(self.name, self.namespace)},
+            pod_annotations=scraped_on(cluster.TRAINER_METRICS_PORT)))
         self._network_policies()
 
     def _config_map(self, run_data: dict, environment_data: dict) -> None:
@@ -102,7 +110,7 @@ class RunChart(cdk8s.Chart):
             image=self.rollout_image,
             image_pull_policy=PULL_POLICY,
             command=["moerl", "serve-rollout", "--run", RUN_FILE, "--port", str(cluster.ROLLOUT_PORT)],
-            env=env_vars(CACHE_ENV, self.secret_env),
+            env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
             resources=size.resources(),
             security_context=container_security(efa_capabilities(size)),
@@ -189,7 +197,7 @@ class RunChart(cdk8s.Chart):
             image=self.trainer_image,
             image_pull_policy=PULL_POLICY,
             command=["moerl", "orchestrate", "--run", RUN_FILE],
-            env=env_vars(CACHE_ENV, self.secret_env),
+            env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ORCHESTRATOR_PORT)],
             resources=ORCHESTRATOR_SIZE.resources(),
             security_context=container_security(),

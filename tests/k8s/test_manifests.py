@@ -1,6 +1,8 @@
 """What the example runs' manifests must say: gang scheduling, autoscaling, resources, security, network policy."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from manifest_helpers import EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
@@ -90,6 +92,10 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["MOERL_EP_BACKEND"] == resolved(run).ep_backend
     assert env.get("NVSHMEM_REMOTE_TRANSPORT") == nvshmem
+    # the trainer finds the orchestrator and the environment its run resolves against
+    assert env["MOERL_ORCHESTRATOR"] == f"http://{run}-orchestrator.moe-rl.svc.cluster.local:{cluster.ORCHESTRATOR_PORT}"
+    assert env["MOERL_CDK_JSON"] == "/etc/moerl/cdk.json"
+    assert "MOERL_WEIGHT_TOKEN" not in env  # only the orchestrator and rollout servers hold the token
 
 
 def test_autoscaled_rollout_has_no_replicas_and_a_queue_depth_scaler(manifests):
@@ -239,3 +245,16 @@ def test_scaler_query_selects_the_runs_orchestrator_by_the_pod_label_the_scraper
     scaler = find(manifests["qwen3-30b-a3b-p5/run.k8s.yaml"], "ScaledObject", "qwen3-30b-a3b-p5-rollout")
     assert scaler["spec"]["triggers"][0]["metadata"]["query"] == \
         'sum(moerl_rollout_queue_depth{pod=~"qwen3-30b-a3b-p5-orchestrator-.*"})'
+
+
+@pytest.mark.parametrize("run", ["dev-small", "qwen3-30b-a3b-p5"])
+def test_a_pod_resolves_the_shipped_run_to_the_same_backend(manifests, run):
+    from moe_rl_eks.core.environment import load_environments
+    from moe_rl_eks.core.run import RunConfig
+    from moe_rl_eks.core.schema import parse
+
+    data = find(manifests[f"{run}/run.k8s.yaml"], "ConfigMap", f"{run}-config")["data"]
+    shipped = parse(RunConfig, yaml.safe_load(data["run.yaml"]), source="/etc/moerl/run.yaml")
+    envs = load_environments(json.loads(data["cdk.json"])["context"])
+    in_pod = resolve_run(shipped, envs[shipped.environment])
+    assert (in_pod.ep_backend, in_pod.topology) == (resolved(run).ep_backend, resolved(run).topology)
