@@ -69,9 +69,10 @@ def user_data(*, hugepages_2mi: int, local_nvme: bool) -> str:
 class EfaNodePool(Construct):
     """A GPU managed node group in one subnet, with every EFA interface its instance type has.
 
-    Attributes: ``efa_interfaces`` (per node), ``security_group`` (all traffic to and from itself: NCCL/libfabric between the pool's nodes),
-    ``placement_group`` (cluster strategy; None without EFA), ``launch_template``, ``nodegroup`` (the
-    CfnNodegroup), ``node_role``, ``spec`` (the catalog entry), ``labels``, ``taints``.
+    Attributes: ``efa_interfaces`` (per node), ``security_group`` (all traffic to and from itself: NCCL/libfabric
+    between the pool's nodes), ``placement_group`` (cluster strategy; None without EFA or with a reservation),
+    ``launch_template``, ``nodegroup`` (the CfnNodegroup), ``node_role``, ``spec`` (the catalog entry), ``labels``,
+    ``taints``.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class EfaNodePool(Construct):
         hugepages_2mi: int = 5120,
         extra_labels: Mapping[str, str] | None = None,
         node_role: iam.IRole | None = None,
+        cluster_placement: bool | None = None,
     ) -> None:
         """
         :param cluster: the EKS cluster; its cluster security group goes on every interface.
@@ -108,6 +110,9 @@ class EfaNodePool(Construct):
         :param hugepages_2mi: 2 MiB hugepages reserved at boot (for libfabric/NVSHMEM); default 5120 (10 GiB).
         :param extra_labels: more node labels; default none.
         :param node_role: default: a new role with the three policies EKS documents for nodes.
+        :param cluster_placement: launch into a cluster placement group. Default: yes for EFA pools without a
+            capacity reservation; a reservation (capacity block or ODCR) already fixes placement, and targeting one
+            made outside the group would make launches fail.
         """
         super().__init__(scope, id)
         self.config = parse(NodePoolConfig, {
@@ -126,8 +131,12 @@ class EfaNodePool(Construct):
         self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA/NCCL within the pool")
         self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA/NCCL within the pool")
 
+        if cluster_placement is None:
+            cluster_placement = bool(efa_interfaces) and not capacity_reservation_id
+        if cluster_placement and not efa_interfaces:
+            raise ValueError("cluster_placement: True is not allowed without EFA; set efa=True or leave it unset")
         self.placement_group = (ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
-                                if efa_interfaces else None)
+                                if cluster_placement else None)
         lt = ec2.CfnLaunchTemplate
         sg_ids = [self.security_group.security_group_id, cluster.cluster_security_group_id]
         data = lt.LaunchTemplateDataProperty(

@@ -57,6 +57,9 @@ def test_efa_pool_rejects_bad_props_at_construction():
     with pytest.raises(ConfigError, match=r"capacity_reservation_id: None is not allowed; required when capacity_type is CAPACITY_BLOCK"):
         EfaNodePool(stack, "Z", cluster=cluster, subnet=subnet, role="trainer", instance_type="p5en.48xlarge",
                     capacity_type="CAPACITY_BLOCK")
+    with pytest.raises(ValueError, match=r"cluster_placement: True is not allowed without EFA"):
+        EfaNodePool(stack, "W", cluster=cluster, subnet=subnet, role="rollout", instance_type="g6e.12xlarge",
+                    efa=False, cluster_placement=True)
 
 
 def test_cluster_rejects_an_open_public_endpoint():

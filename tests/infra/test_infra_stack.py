@@ -42,6 +42,10 @@ def test_efa_pool_placement_group_is_cluster_strategy(templates):
     _, rollout = pool(templates["dev"], "rollout")
     assert "Placement" not in rollout
     assert [(i["NetworkCardIndex"], i["DeviceIndex"], i.get("InterfaceType")) for i in rollout["NetworkInterfaces"]] == [(0, 0, None)]
+    # A capacity block fixes placement itself: the prod trainer targets it and gets no placement group.
+    _, prod_rollout = pool(templates["prod"], "rollout")
+    _, prod_trainer = pool(templates["prod"], "trainer")
+    assert "Placement" in prod_rollout and "Placement" not in prod_trainer
 
 
 def test_efa_pool_security_group_allows_all_traffic_to_and_from_itself(templates):

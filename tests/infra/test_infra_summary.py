@@ -16,7 +16,7 @@ def test_synth_summary_lists_stacks_and_pools_with_efa_and_placement(cdk_out):
     rows = {tuple(line.split()[:3]): line.split() for line in lines[2:]}
     assert rows[("dev", "MoeRl-dev", "trainer")][3:] == ["p5.48xlarge", "ON_DEMAND", "0", "2", "32", "cluster"]
     assert rows[("dev", "MoeRl-dev", "rollout")][3:] == ["g6e.12xlarge", "ON_DEMAND", "0", "2", "0", "-"]
-    assert rows[("prod", "MoeRl-prod", "trainer")][3:] == ["p5en.48xlarge", "CAPACITY_BLOCK", "0", "16", "16", "cluster"]
+    assert rows[("prod", "MoeRl-prod", "trainer")][3:] == ["p5en.48xlarge", "CAPACITY_BLOCK", "0", "16", "16", "-"]
 
 
 def test_synth_summary_never_imports_the_cdk(cdk_out):
