@@ -126,6 +126,11 @@ class RolloutConfig:
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
 
+    @property
+    def autoscaled(self) -> bool:
+        """The server count moves between min and max with the rollout backlog (KEDA on a cluster)."""
+        return self.max_servers > self.min_servers
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -220,7 +225,7 @@ def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None
     if run.deploy is None:
         raise ConfigError(src, "deploy", None, "a run with an environment needs deploy.images (trainer and rollout "
                           "image tags or digests in the stack's ECR repositories)")
-    if run.rollout.max_servers > run.rollout.min_servers and not env.observability.prometheus:
+    if run.rollout.autoscaled and not env.observability.prometheus:
         raise ConfigError(src, "rollout.max_servers", run.rollout.max_servers,
                           f"autoscaling (max_servers > min_servers = {run.rollout.min_servers}) reads the queue depth "
                           f"from Amazon Managed Prometheus, which environment {env.name!r} turns off "

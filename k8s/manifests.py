@@ -16,9 +16,12 @@ from pathlib import Path
 
 import yaml
 
+from moe_rl_eks.core import cluster
 from moe_rl_eks.core.environment import load_cdk_json, select_environment
 from moe_rl_eks.core.run import ResolvedRun, load_run, resolve_run
 from moe_rl_eks.core.schema import ConfigError
+
+from .outputs import StackOutputs, load_outputs
 
 # Object names derive from the run name (the longest: JobSet pod host names `<run>-nccl-check-node-0-<i>`,
 # at most 63 characters).
@@ -27,8 +30,6 @@ RUN_NAME = re.compile(r"[a-z]([-a-z0-9]{0,28}[a-z0-9])?")
 
 def build(run_path: Path, env_name: str | None, outputs_path: Path | None, cdk_json: Path, out_dir: Path) -> Path:
     """Check everything, then write the manifests; returns the directory written. Raises ConfigError."""
-    from .outputs import load_outputs  # the cdk8s imports below are the slow part; fail on config first
-
     source = str(run_path)
     for path, what in ((run_path, "run file"), (cdk_json, "cdk.json")):
         if not path.is_file():
@@ -52,17 +53,17 @@ def build(run_path: Path, env_name: str | None, outputs_path: Path | None, cdk_j
                           "exist only after `cdk deploy`; pass its --outputs-file (the tests use "
                           "tests/k8s/data/outputs.example.json)")
     outputs = load_outputs(outputs_path, env)
-    autoscaled = run.rollout.max_servers > run.rollout.min_servers
-    if autoscaled and outputs.prometheus_endpoint is None:
-        raise ConfigError(str(outputs_path), f"{outputs.stack}.PrometheusEndpoint", None,
+    if run.rollout.autoscaled and outputs.prometheus_endpoint is None:
+        raise ConfigError(str(outputs_path), f"{outputs.stack}.{cluster.OUTPUT_PROMETHEUS_ENDPOINT}", None,
                           "the rollout autoscaler reads the queue depth from Amazon Managed Prometheus")
     run_data = yaml.safe_load(run_path.read_text())
     environment_data = json.loads(cdk_json.read_text())["context"]["environments"][env_name]
     return _write(resolved, outputs, run_data, environment_data, source, out_dir / env_name / run.name)
 
 
-def _write(resolved: ResolvedRun, outputs, run_data: dict, environment_data: dict, source: str, target: Path) -> Path:
-    import cdk8s
+def _write(resolved: ResolvedRun, outputs: StackOutputs, run_data: dict, environment_data: dict, source: str,
+           target: Path) -> Path:
+    import cdk8s  # the slow imports (a Node process): only once every check has passed
 
     from .run_chart import RunChart
     from .validation import ValidationChart

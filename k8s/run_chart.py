@@ -133,10 +133,9 @@ class RunChart(cdk8s.Chart):
                 max_skew=1, topology_key="kubernetes.io/hostname", when_unsatisfiable="ScheduleAnyway",
                 label_selector=match)],
             **gpu_placement("rollout"))
-        autoscaled = rollout.max_servers > rollout.min_servers
         spec = k8s.DeploymentSpec(
             # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
-            replicas=None if autoscaled else rollout.min_servers,
+            replicas=None if rollout.autoscaled else rollout.min_servers,
             selector=match,
             # The GPUs are taken: replace servers one at a time instead of surging.
             strategy=k8s.DeploymentStrategy(type="RollingUpdate", rolling_update=k8s.RollingUpdateDeployment(
@@ -151,7 +150,7 @@ class RunChart(cdk8s.Chart):
         k8s.KubePodDisruptionBudget(self, "rollout-pdb", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                                     spec=k8s.PodDisruptionBudgetSpec(max_unavailable=k8s.IntOrString.from_number(1),
                                                                      selector=match))
-        if autoscaled:
+        if rollout.autoscaled:
             self._autoscaler(name, pod_labels)
 
     def _autoscaler(self, deployment: str, pod_labels: dict[str, str]) -> None:
