@@ -125,3 +125,14 @@ def test_deepep_is_refused_on_gpus_without_nvlink_and_auto_falls_back():
     forced = patched(yaml.safe_load(run_file("dev-small").read_text()), "parallelism.ep_backend", "deepep")
     with pytest.raises(ConfigError, match="share NVLink in groups of 1, not 8"):
         resolve_run(parse(RunConfig, forced, source="run.yaml"), env)
+
+
+def test_longest_allowed_run_name_keeps_every_pod_host_name_a_dns_label(tmp_path):
+    name = "r" * 30
+    assert manifests(tmp_path, patched(QWEN, "name", name))[0] == 0
+    nodes = QWEN["parallelism"]["trainer_nodes"]
+    for path in (tmp_path / "dist" / "dev" / name).glob("*.k8s.yaml"):
+        for obj in yaml.safe_load_all(path.read_text()):
+            if obj["kind"] == "JobSet":  # JobSet names pods <jobset>-<replicated job>-<job index>-<pod index>
+                host = f"{obj['metadata']['name']}-{obj['spec']['replicatedJobs'][0]['name']}-0-{nodes - 1}"
+                assert len(host) <= 63, host
