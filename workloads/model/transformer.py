@@ -95,7 +95,10 @@ class Attention(nn.Module):
             cache.keys[layer, :, :, cache.length:end] = k
             cache.values[layer, :, :, cache.length:end] = v
             k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        if b == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
+            out = q.new_zeros(q.shape)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 

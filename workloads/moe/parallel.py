@@ -50,17 +50,17 @@ class ExpertParallel:
 
     def sum_replicated_grads(self, module) -> None:
         """All-reduce (sum) the gradients of the weights every rank holds a copy of (all but the experts), so
-        they equal the gradient of the sum of the ranks' losses, as the experts' gradients already do. One
-        flat buffer, one collective."""
-        grads = [p.grad for name, p in module.named_parameters()
-                 if p.grad is not None and ".mlp.experts." not in name]
-        if not grads or self.size == 1:
+        they equal the gradient of the sum of the ranks' losses, as the experts' gradients already do. A weight
+        this rank's tokens never reached (a rank with no tokens) adds zeros, so every rank reduces the same
+        bytes. One flat buffer, one collective."""
+        params = [p for name, p in module.named_parameters() if p.requires_grad and ".mlp.experts." not in name]
+        if not params or self.size == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         host = flat.cpu() if flat.is_cuda and dist.get_backend(self.group) == dist.Backend.GLOO else flat
         dist.all_reduce(host, group=self.group)
         flat.copy_(host)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
