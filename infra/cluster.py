@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from aws_cdk import Acknowledgment, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms
+from aws_cdk import (Acknowledgment, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks,
+                     aws_iam as iam, aws_kms as kms)
 from aws_cdk.lambda_layer_kubectl_v33 import KubectlV33Layer
 from constructs import Construct
 
@@ -22,9 +23,9 @@ ALL_LOG_TYPES = (
 )
 # The kubectl Lambda layer ships kubectl/helm for one Kubernetes minor version.
 _KUBERNETES_VERSIONS = {"1.33": eks.KubernetesVersion.V1_33}
-# efa-only network interfaces need VPC CNI >= 1.18.5 (earlier versions try to assign pod IPs to them and the node
-# never gets Ready); network-policy enforcement runs in the same add-on.
-VPC_CNI_VERSION = "v1.20.4-eksbuild.1"
+# Pinned, not "latest": efa-only interfaces (no IP address) need a VPC CNI that skips them when it assigns pod IPs,
+# and network-policy enforcement runs in the same add-on. This is the version the EKS user guide lists for 1.33.
+VPC_CNI_VERSION = "v1.20.1-eksbuild.3"
 # The CloudWatch agent needs these (AWS managed) to publish Container Insights metrics and logs.
 CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
 
@@ -66,7 +67,8 @@ class MoeRlCluster(Construct):
         """
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES_VERSIONS:
-            raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; supported: {', '.join(_KUBERNETES_VERSIONS)}")
+            raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; "
+                             f"supported: {', '.join(_KUBERNETES_VERSIONS)}")
         for cidr in public_endpoint_cidrs:
             if cidr.endswith("/0"):
                 raise ValueError(f"public_endpoint_cidrs: {cidr!r} is not allowed; the whole internet is not an allow-list")
@@ -122,10 +124,10 @@ class MoeRlCluster(Construct):
         self._add_addon("aws-fsx-csi-driver").node.add_dependency(self.system_nodegroup)
         cloudwatch_role = self.pod_identity_role(
             "CloudWatchAgentRole", managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(CLOUDWATCH_AGENT_POLICY)])
-        Validations.of(cloudwatch_role).acknowledge(Acknowledgment(
-            id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{CLOUDWATCH_AGENT_POLICY}]",
-            reason="The CloudWatch observability add-on documents this AWS managed policy for its agent; it only "
-                   "writes metrics and logs and AWS keeps it current with the agent."))
+        _acknowledge(cloudwatch_role,
+                     f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{CLOUDWATCH_AGENT_POLICY}]",
+                     "The CloudWatch observability add-on documents this AWS managed policy for its agent; it only "
+                     "writes metrics and logs and AWS keeps it current with the agent.")
         self._add_addon("amazon-cloudwatch-observability", pod_identities={"cloudwatch-agent": cloudwatch_role}
                         ).node.add_dependency(self.system_nodegroup)
         self._acknowledge_construct_library_findings()
@@ -145,12 +147,13 @@ class MoeRlCluster(Construct):
             _acknowledge(provider, managed.format(policy),
                          "Role of the kubectl provider Lambda that aws_eks_v2 creates (logs, VPC interfaces to reach the "
                          "private endpoint, pulling Helm charts from ECR); the Helm charts the cluster needs require it.")
-        has_ecr_public = Stack.of(self).get_logical_id(handler.node.find_child("HasEcrPublic"))
+        logical_id = Stack.of(self).get_logical_id
         ecr_public = ('{"Fn::If":["%s",{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},'
-                      '":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}') % has_ecr_public
+                      '":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}'
+                      ) % logical_id(handler.node.find_child("HasEcrPublic"))
         _acknowledge(provider, f"AwsSolutions::AwsSolutions-IAM4[Policy::{ecr_public}]",
                      "Read-only ECR Public access of the kubectl provider (charts hosted on ECR Public), added by aws_eks_v2.")
-        _acknowledge(provider, f"AwsSolutions::AwsSolutions-IAM5[Resource::<{Stack.of(self).get_logical_id(handler.node.default_child)}.Arn>:*]",
+        _acknowledge(provider, f"AwsSolutions::AwsSolutions-IAM5[Resource::<{logical_id(handler.node.default_child)}.Arn>:*]",
                      "The provider framework may invoke any version of its own handler function, nothing else.")
         _acknowledge(provider, "AwsSolutions::AwsSolutions-L1",
                      "aws_eks_v2 pins the kubectl provider's runtime to the one its kubectl/helm layer is built for.")
@@ -187,7 +190,6 @@ class MoeRlCluster(Construct):
             addon.node.add_dependency(self.pod_identity_agent)
         self.addons[name] = addon
         return addon
-
 
 
 def _acknowledge(scope: Construct, finding: str, reason: str) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from aws_cdk import Acknowledgment, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms, aws_logs as logs
+from aws_cdk import (Acknowledgment, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms,
+                     aws_logs as logs)
 from constructs import Construct
 
 # Interface endpoints a GPU node uses on every boot and every image pull; S3 (image layers) is a gateway endpoint.

@@ -22,7 +22,8 @@ _MIME_BOUNDARY = "==MOERL=="
 
 
 def network_interfaces(efa_interfaces: int, security_group_ids: list[str]) -> list[dict]:
-    """Launch-template interfaces (CfnLaunchTemplate.NetworkInterfaceProperty arguments): one per network card, EFA on every card when ``efa_interfaces`` > 0.
+    """Launch-template interfaces (CfnLaunchTemplate.NetworkInterfaceProperty arguments): one per network card,
+    EFA on every card when ``efa_interfaces`` > 0.
 
     Card 0 / device 0 is the primary interface: EFA with ENA (``efa``) so the node keeps its IP networking;
     every other card carries an ``efa-only`` interface at device 1, which takes no IP address (no pod-IP

@@ -200,13 +200,15 @@ class MoeRlObservability(Construct):
                                     principal_arn=self.scraper.attr_role_arn, username=SCRAPER_USER)
         rbac = cluster.add_manifest("ScraperRbac", {
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "aps-collector-role"},
-            "rules": [{"apiGroups": [""], "resources": ["nodes", "nodes/proxy", "nodes/metrics", "services", "endpoints",
-                                                        "pods", "ingresses", "configmaps"], "verbs": ["describe", "get", "list", "watch"]},
+            "rules": [{"apiGroups": [""], "verbs": ["describe", "get", "list", "watch"],
+                       "resources": ["nodes", "nodes/proxy", "nodes/metrics", "services", "endpoints", "pods",
+                                     "ingresses", "configmaps"]},
                       {"apiGroups": ["extensions", "networking.k8s.io"], "resources": ["ingresses/status", "ingresses"],
                        "verbs": ["describe", "get", "list", "watch"]},
                       {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
         }, {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "aps-collector-user-role-binding"},
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "aps-collector-user-role-binding"},
             "subjects": [{"kind": "User", "name": SCRAPER_USER, "apiGroup": "rbac.authorization.k8s.io"}],
             "roleRef": {"kind": "ClusterRole", "name": "aps-collector-role", "apiGroup": "rbac.authorization.k8s.io"},
         })

@@ -68,7 +68,8 @@ class RunAccess(Construct):
                     reason=f"Objects under the {prefix} prefix the {role} owns or reads; object keys are only known at run time."))
         Validations.of(self.roles["trainer"].node.find_child("DefaultPolicy")).acknowledge(Acknowledgment(
             id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-            reason="cloudwatch:PutMetricData has no resource type; the statement is limited to one metric namespace by condition."))
+            reason="cloudwatch:PutMetricData has no resource type; the statement is limited to one metric "
+                   "namespace by condition."))
 
     def _fsx_volume(self, cluster: eks.Cluster, namespace: str, file_system: fsx.LustreFileSystem) -> None:
         pv_name = f"{names.FSX_CLAIM_NAME}-{namespace}"

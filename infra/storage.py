@@ -101,14 +101,15 @@ class MoeRlStorage(Construct):
                 per_unit_storage_throughput=throughput,
                 data_compression_type=fsx.LustreDataCompressionType.LZ4),
         )
-        # PERSISTENT_2 links S3 through a data repository association (import_path is PERSISTENT_1 only).
-        fsx.CfnDataRepositoryAssociation(
+        # PERSISTENT_2 links S3 through a data repository association (import_path is PERSISTENT_1 only); changes
+        # flow both ways so checkpoints written on /fsx reach the bucket and weights put in the bucket appear.
+        dra, sync_events = fsx.CfnDataRepositoryAssociation, ["NEW", "CHANGED", "DELETED"]
+        dra(
             self, "BucketLink", file_system_id=file_system.file_system_id,
             file_system_path=FSX_MOUNT_NAME_PATH, data_repository_path=f"s3://{self.bucket.bucket_name}",
             batch_import_meta_data_on_create=True,
-            s3=fsx.CfnDataRepositoryAssociation.S3Property(
-                auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(events=["NEW", "CHANGED", "DELETED"]),
-                auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(events=["NEW", "CHANGED", "DELETED"])))
+            s3=dra.S3Property(auto_import_policy=dra.AutoImportPolicyProperty(events=sync_events),
+                              auto_export_policy=dra.AutoExportPolicyProperty(events=sync_events)))
         # FSx reaches the bucket through its service-linked role; it needs the bucket key for that.
         stack = Stack.of(self)
         self.key.add_to_resource_policy(iam.PolicyStatement(
@@ -119,9 +120,6 @@ class MoeRlStorage(Construct):
                         "ArnLike": {"aws:PrincipalArn": f"arn:{stack.partition}:iam::{stack.account}:role/aws-service-role/"
                                                         "s3.data-source.lustre.fsx.amazonaws.com/*"}}))
         return file_system
-
-    def _object_arn(self, prefix: str) -> str:
-        return self.bucket.arn_for_objects(f"{prefix}*")
 
     def grant_read_prefix(self, grantee: iam.IGrantable, prefix: str) -> None:
         """Get objects under ``prefix`` and list that prefix; decrypt with the bucket key."""
@@ -135,7 +133,8 @@ class MoeRlStorage(Construct):
     def _grant(self, grantee: iam.IGrantable, prefix: str, object_actions: list[str], key_actions: list[str]) -> None:
         if not prefix.endswith("/") or prefix.startswith("/"):
             raise ValueError(f"prefix: {prefix!r} is not allowed; a key prefix like 'runs/' (no leading '/', ending in '/')")
-        iam.Grant.add_to_principal(grantee=grantee, actions=object_actions, resource_arns=[self._object_arn(prefix)])
+        objects = self.bucket.arn_for_objects(f"{prefix}*")
+        iam.Grant.add_to_principal(grantee=grantee, actions=object_actions, resource_arns=[objects])
         grantee.grant_principal.add_to_principal_policy(iam.PolicyStatement(
             actions=["s3:ListBucket"], resources=[self.bucket.bucket_arn],
             conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}}))

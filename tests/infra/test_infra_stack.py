@@ -10,6 +10,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.services import CHARTS
 
 from infra_helpers import helm_charts, join_string, kubernetes_objects, pool, resources_of
@@ -115,8 +116,7 @@ def test_cluster_addons_and_admin_access_entry(templates):
     assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
                            "amazon-cloudwatch-observability"}
     assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
-    major, minor, patch = (int(x) for x in addons["vpc-cni"]["AddonVersion"].lstrip("v").split("-")[0].split("."))
-    assert (major, minor, patch) >= (1, 18, 5)  # first version that leaves efa-only interfaces alone
+    assert addons["vpc-cni"]["AddonVersion"] == VPC_CNI_VERSION  # pinned: efa-only interfaces need a recent CNI
     assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
     admin = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::AccessEntry").values()
              if r["Properties"]["PrincipalArn"] == "arn:aws:iam::222222222222:role/PlatformAdmin"]
