@@ -36,6 +36,14 @@ def test_every_environment_synthesizes_nag_clean_through_the_cli(cdk_out):
             assert len(reason) >= 40, (rule, reason)
 
 
+def test_synth_needs_no_context_lookups(cdk_out):
+    # A lookup (AZs, VPC, AMI) would be listed as missing context and need credentials to resolve.
+    for name in ENVIRONMENTS:
+        manifest = json.loads((cdk_out / name / "manifest.json").read_text())
+        assert "missing" not in manifest, manifest.get("missing")
+    assert not (REPO / "cdk.context.json").exists()
+
+
 @pytest.mark.parametrize("mutate,rule", [
     (lambda c: c["ResourcesVpcConfig"].update(EndpointPublicAccess=True, PublicAccessCidrs=[]), "MoeRl-EKS-PublicEndpoint"),
     (lambda c: c["ResourcesVpcConfig"].update(EndpointPublicAccess=True, PublicAccessCidrs=["0.0.0.0/0"]), "MoeRl-EKS-PublicEndpoint"),

@@ -5,6 +5,7 @@ import base64
 import json
 
 import pytest
+import yaml
 from aws_cdk.assertions import Match, Template
 
 from moe_rl_eks.core import cluster as names
@@ -201,7 +202,10 @@ def test_observability_alarms_dashboard_prometheus_rules_and_alert_routing(templ
                           ("RolloutBacklog", metrics.ROLLOUT_QUEUE_DEPTH)):
         assert f"alert: {alert}" in rules and metric.name in rules
     workspace = next(iter(resources_of(templates["prod"], "AWS::APS::Workspace").values()))["Properties"]
-    assert "sns_configs" in join_string(workspace["AlertManagerDefinition"])
+    routing = yaml.safe_load(yaml.safe_load(join_string(workspace["AlertManagerDefinition"]))["alertmanager_config"])
+    receiver = {r["name"]: r for r in routing["receivers"]}[routing["route"]["receiver"]]
+    assert receiver["sns_configs"][0]["topic_arn"] == "TOKEN"  # the alarm topic's ARN
+    assert receiver["sns_configs"][0]["sigv4"]["region"] == "us-east-2"
     template.resource_count_is("AWS::APS::Scraper", 1)
 
 
