@@ -122,8 +122,11 @@ def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
     logits of rank 0's batch, and rank 1's expert slice, after saving an HF checkpoint from the EP ranks."""
     from moe_rl_eks.workloads.model.checkpoint import save_hf
 
+    from moe_rl_eks.core.run import RunConfig, resolve_run
+
     torch.manual_seed(0)
-    ep = ExpertParallel(dist.group.WORLD, "alltoall")
+    resolved = resolve_run(RunConfig(name="toy", model=CONFIG), None)  # a local run: `auto` -> alltoall on gloo
+    ep = ExpertParallel.for_run(resolved, dist.group.WORLD)
     model = MoETransformer(CONFIG, ep=ep)
     full = MoETransformer(CONFIG).state_dict()
     model.load_full_state_dict(full)
@@ -148,4 +151,4 @@ def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
     slices = _gather_objects(model.model.layers[0].mlp.experts.down_proj.detach().clone(), world)
     with torch.no_grad():
         final = model(ids[:, :-1]).logits
-    return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1])
+    return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1], backend=ep.backend)

@@ -35,6 +35,7 @@ def test_alltoall_ep_equals_single_process_outputs_loss_and_grads(world):
 def test_ep2_training_lowers_the_loss_and_saves_a_full_hf_checkpoint(tmp_path):
     result = run_ranks(2, train_toy, 30, str(tmp_path))
     losses = result["losses"]
+    assert result["backend"] == "alltoall"
     assert losses[-1] < 0.5 * losses[0], losses
     config, state = load_hf(tmp_path)
     assert config == CONFIG

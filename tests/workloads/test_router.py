@@ -114,3 +114,4 @@ def test_unknown_compute_backend_names_the_allowed_ones():
     with pytest.raises(ValueError, match="'cuda' is not known; allowed: torch, triton"):
         get_compute("cuda")
     assert get_compute("torch").name == "torch"
+    assert type(get_compute("triton")).__name__ == "TritonCompute"  # kernels' backend, imported on demand

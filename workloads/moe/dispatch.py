@@ -50,9 +50,13 @@ class LocalDispatcher(Dispatcher):
         return handle[0][0].numel()  # every (token, slot) pair, though none crossed a network
 
 
+def through_host(tensor: torch.Tensor, group) -> bool:
+    """gloo moves host memory only: CUDA tensors on a gloo group (ranks sharing one GPU) go through the host."""
+    return tensor.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+
+
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    # gloo moves host memory only: CUDA tensors on a gloo group (ranks sharing one GPU) go through the host.
-    if inp.is_cuda and dist.get_backend(group) == dist.Backend.GLOO:
+    if through_host(inp, group):
         host_out = out.cpu()
         dist.all_to_all_single(host_out, inp.cpu(), out_splits, in_splits, group=group)
         return out.copy_(host_out)

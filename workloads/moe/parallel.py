@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 
 from moe_rl_eks.core.ep_backends import EpBackend, Topology, check_backend
+from moe_rl_eks.core.run import ResolvedRun
 
 from .compute import MoECompute
-from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, through_host
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,17 @@ class ExpertParallel:
         self.device = device
         self._deepep_buffer = None  # one DeepEP Buffer shared by every layer
         log.info("expert parallelism: backend=%s ranks=%d rank=%d", backend, self.size, self.rank)
+
+    @classmethod
+    def for_run(cls, resolved: ResolvedRun, group: dist.ProcessGroup) -> "ExpertParallel":
+        """The EP of a run resolved against its environment (core.run.resolve_run), logging the backend and why
+        it was chosen, so the trainer's log says what the manifests were built for."""
+        topo = resolved.topology
+        if dist.get_world_size(group) != topo.ep_size:
+            raise ValueError(f"the process group has {dist.get_world_size(group)} ranks; the resolved run expects "
+                             f"{topo.ep_size} ({topo.nodes} nodes x {topo.ranks_per_node})")
+        log.info("ep backend %s: %s", resolved.ep_backend, resolved.ep_backend_reason)
+        return cls(group, resolved.ep_backend, ranks_per_node=topo.ranks_per_node, device=topo.device)
 
     def topology(self, num_experts: int) -> Topology:
         return Topology(nodes=self.size // self.ranks_per_node, ranks_per_node=self.ranks_per_node,
@@ -57,7 +69,7 @@ class ExpertParallel:
         if not params or self.size == 1:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        host = flat.cpu() if flat.is_cuda and dist.get_backend(self.group) == dist.Backend.GLOO else flat
+        host = flat.cpu() if through_host(flat, self.group) else flat
         dist.all_reduce(host, group=self.group)
         flat.copy_(host)
         offset = 0
