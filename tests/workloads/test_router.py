@@ -7,7 +7,7 @@ from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.moe.backends import get_compute
 from moe_rl_eks.workloads.moe.compute import RoutingSpec
-from moe_rl_eks.workloads.moe.router import (expert_load, load_balancing_loss, node_limit_bias, select_experts,
+from moe_rl_eks.workloads.moe.router import (balance_bias_step, expert_load, load_balancing_loss, node_limit_bias, select_experts,
                                              weights_for)
 from moe_rl_eks.workloads.moe.torch_compute import TorchCompute
 
@@ -115,3 +115,15 @@ def test_unknown_compute_backend_names_the_allowed_ones():
         get_compute("cuda")
     assert get_compute("torch").name == "torch"
     assert type(get_compute("triton")).__name__ == "TritonCompute"  # kernels' backend, imported on demand
+
+
+def test_balance_bias_step_raises_underloaded_and_lowers_overloaded_experts(tiny_config):
+    step = balance_bias_step(torch.tensor([0.0, 0.5, -0.5]), torch.tensor([3.0, 1.0, 2.0]), rate=0.1)
+    torch.testing.assert_close(step, torch.tensor([-0.1, 0.6, -0.5]))
+    model = MoETransformer(tiny_config(router="sigmoid"))
+    load = model(torch.randint(0, 96, (2, 8))).expert_load
+    model.update_routing_bias(load, rate=0.01)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    torch.testing.assert_close(bias, 0.01 * torch.sign(load[1].mean() - load[1]))
+    with pytest.raises(ValueError, match="need router: sigmoid"):
+        MoETransformer(tiny_config()).update_routing_bias(load)

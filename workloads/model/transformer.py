@@ -16,6 +16,7 @@ from ..moe.backends import get_compute
 from ..moe.dispatch import LocalDispatcher
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel
+from ..moe.router import balance_bias_step
 
 
 @dataclass
@@ -194,6 +195,16 @@ class MoETransformer(nn.Module):
         logits = self.lm_head(self.model.norm(h))
         aux_loss = c.router_aux_loss_coef * torch.stack(aux).mean()
         return ModelOutput(logits, routing if return_routing else None, aux_loss, torch.stack(loads))
+
+    @torch.no_grad()
+    def update_routing_bias(self, expert_load: torch.Tensor, rate: float = 1e-3) -> None:
+        """One auxiliary-loss-free balancing step (sigmoid router) from a step's ModelOutput.expert_load [L, E],
+        summed over EP ranks first (identical biases on every rank keep routing identical)."""
+        if self.config.router != "sigmoid":
+            raise ValueError(f"routing bias updates need router: sigmoid, not {self.config.router!r}")
+        for layer, load in zip(self.model.layers, expert_load):
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(balance_bias_step(bias, load, rate))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state (Hugging Face names, fused experts [E, ...]). Under EP this is a collective:

@@ -76,3 +76,9 @@ def load_balancing_loss(scores: torch.Tensor, ids: torch.Tensor, spec: RoutingSp
     f = expert_load(ids, num_experts) / ids.numel()
     probs = scores if spec.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
     return num_experts * (f * probs.mean(0)).sum()
+
+
+def balance_bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: raise the selection bias of experts loaded below the mean
+    by `rate`, lower those above it. `load` [E] must count the whole batch (all EP ranks' tokens)."""
+    return bias + rate * torch.sign(load.float().mean() - load.float())
