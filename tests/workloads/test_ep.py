@@ -58,3 +58,13 @@ def test_deepep_refuses_one_rank_and_cpu_naming_the_constraint():
         check_backend("deepep", Topology(nodes=1, ranks_per_node=2, device="cpu", num_experts=8))
     with pytest.raises(UnsupportedBackend, match=r"intranode needs \(2, 4, 8\) ranks, not 3"):
         check_backend("deepep", Topology(nodes=1, ranks_per_node=3, device="cuda", num_experts=9))
+
+
+def test_deepep_without_deep_ep_says_what_is_missing_and_the_alternative(monkeypatch):
+    import sys
+
+    from moe_rl_eks.workloads.moe.deepep import DeepEPUnavailable, make_buffer
+
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # as on a machine where it is not installed
+    with pytest.raises(DeepEPUnavailable, match="needs the deep_ep package.*Use ep_backend: alltoall"):
+        make_buffer(None, 7168)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_rl_eks.workloads.model import KVCache, MoETransformer
-from moe_rl_eks.workloads.model.checkpoint import CheckpointError, load_hf, save_hf
+from moe_rl_eks.workloads.model.checkpoint import CheckpointError, load_hf, load_model, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,3 +129,26 @@ def test_aux_loss_is_coefficient_times_mean_layer_balance_loss(tiny_config):
     model = MoETransformer(tiny_config(router_aux_loss_coef=0.1))
     aux = model(ids).aux_loss
     assert aux.requires_grad and 0.1 * 0.5 < aux.item() < 0.1 * 8
+
+
+def test_load_model_gives_float32_on_cpu_with_the_saved_weights(tmp_path, tiny_config):
+    model = MoETransformer(tiny_config(dtype="bfloat16")).eval()
+    save_hf(model, model.config, tmp_path)
+    loaded = load_model(tmp_path).eval()
+    assert loaded.lm_head.weight.dtype == torch.float32
+    ids = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_shared_experts_add_a_dense_swiglu_to_the_routed_output(tiny_config):
+    model = MoETransformer(tiny_config(n_shared_experts=2))
+    block = model.model.layers[0].mlp
+    assert block.shared_experts.gate_proj.weight.shape == (32, 32)  # 2 x moe_intermediate_size
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        with_routed = block(x).out
+        block.experts.down_proj.zero_()
+        shared_only = block(x).out
+    torch.testing.assert_close(shared_only, block.shared_experts(x))
+    assert not torch.allclose(with_routed, shared_only)

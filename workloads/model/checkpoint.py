@@ -166,3 +166,16 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
             raise CheckpointError(f"{directory}: missing weights file {name}")
         tensors.update(load_file(directory / name))
     return config, from_hf_tensors(tensors, config)
+
+
+def load_model(directory: str | Path, *, ep=None, compute: str = "torch", device: str | torch.device = "cpu"):
+    """A MoETransformer from a Hugging Face checkpoint, in bf16 on CUDA (unless config.dtype is float32) and
+    float32 on the CPU; under EP (`ep`, an ExpertParallel) each rank keeps its own slice of the experts."""
+    from .transformer import MoETransformer
+
+    config, state = load_hf(directory)
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" and config.dtype == "bfloat16" else torch.float32
+    model = MoETransformer(config, ep=ep, compute=compute)
+    model.load_full_state_dict(state)
+    return model.to(device, dtype)

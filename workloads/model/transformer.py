@@ -13,7 +13,7 @@ from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
 from ..moe.backends import get_compute
-from ..moe.dispatch import LocalDispatcher
+from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel
 from ..moe.router import balance_bias_step
@@ -216,9 +216,10 @@ class MoETransformer(nn.Module):
 
         for name, tensor in state.items():
             if ".mlp.experts." in name:
-                parts = [torch.empty_like(tensor) for _ in range(self.ep.size)]
-                dist.all_gather(parts, tensor.contiguous(), group=self.ep.group)
-                state[name] = torch.cat(parts)
+                local = tensor.cpu() if through_host(tensor, self.ep.group) else tensor.contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.ep.size)]
+                dist.all_gather(parts, local, group=self.ep.group)
+                state[name] = torch.cat(parts).to(tensor.device)
         return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -73,6 +73,7 @@ class MoEBlock(nn.Module):
         self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
         self.dispatcher, self.compute = dispatcher, compute
+        self.balance_loss = config.router_aux_loss_coef > 0
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
         gate, spec = self.gate, self.gate.spec
@@ -90,5 +91,6 @@ class MoEBlock(nn.Module):
         out = self.dispatcher.combine(y_sorted, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        aux = load_balancing_loss(expert_scores(logits, spec), ids, spec)
+        aux = (load_balancing_loss(expert_scores(logits, spec), ids, spec) if self.balance_loss
+               else logits.new_zeros((), dtype=torch.float32))
         return MoEOutput(out, ids, aux, expert_load(ids.detach(), self.num_experts))
