@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
