@@ -205,12 +205,20 @@ def bench_backend(name: str, compute, shape: Shape, inp: dict) -> dict:
         row["unpermute_ms"] = bench_ms(lambda: compute.unpermute(y_sorted, weights, handle))
         row["empty_experts"] = int((counts == 0).sum())
         row["max_expert_rows"] = int(counts.max())
+    expert_leaves = [t.detach().clone().requires_grad_() for t in (x_sorted, inp["w13"], inp["w2"])]
+    dy_sorted = torch.randn_like(y_sorted)
+
+    def experts_step():
+        compute.experts(expert_leaves[0], counts, *expert_leaves[1:]).backward(dy_sorted)
+
+    row["experts_fwdbwd_ms"] = bench_ms(experts_step, grad_to_none=expert_leaves)
     moved = (shape.tokens + shape.rows) * shape.hidden * 2  # bf16 rows read once and written once
     row["permute_gbs"] = moved / row["permute_ms"] / 1e6
     row["unpermute_gbs"] = moved / row["unpermute_ms"] / 1e6
     row["fwd_tflops"] = shape.forward_flop / row["fwd_ms"] / 1e9
     row["fwdbwd_tflops"] = 3 * shape.forward_flop / row["fwdbwd_ms"] / 1e9
     row["experts_tflops"] = shape.forward_flop / row["experts_ms"] / 1e9
+    row["experts_fwdbwd_tflops"] = 3 * shape.forward_flop / row["experts_fwdbwd_ms"] / 1e9
     return row
 
 
@@ -218,14 +226,15 @@ def table(ceil: dict, rows: list[dict]) -> str:
     dense, copy = ceil["dense_tflops"], ceil["copy_gbs"]
     lines = [f"dense bf16 8192^3 matmul: {dense:.0f} TFLOP/s; device copy: {copy:.0f} GB/s (read + write)", "",
              "| shape | routing | backend | fwd ms | fwd TFLOP/s | % dense | fwd+bwd ms | fwd+bwd TFLOP/s | "
-             "experts ms (TFLOP/s) | route ms | permute ms (GB/s, % copy) | combine ms (GB/s, % copy) | "
-             "peak MiB fwd / fwd+bwd |",
-             "|" + "---|" * 13]
+             "experts fwd ms (TFLOP/s) | experts fwd+bwd ms (TFLOP/s) | route ms | permute ms (GB/s, % copy) | "
+             "combine ms (GB/s, % copy) | peak MiB fwd / fwd+bwd |",
+             "|" + "---|" * 14]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['routing']} | {r['backend']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
             f"{100 * r['fwd_tflops'] / dense:.0f} % | {r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | "
-            f"{r['experts_ms']:.2f} ({r['experts_tflops']:.0f}) | {r['route_ms']:.3f} | "
+            f"{r['experts_ms']:.2f} ({r['experts_tflops']:.0f}) | "
+            f"{r['experts_fwdbwd_ms']:.2f} ({r['experts_fwdbwd_tflops']:.0f}) | {r['route_ms']:.3f} | "
             f"{r['permute_ms']:.3f} ({r['permute_gbs']:.0f}, {100 * r['permute_gbs'] / copy:.0f} %) | "
             f"{r['unpermute_ms']:.3f} ({r['unpermute_gbs']:.0f}, {100 * r['unpermute_gbs'] / copy:.0f} %) | "
             f"{r['fwd_peak_mib']:.0f} / {r['fwdbwd_peak_mib']:.0f} |")

@@ -27,11 +27,15 @@ def _configs(wide_ok: bool) -> list[triton.Config]:
         return [triton.Config({"BM": 16, "BN": 16, "BK": 16}, num_warps=4, num_stages=1)]
     configs = [
         triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3),
         triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
         triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
     ]
     if wide_ok:  # the fused gate/up kernel already holds two BN-wide accumulators
-        configs.append(triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3))
+        configs += [triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
+                    triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=4)]
+    else:
+        configs.append(triton.Config({"BM": 128, "BN": 64, "BK": 64}, num_warps=4, num_stages=4))
     return configs
 
 
@@ -51,15 +55,14 @@ def _expert_tile(counts_ptr, pid_m, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: 
     return e, expert_start + (pid_m - first_tile) * BM, expert_end, tl.sum(tiles, 0)
 
 
-def _even_k(args) -> bool:
-    return args["K"] % args["BK"] == 0
+_EVEN = {"EVEN_K": lambda args: args["K"] % args["BK"] == 0, "EVEN_N": lambda args: args["N_OUT"] % args["BN"] == 0}
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, aux_ptr, counts_ptr, N_ROWS, N_OUT, K,
                          stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_auxm, up_offset,
                          E: tl.constexpr, BLOCK_E: tl.constexpr, EPILOGUE: tl.constexpr,
-                         STORE_AUX: tl.constexpr, EVEN_K: tl.constexpr,
+                         STORE_AUX: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """C[rows of e] = epilogue(A[rows of e] @ B[e]), B[e][k, n] at b_ptr + e*stride_be + n*stride_bn + k*stride_bk.
     EPILOGUE _SWIGLU_FWD: a second product with B rows shifted by up_offset gives `up`; C = silu(gate) * up and,
@@ -75,9 +78,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, aux_ptr, counts_ptr, N_ROWS, N_OUT
     cols = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     # Rows past this expert and columns past N_OUT load valid memory and are masked at the store, which keeps
-    # the inner loop free of row/column masks.
+    # the inner loop free of row/column masks. Clamping columns hides their contiguity from the compiler (scalar
+    # loads when B is contiguous along n: 20x slower backward), so it is done only for a ragged last tile.
     rows_in = tl.minimum(rows, N_ROWS - 1).to(tl.int64)
-    cols_in = tl.minimum(cols, N_OUT - 1)
+    cols_in = cols if EVEN_N else tl.minimum(cols, N_OUT - 1)
     a_ptrs = a_ptr + rows_in[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + cols_in[None, :] * stride_bn + rk[:, None] * stride_bk
     acc = tl.zeros((BM, BN), tl.float32)
@@ -124,15 +128,16 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, aux_ptr, counts_ptr, N_ROWS, N_OUT
 
 
 _KEY = ["N_OUT", "K", "EPILOGUE"]
-_even_k_heuristic = triton.heuristics({"EVEN_K": _even_k})
-_gemm_swiglu = triton.autotune(_configs(wide_ok=False), key=_KEY)(_even_k_heuristic(_grouped_gemm_kernel))
-_gemm_plain = triton.autotune(_configs(wide_ok=True), key=_KEY)(_even_k_heuristic(_grouped_gemm_kernel))
+_with_even = triton.heuristics(_EVEN)(_grouped_gemm_kernel)
+_gemm_swiglu = triton.autotune(_configs(wide_ok=False), key=_KEY)(_with_even)
+_gemm_plain = triton.autotune(_configs(wide_ok=True), key=_KEY)(_with_even)
 
 
 @triton.autotune(_configs(wide_ok=True), key=["M_OUT", "N_OUT"])
+@triton.heuristics({"EVEN_MN": lambda args: args["M_OUT"] % args["BM"] == 0 and args["N_OUT"] % args["BN"] == 0})
 @triton.jit
 def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, M_OUT, N_OUT, stride_am, stride_bm, stride_ce,
-                          E: tl.constexpr, BLOCK_E: tl.constexpr,
+                          E: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_MN: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """C[e] = A[rows of e]^T @ B[rows of e]: A [N, M_OUT], B [N, N_OUT], C [E, M_OUT, N_OUT]."""
     pid = tl.program_id(0)
@@ -145,8 +150,9 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, M_OUT, N_OUT, stride_
     counts = tl.load(counts_ptr + ecols, mask=ecols < E, other=0).to(tl.int32)
     count = tl.sum(tl.where(ecols == e, counts, 0), 0)
     start = tl.sum(tl.where(ecols < e, counts, 0), 0)
-    rm_in = tl.minimum(rm, M_OUT - 1)
-    rn_in = tl.minimum(rn, N_OUT - 1)
+    # both operands are contiguous along the output dims: clamp only ragged tiles (see _grouped_gemm_kernel)
+    rm_in = rm if EVEN_MN else tl.minimum(rm, M_OUT - 1)
+    rn_in = rn if EVEN_MN else tl.minimum(rn, N_OUT - 1)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, count, BK):
         k_ok = k0 + rk < count

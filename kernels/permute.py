@@ -18,10 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import check_device, next_pow2
+from ._triton import INTERPRET, check_device, next_pow2
 
 _LAYOUT_BLOCK = 128  # elements per chunk: the in-chunk rank compares all pairs, BLOCK^2 work per chunk
-_ROW_BLOCK_T = 4  # tokens per program in the row movers; each program loops over the hidden dimension
+
+
+def _row_configs() -> list[triton.Config]:
+    """Tokens per program (BLOCK_T) and warps for the row movers; each program loops over the hidden dim."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_T": 4}, num_warps=4)]
+    return [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in ((1, 4), (4, 4), (4, 8), (8, 8))]
 
 
 @triton.jit
@@ -48,6 +54,7 @@ def _dest_rows_kernel(ids_ptr, chunk_base_ptr, dest_ptr, n, E, BLOCK: tl.constex
     tl.store(dest_ptr + offs, base + rank, mask=ok)
 
 
+@triton.autotune(_row_configs(), key=["H", "TOP_K", "HAS_SCALE", "HAS_DOT"])
 @triton.jit
 def _scatter_rows_kernel(src_ptr, dest_ptr, scale_ptr, out_ptr, dot_ptr, dscale_ptr, T, H,
                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
@@ -77,6 +84,7 @@ def _scatter_rows_kernel(src_ptr, dest_ptr, scale_ptr, out_ptr, dot_ptr, dscale_
                  mask=t_ok[:, None] & (kcols[None, :] < TOP_K))
 
 
+@triton.autotune(_row_configs(), key=["H", "TOP_K", "HAS_WEIGHT"])
 @triton.jit
 def _combine_rows_kernel(src_ptr, dest_ptr, weight_ptr, out_ptr, T, H,
                          TOP_K: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -126,16 +134,20 @@ def _block_h(hidden: int) -> int:
     return min(1024, next_pow2(hidden))
 
 
+def _token_grid(tokens: int):
+    return lambda meta: (triton.cdiv(tokens, meta["BLOCK_T"]),)
+
+
 def _scatter(src, dest, top_k, scale=None, dot_with=None):
     """(out [T*k, H], d_scale [T, k] or None); see the module docstring."""
     T, H = src.shape
     out = torch.empty(T * top_k, H, device=src.device, dtype=src.dtype)
     d_scale = torch.empty(T, top_k, device=src.device, dtype=torch.float32) if dot_with is not None else None
     if T:
-        _scatter_rows_kernel[(triton.cdiv(T, _ROW_BLOCK_T),)](
+        _scatter_rows_kernel[_token_grid(T)](
             src, dest, scale if scale is not None else src, out, dot_with if dot_with is not None else src,
             d_scale if d_scale is not None else src, T, H, TOP_K=top_k, HAS_SCALE=scale is not None,
-            HAS_DOT=dot_with is not None, BLOCK_T=_ROW_BLOCK_T, BLOCK_H=_block_h(H), BLOCK_K=next_pow2(top_k))
+            HAS_DOT=dot_with is not None, BLOCK_H=_block_h(H), BLOCK_K=next_pow2(top_k))
     return out, d_scale
 
 
@@ -144,9 +156,9 @@ def _combine(src, dest, top_k, weights=None):
     T, H = src.shape[0] // top_k, src.shape[1]
     out = torch.empty(T, H, device=src.device, dtype=src.dtype)
     if T:
-        _combine_rows_kernel[(triton.cdiv(T, _ROW_BLOCK_T),)](
+        _combine_rows_kernel[_token_grid(T)](
             src, dest, weights if weights is not None else src, out, T, H, TOP_K=top_k,
-            HAS_WEIGHT=weights is not None, BLOCK_T=_ROW_BLOCK_T, BLOCK_H=_block_h(H))
+            HAS_WEIGHT=weights is not None, BLOCK_H=_block_h(H))
     return out
 
 

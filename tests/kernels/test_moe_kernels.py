@@ -134,10 +134,13 @@ def test_unpermute_weighted_combine_matches_reference_forward_and_backward():
     assert rel_err(got_dw, want_dw) < 1e-4  # fp32 dot of bf16 rows
 
 
-@pytest.mark.parametrize("counts", [[37, 0, 5, 16, 1, 0, 44], [0, 0, 70, 0]], ids=["skewed", "one_expert"])
-def test_swiglu_experts_match_reference_forward_and_backward(counts):
-    # h=40 and I=24 are not multiples of the 16-wide interpreter tiles; counts straddle tile boundaries
-    E, h, width = len(counts), 40, 24
+@pytest.mark.parametrize("counts,h,width", [([37, 0, 5, 16, 1, 0, 44], 40, 24), ([0, 0, 70, 0], 40, 24),
+                                            ([3, 0, 33, 12, 0], 32, 16)],
+                         ids=["skewed_ragged_dims", "one_expert", "skewed_tile_multiple_dims"])
+def test_swiglu_experts_match_reference_forward_and_backward(counts, h, width):
+    # h=40, I=24 are not multiples of the 16-wide interpreter tiles (masked paths); h=32, I=16 are (unmasked
+    # paths); counts straddle tile boundaries either way
+    E = len(counts)
     counts = torch.tensor(counts)
     n = int(counts.sum())
     x = (torch.randn(n, h) * 0.5).to(torch.bfloat16).requires_grad_()
