@@ -7,11 +7,12 @@ from constructs import Construct
 
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.labels import PART_OF, PART_OF_LABEL
+from moe_rl_eks.core.rl_config import WeightStoreConfig
 
 from .storage import PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX, RUNS_PREFIX, MoeRlStorage
 
-# Rollout servers read published weights only: runs/<run>/weights/...
-WEIGHTS_PREFIX = f"{RUNS_PREFIX}*/weights/"
+# Published weight versions (the S3 weight store's default prefix): the trainer writes, rollout servers read.
+WEIGHTS_PREFIX = f"{WeightStoreConfig.prefix.strip('/')}/"
 METRICS_NAMESPACE = "MoeRl"  # CloudWatch namespace the trainer may put metrics into
 
 
@@ -45,6 +46,7 @@ class RunAccess(Construct):
         self.roles = {role: sa.role for role, sa in self.service_accounts.items()}
 
         storage.grant_read_write_prefix(self.roles["trainer"], RUNS_PREFIX)
+        storage.grant_read_write_prefix(self.roles["trainer"], WEIGHTS_PREFIX)
         self.roles["trainer"].add_to_principal_policy(iam.PolicyStatement(
             actions=["cloudwatch:PutMetricData"], resources=["*"],
             conditions={"StringEquals": {"cloudwatch:namespace": METRICS_NAMESPACE}}))
@@ -59,7 +61,7 @@ class RunAccess(Construct):
     def _acknowledge_prefix_wildcards(self, storage: MoeRlStorage) -> None:
         # cdk-nag names a finding by the statement's resource as written in the template.
         bucket_arn = f"<{Stack.of(self).get_logical_id(storage.bucket.node.default_child)}.Arn>"
-        for role, prefixes in (("trainer", [RUNS_PREFIX]), ("orchestrator", [PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX]),
+        for role, prefixes in (("trainer", [RUNS_PREFIX, WEIGHTS_PREFIX]), ("orchestrator", [PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX]),
                                ("rollout", [WEIGHTS_PREFIX])):
             policy = self.roles[role].node.find_child("DefaultPolicy")
             for prefix in prefixes:

@@ -7,7 +7,7 @@ from aws_cdk import (Acknowledgment, Duration, RemovalPolicy, Stack, Validations
 from constructs import Construct
 
 # Bucket layout the Pod Identity roles are scoped to (workloads write and read these prefixes).
-RUNS_PREFIX = "runs/"  # runs/<run>/checkpoints/, runs/<run>/weights/: the trainer's
+RUNS_PREFIX = "runs/"  # runs/<run>/...: checkpoints and outputs, the trainer's
 PROMPTS_PREFIX = "prompts/"  # prompt datasets the orchestrator reads
 ROLLOUT_LOGS_PREFIX = "rollout-logs/"  # generated samples and rewards the orchestrator writes
 FSX_MOUNT_NAME_PATH = "/data"  # file-system path the bucket is linked at (data repository association)

@@ -32,6 +32,8 @@ def join_string(value) -> str:
     """A string property, with every CloudFormation reference inside it replaced by TOKEN."""
     if isinstance(value, str):
         return value
+    if "Fn::Join" not in value:  # a bare Ref / Fn::GetAtt
+        return "TOKEN"
     parts = value["Fn::Join"][1]
     return "".join(p if isinstance(p, str) else "TOKEN" for p in parts)
 

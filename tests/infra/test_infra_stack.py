@@ -159,6 +159,7 @@ def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcar
     associations = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in
                     resources_of(template, "AWS::EKS::PodIdentityAssociation").values()}
     run_accounts = (names.TRAINER_SERVICE_ACCOUNT, names.ORCHESTRATOR_SERVICE_ACCOUNT, names.ROLLOUT_SERVICE_ACCOUNT)
+    grants = {}
     for sa in run_accounts:
         assert associations[sa]["Namespace"] == "moe-rl"
         role = associations[sa]["RoleArn"]["Fn::GetAtt"][0]
@@ -167,6 +168,14 @@ def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcar
         actions = [a for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"]
                    for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])]
         assert actions and not [a for a in actions if "*" in a], (sa, actions)
+        grants[sa] = {(a, join_string(r)) for p in policies for st in p["Properties"]["PolicyDocument"]["Statement"]
+                      for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
+                      for r in ([st["Resource"]] if not isinstance(st["Resource"], list) else st["Resource"])}
+    # Weight versions go to the S3 weight store's default prefix: the trainer publishes, rollout servers only read.
+    assert ("s3:PutObject", "TOKEN/weights/*") in grants[names.TRAINER_SERVICE_ACCOUNT]
+    assert ("s3:GetObject", "TOKEN/weights/*") in grants[names.ROLLOUT_SERVICE_ACCOUNT]
+    assert not {a for a, _ in grants[names.ROLLOUT_SERVICE_ACCOUNT]} & {"s3:PutObject", "s3:DeleteObject"}
+    assert ("s3:PutObject", "TOKEN/rollout-logs/*") in grants[names.ORCHESTRATOR_SERVICE_ACCOUNT]
 
 
 def test_storage_bucket_fsx_and_repositories(templates):
