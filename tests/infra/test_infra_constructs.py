@@ -1,13 +1,17 @@
 """The constructs used on their own: a platform team's stack, early validation of props, the checks' wiring."""
 from __future__ import annotations
 
+import json
+
 import aws_cdk as cdk
 import pytest
 from aws_cdk import aws_ec2 as ec2, aws_eks_v2 as eks, aws_s3 as s3
 from aws_cdk.assertions import Match, Template
 
+from infra_helpers import REPO
+from moe_rl_eks.core.environment import load_environments
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.infra import EfaNodePool, MoeRlCluster, add_checks
+from moe_rl_eks.infra import EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
 from moe_rl_eks.infra.checks import EksGuardrails
 from moe_rl_eks.infra.node_pool import network_interfaces, user_data
 
@@ -104,3 +108,21 @@ def test_guardrails_plugin_fails_synth_on_a_public_endpoint_without_allow_list(t
     with pytest.raises(RuntimeError, match="ValidationFailed") as err:
         app.synth()
     assert "MoeRl-EKS-PublicEndpoint" in str(err.value) and "MoeRl-EKS-ControlPlaneLogs" in str(err.value)
+
+
+def test_stack_without_fsx_and_prometheus_and_with_an_allow_listed_public_endpoint():
+    context = json.loads((REPO / "cdk.json").read_text())["context"]
+    dev = context["environments"]["dev"]
+    dev.update(storage={"fsx": False}, observability={"prometheus": False},
+               endpoint={"public": True, "public_cidrs": ["203.0.113.0/24"]})
+    app = cdk.App()
+    add_checks(app)  # the variant is nag-clean and passes the guardrails too: synthesis would raise otherwise
+    stack = MoeRlStack(app, "Lean", config=load_environments(context)["dev"])
+    template = Template.from_stack(stack)
+    template.resource_count_is("AWS::FSx::FileSystem", 0)
+    template.resource_count_is("AWS::APS::Workspace", 0)
+    template.resource_count_is("AWS::CloudWatch::Alarm", 3)  # node-side alarms stay
+    assert "PrometheusEndpoint" not in template.to_json()["Outputs"]
+    template.has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig": Match.object_like(
+        {"EndpointPublicAccess": True, "PublicAccessCidrs": ["203.0.113.0/24"]})})
+    assert "PersistentVolume" not in json.dumps(template.to_json())
