@@ -151,7 +151,7 @@ def check(shape: Shape, baseline, device: str) -> dict:
 
 
 def bench_ms(fn, grad_to_none=None) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=100, rep=500, grad_to_none=grad_to_none, return_mode="median")
 
 
 def peak_mib(fn) -> float:

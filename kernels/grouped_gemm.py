@@ -33,9 +33,11 @@ def _configs(wide_ok: bool) -> list[triton.Config]:
     ]
     if wide_ok:  # the fused gate/up kernel already holds two BN-wide accumulators
         configs += [triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
-                    triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=4)]
+                    triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=4),
+                    triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=8, num_stages=3)]
     else:
-        configs.append(triton.Config({"BM": 128, "BN": 64, "BK": 64}, num_warps=4, num_stages=4))
+        configs += [triton.Config({"BM": 128, "BN": 64, "BK": 64}, num_warps=4, num_stages=4),
+                    triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=5)]
     return configs
 
 
