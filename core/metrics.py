@@ -24,7 +24,14 @@ STRAGGLER_RATIO = Metric("moerl_straggler_ratio", "gauge", "Slowest rank's step 
 REWARD_MEAN = Metric("moerl_reward_mean", "gauge", "Mean reward of the last batch")
 WEIGHT_PUBLISH_SECONDS = Metric("moerl_weight_publish_seconds", "gauge", "Time to publish the last weight version")
 WEIGHT_LOAD_SECONDS = Metric("moerl_weight_load_seconds", "gauge", "Time for a rollout server to load the last weight version")
+ROLLOUT_WEIGHT_VERSION = Metric("moerl_rollout_weight_version", "gauge", "Weight version this rollout server serves")
+ROLLOUT_BUSY_SECONDS = Metric("moerl_rollout_busy_seconds_total", "counter", "Seconds this rollout server spent generating")
+ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion requests re-sent to another server (failure, deadline or straggler)")
+REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed and scored failure_reward")
+SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
+TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, TRAINER_STEP_SECONDS,
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
-       STRAGGLER_RATIO, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS)
+       STRAGGLER_RATIO, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
+       ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION)

@@ -164,6 +164,7 @@ class TrainingConfig:
     grad_clip: float = 1.0
     seed: int = 0
     warmup_sft_steps: int = 0  # supervised steps on well-formed (not necessarily correct) answers, before RL
+    warmup_learning_rate: float = 1e-2
     checkpoint_every: int = 10  # steps; a SIGTERM also writes one
     output_dir: str = "runs/{name}"  # metrics, TensorBoard, checkpoints, plots; {name} = run name
 
@@ -171,8 +172,9 @@ class TrainingConfig:
         for name in ("steps", "prompts_per_step", "checkpoint_every"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
-        if self.learning_rate <= 0:
-            fail("learning_rate", self.learning_rate, "must be > 0")
+        for name in ("learning_rate", "warmup_learning_rate"):
+            if getattr(self, name) <= 0:
+                fail(name, getattr(self, name), "must be > 0")
         if self.warmup_sft_steps < 0:
             fail("warmup_sft_steps", self.warmup_sft_steps, "must be >= 0")
 

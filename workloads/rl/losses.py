@@ -77,13 +77,13 @@ def policy_loss(batch: PolicyBatch, cfg: PolicyLossConfig, num_tokens: float | N
             raise ValueError("kl_coef > 0 needs reference_logprobs")
         kl = masked_sum(kl_estimate(batch.logprobs, batch.reference_logprobs, cfg.kl_estimator), mask) / n
         loss = loss + cfg.kl_coef * kl
-        metrics["kl"] = float(kl)
+        metrics["kl"] = float(kl.detach())
     if cfg.entropy_coef > 0:
         if batch.entropy is None:
             raise ValueError("entropy_coef > 0 needs entropy")
         entropy = masked_sum(batch.entropy, mask) / n
         loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy"] = float(entropy)
+        metrics["entropy"] = float(entropy.detach())
     return loss, metrics
 
 

@@ -38,7 +38,10 @@ class CharTokenizer:
         return [self.bos_id] + [self.ids[c] for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(BUILTIN_VOCAB[i] for i in ids if i >= 3 and i < self.vocab_size)
+        # <bos> is dropped; any other special or out-of-vocabulary id shows as U+FFFD, so a completion holding
+        # one is never mistaken for a well-formed answer.
+        return "".join(BUILTIN_VOCAB[i] if 3 <= i < self.vocab_size else "\ufffd"
+                       for i in ids if i != self.bos_id)
 
 
 class HFTokenizer:

@@ -1,0 +1,105 @@
+"""Helpers shared by the RL tests: tiny run files, published initial weights, JSON over HTTP, sample accounting."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+import yaml
+
+from moe_rl_eks.core.run import load_run
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_RUN = REPO / "configs" / "runs" / "local.yaml"
+
+
+def write_run(tmp_path: Path, name: str = "run", **rl_sections) -> Path:
+    """configs/runs/local.yaml with its output under tmp_path and the given `rl:` sections updated; the file
+    is what the role processes read."""
+    data = yaml.safe_load(LOCAL_RUN.read_text())
+    rl = data.setdefault("rl", {})
+    rl.setdefault("training", {})["output_dir"] = str(tmp_path / "out")
+    for section, changes in rl_sections.items():
+        if section == "rollout":
+            data["rollout"].update(changes)
+        else:
+            rl.setdefault(section, {}).update(changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def tiny_run(tmp_path: Path, **rl_sections):
+    return load_run(write_run(tmp_path, **rl_sections))
+
+
+def publish_initial(run, store, version: int = 0, seed: int = 0) -> dict:
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+
+    torch.manual_seed(seed)
+    state = MoETransformer(run.model).state_dict()
+    staging = Path(store.root).parent / f"src-{version}"
+    save_hf(state, run.model, staging)
+    store.publish(version, staging)
+    return state
+
+
+def call(method: str, url: str, body=None, *, raw: bytes | None = None, headers: dict | None = None,
+         timeout: float = 30):
+    """-> (status, parsed JSON or text), never raising on 4xx/5xx."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def trained_steps(out: Path) -> dict[int, list[str]]:
+    """Sample ids trained at each step; a step re-run after a resume overwrites the dead trainer's record."""
+    path = out / "trained.jsonl"
+    steps = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            steps[row["step"]] = row["ids"]
+    return steps
+
+
+def sample_accounting(out: Path, final_state: dict) -> dict:
+    """Every completed request is trained, dropped as stale, filtered, or still buffered/batched at the end —
+    exactly once. Returns the sets for the test's own assertions."""
+    events = [json.loads(line) for line in (out / "orchestrator-events.jsonl").read_text().splitlines()]
+    completed = [e["request_id"] for e in events if e["event"] == "completed"]
+    dropped = {e["request_id"] for e in events if e["event"] == "dropped_stale"}
+    filtered = {e["request_id"] for e in events if e["event"] == "filtered"}
+    trained_ids = [i for ids in trained_steps(out).values() for i in ids]
+    trained_requests = {i.split("/")[0] for i in trained_ids}
+    leftover = {g["request_id"] for g in final_state["buffered"]}
+    leftover |= {s["id"].split("/")[0] for b in final_state["batches"].values() for s in b["samples"]} - trained_requests
+    assert len(trained_ids) == len(set(trained_ids)), "a sample was trained twice"
+    assert len(completed) == len(set(completed)), "a request completed twice"
+    assert trained_requests | dropped | filtered | leftover == set(completed), "a completed sample was lost"
+    assert not (trained_requests & (dropped | filtered | leftover)), "a sample was both trained and discarded"
+    return {"completed": set(completed), "trained": trained_requests, "dropped": dropped, "leftover": leftover,
+            "trained_ids": trained_ids}

@@ -1,0 +1,109 @@
+"""Batched sampling with a KV cache: several requests' rows decode together (left-padded prompts, one forward per
+token for the whole batch). Each row samples from its own seeded generator, so a row's tokens depend on its seed
+and the weights, not on which other rows shared its batch (up to floating-point reduction order)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import KVCache, MoETransformer
+
+
+@dataclass
+class Row:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    want_routing: bool = False
+
+
+@dataclass
+class RowResult:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False  # ended with end-of-sequence (else cut off at max_tokens)
+    # per MoE layer, per fed position (prompt, then completion tokens but the last), the expert ids
+    routing: list[list[list[int]]] | None = None
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+           ) -> tuple[int, float]:
+    """logits [V] -> (token, its log-probability under the temperature-scaled distribution before top-p).
+    The trainer scores tokens under that same distribution. temperature 0 = greedy (logprob at temperature 1)."""
+    if temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits.float(), -1)[token])
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    probs = logp.exp()
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logp[token])
+
+
+@torch.no_grad()
+def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 0) -> list[RowResult]:
+    b = len(rows)
+    prompt_len = max(len(r.prompt) for r in rows)
+    steps = max(r.max_tokens for r in rows)
+    device = next(model.parameters()).device
+    ids = torch.full((b, prompt_len), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(b, prompt_len, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        ids[i, prompt_len - len(r.prompt):] = torch.tensor(r.prompt)
+        mask[i, prompt_len - len(r.prompt):] = True
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.allocate(model.config, b, prompt_len + steps, device, dtype)
+    want_routing = any(r.want_routing for r in rows)
+    out = model(ids, positions=positions, kv_cache=cache, attention_mask=mask, return_routing=want_routing)
+    generators = []
+    for r in rows:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(r.seed) if r.seed is not None else g.seed()
+        generators.append(g)
+    results = [RowResult(routing=[[] for _ in range(model.config.num_hidden_layers)] if r.want_routing else None)
+               for r in rows]
+    routing_steps = [(out.routing, mask)] if want_routing else []
+    logits = out.logits[:, -1]
+    next_pos = positions[:, -1] + 1
+    for step in range(steps):
+        fed = torch.full((b, 1), pad_id, dtype=torch.long, device=device)
+        for i, (r, res) in enumerate(zip(rows, results)):
+            if res.finished or len(res.tokens) >= r.max_tokens:
+                continue
+            token, logprob = sample(logits[i].cpu(), r.temperature, r.top_p, generators[i])
+            res.tokens.append(token)
+            res.logprobs.append(logprob)
+            res.finished = token == eos_id
+            fed[i, 0] = token
+        active = [not res.finished and len(res.tokens) < r.max_tokens for r, res in zip(rows, results)]
+        if not any(active) or step == steps - 1:
+            break
+        out = model(fed, positions=next_pos[:, None], kv_cache=cache, return_routing=want_routing)
+        if want_routing:
+            routing_steps.append((out.routing, torch.ones(b, 1, dtype=torch.bool)))
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    if want_routing:
+        _collect_routing(rows, results, routing_steps)
+    return results
+
+
+def _collect_routing(rows: list[Row], results: list[RowResult], steps) -> None:
+    """Keep, per row, the routing of the positions the trainer will feed: its prompt and completion[:-1]."""
+    for i, (r, res) in enumerate(zip(rows, results)):
+        if not r.want_routing:
+            continue
+        wanted = len(r.prompt) + len(res.tokens) - 1
+        for layer in range(len(res.routing)):
+            per_pos = []
+            for routing, valid in steps:
+                ids = routing[layer][i][valid[i].cpu()]
+                per_pos.extend(ids.tolist())
+            res.routing[layer] = per_pos[:wanted]

@@ -1,0 +1,251 @@
+"""`moerl local-run`: the whole loop on this machine, as separate processes exactly as on EKS: N rollout servers
+(`moerl serve-rollout`), the orchestrator (`moerl orchestrate`) and the trainer (`torchrun ... moerl train`, EP
+over gloo). Shows a progress bar, then evaluates the initial, post-warm-up and final weights on held-out
+prompts, writes a reward-curve PNG and prints the summary."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig
+
+from .runtime import load, output_dir, run_argparser, wait_for
+
+CLI = [sys.executable, "-m", "moe_rl_eks.core.cli"]
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen
+    url: str | None = None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        """Signal the role's process group and wait; SIGKILL if it does not go."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+
+class LocalCluster:
+    """Starts and stops the roles of a local run; tests use it to kill and restart them."""
+
+    def __init__(self, run_path: str, run: RunConfig, env: dict | None = None) -> None:
+        self.run_path, self.run = run_path, run
+        self.out = output_dir(run)
+        self.logs = self.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    run.rl.weight_token_env: secrets.token_hex(16), **(env or {})}
+        self.servers: list[Role] = []
+        self.orchestrator: Role | None = None
+        self.trainer: Role | None = None
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "a")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    def start_server(self, index: int, port: int | None = None) -> Role:
+        port = port or free_port()
+        proc = self._spawn(f"rollout-{index}", CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1",
+                                                     "--port", str(port)])
+        role = Role(f"rollout-{index}", proc, f"http://127.0.0.1:{port}")
+        if index < len(self.servers):
+            self.servers[index] = role
+        else:
+            self.servers.append(role)
+        return role
+
+    def start_orchestrator(self, resume: Path | None = None) -> Role:
+        port = free_port()
+        argv = CLI + ["orchestrate", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)]
+        for s in self.servers:
+            argv += ["--endpoint", s.url]
+        if resume is not None:
+            argv += ["--resume", str(resume)]
+        self.orchestrator = Role("orchestrator", self._spawn("orchestrator", argv), f"http://127.0.0.1:{port}")
+        wait_for(f"{self.orchestrator.url}/health", timeout=START_TIMEOUT_S)
+        return self.orchestrator
+
+    def start_trainer(self) -> Role:
+        ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
+                "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url]
+        self.trainer = Role("trainer", self._spawn("trainer", argv))
+        return self.trainer
+
+    def start(self) -> None:
+        for i in range(self.run.rollout.min_servers):
+            self.start_server(i)
+        self.start_orchestrator()
+        self.start_trainer()
+
+    def stop(self) -> None:
+        for role in [self.trainer, self.orchestrator, *self.servers]:
+            if role is not None:
+                role.stop()
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """metrics.jsonl, the last record of each step (a resumed trainer re-runs steps after its checkpoint)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def progress_line(row: dict, total: int) -> str:
+    done = int(30 * row["step"] / total)
+    return (f"\r[{'#' * done}{'.' * (30 - done)}] step {row['step']}/{total}  reward {row['reward_mean']:.3f}  "
+            f"acc {row['accuracy']:.2f}  {row['samples_per_second']:.1f} samples/s  "
+            f"staleness {row['staleness_mean']:.2f}  idle {row['trainer_idle_fraction']:.2f}")
+
+
+def watch(cluster: LocalCluster, timeout_s: float) -> int:
+    """Print progress until the trainer exits; returns its exit code."""
+    deadline = time.monotonic() + timeout_s
+    total = cluster.run.rl.training.steps
+    shown = None
+    while cluster.trainer.proc.poll() is None:
+        rows = read_metrics(cluster.out)
+        if rows and rows[-1]["step"] != shown:
+            shown = rows[-1]["step"]
+            print(progress_line(rows[-1], total), end="", flush=True)
+        if time.monotonic() > deadline:
+            print(f"\nlocal-run: no finish within {timeout_s:.0f} s; stopping", file=sys.stderr)
+            cluster.trainer.stop()
+            return 124
+        for s in cluster.servers:
+            if s.proc.poll() is not None:
+                print(f"\nlocal-run: {s.name} exited with {s.proc.returncode}; see {cluster.logs}", file=sys.stderr)
+        time.sleep(1)
+    print()
+    return cluster.trainer.proc.returncode
+
+
+def evaluate(run: RunConfig, directory: Path, prompts: int = 128, seed: int = 12345) -> dict:
+    """Mean reward and accuracy of the weights in `directory`, sampled as in training (group_size completions
+    per prompt at the training temperature) on held-out prompts."""
+    import torch
+
+    from ..model import MoETransformer
+    from ..model.checkpoint import load_hf
+    from .generation import Row, generate
+    from .rewards import ArithmeticTask, RewardScorer
+    from .tokenizer import load_tokenizer
+
+    config, state = load_hf(directory)
+    model = MoETransformer(config)
+    model.load_full_state_dict(state)
+    model.eval()
+    task, tok, scorer = ArithmeticTask(run.rl.task, seed), load_tokenizer(run.rl.sampling.tokenizer), RewardScorer(run.rl.reward)
+    s, n = run.rl.sampling, run.rl.algorithm.group_size
+    rewards, correct = [], []
+    for start in range(0, prompts, 16):
+        problems = [task.problem(i) for i in range(start, min(start + 16, prompts))]
+        rows = [Row(tok.encode(p.prompt), s.max_tokens, s.temperature, s.top_p, seed * 1_000_003 + p.index * n + j)
+                for p in problems for j in range(n)]
+        with torch.no_grad():
+            results = generate(model, rows, tok.eos_id)
+        for k, r in enumerate(results):
+            p = problems[k // n]
+            text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
+            rewards.append(scorer.score(p.prompt, text, p.answer, r.finished))
+            correct.append(float(text == p.answer))
+    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(correct) / len(correct)}
+
+
+def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="batch mean reward")
+    ax.plot([r["step"] for r in rows], [r["accuracy"] for r in rows], label="batch accuracy", alpha=0.6)
+    for name, marker in (("warmup", "o"), ("final", "s")):
+        if name in evals:
+            x = 0 if name == "warmup" else rows[-1]["step"] if rows else 0
+            ax.scatter([x], [evals[name]["reward_mean"]], marker=marker, label=f"held-out reward ({name})")
+    ax.set_xlabel("RL step (weight version)")
+    ax.set_ylabel("reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = run_argparser("local-run", "run the whole RL loop on this machine")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
+    args = parser.parse_args(argv)
+    run = load(args.run)
+    out = output_dir(run)
+    if not args.resume and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(args.run, run)
+    resume_state = None
+    if args.resume:
+        from . import checkpoint as ckpt
+        latest = ckpt.latest(out / "checkpoints")
+        resume_state = latest / "orchestrator.json" if latest else None
+    print(f"local-run {run.name}: {run.rollout.min_servers} rollout servers, trainer EP={run.parallelism.ranks_per_node or LOCAL_RANKS} "
+          f"(gloo), max_staleness {run.rl.orchestrator.max_staleness}; logs in {cluster.logs}", flush=True)
+    start = time.monotonic()
+    try:
+        for i in range(run.rollout.min_servers):
+            cluster.start_server(i)
+        cluster.start_orchestrator(resume_state)
+        cluster.start_trainer()
+        rc = watch(cluster, args.timeout)
+    finally:
+        cluster.stop()
+    if rc != 0:
+        print(f"local-run: trainer exited with {rc}; see {cluster.logs / 'trainer.log'}", file=sys.stderr)
+        return rc
+    rows = read_metrics(out)
+    evals = {name: evaluate(run, out / "eval" / name) for name in ("initial", "warmup") if (out / "eval" / name).exists()}
+    evals["final"] = evaluate(run, sorted((out / "weights").glob("v*"))[-1])
+    plot(rows, evals, out / "reward_curve.png")
+    summary = {"seconds": time.monotonic() - start, "steps": len(rows), "evaluation": evals,
+               "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],
+               "samples_per_second": rows[-1]["samples_per_second"] if rows else 0.0,
+               "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("held-out mean reward (accuracy):  " + "  ".join(
+        f"{k} {v['reward_mean']:.3f} ({v['accuracy']:.2f})" for k, v in evals.items()))
+    print(f"RL gain over post-warm-up: {summary['rl_gain']:+.3f}; {summary['samples_per_second']:.1f} samples/s; "
+          f"{summary['seconds']:.0f} s; metrics {out / 'metrics.jsonl'}, TensorBoard {out / 'tensorboard'}, "
+          f"curve {out / 'reward_curve.png'}, checkpoints {out / 'checkpoints'}")
+    return 0

@@ -1,0 +1,354 @@
+"""Trainer: `torchrun` ranks with expert parallelism inside. Each step: rank 0 fetches the step's batch from the
+orchestrator and broadcasts it; every rank trains on its share (non-expert gradients summed across ranks, expert
+gradients already whole through the all-to-all), steps the optimizer, and the ranks gather the full weights that
+rank 0 publishes as the next version. Checkpoints every `checkpoint_every` steps and on SIGTERM (preemption), then
+exits cleanly; a restart resumes from the newest checkpoint.
+
+The trainer knows nothing of the algorithm beyond per-token advantages and masks (GRPO advantages come from the
+orchestrator)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.run import RunConfig, resolve_run
+
+from ..model import MoETransformer
+from ..model.checkpoint import save_hf
+from ..moe.parallel import ExpertParallel
+from . import checkpoint as ckpt
+from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy
+from .rewards import ArithmeticTask
+from .runtime import http_json, load, output_dir, run_argparser
+from .tokenizer import load_tokenizer
+from .weights import open_store
+
+log = logging.getLogger(__name__)
+EXPERT_MARK = ".mlp.experts."
+
+
+@dataclass
+class Tensors:
+    inputs: torch.Tensor  # [B, S] prompt + completion[:-1], right-padded
+    targets: torch.Tensor  # [B, S]
+    mask: torch.Tensor  # [B, S] 1 on completion targets
+    behaviour: torch.Tensor  # [B, S] rollout logprobs on completion targets
+    advantages: torch.Tensor  # [B, S]
+    routing: list[torch.Tensor] | None  # per layer [B, S, k]
+
+
+def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> Tensors:
+    """Right-padded training tensors; causal attention means padding after a sequence never changes it."""
+    seqs = [s["prompt_ids"] + s[completions_key] for s in samples]
+    width = max(len(q) for q in seqs) - 1
+    b = len(samples)
+    inputs, targets = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
+    mask, behaviour, adv = torch.zeros(b, width), torch.zeros(b, width), torch.zeros(b, width)
+    routing = None
+    if samples and "routing" in samples[0]:
+        layers, k = len(samples[0]["routing"]), len(samples[0]["routing"][0][0])
+        routing = [torch.zeros(b, width, k, dtype=torch.long) for _ in range(layers)]
+    for i, (s, q) in enumerate(zip(samples, seqs)):
+        n, p = len(q) - 1, len(s["prompt_ids"])
+        inputs[i, :n], targets[i, :n] = torch.tensor(q[:-1]), torch.tensor(q[1:])
+        mask[i, p - 1:n] = 1.0
+        if "logprobs" in s:
+            behaviour[i, p - 1:n] = torch.tensor(s["logprobs"])
+        adv[i, p - 1:n] = s.get("advantage", 0.0)
+        if routing is not None:
+            for layer, ids in enumerate(s["routing"]):
+                routing[layer][i, :n] = torch.tensor(ids)
+    return Tensors(inputs, targets, mask, behaviour, adv, routing)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, orchestrator: str | None, rank: int, world: int) -> None:
+        self.run, self.orchestrator, self.rank, self.world = run, orchestrator, rank, world
+        self.cfg, self.algo = run.rl.training, run.rl.algorithm
+        self.out = output_dir(run)
+        self.ckpt_root = self.out / "checkpoints"
+        self.store = open_store(run.rl.weights, self.out / "weights")
+        self.loss_cfg = PolicyLossConfig(self.algo.clip_low, self.algo.clip_high, self.algo.importance_cap,
+                                         self.algo.kl_coef, self.algo.kl_estimator, self.algo.entropy_coef)
+        backend = resolve_run(run, None).ep_backend if run.environment is None else _cluster_backend(run)
+        self.ep = ExpertParallel(dist.group.WORLD, backend) if world > 1 else None
+        # Initialise the whole model identically everywhere, then keep this rank's expert slice: the initial
+        # weights do not depend on the number of ranks.
+        torch.manual_seed(self.cfg.seed)
+        full = MoETransformer(run.model).state_dict()
+        self.model = MoETransformer(run.model, ep=self.ep)
+        self.model.load_full_state_dict(full)
+        self.expert_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK in n]
+        self.shared_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK not in n]
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
+                                           weight_decay=self.cfg.weight_decay)
+        self.reference: MoETransformer | None = None
+        self.step, self.stop_requested = 0, False
+        self.wait_seconds, self.started = 0.0, time.monotonic()
+        self.samples_trained = 0
+        self.writer = None
+        self.last_metrics: dict[str, float] = {}
+
+    # ---- gradients across ranks ---------------------------------------------------------------------------
+    def _sync_and_clip(self) -> float:
+        """Sum replicated parameters' gradients over ranks (each rank's loss is already divided by the global
+        token count); expert gradients arrive whole through the all-to-all. Then clip by the global norm."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shared_params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.world > 1:
+            dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(self.shared_params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        expert_sq = sum((p.grad.float() ** 2).sum() for p in self.expert_params if p.grad is not None)
+        expert_sq = torch.as_tensor(expert_sq, dtype=torch.float32)
+        if self.world > 1:
+            dist.all_reduce(expert_sq)
+        norm = float(torch.sqrt(expert_sq + (flat.float() ** 2).sum()))
+        scale = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
+        if scale < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def _global(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return float(t)
+
+    def _logprobs(self, model: MoETransformer, t: Tensors, temperature: float, replay: bool):
+        out = model(t.inputs, routing_replay=t.routing if replay else None)
+        logp, entropy = token_logprobs_and_entropy(out.logits / temperature, t.targets)
+        return logp, entropy, out.aux_loss
+
+    # ---- the two kinds of step ----------------------------------------------------------------------------
+    def sft_step(self, index: int) -> float:
+        """Warm-up: cross-entropy on well-formed answers with random values (teaches the format, not the task)."""
+        task, tok = ArithmeticTask(self.run.rl.task, self.cfg.seed + 1), load_tokenizer(self.run.rl.sampling.tokenizer)
+        n = self.cfg.prompts_per_step * self.algo.group_size
+        samples = []
+        for j in range(index * n, (index + 1) * n):
+            answer = task.well_formed_example(j)
+            samples.append({"prompt_ids": tok.encode(task.problem(j).prompt),
+                            "completion_ids": tok.encode(answer)[1:] + [tok.eos_id]})
+        t = to_tensors(samples[self.rank::self.world])
+        tokens = self._global(float(t.mask.sum()))
+        logp, _, aux = self._logprobs(self.model, t, 1.0, replay=False)
+        loss = -(logp * t.mask).sum() / tokens + aux / self.world
+        loss.backward()
+        self._sync_and_clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._global(float(loss))
+
+    def rl_step(self, batch: dict) -> dict:
+        samples = batch["samples"][self.rank::self.world]
+        t = to_tensors(samples)
+        tokens = self._global(float(t.mask.sum()))
+        temperature = self.run.rl.sampling.temperature
+        replay = self.algo.routing_replay
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = self._logprobs(self.reference, t, temperature, replay)[0]
+        proximal = None
+        metrics: dict[str, float] = {}
+        for epoch in range(self.algo.epochs_per_batch):
+            logp, entropy, aux = self._logprobs(self.model, t, temperature, replay)
+            if proximal is None:
+                proximal = logp.detach()  # the policy before this step's first update
+            pb = PolicyBatch(logp, proximal, t.behaviour, t.advantages, t.mask, reference, entropy)
+            loss, metrics = policy_loss(pb, self.loss_cfg, num_tokens=tokens)
+            loss = loss + aux / self.world
+            loss.backward()
+            metrics = {k: self._global(v) for k, v in metrics.items()}  # each is a sum over tokens / global count
+            metrics["grad_norm"] = self._sync_and_clip()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["loss"] = self._global(float(loss))
+        metrics["tokens"] = tokens
+        return metrics
+
+    # ---- weights, checkpoints -----------------------------------------------------------------------------
+    def publish(self, version: int) -> None:
+        start = time.monotonic()
+        state = self.model.full_state_dict()  # collective
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory(dir=self.out) as staging:
+                save_hf(state, self.run.model, staging)
+                self.store.publish(version, Path(staging))
+            seconds = time.monotonic() - start
+            self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = seconds
+            if self.orchestrator:
+                http_json("POST", f"{self.orchestrator}/v1/version", {"version": version}, timeout=300)
+            log.info("published version %d in %.2f s", version, seconds)
+
+    def save_checkpoint(self) -> None:
+        staging = ckpt.staging_dir(self.ckpt_root, self.step)
+        if self.rank == 0:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+        if self.world > 1:
+            dist.barrier()
+        ckpt.write_rank(self.ckpt_root, self.step, self.rank, self.model.state_dict(), self.optimizer.state_dict())
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            orch_state = http_json("GET", f"{self.orchestrator}/v1/state", timeout=60) if self.orchestrator else None
+            meta = {"step": self.step, "version": self.step, "world": self.world,
+                    "samples_trained": self.samples_trained}
+            path = ckpt.commit(self.ckpt_root, self.step, meta, orch_state)
+            log.info("checkpoint %s", path)
+        if self.world > 1:
+            dist.barrier()
+
+    def try_resume(self) -> bool:
+        directory = ckpt.latest(self.ckpt_root)
+        if directory is None:
+            return False
+        meta = json.loads((directory / "trainer.json").read_text())
+        if meta["world"] != self.world:
+            raise SystemExit(f"checkpoint {directory} was written by {meta['world']} ranks; this run has {self.world}")
+        state = ckpt.read_rank(directory, self.rank)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.samples_trained = meta["step"], meta["samples_trained"]
+        log.info("resumed from %s at step %d", directory, self.step)
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def fetch_batch(self) -> dict | None:
+        """Rank 0 long-polls the orchestrator; every rank gets the batch, or None when stopping."""
+        box: list = [None]
+        if self.rank == 0:
+            start = time.monotonic()
+            committed = self.step - self.step % self.cfg.checkpoint_every
+            while not self.stop_requested:
+                try:
+                    batch = http_json("GET", f"{self.orchestrator}/v1/batch?step={self.step}&committed={committed}",
+                                      timeout=60)
+                except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                    log.warning("orchestrator unreachable (%s); retrying", exc)
+                    time.sleep(1)
+                    continue
+                if batch.get("samples"):
+                    box[0] = batch
+                    break
+            self.wait_seconds += time.monotonic() - start
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run_loop(self) -> int:
+        if not self.try_resume():
+            self._save_eval_weights("initial")
+            self._set_lr(self.cfg.warmup_learning_rate)
+            for i in range(self.cfg.warmup_sft_steps):
+                loss = self.sft_step(i)
+                if self.rank == 0:
+                    log.info("warm-up step %d/%d loss %.3f", i + 1, self.cfg.warmup_sft_steps, loss)
+            self._set_lr(self.cfg.learning_rate)
+            self._save_eval_weights("warmup")
+        if self.algo.kl_coef > 0:
+            self.reference = MoETransformer(self.run.model, ep=self.ep)
+            self.reference.load_state_dict(self.model.state_dict())
+            self.reference.requires_grad_(False)
+        self.publish(self.step)
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.out / "tensorboard"))
+        while self.step < self.cfg.steps:
+            batch = self.fetch_batch()
+            if batch is None:
+                break
+            start = time.monotonic()
+            metrics = self.rl_step(batch)
+            self.step += 1
+            self.samples_trained += len(batch["samples"])
+            self.publish(self.step)
+            step_seconds = time.monotonic() - start
+            if self.rank == 0:
+                self._record(batch, metrics, step_seconds)
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                self.save_checkpoint()
+        if self.stop_requested and self.step < self.cfg.steps:
+            log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
+            self.save_checkpoint()
+        if self.rank == 0 and self.writer:
+            self.writer.close()
+        return 0
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _save_eval_weights(self, name: str) -> None:
+        """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
+        state = self.model.full_state_dict()  # collective
+        if self.rank == 0:
+            save_hf(state, self.run.model, self.out / "eval" / name)
+
+    def _record(self, batch: dict, metrics: dict, step_seconds: float) -> None:
+        wall = time.monotonic() - self.started
+        stats = batch["stats"]
+        row = {"step": self.step, "version": self.step, "time": time.time(), "wall_seconds": wall,
+               "reward_mean": stats["reward_mean"], "accuracy": stats["accuracy"],
+               "staleness_mean": stats["staleness_mean"], "samples": len(batch["samples"]),
+               "samples_per_second": self.samples_trained / wall, "step_seconds": step_seconds,
+               "trainer_idle_fraction": self.wait_seconds / wall,
+               "dropped_stale_groups": stats["dropped_stale_groups"], "retries": stats["retries"],
+               "reward_failures": stats["reward_failures"], **metrics, **self.last_metrics}
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with open(self.out / "trained.jsonl", "a") as f:
+            f.write(json.dumps({"step": batch["step"], "ids": [s["id"] for s in batch["samples"]]}) + "\n")
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                self.writer.add_scalar(key, value, self.step)
+        self.writer.flush()
+
+
+def _cluster_backend(run: RunConfig):
+    from moe_rl_eks.core.environment import load_cdk_json, select_environment
+
+    env = select_environment(load_cdk_json(os.environ.get("MOERL_CDK_JSON", "cdk.json")), run.environment)
+    return resolve_run(run, env).ep_backend
+
+
+def main(argv: list[str]) -> int:
+    parser = run_argparser("train", "train a run (start under torchrun)")
+    parser.add_argument("--orchestrator", default=os.environ.get("MOERL_ORCHESTRATOR"),
+                        help="orchestrator base URL (default: $MOERL_ORCHESTRATOR)")
+    args = parser.parse_args(argv)
+    run = load(args.run)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(run, args.orchestrator, rank, world)
+    trainer.out.mkdir(parents=True, exist_ok=True)
+
+    def on_sigterm(signum, frame):  # Kubernetes preemption: finish the step, checkpoint, exit 0
+        trainer.stop_requested = True
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return trainer.run_loop()
+    finally:
+        dist.destroy_process_group()
