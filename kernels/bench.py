@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 
 from .backend import TritonCompute
+from .permute import expert_layout
 
 DEFAULT_BASELINE = "moe_rl_eks.workloads.moe.torch_compute:TorchCompute"
 
@@ -201,6 +202,8 @@ def bench_backend(name: str, compute, shape: Shape, inp: dict) -> dict:
         y_sorted = compute.experts(x_sorted, counts, inp["w13"], inp["w2"])
         row["route_ms"] = bench_ms(lambda: compute.route(logits, shape.spec, inp["bias"]))
         row["permute_ms"] = bench_ms(lambda: compute.permute(x, ids, shape.experts))
+        if isinstance(compute, TritonCompute):  # how much of permute is the layout (counting sort) alone
+            row["layout_ms"] = bench_ms(lambda: expert_layout(ids, shape.experts))
         row["experts_ms"] = bench_ms(lambda: compute.experts(x_sorted, counts, inp["w13"], inp["w2"]))
         row["unpermute_ms"] = bench_ms(lambda: compute.unpermute(y_sorted, weights, handle))
         row["empty_experts"] = int((counts == 0).sum())

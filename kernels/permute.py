@@ -1,8 +1,10 @@
 """Token permutation into expert-sorted order and the weighted combine back, with their backward passes.
 
-The layout (where each (token, slot) lands) is a counting sort computed on the device: per-chunk expert histograms,
-a prefix sum over chunks and experts, and each element's rank among equal ids inside its chunk. That keeps the
-order stable in (token, slot) order and gives per-expert counts without a host synchronisation.
+The layout (where each (token, slot) lands) is a counting sort computed on the device: per-chunk expert histograms
+stored expert-major ([E, chunks]), so that one flat prefix sum over them gives, for every (expert, chunk), the
+first sorted row of that expert's elements in that chunk; each element then adds its rank among equal ids inside
+its chunk. That keeps the order stable in (token, slot) order and gives per-expert counts without a host
+synchronisation, in four launches.
 
 Two row movers serve all four directions:
   scatter: token rows -> sorted rows, out[dest[t, j]] = scale[t, j] * src[t]  (permute; unpermute's backward,
@@ -31,18 +33,20 @@ def _row_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _chunk_histogram_kernel(ids_ptr, hist_ptr, n, E, BLOCK: tl.constexpr):
+def _chunk_histogram_kernel(ids_ptr, hist_ptr, n, E, CHUNKS, BLOCK: tl.constexpr):
+    """hist[e, chunk] = elements of this chunk routed to expert e (hist zeroed by the caller)."""
     chunk = tl.program_id(0)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
     # an id outside [0, E) is the caller's bug; masking it keeps the kernel inside its buffers
-    tl.atomic_add(hist_ptr + chunk * E + ids, 1, mask=ok & (ids >= 0) & (ids < E))
+    tl.atomic_add(hist_ptr + ids * CHUNKS + chunk, 1, mask=ok & (ids >= 0) & (ids < E))
 
 
 @triton.jit
-def _dest_rows_kernel(ids_ptr, chunk_base_ptr, dest_ptr, n, E, BLOCK: tl.constexpr):
-    """dest = (first row of this expert for this chunk) + (earlier equal ids inside the chunk)."""
+def _dest_rows_kernel(ids_ptr, hist_ptr, cum_ptr, dest_ptr, n, E, CHUNKS, BLOCK: tl.constexpr):
+    """dest = (exclusive prefix of the expert-major histogram at (expert, chunk)) + (earlier equal ids inside the
+    chunk)."""
     chunk = tl.program_id(0)
     r = tl.arange(0, BLOCK)
     offs = chunk * BLOCK + r
@@ -50,7 +54,9 @@ def _dest_rows_kernel(ids_ptr, chunk_base_ptr, dest_ptr, n, E, BLOCK: tl.constex
     ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
     earlier_equal = (ids[:, None] == ids[None, :]) & (r[None, :] < r[:, None])
     rank = tl.sum(earlier_equal.to(tl.int32), axis=1)
-    base = tl.load(chunk_base_ptr + chunk * E + ids, mask=ok & (ids >= 0) & (ids < E), other=0)
+    at = ids * CHUNKS + chunk
+    valid = ok & (ids >= 0) & (ids < E)
+    base = tl.load(cum_ptr + at, mask=valid, other=0) - tl.load(hist_ptr + at, mask=valid, other=0)
     tl.store(dest_ptr + offs, base + rank, mask=ok)
 
 
@@ -118,16 +124,14 @@ def expert_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     flat = ids.reshape(-1)
     n = flat.numel()
     chunks = triton.cdiv(n, _LAYOUT_BLOCK)
-    hist = torch.zeros(chunks, num_experts, device=ids.device, dtype=torch.int32)
+    hist = torch.zeros(num_experts, chunks, device=ids.device, dtype=torch.int32)
     dest = torch.empty(n, device=ids.device, dtype=torch.int32)
     if n == 0:
-        return dest, hist.sum(0, dtype=torch.int64)
-    _chunk_histogram_kernel[(chunks,)](flat, hist, n, num_experts, BLOCK=_LAYOUT_BLOCK)
-    counts = hist.sum(0, dtype=torch.int64)
-    expert_start = torch.cumsum(counts, 0) - counts
-    chunk_base = (torch.cumsum(hist, 0, dtype=torch.int32) - hist + expert_start.to(torch.int32)).contiguous()
-    _dest_rows_kernel[(chunks,)](flat, chunk_base, dest, n, num_experts, BLOCK=_LAYOUT_BLOCK)
-    return dest, counts
+        return dest, hist.sum(1, dtype=torch.int64)
+    _chunk_histogram_kernel[(chunks,)](flat, hist, n, num_experts, chunks, BLOCK=_LAYOUT_BLOCK)
+    cum = torch.cumsum(hist.view(-1), 0, dtype=torch.int32)
+    _dest_rows_kernel[(chunks,)](flat, hist, cum, dest, n, num_experts, chunks, BLOCK=_LAYOUT_BLOCK)
+    return dest, hist.sum(1, dtype=torch.int64)
 
 
 def _block_h(hidden: int) -> int:
