@@ -1,22 +1,10 @@
 """Plain-torch fp32 references for the kernel tests, written from the MoECompute contract's docstrings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class Spec:
-    """Duck-typed RoutingSpec (kernels may not import workloads)."""
-
-    top_k: int
-    scoring: str
-    n_group: int = 1
-    topk_group: int = 1
-    renormalize: bool = True
-    scaling: float = 1.0
+from moe_rl_eks.kernels.bench import Spec  # noqa: F401  the duck-typed RoutingSpec the tests build specs with
 
 
 def route(logits, spec, bias=None):
