@@ -36,18 +36,41 @@ class Role:
     proc: subprocess.Popen
     url: str | None = None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
-        """Signal the role's process group and wait; SIGKILL if it does not go."""
-        if self.proc.poll() is None:
+    def send(self, sig: int) -> None:
+        """Signal the role's process group and every descendant's: torchrun starts its workers in sessions of
+        their own, so a SIGKILL of torchrun's group alone would leave them training."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
             try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+                os.killpg(os.getpgid(pid), sig)
             except ProcessLookupError:
                 pass
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        """Signal the role and wait; SIGKILL if it does not go."""
+        if self.proc.poll() is None:
+            self.send(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.send(signal.SIGKILL)
+                self.proc.wait(timeout=10)
         return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 class LocalCluster:

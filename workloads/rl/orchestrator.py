@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -274,30 +274,28 @@ class Orchestrator:
             time.sleep(0.5)
 
     def _push(self, server: Server, version: int) -> None:
-        http_json("POST", f"{server.url}/v1/weights/load", {"version": version}, timeout=120, token=self.token)
+        http_json("POST", f"{server.url}/v1/weights/load", {"version": version}, timeout=self.cfg.request_timeout_s,
+                  token=self.token)
         server.version = version
 
     def publish(self, version: int) -> None:
-        """A trainer published `version`: load it on every server (in parallel), then let requests use it."""
+        """A trainer published `version`: load it on every healthy server in parallel, then let requests use
+        it. A server that is down or does not load within the request deadline stops getting requests until
+        the health loop has brought it up to date, so one stuck server never stalls the trainer."""
         with self.lock:
             if self.published is not None and version <= self.published:
                 return
-        servers = list(self.servers.values())
-        results = list(self.pool.map(lambda s: self._try_push(s, version), servers))
+        pushes = {self.pool.submit(self._push, s, version): s for s in self.servers.values() if s.healthy}
+        done, late = wait(pushes, timeout=self.cfg.request_timeout_s)
+        for future in late | {f for f in done if f.exception() is not None}:
+            log.warning("server %s did not load version %d in time", pushes[future].url, version)
+            pushes[future].healthy = False
         with self.lock:
             self.published = version
             self.trainer_version = max(self.trainer_version, version)
-            log.info("version %d live on %d/%d servers", version, sum(results), len(servers))
+            log.info("version %d live on %d/%d servers", version,
+                     sum(s.version == version for s in self.servers.values()), len(self.servers))
             self.lock.notify_all()
-
-    def _try_push(self, server: Server, version: int) -> bool:
-        try:
-            self._push(server, version)
-            return True
-        except Exception as exc:  # noqa: BLE001 -- the health loop retries when it is back
-            log.warning("server %s did not load version %d: %s", server.url, version, exc)
-            server.healthy = False
-            return False
 
     # ---- trainer side ------------------------------------------------------------------------------------
     def batch(self, step: int, committed: int, timeout: float) -> dict | None:
@@ -322,7 +320,8 @@ class Orchestrator:
                 if left <= 0 or not self.running:
                     return None
                 self.lock.wait(timeout=min(left, 0.5))
-            groups = [self.buffered.popleft() for _ in range(per_step)]
+            # In prompt order, not arrival order: which rank trains which sample must not depend on timing.
+            groups = sorted((self.buffered.popleft() for _ in range(per_step)), key=lambda g: g.prompt_index)
             self.consumed += per_step
             batch = self._make_batch(step, groups)
             self.batches[step] = batch

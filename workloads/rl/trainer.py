@@ -26,7 +26,7 @@ from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
-from ..model.checkpoint import save_hf
+from ..model.checkpoint import load_hf, save_hf
 from ..moe.parallel import ExpertParallel
 from . import checkpoint as ckpt
 from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy
@@ -268,8 +268,9 @@ class Trainer:
             self._set_lr(self.cfg.learning_rate)
             self._save_eval_weights("warmup")
         if self.algo.kl_coef > 0:
+            # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
             self.reference = MoETransformer(self.run.model, ep=self.ep)
-            self.reference.load_state_dict(self.model.state_dict())
+            self.reference.load_full_state_dict(load_hf(self.out / "eval" / "warmup")[1])
             self.reference.requires_grad_(False)
         self.publish(self.step)
         if self.rank == 0:
@@ -305,6 +306,8 @@ class Trainer:
         state = self.model.full_state_dict()  # collective
         if self.rank == 0:
             save_hf(state, self.run.model, self.out / "eval" / name)
+        if self.world > 1:
+            dist.barrier()  # other ranks read the warm-up weights as their KL reference
 
     def _record(self, batch: dict, metrics: dict, step_seconds: float) -> None:
         wall = time.monotonic() - self.started
