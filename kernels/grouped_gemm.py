@@ -187,6 +187,8 @@ def _grouped_gemm(kernel, a, b, b_strides, counts, n_out, epilogue, out, aux=Non
 def _grouped_wgrad(a, b, counts, num_experts, dtype):
     """[E, a.shape[1], b.shape[1]]: per expert, a_e^T @ b_e."""
     m_out, n_out = a.shape[1], b.shape[1]
+    if a.shape[0] == 0:  # an EP rank can receive no rows at all
+        return torch.zeros(num_experts, m_out, n_out, device=a.device, dtype=dtype)
     out = torch.empty(num_experts, m_out, n_out, device=a.device, dtype=dtype)
 
     def grid(meta):

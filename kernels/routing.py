@@ -172,12 +172,13 @@ class _Route(torch.autograd.Function):
         weights = torch.empty(T, spec.top_k, device=logits.device, dtype=torch.float32)
         ids = torch.empty(T, spec.top_k, device=logits.device, dtype=torch.int64)
         grid = (triton.cdiv(T, params["BLOCK_T"]),)
-        _route_fwd_kernel[grid](
-            logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0),
-            bias.stride(0) if bias is not None and bias.dim() == 2 else 0, float(spec.scaling),
-            SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias is not None, N_GROUP=spec.n_group,
-            TOPK_GROUP=spec.topk_group, RENORMALIZE=bool(spec.renormalize), BLOCK_G=next_pow2(spec.n_group),
-            **params)
+        if T:
+            _route_fwd_kernel[grid](
+                logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0),
+                bias.stride(0) if bias is not None and bias.dim() == 2 else 0, float(spec.scaling),
+                SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias is not None, N_GROUP=spec.n_group,
+                TOPK_GROUP=spec.topk_group, RENORMALIZE=bool(spec.renormalize), BLOCK_G=next_pow2(spec.n_group),
+                **params)
         ctx.save_for_backward(logits, ids, weights)
         ctx.spec = spec
         ctx.mark_non_differentiable(ids)
@@ -191,9 +192,10 @@ class _Route(torch.autograd.Function):
         params = _launch_params(E, spec.top_k)
         d_logits = torch.empty_like(logits)
         grid = (triton.cdiv(T, params["BLOCK_T"]),)
-        _route_bwd_kernel[grid](
-            logits, ids, weights, d_weights.contiguous(), d_logits, T, logits.stride(0), float(spec.scaling),
-            SIGMOID=spec.scoring == "sigmoid", RENORMALIZE=bool(spec.renormalize), **params)
+        if T:
+            _route_bwd_kernel[grid](
+                logits, ids, weights, d_weights.contiguous(), d_logits, T, logits.stride(0), float(spec.scaling),
+                SIGMOID=spec.scoring == "sigmoid", RENORMALIZE=bool(spec.renormalize), **params)
         return d_logits, None, None
 
 

@@ -191,3 +191,19 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(base, "INTERPRET", False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         TritonCompute().permute(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.long), 2)
+
+
+def test_a_rank_with_no_tokens_gets_empty_outputs_and_zero_weight_grads():
+    E, k, h, width = 4, 2, 16, 16
+    compute = TritonCompute()
+    logits = torch.randn(0, E, requires_grad=True)
+    weights, ids = compute.route(logits, ref.Spec(top_k=k, scoring="softmax"), None)
+    x = torch.randn(0, h, dtype=torch.bfloat16, requires_grad=True)
+    w13 = torch.randn(E, 2 * width, h, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(E, h, width, dtype=torch.bfloat16, requires_grad=True)
+    x_sorted, counts, handle = compute.permute(x, ids, E)
+    out = compute.unpermute(compute.experts(x_sorted, counts, w13, w2), weights, handle)
+    assert out.shape == (0, h) and torch.equal(counts, torch.zeros(E, dtype=torch.int64))
+    out.sum().backward()
+    assert torch.equal(w13.grad, torch.zeros_like(w13)) and torch.equal(w2.grad, torch.zeros_like(w2))
+    assert x.grad.shape == (0, h) and logits.grad.shape == (0, E)
