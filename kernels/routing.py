@@ -23,10 +23,10 @@ def _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID: tl.constexpr):
     if SIGMOID:
         scores = tl.sigmoid(logits)
     else:
-        shifted = logits - tl.max(logits, axis=1)[:, None]
-        # rows past T are all -inf: keep them finite so nothing downstream sees NaN
-        shifted = tl.where(mask, shifted, float("-inf"))
-        num = tl.exp(shifted)
+        row_max = tl.max(logits, axis=1)
+        # rows past T are all -inf: shift them by 0 so they give exp(-inf) = 0, never NaN
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        num = tl.exp(logits - row_max[:, None])
         scores = num / tl.maximum(tl.sum(num, axis=1), 1e-30)[:, None]
     return tl.where(mask, scores, 0.0)
 
