@@ -88,5 +88,16 @@ bench-ep: $(STAMP)
 bench-kernels: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-kernels $(BENCH_KERNELS_ARGS)
 
+# The whole RL loop on this machine (two rollout servers, trainer EP=2 over gloo, orchestrator; ~2-5 min).
+.PHONY: local-run
+local-run: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local.yaml
+
+# Synchronous vs asynchronous RL, one rollout server and one trainer rank on their own cores; results go in
+# workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--steps 80 --async-staleness 2".
+.PHONY: bench-rl
+bench-rl: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-rl $(BENCH_RL_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

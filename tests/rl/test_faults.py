@@ -90,13 +90,20 @@ def test_trainer_killed_and_resumed_reaches_bitwise_the_same_parameters_when_syn
     assert not torch.equal(a["lm_head.weight"], final_weights(straight.out, steps - 2)["lm_head.weight"])
 
 
-def test_trainer_killed_and_resumed_asynchronously_loses_or_duplicates_no_sample(tmp_path):
-    steps = 8
+def test_trainer_preempted_by_sigterm_checkpoints_exits_and_resumes_asynchronously_with_no_sample_lost(tmp_path):
+    steps = 12
     path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1},
-                     orchestrator={"max_staleness": 2}, training={**SHORT, "steps": steps, "checkpoint_every": 2})
+                     orchestrator={"max_staleness": 2}, training={**SHORT, "steps": steps, "checkpoint_every": 100})
     cluster = start(path)
     try:
-        at = kill_trainer_after_first_checkpoint(cluster, steps)
+        wait_until(lambda: len(read_metrics(cluster.out)) >= 3, 180, "three steps", interval=0.05)
+        cluster.trainer.send(signal.SIGTERM)
+        wait_until(lambda: cluster.trainer.proc.poll() is not None, 60, "the preempted trainer to exit")
+        log = (cluster.logs / "trainer.log").read_text()
+        assert "SIGTERM: checkpointing at step" in log and "Traceback" not in log.split("SIGTERM")[0]
+        at = int(ckpt.latest(cluster.out / "checkpoints").name.split("-")[1])
+        assert 3 <= at < steps  # not a multiple of checkpoint_every: written because of the signal
+        cluster.start_trainer()
         state = finish(cluster)
     finally:
         cluster.stop()

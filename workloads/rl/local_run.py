@@ -87,14 +87,17 @@ class LocalCluster:
         self.orchestrator: Role | None = None
         self.trainer: Role | None = None
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+        """Start a role in its own session; `cpus` pins it (and its children) to those cores."""
         log = open(self.logs / f"{name}.log", "a")
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                preexec_fn=pin)
 
-    def start_server(self, index: int, port: int | None = None) -> Role:
-        port = port or free_port()
+    def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
+        port = free_port()
         proc = self._spawn(f"rollout-{index}", CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1",
-                                                     "--port", str(port)])
+                                                     "--port", str(port)], cpus)
         role = Role(f"rollout-{index}", proc, f"http://127.0.0.1:{port}")
         if index < len(self.servers):
             self.servers[index] = role
@@ -102,23 +105,23 @@ class LocalCluster:
             self.servers.append(role)
         return role
 
-    def start_orchestrator(self, resume: Path | None = None) -> Role:
+    def start_orchestrator(self, resume: Path | None = None, cpus: set[int] | None = None) -> Role:
         port = free_port()
         argv = CLI + ["orchestrate", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)]
         for s in self.servers:
             argv += ["--endpoint", s.url]
         if resume is not None:
             argv += ["--resume", str(resume)]
-        self.orchestrator = Role("orchestrator", self._spawn("orchestrator", argv), f"http://127.0.0.1:{port}")
+        self.orchestrator = Role("orchestrator", self._spawn("orchestrator", argv, cpus), f"http://127.0.0.1:{port}")
         wait_for(f"{self.orchestrator.url}/health", timeout=START_TIMEOUT_S)
         return self.orchestrator
 
-    def start_trainer(self) -> Role:
+    def start_trainer(self, cpus: set[int] | None = None) -> Role:
         ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                 # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
                 "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url]
-        self.trainer = Role("trainer", self._spawn("trainer", argv))
+        self.trainer = Role("trainer", self._spawn("trainer", argv, cpus))
         return self.trainer
 
     def start(self) -> None:

@@ -1,0 +1,64 @@
+"""Orchestrator rules without servers: staleness bound on issuing, stale groups dropped and counted, dynamic
+sampling, batches idempotent by step and in prompt order."""
+import pytest
+from rl_helpers import tiny_run
+
+from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator
+
+
+def orchestrator(tmp_path, **sections):
+    run = tiny_run(tmp_path, training={"prompts_per_step": 2}, **sections)
+    return Orchestrator(run, ["http://127.0.0.1:9"], None, tmp_path / "events.jsonl")
+
+
+def complete(orch, index, version, rewards=(1.0, 0.0)):
+    orch.in_flight[f"p{index}"] = Attempt(index, 0.0)
+    samples = [{"completion_ids": [5, 2], "logprobs": [-1.0, -0.5], "reward": r, "finished": True} for r in rewards]
+    orch._completed(Group(f"p{index}", index, [1, 4], version, samples))
+
+
+def test_groups_too_stale_for_the_step_are_dropped_and_counted(tmp_path):
+    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 1})
+    for index, version in [(3, 2), (0, 0), (1, 1), (2, 2)]:
+        complete(orch, index, version)
+    batch = orch.batch(step=2, committed=0, timeout=0.1)
+    # version 0 lags step 2 by 2 > max_staleness 1: dropped; the next two in arrival order, sorted by prompt
+    assert [s["id"] for s in batch["samples"]] == ["p1/0", "p1/1", "p3/0", "p3/1"]
+    assert orch.counts["dropped_stale_groups"] == 1
+    assert b"moerl_samples_dropped_stale_total 2.0" in orch.metrics.exposition()
+    assert batch["stats"]["staleness_mean"] == 0.5 and batch["stats"]["reward_mean"] == 0.5
+    # GRPO: (1 - 0.5) / unbiased std 0.7071
+    assert [s["advantage"] for s in batch["samples"][:2]] == pytest.approx([0.70711, -0.70711], abs=1e-5)
+    assert orch.batch(step=2, committed=0, timeout=0.1) is batch  # a restarted trainer gets the same batch
+    assert orch.batch(step=3, committed=0, timeout=0.1) is None  # one group left, two needed
+
+
+def test_no_new_request_beyond_the_staleness_budget(tmp_path):
+    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 0})
+    # synchronous: while the trainer is at version 0, only step 0's two groups may be outstanding
+    complete(orch, 0, 0)
+    orch.in_flight["p1"] = Attempt(1, 0.0)
+    assert not orch._may_issue()
+    orch.trainer_version = 1
+    assert orch._may_issue()
+    async_orch = orchestrator(tmp_path, orchestrator={"max_staleness": 2})
+    for i in range(5):
+        async_orch.in_flight[f"p{i}"] = Attempt(i, 0.0)
+    assert async_orch._may_issue()  # (0 + 2 + 1) x 2 = 6 > 5
+    async_orch.in_flight["p5"] = Attempt(5, 0.0)
+    assert not async_orch._may_issue()
+
+
+def test_dynamic_sampling_filters_groups_whose_rewards_do_not_vary(tmp_path):
+    orch = orchestrator(tmp_path, algorithm={"dynamic_sampling": True})
+    complete(orch, 0, 0, rewards=(1.0, 1.0))
+    complete(orch, 1, 0, rewards=(0.1, 1.1))
+    assert [g.request_id for g in orch.buffered] == ["p1"] and orch.counts["filtered_groups"] == 1
+    assert b"moerl_samples_filtered_total 2.0" in orch.metrics.exposition()
+
+
+def test_a_late_duplicate_of_a_hedged_request_is_ignored(tmp_path):
+    orch = orchestrator(tmp_path)
+    complete(orch, 0, 0)
+    orch._completed(Group("p0", 0, [1, 4], 0, []))  # the straggler's answer arrives after the hedge's
+    assert len(orch.buffered) == 1 and orch.counts["duplicates_ignored"] == 1
