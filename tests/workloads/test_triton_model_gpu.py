@@ -1,5 +1,7 @@
-"""On a GPU: the whole model with `compute: triton` against the `torch` backend and a float32 reference, bf16,
-forward logits and every gradient. Skipped without CUDA (run on the H200 through the device tool)."""
+"""On a GPU: the whole model with `compute: triton` against the `torch` backend, both in bf16, measured against a
+float32 reference on the same weights. Both bf16 runs replay the reference's expert choices: bf16 rounding flips
+near-tied top-k selections, which would measure routing luck rather than the kernels (the routing kernel's ids
+are checked on their own in kernels/bench.py). Skipped without CUDA (run on the H200 through the device tool)."""
 import pytest
 import torch
 
@@ -14,27 +16,31 @@ SHAPE = dict(vocab_size=512, hidden_size=512, num_hidden_layers=2, num_attention
              max_position_embeddings=512)
 
 
-def _run(config, state, compute, dtype, ids):
+def _run(config, state, compute, dtype, ids, replay=None):
     model = MoETransformer(config, compute=compute).to("cuda")
     model.load_state_dict(state)
     model.to(dtype)
-    out = model(ids, return_routing=True)
+    out = model(ids, routing_replay=replay, return_routing=True)
     out.logits.float().square().mean().backward()
-    return out, {n: p.grad.float() for n, p in model.named_parameters()}
+    return out.logits.float(), out.routing, {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("router", [dict(), dict(router="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)])
-def test_triton_model_matches_torch_and_float32_on_gpu(router):
+def test_triton_model_is_as_close_to_float32_as_torch_bf16(router):
     config = ModelConfig(**SHAPE, **router)
     torch.manual_seed(0)
     state = MoETransformer(config).state_dict()
     ids = torch.randint(0, 512, (4, 256), device="cuda")
-    want, want_grads = _run(config, state, "torch", torch.float32, ids)
+    want, routing, want_grads = _run(config, state, "torch", torch.float32, ids)
+    errors = {}
     for compute in ("torch", "triton"):
-        got, grads = _run(config, state, compute, torch.bfloat16, ids)
-        err = (got.logits.float() - want.logits).norm() / want.logits.norm()
-        assert err < 2e-2, f"{compute} logits: relative error {err:.3g}"
-        for name, g in grads.items():
-            ref = want_grads[name]
-            gerr = (g - ref).norm() / ref.norm().clamp_min(1e-12)
-            assert gerr < 5e-2, f"{compute} grad {name}: relative error {gerr:.3g}"
+        logits, _, grads = _run(config, state, compute, torch.bfloat16, ids, replay=routing)
+        errors[compute] = {"logits": _rel(logits, want), **{n: _rel(g, want_grads[n]) for n, g in grads.items()}}
+    for name, torch_err in errors["torch"].items():
+        triton_err = errors["triton"][name]
+        print(f"{name}: torch bf16 {torch_err:.2e}, triton bf16 {triton_err:.2e}")
+        assert triton_err < max(1.5 * torch_err, 1e-2), f"{name}: triton {triton_err:.3g} vs torch {torch_err:.3g}"
