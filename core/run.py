@@ -141,6 +141,9 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     deploy: DeployConfig | None = None  # images and pod settings; required when the run has an environment
+    # The MoE layer's hot path (routing, permutation, grouped SwiGLU GEMMs): `torch` (torch._grouped_mm) runs
+    # anywhere; `triton` (moe_rl_eks.kernels) needs CUDA GPUs.
+    moe_compute: Literal["torch", "triton"] = "torch"
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         if run.parallelism.trainer_nodes != 1:
             raise ConfigError(src, "parallelism.trainer_nodes", run.parallelism.trainer_nodes, "a local run has one node")
         topo = Topology(nodes=1, ranks_per_node=ranks, device="cpu", num_experts=run.model.num_experts)
+        if run.moe_compute == "triton":
+            raise ConfigError(src, "moe_compute", run.moe_compute, "the triton kernels need CUDA GPUs; a local run uses torch")
     else:
         _check_fits(run, env, src)
         trainer = env.trainer_pool.spec

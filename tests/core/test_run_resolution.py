@@ -107,3 +107,8 @@ def test_model_config_invariants(patch, field, fragment):
     with pytest.raises(ConfigError) as err:
         parse(RunConfig, data, source="run.yaml")
     assert err.value.field == field and fragment in str(err.value)
+
+
+def test_triton_compute_is_refused_for_a_cpu_run():
+    with pytest.raises(ConfigError, match="moe_compute: 'triton' is not allowed; the triton kernels need CUDA GPUs"):
+        resolve_run(RunConfig(name="local", model=TINY, moe_compute="triton"), None)
