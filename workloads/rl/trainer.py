@@ -29,7 +29,8 @@ from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
 from ..moe.parallel import ExpertParallel
 from . import checkpoint as ckpt
-from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy
+from .algorithms import gae, terminal_rewards
+from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy, value_loss
 from .rewards import ArithmeticTask
 from .runtime import http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
@@ -90,9 +91,20 @@ class Trainer:
         full = MoETransformer(run.model).state_dict()
         self.model = MoETransformer(run.model, ep=self.ep)
         self.model.load_full_state_dict(full)
+        # PPO's critic: a linear value head on the final hidden state (captured by a hook on the final norm),
+        # replicated like every non-expert weight. It is not part of the published policy.
+        self.value_head: torch.nn.Linear | None = None
+        self._hidden: list[torch.Tensor] = []
+        if self.algo.name == "ppo":
+            self.value_head = torch.nn.Linear(run.model.hidden_size, 1)
+            # Zero-initialised: an untrained critic predicts 0 rather than inventing advantages.
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+            self.model.model.norm.register_forward_hook(lambda mod, args, out: self._hidden.append(out))
+        head = list(self.value_head.parameters()) if self.value_head is not None else []
         self.expert_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK in n]
-        self.shared_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK not in n]
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
+        self.shared_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK not in n] + head
+        self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay)
         self.reference: MoETransformer | None = None
         self.step, self.stop_requested = 0, False
@@ -166,14 +178,29 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad():
                 reference = self._logprobs(self.reference, t, temperature, replay)[0]
-        proximal = None
+        proximal = old_values = returns = None
+        advantages = t.advantages  # GRPO: from the orchestrator
         metrics: dict[str, float] = {}
         for epoch in range(self.algo.epochs_per_batch):
+            self._hidden.clear()
             logp, entropy, aux = self._logprobs(self.model, t, temperature, replay)
             if proximal is None:
                 proximal = logp.detach()  # the policy before this step's first update
-            pb = PolicyBatch(logp, proximal, t.behaviour, t.advantages, t.mask, reference, entropy)
+            values = None
+            if self.value_head is not None:
+                # Detached: the critic reads the policy's features but its loss does not reshape the policy.
+                values = self.value_head(self._hidden[-1].detach().float()).squeeze(-1)
+                if old_values is None:  # PPO: GAE on the values before this step's first update
+                    old_values = values.detach()
+                    rewards = torch.tensor([s["reward"] for s in samples])
+                    advantages, returns = gae(terminal_rewards(rewards, t.mask), old_values, t.mask,
+                                              gamma=self.algo.gamma, lam=self.algo.gae_lambda)
+            pb = PolicyBatch(logp, proximal, t.behaviour, advantages, t.mask, reference, entropy)
             loss, metrics = policy_loss(pb, self.loss_cfg, num_tokens=tokens)
+            if values is not None:
+                v_loss = value_loss(values, old_values, returns, t.mask, self.algo.value_clip, num_tokens=tokens)
+                loss = loss + self.algo.value_coef * v_loss
+                metrics["value_loss"] = float(v_loss.detach())
             loss = loss + aux / self.world
             loss.backward()
             metrics = {k: self._global(v) for k, v in metrics.items()}  # each is a sum over tokens / global count
@@ -207,7 +234,7 @@ class Trainer:
             staging.mkdir()
         if self.world > 1:
             dist.barrier()
-        ckpt.write_rank(self.ckpt_root, self.step, self.rank, self.model.state_dict(), self.optimizer.state_dict())
+        ckpt.write_rank(self.ckpt_root, self.step, self.rank, self._trained_state(), self.optimizer.state_dict())
         if self.world > 1:
             dist.barrier()
         if self.rank == 0:
@@ -219,6 +246,12 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
 
+    def _trained_state(self) -> dict:
+        state = self.model.state_dict()
+        if self.value_head is not None:
+            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
+        return state
+
     def try_resume(self) -> bool:
         directory = ckpt.latest(self.ckpt_root)
         if directory is None:
@@ -227,7 +260,11 @@ class Trainer:
         if meta["world"] != self.world:
             raise SystemExit(f"checkpoint {directory} was written by {meta['world']} ranks; this run has {self.world}")
         state = ckpt.read_rank(directory, self.rank)
-        self.model.load_state_dict(state["model"])
+        model_state = dict(state["model"])
+        if self.value_head is not None:
+            self.value_head.load_state_dict({k.removeprefix("value_head."): model_state.pop(k)
+                                             for k in list(model_state) if k.startswith("value_head.")})
+        self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.samples_trained = meta["step"], meta["samples_trained"]
