@@ -121,7 +121,9 @@ class OrchestratorConfig:
     max_attempts: int = 4  # per request, across servers
     prompts_per_request: int = 1  # groups packed into one HTTP request (each asks for n = group_size)
     max_inflight_requests: int = 16  # per rollout server
-    endpoints: tuple[str, ...] = ()  # rollout base URLs; a local run fills them in
+    # Rollout base URLs (a local run fills them in); `dns+http://<service>:<port>` follows every address of a
+    # headless Service, so autoscaled rollout pods join and leave without a restart.
+    endpoints: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if self.max_staleness < 0:

@@ -3,7 +3,7 @@ sampling, batches idempotent by step and in prompt order."""
 import pytest
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator
+from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator, expand_endpoint
 
 
 def orchestrator(tmp_path, **sections):
@@ -62,3 +62,18 @@ def test_a_late_duplicate_of_a_hedged_request_is_ignored(tmp_path):
     complete(orch, 0, 0)
     orch._completed(Group("p0", 0, [1, 4], 0, []))  # the straggler's answer arrives after the hedge's
     assert len(orch.buffered) == 1 and orch.counts["duplicates_ignored"] == 1
+
+
+def test_dns_endpoints_expand_to_every_address_and_plain_urls_stay():
+    assert expand_endpoint("http://10.0.0.7:8000/") == ["http://10.0.0.7:8000"]
+    assert expand_endpoint("dns+http://localhost:8000") == ["http://127.0.0.1:8000"]
+    with pytest.raises(ValueError, match="dns\\+http://<name>:<port>"):
+        expand_endpoint("dns+http://localhost")
+
+
+def test_servers_follow_the_endpoints_resolution(tmp_path):
+    orch = orchestrator(tmp_path)
+    assert list(orch.servers) == ["http://127.0.0.1:9"]
+    orch.endpoints = ["dns+http://localhost:8001", "http://127.0.0.2:8002"]
+    orch._discover()
+    assert sorted(orch.servers) == ["http://127.0.0.1:8001", "http://127.0.0.2:8002"]

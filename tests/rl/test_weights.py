@@ -17,14 +17,19 @@ def hf_dir(tmp_path, version, size=1000):
     return d
 
 
-def test_directory_store_publishes_verifies_and_keeps_the_newest_versions(tmp_path):
-    store = DirectoryStore(tmp_path / "store", keep_versions=2)
+def publish_three_and_fetch_the_newest(store, tmp_path):
     assert store.latest() is None
     for v in range(3):
         store.publish(v, hf_dir(tmp_path, v))
     assert store.latest() == 2
     got = store.fetch(2, tmp_path / "cache")
     assert load_file(str(got / "model.safetensors"))["w"][0].item() == 2.0
+    return got
+
+
+def test_directory_store_publishes_verifies_and_keeps_the_newest_versions(tmp_path):
+    store = DirectoryStore(tmp_path / "store", keep_versions=2)
+    got = publish_three_and_fetch_the_newest(store, tmp_path)
     assert set(json.loads((got / MANIFEST).read_text())["files"]) == {"model.safetensors", "config.json"}
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["LATEST", version_name(1), version_name(2)]
     with pytest.raises(IncompleteVersion, match="version 0"):
@@ -99,12 +104,7 @@ def s3_endpoint(monkeypatch):
 
 def test_s3_store_publishes_manifest_last_and_verifies_on_fetch(tmp_path, s3_endpoint):
     store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint, keep_versions=2)
-    assert store.latest() is None
-    for v in range(3):
-        store.publish(v, hf_dir(tmp_path, v))
-    assert store.latest() == 2
-    got = store.fetch(2, tmp_path / "cache")
-    assert load_file(str(got / "model.safetensors"))["w"][0].item() == 2.0
+    publish_three_and_fetch_the_newest(store, tmp_path)
     keys = [o["Key"] for o in store.s3.list_objects_v2(Bucket="weights")["Contents"]]
     assert not [k for k in keys if "/v00000000/" in k]  # pruned
     with pytest.raises(IncompleteVersion):

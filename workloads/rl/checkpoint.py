@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .weights import fsync
+
 LATEST = "LATEST"
 
 
@@ -35,7 +37,7 @@ def set_rng_state(state: dict) -> None:
 def write_rank(root: Path, step: int, rank: int, model_state: dict, optimizer_state: dict) -> None:
     path = staging_dir(root, step) / f"rank{rank}.pt"
     torch.save({"model": model_state, "optimizer": optimizer_state, "rng": rng_state()}, path)
-    _fsync(path)
+    fsync(path)
 
 
 def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, keep: int = 2) -> Path:
@@ -45,13 +47,13 @@ def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, k
     if orchestrator_state is not None:
         (staging / "orchestrator.json").write_text(json.dumps(orchestrator_state))
     for path in staging.iterdir():
-        _fsync(path)
+        fsync(path)
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
     tmp = root / f".{LATEST}.tmp"
     tmp.write_text(final.name)
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, root / LATEST)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -71,11 +73,3 @@ def read_rank(directory: Path, rank: int) -> dict:
         raise FileNotFoundError(f"{path}: checkpoint has no file for rank {rank} (was it written with another "
                                 f"number of ranks?)")
     return torch.load(path, weights_only=False)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -79,10 +80,13 @@ class Orchestrator:
         self.task = ArithmeticTask(run.rl.task, run.rl.training.seed)
         self.tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
         self.scorer = RewardScorer(run.rl.reward)
-        self.servers = {url.rstrip("/"): Server(url.rstrip("/")) for url in endpoints}
+        self.endpoints = endpoints
+        self.servers: dict[str, Server] = {}
         self.metrics = Registry()
         self.lock = threading.Condition()
-        self.pool = ThreadPoolExecutor(max_workers=4 + len(endpoints) * self.cfg.max_inflight_requests)
+        self._discover()
+        # Threads start lazily; the cap only has to exceed what the in-flight limits allow across the pool.
+        self.pool = ThreadPoolExecutor(max_workers=512)
         self.events = open(events_path, "a") if events_path else None
         self.running = True
         # Everything below is the orchestrator state a checkpoint records.
@@ -255,8 +259,24 @@ class Orchestrator:
             return
         self.buffered.append(group)
 
+    def _discover(self) -> None:
+        """(Re)resolve the endpoints: a `dns+` endpoint stands for every address its name resolves to (a
+        headless Service lists each ready rollout pod), so servers the autoscaler adds or removes are followed."""
+        urls = set()
+        for endpoint in self.endpoints:
+            try:
+                urls.update(expand_endpoint(endpoint))
+            except OSError as exc:
+                log.warning("cannot resolve %s: %s", endpoint, exc)
+        with self.lock:
+            for url in urls - set(self.servers):
+                self.servers[url] = Server(url)
+            for url in set(self.servers) - urls:
+                del self.servers[url]  # requests still running there finish or fail over as usual
+
     def _health_loop(self) -> None:
         while self.running:
+            self._discover()
             for server in list(self.servers.values()):
                 try:
                     health = http_json("GET", f"{server.url}/health", timeout=2)
@@ -356,6 +376,18 @@ class Orchestrator:
                 "stats": {"reward_mean": reward_mean, "staleness_mean": staleness,
                           "accuracy": float((rewards >= self.run.rl.reward.correct_weight).float().mean()),
                           **self.counts, "reward_failures": self.scorer.failures}}
+
+
+def expand_endpoint(endpoint: str) -> list[str]:
+    """`http://host:port` -> itself; `dns+http://name:port` -> `http://<address>:port` for each IPv4 address of
+    `name` (Kubernetes pod addresses)."""
+    if not endpoint.startswith("dns+"):
+        return [endpoint.rstrip("/")]
+    url = urllib.parse.urlparse(endpoint.removeprefix("dns+"))
+    if url.hostname is None or url.port is None:
+        raise ValueError(f"endpoint {endpoint!r}: expected dns+http://<name>:<port>")
+    infos = socket.getaddrinfo(url.hostname, url.port, socket.AF_INET, socket.SOCK_STREAM)
+    return sorted({f"{url.scheme}://{info[4][0]}:{url.port}" for info in infos})
 
 
 def make_server(orch: Orchestrator, host: str, port: int) -> HttpServer:

@@ -87,9 +87,9 @@ class DirectoryStore(WeightStore):
             manifest = build_manifest(version, staging)
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
             for path in staging.iterdir():
-                _fsync(path)
+                fsync(path)
             os.rename(staging, target)
-            _fsync(self.root)
+            fsync(self.root)
             self._write_latest(version)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -98,7 +98,7 @@ class DirectoryStore(WeightStore):
     def _write_latest(self, version: int) -> None:
         tmp = self.root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(str(version))
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, self.root / LATEST)
 
     def latest(self) -> int | None:
@@ -122,7 +122,8 @@ class DirectoryStore(WeightStore):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file or directory entry to disk (before a rename publishes it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
