@@ -20,7 +20,7 @@ def rollout(tmp_path):
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
     engine.load_version(0)
     server = make_server(run, engine, "127.0.0.1", 0, token="s3cret")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield {"url": f"http://127.0.0.1:{server.server_address[1]}", "engine": engine, "store": store, "run": run}
     server.shutdown()
     engine.stop()

@@ -100,6 +100,8 @@ def test_remote_reward_over_http_and_its_timeout_counts_as_failure(remote):
 def test_builtin_tokenizer_round_trip_and_unknown_characters():
     tok = CharTokenizer()
     ids = tok.encode("12+3=")
-    assert ids[0] == tok.bos_id and tok.decode(ids + [tok.eos_id]) == "12+3="
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "12+3="
+    # a special or out-of-vocabulary id inside a completion must not read as a well-formed answer
+    assert tok.decode([tok.ids["7"], tok.eos_id, 30]) == "7\ufffd\ufffd"
     with pytest.raises(UnknownText, match="'x'"):
         tok.encode("x+1=")

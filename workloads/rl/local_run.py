@@ -217,9 +217,9 @@ def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="batch mean reward")
     ax.plot([r["step"] for r in rows], [r["accuracy"] for r in rows], label="batch accuracy", alpha=0.6)
-    for name, marker in (("warmup", "o"), ("final", "s")):
+    for name, marker in (("initial", "x"), ("warmup", "o"), ("final", "s")):
         if name in evals:
-            x = 0 if name == "warmup" else rows[-1]["step"] if rows else 0
+            x = rows[-1]["step"] if name == "final" and rows else 0
             ax.scatter([x], [evals[name]["reward_mean"]], marker=marker, label=f"held-out reward ({name})")
     ax.set_xlabel("RL step (weight version)")
     ax.set_ylabel("reward")

@@ -166,7 +166,7 @@ class Trainer:
         self._sync_and_clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._global(float(loss))
+        return self._global(float(loss.detach()))
 
     def rl_step(self, batch: dict) -> dict:
         samples = batch["samples"][self.rank::self.world]
@@ -207,7 +207,7 @@ class Trainer:
             metrics["grad_norm"] = self._sync_and_clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            metrics["loss"] = self._global(float(loss))
+            metrics["loss"] = self._global(float(loss.detach()))
         metrics["tokens"] = tokens
         return metrics
 
