@@ -70,3 +70,22 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, wor
     for a, b in zip(trainer._trained_state().values(), other._trained_state().values()):
         assert torch.equal(a, b)
     assert other.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+
+
+def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, world_of_one):
+    from moe_rl_eks.workloads.rl.generation import Row, generate
+    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+
+    run = tiny_run(tmp_path, algorithm={"routing_replay": True, "kl_coef": 0.0})
+    trainer = Trainer(run, None, rank=0, world=1)
+    tok = CharTokenizer()
+    prompts = [tok.encode("3+4="), tok.encode("12+3=")]  # different lengths: left-padded together at rollout
+    results = generate(trainer.model.eval(), [Row(p, 3, 1.0, 1.0, seed, want_routing=True)
+                                              for seed, p in enumerate(prompts * 2)], tok.eos_id)
+    samples = [{"prompt_ids": p, "completion_ids": r.tokens, "logprobs": r.logprobs, "routing": r.routing}
+                for p, r in zip(prompts * 2, results)]
+    t = to_tensors(samples)
+    with torch.no_grad():
+        logp, _, _ = trainer._logprobs(trainer.model, t, 1.0, replay=True)
+    # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
+    assert torch.allclose(logp * t.mask, t.behaviour, atol=1e-5)

@@ -120,7 +120,8 @@ class LocalCluster:
         ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                 # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
-                "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url]
+                "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url,
+                "--metrics-port", str(free_port())]
         self.trainer = Role("trainer", self._spawn("trainer", argv, cpus))
         return self.trainer
 

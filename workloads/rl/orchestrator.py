@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.cluster import ORCHESTRATOR_PORT
 from moe_rl_eks.core.run import RunConfig
 
 from .algorithms import grpo_advantages, varied_groups, within_staleness
@@ -442,7 +443,7 @@ def _int_arg(query: dict, name: str, default: int | None = None) -> int:
 
 def main(argv: list[str]) -> int:
     parser = run_argparser("orchestrate", "drive rollouts and feed trainers for a run")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=ORCHESTRATOR_PORT)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--endpoint", action="append", default=[],
                         help="rollout server base URL (repeatable; default: rl.orchestrator.endpoints)")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.cluster import ROLLOUT_PORT
 from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
@@ -283,7 +284,7 @@ def make_server(run: RunConfig, engine: RolloutEngine, host: str, port: int, tok
 
 def main(argv: list[str]) -> int:
     parser = run_argparser("serve-rollout", "serve completions for a run")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=ROLLOUT_PORT)
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args(argv)
     run = load(args.run)

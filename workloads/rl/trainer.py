@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.cluster import TRAINER_METRICS_PORT
 from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
@@ -32,7 +33,7 @@ from . import checkpoint as ckpt
 from .algorithms import gae, terminal_rewards
 from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy, value_loss
 from .rewards import ArithmeticTask
-from .runtime import http_json, load, output_dir, run_argparser
+from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
 from .weights import open_store
 
@@ -112,6 +113,7 @@ class Trainer:
         self.samples_trained = 0
         self.writer = None
         self.last_metrics: dict[str, float] = {}
+        self.prometheus = Registry()
 
     # ---- gradients across ranks ---------------------------------------------------------------------------
     def _sync_and_clip(self) -> float:
@@ -364,6 +366,12 @@ class Trainer:
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
         self.writer.flush()
+        for metric, value in ((M.TRAINER_STEP_SECONDS, step_seconds), (M.TRAINER_LAST_STEP_TIMESTAMP, row["time"]),
+                              (M.TRAINER_TOKENS_PER_SECOND, metrics["tokens"] / max(step_seconds, 1e-9)),
+                              (M.TRAINER_IDLE_FRACTION, row["trainer_idle_fraction"]),
+                              (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
+                              (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
+            self.prometheus[metric].set(value)
 
 
 def _cluster_backend(run: RunConfig):
@@ -377,6 +385,8 @@ def main(argv: list[str]) -> int:
     parser = run_argparser("train", "train a run (start under torchrun)")
     parser.add_argument("--orchestrator", default=os.environ.get("MOERL_ORCHESTRATOR"),
                         help="orchestrator base URL (default: $MOERL_ORCHESTRATOR)")
+    parser.add_argument("--metrics-port", type=int, default=TRAINER_METRICS_PORT,
+                        help="Prometheus /metrics of each node's first rank; 0 = none")
     args = parser.parse_args(argv)
     run = load(args.run)
     torch.set_num_threads(1)
@@ -384,6 +394,9 @@ def main(argv: list[str]) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(run, args.orchestrator, rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
+    if args.metrics_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, registry=trainer.prometheus.registry)
 
     def on_sigterm(signum, frame):  # Kubernetes preemption: finish the step, checkpoint, exit 0
         trainer.stop_requested = True
