@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, root: Path)
     data["rollout"].update(min_servers=1, max_servers=1)
     data["rl"]["orchestrator"]["max_staleness"] = max_staleness
     data["rl"]["training"].update(steps=steps, output_dir=str(root / mode), checkpoint_every=steps)
+    shutil.rmtree(root / mode, ignore_errors=True)  # a fresh run, not a resume of the last benchmark
     path = root / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(data))
     run = load(str(path))

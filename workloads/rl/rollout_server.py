@@ -38,6 +38,7 @@ from .tokenizer import Tokenizer, UnknownText, load_tokenizer
 from .weights import WeightStore, open_store
 
 log = logging.getLogger(__name__)
+SERVE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "logprobs",
                      "return_routing"}
 
@@ -104,10 +105,10 @@ class RolloutEngine:
     def _swap(self, version: int, payload: dict) -> None:
         try:
             if self.model is None:
-                self.model = MoETransformer(payload["config"])
+                self.model = MoETransformer(payload["config"], compute=self.run.moe_compute)
             dtype = torch.float32 if payload["config"].dtype == "float32" else torch.bfloat16
             self.model.load_full_state_dict(payload["state"])
-            self.model.to(dtype).eval()
+            self.model.to(device=SERVE_DEVICE, dtype=dtype).eval()
             self.version = version
             self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
             payload["done"].set_result(version)

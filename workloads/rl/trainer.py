@@ -50,6 +50,11 @@ class Tensors:
     advantages: torch.Tensor  # [B, S]
     routing: list[torch.Tensor] | None  # per layer [B, S, k]
 
+    def to(self, device: torch.device) -> "Tensors":
+        move = [r.to(device) for r in self.routing] if self.routing is not None else None
+        return Tensors(self.inputs.to(device), self.targets.to(device), self.mask.to(device),
+                       self.behaviour.to(device), self.advantages.to(device), move)
+
 
 def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> Tensors:
     """Right-padded training tensors; causal attention means padding after a sequence never changes it."""
@@ -85,13 +90,16 @@ class Trainer:
         self.loss_cfg = PolicyLossConfig(self.algo.clip_low, self.algo.clip_high, self.algo.importance_cap,
                                          self.algo.kl_coef, self.algo.kl_estimator, self.algo.entropy_coef)
         backend = resolve_run(run, None).ep_backend if run.environment is None else _cluster_backend(run)
-        self.ep = ExpertParallel(dist.group.WORLD, backend) if world > 1 else None
+        self.device = train_device()
+        self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                  device=str(self.device)) if world > 1 else None)
         # Initialise the whole model identically everywhere, then keep this rank's expert slice: the initial
         # weights do not depend on the number of ranks.
         torch.manual_seed(self.cfg.seed)
         full = MoETransformer(run.model).state_dict()
-        self.model = MoETransformer(run.model, ep=self.ep)
+        self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
         self.model.load_full_state_dict(full)
+        self.model.to(self.device)
         # PPO's critic: a linear value head on the final hidden state (captured by a hook on the final norm),
         # replicated like every non-expert weight. It is not part of the published policy.
         self.value_head: torch.nn.Linear | None = None
@@ -101,6 +109,7 @@ class Trainer:
             # Zero-initialised: an untrained critic predicts 0 rather than inventing advantages.
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
+            self.value_head.to(self.device)
             self.model.model.norm.register_forward_hook(lambda mod, args, out: self._hidden.append(out))
         head = list(self.value_head.parameters()) if self.value_head is not None else []
         self.expert_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK in n]
@@ -128,7 +137,7 @@ class Trainer:
             p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
             offset += g.numel()
         expert_sq = sum((p.grad.float() ** 2).sum() for p in self.expert_params if p.grad is not None)
-        expert_sq = torch.as_tensor(expert_sq, dtype=torch.float32)
+        expert_sq = torch.as_tensor(expert_sq, dtype=torch.float32, device=self.device)
         if self.world > 1:
             dist.all_reduce(expert_sq)
         norm = float(torch.sqrt(expert_sq + (flat.float() ** 2).sum()))
@@ -140,7 +149,7 @@ class Trainer:
         return norm
 
     def _global(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(t)
         return float(t)
@@ -160,7 +169,7 @@ class Trainer:
             answer = task.well_formed_example(j)
             samples.append({"prompt_ids": tok.encode(task.problem(j).prompt),
                             "completion_ids": tok.encode(answer)[1:] + [tok.eos_id]})
-        t = to_tensors(samples[self.rank::self.world])
+        t = to_tensors(samples[self.rank::self.world]).to(self.device)
         tokens = self._global(float(t.mask.sum()))
         logp, _, aux = self._logprobs(self.model, t, 1.0, replay=False)
         loss = -(logp * t.mask).sum() / tokens + aux / self.world
@@ -172,7 +181,7 @@ class Trainer:
 
     def rl_step(self, batch: dict) -> dict:
         samples = batch["samples"][self.rank::self.world]
-        t = to_tensors(samples)
+        t = to_tensors(samples).to(self.device)
         tokens = self._global(float(t.mask.sum()))
         temperature = self.run.rl.sampling.temperature
         replay = self.algo.routing_replay
@@ -194,7 +203,7 @@ class Trainer:
                 values = self.value_head(self._hidden[-1].detach().float()).squeeze(-1)
                 if old_values is None:  # PPO: GAE on the values before this step's first update
                     old_values = values.detach()
-                    rewards = torch.tensor([s["reward"] for s in samples])
+                    rewards = torch.tensor([s["reward"] for s in samples], device=self.device)
                     advantages, returns = gae(terminal_rewards(rewards, t.mask), old_values, t.mask,
                                               gamma=self.algo.gamma, lam=self.algo.gae_lambda)
             pb = PolicyBatch(logp, proximal, t.behaviour, advantages, t.mask, reference, entropy)
@@ -218,6 +227,9 @@ class Trainer:
         start = time.monotonic()
         state = self.model.full_state_dict()  # collective
         if self.rank == 0:
+            # Published in the model's serving dtype; the trainer keeps float32 master weights.
+            dtype = torch.bfloat16 if self.run.model.dtype == "bfloat16" else torch.float32
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             with tempfile.TemporaryDirectory(dir=self.out) as staging:
                 save_hf(state, self.run.model, staging)
                 self.store.publish(version, Path(staging))
@@ -308,8 +320,9 @@ class Trainer:
             self._save_eval_weights("warmup")
         if self.algo.kl_coef > 0:
             # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
-            self.reference = MoETransformer(self.run.model, ep=self.ep)
+            self.reference = MoETransformer(self.run.model, ep=self.ep, compute=self.run.moe_compute)
             self.reference.load_full_state_dict(load_hf(self.out / "eval" / "warmup")[1])
+            self.reference.to(self.device)
             self.reference.requires_grad_(False)
         self.publish(self.step)
         if self.rank == 0:
@@ -374,6 +387,13 @@ class Trainer:
             self.prometheus[metric].set(value)
 
 
+def train_device() -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK), or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _cluster_backend(run: RunConfig):
     from moe_rl_eks.core.environment import load_cdk_json, select_environment
 
@@ -390,7 +410,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run = load(args.run)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(train_device())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(run, args.orchestrator, rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
