@@ -77,3 +77,20 @@ def test_servers_follow_the_endpoints_resolution(tmp_path):
     orch.endpoints = ["dns+http://localhost:8001", "http://127.0.0.2:8002"]
     orch._discover()
     assert sorted(orch.servers) == ["http://127.0.0.1:8001", "http://127.0.0.2:8002"]
+
+
+def test_state_round_trip_keeps_cursor_buffer_batches_and_reissues_in_flight_requests(tmp_path):
+    import json
+
+    orch = orchestrator(tmp_path)
+    for index in range(3):
+        complete(orch, index, 0)
+    orch.next_prompt = 5
+    orch.in_flight["p3"] = Attempt(3, 0.0, servers=["http://127.0.0.1:9"])  # p4 was lost with its server earlier
+    batch = orch.batch(step=0, committed=0, timeout=0.1)
+    state = json.loads(json.dumps(orch.snapshot()))  # what a checkpoint stores
+    restored = Orchestrator(orch.run, ["http://127.0.0.1:9"], None, state=state)
+    assert restored.next_prompt == 5 and restored.consumed == 2
+    assert restored.batch(step=0, committed=0, timeout=0.1) == batch  # a resumed trainer sees the same batch
+    assert [g.request_id for g in restored.buffered] == ["p2"]
+    assert list(restored.retry) == ["p3"] and restored.in_flight["p3"].prompt_index == 3
