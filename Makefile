@@ -54,7 +54,12 @@ synth: $(STAMP)
 	for e in $(ENVS); do $(CDK) synth --no-notices -q -c env=$$e -o cdk.out/$$e; done
 	$(PY) -m moe_rl_eks.core.cli synth-summary cdk.out
 
-run: synth
+# The main job on its embedded default: CloudFormation for every environment, the example runs' manifests, then
+# the local RL run (configs/runs/local.yaml) on this machine's CPU.
+run: $(STAMP)
+	$(MAKE) --no-print-directory synth
+	$(MAKE) --no-print-directory manifests-examples
+	$(MAKE) --no-print-directory local-run
 
 test: $(STAMP) $(CHECKOV)
 	$(PY) -m pytest
