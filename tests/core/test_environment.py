@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl_eks.core.environment import load_environments
+from moe_rl_eks.core.environment import load_environments, select_environment
 from moe_rl_eks.core.schema import ConfigError
 
 CONTEXT = json.loads((Path(__file__).parents[2] / "cdk.json").read_text())["context"]
@@ -64,3 +64,8 @@ def test_bad_environment_fails_naming_environment_field_and_value(env, path, val
 def test_unknown_field_is_refused_with_the_known_ones():
     with pytest.raises(ConfigError, match=r"trainer_pool.gpus: 8 is not allowed; unknown field; known fields: capacity_reservation_id"):
         _load_with("dev", _set("trainer_pool.gpus", 8))
+
+
+def test_unknown_environment_name_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="env: 'qa' is not allowed; known environments: dev, prod"):
+        select_environment(load_environments(CONTEXT), "qa")
