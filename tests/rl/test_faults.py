@@ -28,23 +28,39 @@ def finish(cluster, timeout=180):
     return call("GET", f"{cluster.orchestrator.url}/v1/state")[1]
 
 
+def stop_while_it_holds_a_request(cluster, server, attempts=20):
+    """SIGSTOP `server` at a moment the orchestrator has a request on it, until that request gets hedged."""
+    orch = cluster.orchestrator.url
+    for _ in range(attempts):
+        before = call("GET", f"{orch}/v1/state")[1]["counts"]["retries"]
+        wait_until(lambda: call("GET", f"{orch}/health")[1]["servers"][server.url]["in_flight"] > 0, 60,
+                   "a request on the server", interval=0.002)
+        server.send(signal.SIGSTOP)  # alive, holding the connection, never answering
+        try:
+            return wait_until(lambda: call("GET", f"{orch}/v1/state")[1]["counts"]["retries"] > before, 5,
+                              "the straggling request to be re-sent")
+        except AssertionError:  # it had answered just before the signal: try again
+            server.send(signal.SIGCONT)
+    raise AssertionError("never caught the server holding a request")
+
+
 def test_killed_and_straggling_rollout_servers_lose_or_duplicate_no_sample(tmp_path):
-    steps = 10
+    steps = 24
     path = write_run(tmp_path, rollout={"min_servers": 3, "max_servers": 3},
                      orchestrator={"max_staleness": 1, "request_timeout_s": 8, "straggler_after_s": 1.0},
-                     training={**SHORT, "steps": steps, "checkpoint_every": 5})
+                     training={**SHORT, "steps": steps, "checkpoint_every": 12})
     cluster = start(path)
     out = cluster.out
+    straggler, victim = cluster.servers[0], cluster.servers[1]
     try:
         wait_until(lambda: len(read_metrics(out)) >= 2, 180, "two steps")
-        straggler, victim = cluster.servers[0], cluster.servers[1]
-        straggler.send(signal.SIGSTOP)  # alive, accepting connections, never answering
+        stop_while_it_holds_a_request(cluster, straggler)
         stopped_at = len(read_metrics(out))
-        wait_until(lambda: len(read_metrics(out)) >= stopped_at + 2, 120, "progress while a server straggles")
+        wait_until(lambda: len(read_metrics(out)) >= stopped_at + 3, 60, "progress while a server straggles")
         victim.stop(signal.SIGKILL)
         state = finish(cluster)
     finally:
-        cluster.servers[0].send(signal.SIGCONT)
+        straggler.send(signal.SIGCONT)
         cluster.stop()
     acc = sample_accounting(out, state)
     n = 8 * SHORT["prompts_per_step"]

@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.parse
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,7 @@ class Server:
     healthy: bool = False
     version: int | None = None
     in_flight: int = 0
+    pushing: bool = False  # a weight load is in progress
 
 
 @dataclass
@@ -282,9 +283,9 @@ class Orchestrator:
                 try:
                     health = http_json("GET", f"{server.url}/health", timeout=2)
                     server.version = health["weight_version"]
-                    if self.published is not None and server.version != self.published:
-                        self._push(server, self.published)
                     server.healthy = True
+                    if self.published is not None and server.version != self.published:
+                        self._push_async(server, self.published)
                 except Exception:  # noqa: BLE001 -- down or loading: no requests go there
                     server.healthy = False
             with self.lock:
@@ -300,22 +301,33 @@ class Orchestrator:
         server.version = version
 
     def publish(self, version: int) -> None:
-        """A trainer published `version`: load it on every healthy server in parallel, then let requests use
-        it. A server that is down or does not load within the request deadline stops getting requests until
-        the health loop has brought it up to date, so one stuck server never stalls the trainer."""
+        """A trainer published `version`: from now on requests go only to servers that hold it. Every healthy
+        server is told to load it in the background (the health loop retries the others), so a slow or stuck
+        server never stalls the trainer."""
         with self.lock:
             if self.published is not None and version <= self.published:
                 return
-        pushes = {self.pool.submit(self._push, s, version): s for s in self.servers.values() if s.healthy}
-        done, late = wait(pushes, timeout=self.cfg.request_timeout_s)
-        for future in late | {f for f in done if f.exception() is not None}:
-            log.warning("server %s did not load version %d in time", pushes[future].url, version)
-            pushes[future].healthy = False
-        with self.lock:
             self.published = version
             self.trainer_version = max(self.trainer_version, version)
-            log.info("version %d live on %d/%d servers", version,
-                     sum(s.version == version for s in self.servers.values()), len(self.servers))
+            servers = [s for s in self.servers.values() if s.healthy]
+            self.lock.notify_all()
+        for server in servers:
+            self._push_async(server, version)
+
+    def _push_async(self, server: Server, version: int) -> None:
+        if not server.pushing:  # one load at a time per server; the health loop sends newer ones after
+            server.pushing = True
+            self.pool.submit(self._try_push, server, version)
+
+    def _try_push(self, server: Server, version: int) -> None:
+        try:
+            self._push(server, version)
+        except Exception as exc:  # noqa: BLE001 -- the health loop retries when it is back
+            log.warning("server %s did not load version %d: %s", server.url, version, exc)
+            server.healthy = False
+        finally:
+            server.pushing = False
+        with self.lock:
             self.lock.notify_all()
 
     # ---- trainer side ------------------------------------------------------------------------------------
@@ -397,8 +409,9 @@ def make_server(orch: Orchestrator, host: str, port: int) -> HttpServer:
             url = urllib.parse.urlparse(self.path)
             try:
                 if url.path == "/health":
-                    self.send_json(200, {"status": "ok", "published": orch.published,
-                                         "servers": {s.url: s.healthy for s in orch.servers.values()}})
+                    self.send_json(200, {"status": "ok", "published": orch.published, "servers": {
+                        s.url: {"healthy": s.healthy, "version": s.version, "in_flight": s.in_flight}
+                        for s in list(orch.servers.values())}})
                 elif url.path == "/metrics":
                     self.send_bytes(200, orch.metrics.exposition(), "text/plain; version=0.0.4")
                 elif url.path == "/v1/state":
