@@ -44,8 +44,9 @@ def orchestrator_url(run: str, namespace: str) -> str:
 
 
 def rollout_url(run: str, namespace: str) -> str:
-    """The rollout servers' headless Service: its DNS name resolves to every ready server."""
-    return f"http://{run}-rollout.{namespace}.svc.cluster.local:{cluster.ROLLOUT_PORT}"
+    """The rollout servers' headless Service: its DNS name resolves to every ready server, and `dns+http` makes the
+    orchestrator re-resolve it and treat each address as its own server (spread, retries, straggler hedging)."""
+    return f"dns+http://{run}-rollout.{namespace}.svc.cluster.local:{cluster.ROLLOUT_PORT}"
 
 
 def queue_depth_query(run: str) -> str:

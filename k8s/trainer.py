@@ -44,12 +44,13 @@ def torchrun_command(resolved: ResolvedRun, job_name: str, command: list[str]) -
     """torchrun on every node, meeting at pod 0 of the JobSet through its headless Service (c10d rendezvous).
 
     --max-restarts=0: a failed rank fails the pod, and JobSet restarts the whole gang from its checkpoint; one
-    restart mechanism, not two fighting each other."""
+    restart mechanism, not two fighting each other. `--` ends torchrun's options: without it torchrun reads the
+    command's own flags as abbreviations of its own (`--run` as `--run-path`)."""
     topo = resolved.topology
     rendezvous_host = f"{job_name}-{REPLICATED_JOB}-0-0.{job_name}"
     return ["torchrun", f"--nnodes={topo.nodes}", f"--nproc-per-node={topo.ranks_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_host}:{cluster.TRAINER_RENDEZVOUS_PORT}",
-            f"--rdzv-id={job_name}", "--max-restarts=0", "--no-python", *command]
+            f"--rdzv-id={job_name}", "--max-restarts=0", "--no-python", "--", *command]
 
 
 def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:

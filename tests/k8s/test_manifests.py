@@ -64,7 +64,11 @@ def test_torchrun_rendezvous_goes_through_the_headless_service(manifests):
     # pod 0 of job 0 of replicated job "node": JobSet's host name scheme, under the Service's subdomain
     assert f"--rdzv-endpoint={name}-node-0-0.{name}:{cluster.TRAINER_RENDEZVOUS_PORT}" in command
     assert "--rdzv-backend=c10d" in command and "--max-restarts=0" in command
-    assert command[command.index("--no-python") + 1:] == ["moerl", "train", "--run", "/etc/moerl/run.yaml"]
+    # torchrun's own parser must hand the whole command to every rank, flags included.
+    from torch.distributed.run import get_args_parser
+    args = get_args_parser().parse_args(command[1:])
+    assert args.no_python and args.nnodes == "2"
+    assert [args.training_script, *args.training_script_args] == ["moerl", "train", "--run", "/etc/moerl/run.yaml"]
 
 
 @pytest.mark.parametrize("run, gpus, efa", [("dev-small", 8, 32), ("qwen3-30b-a3b-p5", 8, 32)])
@@ -139,7 +143,7 @@ def test_orchestrator_is_pointed_at_the_rollout_service(manifests):
     docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
     run = yaml.safe_load(find(docs, "ConfigMap", "qwen3-30b-a3b-p5-config")["data"]["run.yaml"])
     assert run["rl"]["orchestrator"]["endpoints"] == [
-        f"http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
+        f"dns+http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
     orchestrator = find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator")
     assert orchestrator["spec"]["replicas"] == 1
     assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml"]
