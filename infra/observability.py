@@ -26,7 +26,7 @@ def alert_rules(*, stall_seconds: int, straggler_ratio: float, rollout_backlog: 
         ("TrainerStalled", f"time() - max by ({run}) ({metrics.TRAINER_LAST_STEP_TIMESTAMP.name}) > {stall_seconds}",
          "5m", "critical", f"No optimizer step for more than {stall_seconds} s"),
         ("TrainerStraggler", f"max by ({run}) ({metrics.STRAGGLER_RATIO.name}) > {straggler_ratio}",
-         "10m", "warning", f"Slowest rank's step time is over {straggler_ratio}x the median"),
+         "10m", "warning", f"Slowest rank takes over {straggler_ratio}x the median time to reach the gradient all-reduce"),
         ("RolloutBacklog", f"max by ({run}) ({metrics.ROLLOUT_QUEUE_DEPTH.name}) > {rollout_backlog}",
          "15m", "warning", f"More than {rollout_backlog} rollout requests queued for 15 minutes"),
     ]

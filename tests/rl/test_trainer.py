@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.trainer import Trainer, to_tensors
+from moe_rl_eks.workloads.rl.trainer import Trainer, straggler_ratio, to_tensors
 
 
 @pytest.fixture
@@ -89,3 +89,9 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
         logp, _, _ = trainer._logprobs(trainer.model, t, 1.0, replay=True)
     # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
     assert torch.allclose(logp * t.mask, t.behaviour, atol=1e-5)
+
+
+def test_straggler_ratio_is_the_slowest_arrival_over_the_median():
+    assert straggler_ratio([1.0, 1.0, 1.0, 3.0]) == 3.0
+    assert straggler_ratio([2.0, 1.0, 4.0]) == 2.0
+    assert straggler_ratio([0.5]) == 1.0

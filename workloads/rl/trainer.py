@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 import urllib.error
@@ -148,6 +149,14 @@ class Trainer:
                     p.grad.mul_(scale)
         return norm
 
+    def _gather(self, value: float) -> list[float]:
+        if self.world == 1:
+            return [value]
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t)
+        return [float(x) for x in out]
+
     def _global(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.world > 1:
@@ -182,7 +191,8 @@ class Trainer:
     def rl_step(self, batch: dict) -> dict:
         samples = batch["samples"][self.rank::self.world]
         t = to_tensors(samples).to(self.device)
-        tokens = self._global(float(t.mask.sum()))
+        tokens = self._global(float(t.mask.sum()))  # a collective: every rank starts its step clock here
+        started = time.monotonic()
         temperature = self.run.rl.sampling.temperature
         replay = self.algo.routing_replay
         reference = None
@@ -214,12 +224,16 @@ class Trainer:
                 metrics["value_loss"] = float(v_loss.detach())
             loss = loss + aux / self.world
             loss.backward()
+            arrived = time.monotonic() - started  # this rank's arrival at the gradient all-reduce
             metrics = {k: self._global(v) for k, v in metrics.items()}  # each is a sum over tokens / global count
+            if epoch == 0:
+                stragglers = straggler_ratio(self._gather(arrived))
             metrics["grad_norm"] = self._sync_and_clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             metrics["loss"] = self._global(float(loss.detach()))
         metrics["tokens"] = tokens
+        metrics["straggler_ratio"] = stragglers
         return metrics
 
     # ---- weights, checkpoints -----------------------------------------------------------------------------
@@ -382,9 +396,16 @@ class Trainer:
         for metric, value in ((M.TRAINER_STEP_SECONDS, step_seconds), (M.TRAINER_LAST_STEP_TIMESTAMP, row["time"]),
                               (M.TRAINER_TOKENS_PER_SECOND, metrics["tokens"] / max(step_seconds, 1e-9)),
                               (M.TRAINER_IDLE_FRACTION, row["trainer_idle_fraction"]),
+                              (M.STRAGGLER_RATIO, metrics["straggler_ratio"]),
                               (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
+
+
+def straggler_ratio(arrival_seconds: list[float]) -> float:
+    """Slowest rank's time to reach the gradient all-reduce over the median rank's: 1.0 when balanced. Ranks
+    that arrive early wait there for the slowest, so arrival (not step time, equal on all ranks) shows it."""
+    return max(arrival_seconds) / max(statistics.median(arrival_seconds), 1e-9)
 
 
 def train_device() -> torch.device:
