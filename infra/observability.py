@@ -124,6 +124,13 @@ class MoeRlObservability(Construct):
                              alert_rules(stall_seconds=trainer_stall_seconds, straggler_ratio=straggler_ratio,
                                          rollout_backlog=rollout_backlog), stack)
 
+    def grant_query_metrics(self, grantee: iam.IGrantable) -> None:
+        """Let ``grantee`` run PromQL queries against the workspace (KEDA's rollout autoscaler does)."""
+        if self.workspace is None:
+            raise ValueError("grant_query_metrics: this stack has no Prometheus workspace (prometheus=False)")
+        iam.Grant.add_to_principal(grantee=grantee, actions=["aps:QueryMetrics"],
+                                   resource_arns=[self.workspace.attr_arn])
+
     def _metric(self, cluster_name: str, name: str, statistic: str) -> cw.Metric:
         return cw.Metric(namespace=_CONTAINER_INSIGHTS, metric_name=name, dimensions_map={"ClusterName": cluster_name},
                          statistic=statistic, period=Duration.minutes(5))

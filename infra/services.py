@@ -37,6 +37,7 @@ CHARTS = {
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.33.0"  # matches the cluster's minor version
 CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 _SYSTEM_NODES = {ROLE_LABEL: "system"}
+KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default operator service account
 _GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 TRAINER_PRIORITY = 100_000
 ROLLOUT_PRIORITY = 10_000
@@ -47,9 +48,12 @@ class ClusterServices(Construct):
     the ClusterQueue manifest), ``autoscaler_role``."""
 
     def __init__(self, scope: Construct, id: str, *, cluster: eks.Cluster, pools: Mapping[str, EfaNodePool],
-                 run_namespace: str, namespace_manifest: eks.KubernetesManifest) -> None:
+                 run_namespace: str, namespace_manifest: eks.KubernetesManifest,
+                 keda_role: iam.IRole | None = None) -> None:
         """
         :param cluster: the cluster (with a kubectl provider).
+        :param keda_role: a Pod Identity role for the KEDA operator, whose scalers query Prometheus with the
+            operator's own AWS identity; default: none (KEDA gets no AWS permissions).
         :param pools: GPU pools by role; each gets a Kueue ResourceFlavor, ClusterQueue and LocalQueue.
         :param run_namespace: where LocalQueues live.
         :param namespace_manifest: the run namespace's manifest; LocalQueues are created after it.
@@ -57,7 +61,13 @@ class ClusterServices(Construct):
         super().__init__(scope, id)
         self.charts: dict[str, eks.HelmChart] = {}
         self.autoscaler_role = self._cluster_autoscaler(cluster)
-        self._chart(cluster, "keda", {"nodeSelector": _SYSTEM_NODES})
+        keda = self._chart(cluster, "keda", {"nodeSelector": _SYSTEM_NODES})
+        if keda_role is not None:
+            # The association must exist before the operator starts: Pod Identity injects credentials at pod start.
+            association = eks.CfnPodIdentityAssociation(
+                self, "KedaOperatorPodIdentity", cluster_name=cluster.cluster_name, namespace=CHARTS["keda"].namespace,
+                service_account=KEDA_OPERATOR_SERVICE_ACCOUNT, role_arn=keda_role.role_arn)
+            keda.node.add_dependency(association)
         self._chart(cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
         self._chart(cluster, "kueue", {"controllerManager": {"nodeSelector": _SYSTEM_NODES}})
         # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the

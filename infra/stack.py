@@ -55,13 +55,18 @@ class MoeRlStack(Stack):
             rollout_log_expiry_days=storage.rollout_log_expiry_days, retain_on_delete=storage.retain_on_delete)
         self.run_access = RunAccess(self, "RunAccess", cluster=eks_cluster, storage=self.storage,
                                     namespace=config.run_namespace, file_system=self.storage.file_system)
-        self.services = ClusterServices(self, "Services", cluster=eks_cluster, pools=self.pools,
-                                        run_namespace=config.run_namespace,
-                                        namespace_manifest=self.run_access.namespace_manifest)
         self.observability = MoeRlObservability(
             self, "Observability", cluster=eks_cluster, cluster_name=cluster_name, run_namespace=config.run_namespace,
             scraper_subnets=self.network.private_subnets, alarm_email=config.observability.alarm_email,
             prometheus=config.observability.prometheus)
+        keda_role = None
+        if self.observability.workspace is not None:
+            # The rollout autoscaler (a KEDA ScaledObject in each run) reads the queue depth from this workspace.
+            keda_role = self.cluster.pod_identity_role("KedaOperatorRole")
+            self.observability.grant_query_metrics(keda_role)
+        self.services = ClusterServices(self, "Services", cluster=eks_cluster, pools=self.pools,
+                                        run_namespace=config.run_namespace,
+                                        namespace_manifest=self.run_access.namespace_manifest, keda_role=keda_role)
 
         CfnOutput(self, names.OUTPUT_CLUSTER_NAME, value=eks_cluster.cluster_name)
         CfnOutput(self, names.OUTPUT_BUCKET_NAME, value=self.storage.bucket.bucket_name)

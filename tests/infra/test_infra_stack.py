@@ -218,6 +218,21 @@ def test_observability_alarms_dashboard_prometheus_rules_and_alert_routing(templ
     template.resource_count_is("AWS::APS::Scraper", 1)
 
 
+def test_keda_operator_may_query_only_the_prometheus_workspace_before_it_starts(templates):
+    template = templates["prod"]
+    (logical_id, association), = [(k, r) for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
+                                   if r["Properties"]["ServiceAccount"] == "keda-operator"]
+    assert association["Properties"]["Namespace"] == CHARTS["keda"].namespace
+    role = association["Properties"]["RoleArn"]["Fn::GetAtt"][0]
+    (workspace_id,) = resources_of(template, "AWS::APS::Workspace")
+    statements = [s for p in resources_of(template, "AWS::IAM::Policy").values() if {"Ref": role} in p["Properties"]["Roles"]
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    assert statements == [{"Action": "aps:QueryMetrics", "Effect": "Allow", "Resource": {"Fn::GetAtt": [workspace_id, "Arn"]}}]
+    (keda_chart,) = [r for r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").values()
+                     if r["Properties"]["Release"] == "keda"]
+    assert logical_id in keda_chart["DependsOn"]
+
+
 def test_stack_outputs_use_the_shared_keys(templates):
     outputs = templates["prod"]["Outputs"]
     for key in (names.OUTPUT_CLUSTER_NAME, names.OUTPUT_BUCKET_NAME, names.OUTPUT_TRAINER_REPOSITORY_URI,
