@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl_eks.core.rl_config import AlgorithmConfig
+
 
 @dataclass
 class PolicyBatch:
@@ -21,16 +23,6 @@ class PolicyBatch:
     mask: torch.Tensor
     reference_logprobs: torch.Tensor | None = None  # frozen reference, for the KL term
     entropy: torch.Tensor | None = None  # per-token entropy of the current policy, for the bonus
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    importance_cap: float = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
 
 
 def kl_estimate(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -48,7 +40,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def policy_loss(batch: PolicyBatch, cfg: PolicyLossConfig, num_tokens: float | None = None
+def policy_loss(batch: PolicyBatch, cfg: AlgorithmConfig, num_tokens: float | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO objective (AReaL) with clip-higher (DAPO) and truncated importance weights.
 

@@ -32,7 +32,7 @@ from ..model.checkpoint import load_hf, save_hf
 from ..moe.parallel import ExpertParallel
 from . import checkpoint as ckpt
 from .algorithms import gae, terminal_rewards
-from .losses import PolicyBatch, PolicyLossConfig, policy_loss, token_logprobs_and_entropy, value_loss
+from .losses import PolicyBatch, policy_loss, token_logprobs_and_entropy, value_loss
 from .rewards import ArithmeticTask
 from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
@@ -88,8 +88,6 @@ class Trainer:
         self.out = output_dir(run)
         self.ckpt_root = self.out / "checkpoints"
         self.store = open_store(run.rl.weights, self.out / "weights")
-        self.loss_cfg = PolicyLossConfig(self.algo.clip_low, self.algo.clip_high, self.algo.importance_cap,
-                                         self.algo.kl_coef, self.algo.kl_estimator, self.algo.entropy_coef)
         backend = resolve_run(run, None).ep_backend if run.environment is None else _cluster_backend(run)
         self.device = train_device()
         self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
@@ -217,7 +215,7 @@ class Trainer:
                     advantages, returns = gae(terminal_rewards(rewards, t.mask), old_values, t.mask,
                                               gamma=self.algo.gamma, lam=self.algo.gae_lambda)
             pb = PolicyBatch(logp, proximal, t.behaviour, advantages, t.mask, reference, entropy)
-            loss, metrics = policy_loss(pb, self.loss_cfg, num_tokens=tokens)
+            loss, metrics = policy_loss(pb, self.algo, num_tokens=tokens)
             if values is not None:
                 v_loss = value_loss(values, old_values, returns, t.mask, self.algo.value_clip, num_tokens=tokens)
                 loss = loss + self.algo.value_coef * v_loss
