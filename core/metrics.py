@@ -21,6 +21,7 @@ TRAINER_LAST_STEP_TIMESTAMP = Metric("moerl_trainer_last_step_timestamp_seconds"
 SAMPLE_STALENESS = Metric("moerl_sample_staleness", "gauge", "Mean weight-version lag of the samples in the last batch")
 SAMPLES_DROPPED_STALE = Metric("moerl_samples_dropped_stale_total", "counter", "Samples dropped for exceeding max_staleness")
 STRAGGLER_RATIO = Metric("moerl_straggler_ratio", "gauge", "Slowest rank's arrival at the gradient all-reduce over the median rank's")
+EXPERT_LOAD_IMBALANCE = Metric("moerl_expert_load_imbalance", "gauge", "Worst MoE layer's busiest expert over its mean load in the last batch")
 REWARD_MEAN = Metric("moerl_reward_mean", "gauge", "Mean reward of the last batch")
 WEIGHT_PUBLISH_SECONDS = Metric("moerl_weight_publish_seconds", "gauge", "Time to publish the last weight version")
 WEIGHT_LOAD_SECONDS = Metric("moerl_weight_load_seconds", "gauge", "Time for a rollout server to load the last weight version")
@@ -33,5 +34,5 @@ TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, TRAINER_STEP_SECONDS,
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
-       STRAGGLER_RATIO, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
+       STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION)

@@ -168,6 +168,7 @@ class TrainingConfig:
     warmup_sft_steps: int = 0  # supervised steps on well-formed (not necessarily correct) answers, before RL
     warmup_learning_rate: float = 1e-2
     checkpoint_every: int = 10  # steps; a SIGTERM also writes one
+    router_bias_update_rate: float = 1e-3  # sigmoid router: aux-loss-free balancing step per RL step; 0 = frozen
     output_dir: str = "runs/{name}"  # metrics, TensorBoard, checkpoints, plots; {name} = run name
 
     def validate(self) -> None:
@@ -179,6 +180,8 @@ class TrainingConfig:
                 fail(name, getattr(self, name), "must be > 0")
         if self.warmup_sft_steps < 0:
             fail("warmup_sft_steps", self.warmup_sft_steps, "must be >= 0")
+        if self.router_bias_update_rate < 0:
+            fail("router_bias_update_rate", self.router_bias_update_rate, "must be >= 0")
 
 
 @dataclass(frozen=True)

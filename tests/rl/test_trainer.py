@@ -1,13 +1,14 @@
 """Trainer pieces in one process (world of 1): training tensors aligned by hand, a GRPO step and a PPO step
 (value head + GAE) that change the weights, checkpoint round trip."""
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.trainer import Trainer, straggler_ratio, to_tensors
+from moe_rl_eks.workloads.rl.trainer import Trainer, expert_load_imbalance, straggler_ratio, to_tensors
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
                 for p, r in zip(prompts * 2, results)]
     t = to_tensors(samples)
     with torch.no_grad():
-        logp, _, _ = trainer._logprobs(trainer.model, t, 1.0, replay=True)
+        logp = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
     # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
     assert torch.allclose(logp * t.mask, t.behaviour, atol=1e-5)
 
@@ -95,3 +96,26 @@ def test_straggler_ratio_is_the_slowest_arrival_over_the_median():
     assert straggler_ratio([1.0, 1.0, 1.0, 3.0]) == 3.0
     assert straggler_ratio([2.0, 1.0, 4.0]) == 2.0
     assert straggler_ratio([0.5]) == 1.0
+
+
+def test_expert_load_imbalance_is_the_worst_layers_busiest_expert_over_its_mean():
+    load = torch.tensor([[2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 5.0]])
+    assert expert_load_imbalance(load) == 2.5
+
+
+def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path, world_of_one):
+    run = tiny_run(tmp_path, algorithm={"kl_coef": 0.0, "entropy_coef": 0.0})
+    run = replace(run, model=replace(run.model, router="sigmoid"))
+    trainer = Trainer(run, None, rank=0, world=1)
+    gates = [layer.mlp.gate for layer in trainer.model.model.layers]
+    before = [g.e_score_correction_bias.clone() for g in gates]
+    with torch.no_grad():
+        load = trainer.model(to_tensors(batch()["samples"]).inputs).expert_load.float()
+    metrics = trainer.rl_step(batch())
+    assert metrics["expert_load_imbalance"] == pytest.approx(expert_load_imbalance(load))
+    rate = run.rl.training.router_bias_update_rate
+    for gate, old, layer_load in zip(gates, before, load):
+        # under-loaded experts gain `rate`, over-loaded ones lose it (DeepSeek-V3's balancing step)
+        expected = old + rate * torch.sign(layer_load.mean() - layer_load)
+        torch.testing.assert_close(gate.e_score_correction_bias, expected)
+    assert any(not torch.equal(g.e_score_correction_bias, b) for g, b in zip(gates, before))

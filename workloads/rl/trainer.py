@@ -164,7 +164,7 @@ class Trainer:
     def _logprobs(self, model: MoETransformer, t: Tensors, temperature: float, replay: bool):
         out = model(t.inputs, routing_replay=t.routing if replay else None)
         logp, entropy = token_logprobs_and_entropy(out.logits / temperature, t.targets)
-        return logp, entropy, out.aux_loss
+        return logp, entropy, out.aux_loss, out.expert_load
 
     # ---- the two kinds of step ----------------------------------------------------------------------------
     def sft_step(self, index: int) -> float:
@@ -178,7 +178,7 @@ class Trainer:
                             "completion_ids": tok.encode(answer)[1:] + [tok.eos_id]})
         t = to_tensors(samples[self.rank::self.world]).to(self.device)
         tokens = self._global(float(t.mask.sum()))
-        logp, _, aux = self._logprobs(self.model, t, 1.0, replay=False)
+        logp, _, aux, _ = self._logprobs(self.model, t, 1.0, replay=False)
         loss = -(logp * t.mask).sum() / tokens + aux / self.world
         loss.backward()
         self._sync_and_clip()
@@ -202,9 +202,10 @@ class Trainer:
         metrics: dict[str, float] = {}
         for epoch in range(self.algo.epochs_per_batch):
             self._hidden.clear()
-            logp, entropy, aux = self._logprobs(self.model, t, temperature, replay)
+            logp, entropy, aux, load = self._logprobs(self.model, t, temperature, replay)
             if proximal is None:
                 proximal = logp.detach()  # the policy before this step's first update
+                first_load = load
             values = None
             if self.value_head is not None:
                 # Detached: the critic reads the policy's features but its loss does not reshape the policy.
@@ -232,6 +233,15 @@ class Trainer:
             metrics["loss"] = self._global(float(loss.detach()))
         metrics["tokens"] = tokens
         metrics["straggler_ratio"] = stragglers
+        load = first_load.float()  # this rank's tokens, routed by the policy the batch started from
+        if self.world > 1:
+            dist.all_reduce(load)
+        metrics["expert_load_imbalance"] = expert_load_imbalance(load)
+        rate = self.cfg.router_bias_update_rate
+        if self.run.model.router == "sigmoid" and rate > 0:
+            # DeepSeek-V3's auxiliary-loss-free balancing; the biases ship with every published version, so
+            # rollout servers keep choosing experts as the trainer does.
+            self.model.update_routing_bias(load, rate=rate)
         return metrics
 
     # ---- weights, checkpoints -----------------------------------------------------------------------------
@@ -395,9 +405,16 @@ class Trainer:
                               (M.TRAINER_TOKENS_PER_SECOND, metrics["tokens"] / max(step_seconds, 1e-9)),
                               (M.TRAINER_IDLE_FRACTION, row["trainer_idle_fraction"]),
                               (M.STRAGGLER_RATIO, metrics["straggler_ratio"]),
+                              (M.EXPERT_LOAD_IMBALANCE, metrics["expert_load_imbalance"]),
                               (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
+
+
+def expert_load_imbalance(load: torch.Tensor) -> float:
+    """Worst layer's busiest expert over its mean load ([L, E] counts summed over ranks); 1.0 = balanced."""
+    per_layer = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
+    return float(per_layer.max())
 
 
 def straggler_ratio(arrival_seconds: list[float]) -> float:
