@@ -109,9 +109,14 @@ def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path
     trainer = Trainer(run, None, rank=0, world=1)
     gates = [layer.mlp.gate for layer in trainer.model.model.layers]
     before = [g.e_score_correction_bias.clone() for g in gates]
+    step = batch()
+    step["samples"][1]["completion_ids"], step["samples"][1]["logprobs"] = [2], [-2.0]  # one padded position
+    t = to_tensors(step["samples"])
     with torch.no_grad():
-        load = trainer.model(to_tensors(batch()["samples"]).inputs).expert_load.float()
-    metrics = trainer.rl_step(batch())
+        load = trainer.model(t.inputs, attention_mask=t.valid).expert_load.float()
+    # padding is routed but not counted: every layer counts k slots of each real token
+    assert load.sum(dim=1).tolist() == [float(t.valid.sum() * run.model.num_experts_per_tok)] * len(gates)
+    metrics = trainer.rl_step(step)
     assert metrics["expert_load_imbalance"] == pytest.approx(expert_load_imbalance(load))
     rate = run.rl.training.router_bias_update_rate
     for gate, old, layer_load in zip(gates, before, load):

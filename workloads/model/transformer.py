@@ -24,7 +24,7 @@ class ModelOutput:
     logits: torch.Tensor  # [B, S, V]
     routing: list[torch.Tensor] | None  # per MoE layer: expert ids [B, S, k] (int64), when return_routing
     aux_loss: torch.Tensor  # router_aux_loss_coef x mean per-layer balance loss (0 when the coefficient is 0)
-    expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's tokens; detached
+    expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's real tokens; detached
 
 
 @dataclass
@@ -179,13 +179,14 @@ class MoETransformer(nn.Module):
         mask = (slots <= query_slots) & valid[:, None, :] | (slots == query_slots)
         mask = mask.unsqueeze(1)
 
+        token_mask = None if attention_mask is None else attention_mask.bool().reshape(b * s)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, mask, kv_cache, i)
             replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
-            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size), replay)
+            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size), replay, token_mask)
             h = h + moe.out.view(b, s, c.hidden_size)
             routing.append(moe.ids.view(b, s, c.num_experts_per_tok))
             aux.append(moe.aux_loss)

@@ -75,7 +75,10 @@ class MoEBlock(nn.Module):
         self.dispatcher, self.compute = dispatcher, compute
         self.balance_loss = config.router_aux_loss_coef > 0
 
-    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> MoEOutput:
+        """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
+        but counts in neither the expert load nor the balance loss."""
         gate, spec = self.gate, self.gate.spec
         logits = F.linear(x, gate.weight)
         if replay_ids is not None:
@@ -91,6 +94,7 @@ class MoEBlock(nn.Module):
         out = self.dispatcher.combine(y_sorted, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        aux = (load_balancing_loss(expert_scores(logits, spec), ids, spec) if self.balance_loss
+        kept_logits, kept_ids = (logits, ids) if token_mask is None else (logits[token_mask], ids[token_mask])
+        aux = (load_balancing_loss(expert_scores(kept_logits, spec), kept_ids, spec) if self.balance_loss
                else logits.new_zeros((), dtype=torch.float32))
-        return MoEOutput(out, ids, aux, expert_load(ids.detach(), self.num_experts))
+        return MoEOutput(out, ids, aux, expert_load(kept_ids.detach(), self.num_experts))

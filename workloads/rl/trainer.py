@@ -50,11 +50,12 @@ class Tensors:
     behaviour: torch.Tensor  # [B, S] rollout logprobs on completion targets
     advantages: torch.Tensor  # [B, S]
     routing: list[torch.Tensor] | None  # per layer [B, S, k]
+    valid: torch.Tensor  # [B, S] bool: real tokens (not right padding)
 
     def to(self, device: torch.device) -> "Tensors":
         move = [r.to(device) for r in self.routing] if self.routing is not None else None
         return Tensors(self.inputs.to(device), self.targets.to(device), self.mask.to(device),
-                       self.behaviour.to(device), self.advantages.to(device), move)
+                       self.behaviour.to(device), self.advantages.to(device), move, self.valid.to(device))
 
 
 def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> Tensors:
@@ -64,6 +65,7 @@ def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> 
     b = len(samples)
     inputs, targets = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
     mask, behaviour, adv = torch.zeros(b, width), torch.zeros(b, width), torch.zeros(b, width)
+    valid = torch.zeros(b, width, dtype=torch.bool)
     routing = None
     if samples and "routing" in samples[0]:
         layers, k = len(samples[0]["routing"]), len(samples[0]["routing"][0][0])
@@ -71,6 +73,7 @@ def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> 
     for i, (s, q) in enumerate(zip(samples, seqs)):
         n, p = len(q) - 1, len(s["prompt_ids"])
         inputs[i, :n], targets[i, :n] = torch.tensor(q[:-1]), torch.tensor(q[1:])
+        valid[i, :n] = True
         mask[i, p - 1:n] = 1.0
         if "logprobs" in s:
             behaviour[i, p - 1:n] = torch.tensor(s["logprobs"])
@@ -78,7 +81,7 @@ def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> 
         if routing is not None:
             for layer, ids in enumerate(s["routing"]):
                 routing[layer][i, :n] = torch.tensor(ids)
-    return Tensors(inputs, targets, mask, behaviour, adv, routing)
+    return Tensors(inputs, targets, mask, behaviour, adv, routing, valid)
 
 
 class Trainer:
@@ -162,7 +165,9 @@ class Trainer:
         return float(t)
 
     def _logprobs(self, model: MoETransformer, t: Tensors, temperature: float, replay: bool):
-        out = model(t.inputs, routing_replay=t.routing if replay else None)
+        # The mask keeps right padding out of the expert load and balance loss (it never reaches real tokens:
+        # attention is causal).
+        out = model(t.inputs, routing_replay=t.routing if replay else None, attention_mask=t.valid)
         logp, entropy = token_logprobs_and_entropy(out.logits / temperature, t.targets)
         return logp, entropy, out.aux_loss, out.expert_load
 
