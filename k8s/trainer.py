@@ -53,6 +53,9 @@ def torchrun_command(resolved: ResolvedRun, job_name: str, command: list[str]) -
             f"--rdzv-id={job_name}", "--max-restarts=0", "--no-python", "--", *command]
 
 
+TERMINATION_GRACE_SECONDS = 120  # SIGTERM (preemption) writes a checkpoint before the pod is killed
+
+
 def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     env = resolved.environment
     assert env is not None, "gang jobs run on a cluster"
@@ -60,7 +63,10 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     nodes = resolved.topology.nodes
     volumes = standard_volumes(job.config_map, shm_gib=job.shm_gib, fsx_read_only=False)
     variables = {**CACHE_ENV, **collective_env(env.trainer_pool.instance_type, resolved.ep_backend),
-                 "MOERL_EP_BACKEND": resolved.ep_backend, **job.extra_env}
+                 "MOERL_EP_BACKEND": resolved.ep_backend,
+                 # torchrun SIGKILLs its workers this long after forwarding SIGTERM (default 30 s): leave the
+                 # checkpoint-on-SIGTERM most of the pod's grace period.
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(TERMINATION_GRACE_SECONDS - 10), **job.extra_env}
     container = k8s.Container(
         name="trainer",
         image=job.image,
@@ -75,7 +81,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     )
     pod = pod_spec(container, volumes, service_account=cluster.TRAINER_SERVICE_ACCOUNT,
                    priority_class=cluster.TRAINER_PRIORITY_CLASS, restart_policy="Never",
-                   termination_grace_period_seconds=120,  # SIGTERM writes a checkpoint
+                   termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
                    **gpu_placement("trainer"))
     job_spec = k8s.JobSpec(
         parallelism=nodes, completions=nodes, completion_mode="Indexed", backoff_limit=0,

@@ -96,6 +96,9 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["MOERL_EP_BACKEND"] == resolved(run).ep_backend
     assert env.get("NVSHMEM_REMOTE_TRANSPORT") == nvshmem
+    # torchrun must leave the workers' SIGTERM checkpoint time before it SIGKILLs them, inside the pod's grace
+    spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
+    assert 60 <= int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < spec["terminationGracePeriodSeconds"]
     # the trainer finds the orchestrator and the environment its run resolves against
     assert env["MOERL_ORCHESTRATOR"] == f"http://{run}-orchestrator.moe-rl.svc.cluster.local:{cluster.ORCHESTRATOR_PORT}"
     assert env["MOERL_CDK_JSON"] == "/etc/moerl/cdk.json"

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.trainer import Trainer, expert_load_imbalance, straggler_ratio, to_tensors
+from moe_rl_eks.workloads.rl.trainer import (Trainer, expert_load_imbalance, resolved_backend, straggler_ratio,
+                                             to_tensors)
 
 
 @pytest.fixture
@@ -124,3 +125,12 @@ def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path
         expected = old + rate * torch.sign(layer_load.mean() - layer_load)
         torch.testing.assert_close(gate.e_score_correction_bias, expected)
     assert any(not torch.equal(g.e_score_correction_bias, b) for g, b in zip(gates, before))
+
+
+def test_the_trainer_refuses_a_backend_that_drifted_from_its_manifests(tmp_path, monkeypatch):
+    run = tiny_run(tmp_path)
+    monkeypatch.setenv("MOERL_EP_BACKEND", "alltoall")
+    assert resolved_backend(run) == "alltoall"
+    monkeypatch.setenv("MOERL_EP_BACKEND", "deepep")
+    with pytest.raises(RuntimeError, match="manifests were written for 'deepep' but this run resolves to 'alltoall'"):
+        resolved_backend(run)

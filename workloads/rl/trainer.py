@@ -91,7 +91,7 @@ class Trainer:
         self.out = output_dir(run)
         self.ckpt_root = self.out / "checkpoints"
         self.store = open_store(run.rl.weights, self.out / "weights")
-        backend = resolve_run(run, None).ep_backend if run.environment is None else _cluster_backend(run)
+        backend = resolved_backend(run)
         self.device = train_device()
         self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                   device=str(self.device)) if world > 1 else None)
@@ -435,11 +435,21 @@ def train_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _cluster_backend(run: RunConfig):
-    from moe_rl_eks.core.environment import load_cdk_json, select_environment
+def resolved_backend(run: RunConfig) -> str:
+    """The run's EP backend, resolved against its environment (the cdk.json shipped with the pod), logged with
+    its reason; it must equal what the manifests were written with ($MOERL_EP_BACKEND), else the two drifted."""
+    env = None
+    if run.environment is not None:
+        from moe_rl_eks.core.environment import load_cdk_json, select_environment
 
-    env = select_environment(load_cdk_json(os.environ.get("MOERL_CDK_JSON", "cdk.json")), run.environment)
-    return resolve_run(run, env).ep_backend
+        env = select_environment(load_cdk_json(os.environ.get("MOERL_CDK_JSON", "cdk.json")), run.environment)
+    resolved = resolve_run(run, env)
+    expected = os.environ.get("MOERL_EP_BACKEND")
+    if expected and expected != resolved.ep_backend:
+        raise RuntimeError(f"ep backend: the manifests were written for {expected!r} but this run resolves to "
+                           f"{resolved.ep_backend!r} against its environment; regenerate the manifests")
+    log.info("ep backend %s: %s", resolved.ep_backend, resolved.ep_backend_reason)
+    return resolved.ep_backend
 
 
 def main(argv: list[str]) -> int:
