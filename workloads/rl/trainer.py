@@ -8,6 +8,7 @@ The trainer knows nothing of the algorithm beyond per-token advantages and masks
 orchestrator)."""
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -180,7 +181,7 @@ class Trainer:
         for j in range(index * n, (index + 1) * n):
             answer = task.well_formed_example(j)
             samples.append({"prompt_ids": tok.encode(task.problem(j).prompt),
-                            "completion_ids": tok.encode(answer)[1:] + [tok.eos_id]})
+                            "completion_ids": _without_bos(tok, tok.encode(answer)) + [tok.eos_id]})
         t = to_tensors(samples[self.rank::self.world]).to(self.device)
         tokens = self._global(float(t.mask.sum()))
         logp, _, aux, _ = self._logprobs(self.model, t, 1.0, replay=False)
@@ -323,6 +324,12 @@ class Trainer:
                 try:
                     batch = http_json("GET", f"{self.orchestrator}/v1/batch?step={self.step}&committed={committed}",
                                       timeout=60)
+                except urllib.error.HTTPError as exc:
+                    if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
+                        raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
+                    log.warning("orchestrator error (%s); retrying", exc)
+                    time.sleep(1)
+                    continue
                 except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
                     log.warning("orchestrator unreachable (%s); retrying", exc)
                     time.sleep(1)
@@ -416,6 +423,11 @@ class Trainer:
             self.prometheus[metric].set(value)
 
 
+def _without_bos(tok, ids: list[int]) -> list[int]:
+    """A completion continues its prompt: drop the BOS a tokenizer puts in front of every encoded text."""
+    return ids[1:] if tok.bos_id is not None and ids[:1] == [tok.bos_id] else ids
+
+
 def expert_load_imbalance(load: torch.Tensor) -> float:
     """Worst layer's busiest expert over its mean load ([L, E] counts summed over ranks); 1.0 = balanced."""
     per_layer = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
@@ -463,7 +475,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.cuda.set_device(train_device())
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # Ranks other than 0 wait in a broadcast while rank 0 polls the orchestrator for a batch; the first batch on a
+    # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(run, args.orchestrator, rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
