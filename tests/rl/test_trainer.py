@@ -91,6 +91,18 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
         logp = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
     # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
     assert torch.allclose(logp * t.mask, t.behaviour, atol=1e-5)
+    # once the trainer's routers drift from the rollout's, replay still uses the rollout's experts; re-routing not
+    with torch.no_grad():
+        for layer in trainer.model.model.layers:
+            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
+        replayed = trainer.model(t.inputs, routing_replay=t.routing, return_routing=True, attention_mask=t.valid)
+        rerouted = trainer.model(t.inputs, return_routing=True, attention_mask=t.valid)
+        with_replay = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
+        without = trainer._logprobs(trainer.model, t, 1.0, replay=False)[0]
+    valid = t.valid
+    assert all(torch.equal(got[valid], want[valid]) for got, want in zip(replayed.routing, t.routing))
+    assert any(not torch.equal(got[valid], want[valid]) for got, want in zip(rerouted.routing, t.routing))
+    assert not torch.allclose(with_replay * t.mask, without * t.mask)  # the training path follows the replay
 
 
 def test_straggler_ratio_is_the_slowest_arrival_over_the_median():
