@@ -119,7 +119,6 @@ class OrchestratorConfig:
     request_timeout_s: float = 30.0  # deadline of one completion request; then it is retried elsewhere
     straggler_after_s: float = 10.0  # a request still running after this is also sent to another server
     max_attempts: int = 4  # per request, across servers
-    prompts_per_request: int = 1  # groups packed into one HTTP request (each asks for n = group_size)
     max_inflight_requests: int = 16  # per rollout server
     # Rollout base URLs (a local run fills them in); `dns+http://<service>:<port>` follows every address of a
     # headless Service, so autoscaled rollout pods join and leave without a restart.
@@ -131,7 +130,7 @@ class OrchestratorConfig:
         for name in ("request_timeout_s", "straggler_after_s"):
             if getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "must be > 0 seconds")
-        for name in ("max_attempts", "prompts_per_request", "max_inflight_requests"):
+        for name in ("max_attempts", "max_inflight_requests"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
 
