@@ -182,7 +182,8 @@ class RunChart(cdk8s.Chart):
                     "identityOwner": "operator",
                     "query": queue_depth_query(self.name),
                     # Target backlog per server: one full decoding batch waiting for each.
-                    "threshold": str(run.rollout.max_batch_size),
+                    # queue depth counts requests; each server holds max_inflight_requests at a time
+                    "threshold": str(run.rl.orchestrator.max_inflight_requests),
                     "ignoreNullValues": "false",  # a lost metric is an error, not "scale to min"
                 },
             }],

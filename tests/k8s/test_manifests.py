@@ -115,6 +115,7 @@ def test_autoscaled_rollout_has_no_replicas_and_a_queue_depth_scaler(manifests):
     (trigger,) = scaler["triggers"]
     meta = trigger["metadata"]
     assert trigger["type"] == "prometheus" and meta["query"].startswith(f"sum({metrics.ROLLOUT_QUEUE_DEPTH.name}{{")
+    assert meta["threshold"] == str(resolved("qwen3-30b-a3b-p5").run.rl.orchestrator.max_inflight_requests)
     amp = yaml.safe_load(EXAMPLE_OUTPUTS.read_text())["MoeRlEks-dev"]["PrometheusEndpoint"]
     assert meta["serverAddress"] == amp.rstrip("/") and meta["awsRegion"] == "us-east-1"
     assert find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])["spec"] == {

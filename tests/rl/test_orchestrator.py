@@ -94,3 +94,12 @@ def test_state_round_trip_keeps_cursor_buffer_batches_and_reissues_in_flight_req
     assert restored.batch(step=0, committed=0, timeout=0.1) == batch  # a resumed trainer sees the same batch
     assert [g.request_id for g in restored.buffered] == ["p2"]
     assert list(restored.retry) == ["p3"] and restored.in_flight["p3"].prompt_index == 3
+
+
+def test_queue_depth_counts_in_flight_and_what_the_budget_allows_but_no_server_took(tmp_path):
+    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 1})
+    # trainer at version 0, max_staleness 1, 2 prompts per step: 4 groups may be outstanding
+    assert orch.queue_depth() == 4
+    orch.in_flight["p0"] = Attempt(0, 0.0)
+    complete(orch, 1, 0)
+    assert orch.queue_depth() == 1 + 2  # one in flight, one buffered, two more allowed

@@ -144,9 +144,16 @@ class Orchestrator:
     def _outstanding(self) -> int:
         return self.consumed + len(self.buffered) + len(self.in_flight)
 
+    def _budget(self) -> int:
+        return (self.trainer_version + self.cfg.max_staleness + 1) * self.run.rl.training.prompts_per_step
+
     def _may_issue(self) -> bool:
-        limit = (self.trainer_version + self.cfg.max_staleness + 1) * self.run.rl.training.prompts_per_step
-        return self._outstanding() < limit or bool(self.retry)
+        return self._outstanding() < self._budget() or bool(self.retry)
+
+    def queue_depth(self) -> int:
+        """Requests in flight plus those the staleness budget allows but no server has room for: the demand the
+        rollout autoscaler sizes the pool to (in flight alone can never exceed what the servers already hold)."""
+        return len(self.in_flight) + max(0, self._budget() - self._outstanding())
 
     def _ready_servers(self, exclude: list[str] = ()) -> list[Server]:
         ready = [s for s in self.servers.values() if s.healthy and s.version == self.published
@@ -158,7 +165,7 @@ class Orchestrator:
             while self.running:
                 self._issue_new()
                 self._hedge_stragglers()
-                self.metrics[M.ROLLOUT_QUEUE_DEPTH].set(len(self.in_flight))
+                self.metrics[M.ROLLOUT_QUEUE_DEPTH].set(self.queue_depth())
                 self.lock.wait(timeout=0.2)
 
     def _issue_new(self) -> None:
