@@ -168,6 +168,7 @@ class TrainingConfig:
     warmup_learning_rate: float = 1e-2
     checkpoint_every: int = 10  # steps; a SIGTERM also writes one
     router_bias_update_rate: float = 1e-3  # sigmoid router: aux-loss-free balancing step per RL step; 0 = frozen
+    init_from: str | None = None  # a Hugging Face Qwen3-MoE checkpoint directory to start from; default: seeded init
     output_dir: str = "runs/{name}"  # metrics, TensorBoard, checkpoints, plots; {name} = run name
 
     def validate(self) -> None:

@@ -146,3 +146,20 @@ def test_the_trainer_refuses_a_backend_that_drifted_from_its_manifests(tmp_path,
     monkeypatch.setenv("MOERL_EP_BACKEND", "deepep")
     with pytest.raises(RuntimeError, match="manifests were written for 'deepep' but this run resolves to 'alltoall'"):
         resolved_backend(run)
+
+
+def test_training_starts_from_a_pretrained_checkpoint_of_the_same_architecture(tmp_path, world_of_one):
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+
+    base = tiny_run(tmp_path)
+    torch.manual_seed(123)  # not the run's seed: the weights must come from the checkpoint
+    pretrained = MoETransformer(base.model)
+    save_hf(pretrained, base.model, tmp_path / "pretrained")
+    run = tiny_run(tmp_path, training={"init_from": str(tmp_path / "pretrained")})
+    trainer = Trainer(run, None, rank=0, world=1)
+    for name, tensor in pretrained.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], tensor), name
+    wider = replace(run, model=replace(run.model, num_experts=8))
+    with pytest.raises(ValueError, match="has num_experts=4 but the run's model.num_experts is 8"):
+        Trainer(wider, None, rank=0, world=1)

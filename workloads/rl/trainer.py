@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 import urllib.error
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -99,7 +99,7 @@ class Trainer:
         # Initialise the whole model identically everywhere, then keep this rank's expert slice: the initial
         # weights do not depend on the number of ranks.
         torch.manual_seed(self.cfg.seed)
-        full = MoETransformer(run.model).state_dict()
+        full = initial_weights(run)
         self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
         self.model.load_full_state_dict(full)
         self.model.to(self.device)
@@ -421,6 +421,22 @@ class Trainer:
                               (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
+
+
+def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:
+    """The full state the run starts from: `rl.training.init_from` (a pretrained checkpoint, which must have the
+    run's architecture) or a seeded random initialisation."""
+    source = run.rl.training.init_from
+    if source is None:
+        return MoETransformer(run.model).state_dict()
+    config, state = load_hf(source)
+    ignored = {"dtype", "router_aux_loss_coef"}  # how the run trains, not what the checkpoint holds
+    for f in fields(config):
+        if f.name not in ignored and getattr(config, f.name) != getattr(run.model, f.name):
+            raise ValueError(f"rl.training.init_from: {source} has {f.name}={getattr(config, f.name)!r} but the "
+                             f"run's model.{f.name} is {getattr(run.model, f.name)!r}; make the model section match "
+                             f"the checkpoint's config.json")
+    return state
 
 
 def _without_bos(tok, ids: list[int]) -> list[int]:
