@@ -1,5 +1,5 @@
 """`moerl local-run` end to end, shortened: the whole loop (two rollout servers, orchestrator, torchrun trainer
-with EP=2 over gloo) on an easier task, seeded; RL must raise the held-out reward over the post-warm-up policy."""
+with EP=2 over gloo) on an easier task, seeded; RL must raise the evaluation reward over the post-warm-up policy."""
 import json
 
 from rl_helpers import write_run
@@ -7,7 +7,7 @@ from rl_helpers import write_run
 from moe_rl_eks.workloads.rl import local_run
 
 
-def test_short_seeded_local_run_raises_the_held_out_reward(tmp_path, capsys):
+def test_short_seeded_local_run_raises_the_evaluation_reward(tmp_path, capsys):
     path = write_run(tmp_path, task={"max_operand": 2}, orchestrator={"max_staleness": 0},
                      training={"steps": 80, "warmup_sft_steps": 20, "checkpoint_every": 40, "learning_rate": 0.006})
     assert local_run.main(["--run", str(path), "--timeout", "240"]) == 0

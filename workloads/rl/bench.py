@@ -1,6 +1,6 @@
 """`moerl bench-rl`: the same local job synchronous (max_staleness 0) and asynchronous, side by side, with one
 rollout server and one trainer rank each pinned to its own core, so the figure measures overlap, not contention.
-Prints a table (samples/s, trainer idle, rollout idle, final held-out reward) and writes it with the command
+Prints a table (samples/s, trainer idle, rollout idle, final evaluation reward) and writes it with the command
 under the output directory."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`moerl local-run`: the whole loop on this machine, as separate processes exactly as on EKS: N rollout servers
 (`moerl serve-rollout`), the orchestrator (`moerl orchestrate`) and the trainer (`torchrun ... moerl train`, EP
-over gloo). Shows a progress bar, then evaluates the initial, post-warm-up and final weights on held-out
-prompts, writes a reward-curve PNG and prints the summary."""
+over gloo). Shows a progress bar, then evaluates the initial, post-warm-up and final weights on freshly
+sampled prompts, writes a reward-curve PNG and prints the summary."""
 from __future__ import annotations
 
 import json
@@ -180,7 +180,9 @@ def watch(cluster: LocalCluster, timeout_s: float) -> int:
 
 def evaluate(run: RunConfig, directory: Path, prompts: int = 128, seed: int = 12345) -> dict:
     """Mean reward and accuracy of the weights in `directory`, sampled as in training (group_size completions
-    per prompt at the training temperature) on held-out prompts."""
+    per prompt at the training temperature) on prompts drawn with their own seed. Not held out: the built-in
+    task's problem space is small enough that training sees all of it, so this measures the policy, not
+    generalisation."""
     import torch
 
     from ..model import MoETransformer
@@ -221,7 +223,7 @@ def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     for name, marker in (("initial", "x"), ("warmup", "o"), ("final", "s")):
         if name in evals:
             x = rows[-1]["step"] if name == "final" and rows else 0
-            ax.scatter([x], [evals[name]["reward_mean"]], marker=marker, label=f"held-out reward ({name})")
+            ax.scatter([x], [evals[name]["reward_mean"]], marker=marker, label=f"evaluation reward ({name})")
     ax.set_xlabel("RL step (weight version)")
     ax.set_ylabel("reward")
     ax.legend()
@@ -270,7 +272,7 @@ def main(argv: list[str]) -> int:
                "samples_per_second": rows[-1]["samples_per_second"] if rows else 0.0,
                "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("held-out mean reward (accuracy):  " + "  ".join(
+    print("evaluation mean reward (accuracy):  " + "  ".join(
         f"{k} {v['reward_mean']:.3f} ({v['accuracy']:.2f})" for k, v in evals.items()))
     print(f"RL gain over post-warm-up: {summary['rl_gain']:+.3f}; {summary['samples_per_second']:.1f} samples/s; "
           f"{summary['seconds']:.0f} s; metrics {out / 'metrics.jsonl'}, TensorBoard {out / 'tensorboard'}, "
