@@ -129,3 +129,26 @@ def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_
     assert store.latest() == 1
     with pytest.raises(IncompleteVersion, match="version 2"):
         store.fetch(2, tmp_path / "cache")
+
+
+def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_endpoint):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine
+    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+
+    run = tiny_run(tmp_path)
+    state = MoETransformer(run.model).state_dict()
+    save_hf(state, run.model, tmp_path / "src")
+    store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint)
+    store.publish(0, tmp_path / "src")
+    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
+    try:
+        engine.load_version(0)
+        assert engine.version == 0
+        assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in state.items())
+        assert not any((tmp_path / "cache").iterdir())  # read into memory, the download is gone
+    finally:
+        engine.stop()

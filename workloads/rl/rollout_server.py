@@ -16,6 +16,8 @@ import logging
 import os
 import queue
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -93,7 +95,10 @@ class RolloutEngine:
             if version == self.version:
                 return 0.0
             start = time.monotonic()
-            config, state = load_hf(self.store.fetch(version, self.cache_dir))
+            fetched = self.store.fetch(version, self.cache_dir)
+            config, state = load_hf(fetched)
+            if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
+                shutil.rmtree(fetched, ignore_errors=True)
             swapped: Future = Future()
             self.queue.put((version, {"config": config, "state": state, "done": swapped}))
             swapped.result()
@@ -292,7 +297,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     out = output_dir(run)
     store = open_store(run.rl.weights, out / "weights")
-    engine = RolloutEngine(run, store, out / "rollout-cache" / str(os.getpid()), load_tokenizer(run.rl.sampling.tokenizer))
+    # Downloads go to the pod's own scratch space: the run's output directory is read-only for rollout pods.
+    cache = Path(tempfile.mkdtemp(prefix="moerl-rollout-cache-"))
+    engine = RolloutEngine(run, store, cache, load_tokenizer(run.rl.sampling.tokenizer))
     # Serve /health at once (503 until weights arrive), and pick up the newest published version by itself.
     server = make_server(run, engine, args.host, args.port, os.environ.get(run.rl.weight_token_env))
     threading.Thread(target=_load_first_version, args=(engine, store), daemon=True).start()
