@@ -197,7 +197,8 @@ class RunChart(cdk8s.Chart):
             name="orchestrator",
             image=self.trainer_image,
             image_pull_policy=PULL_POLICY,
-            command=["moerl", "orchestrate", "--run", RUN_FILE],
+            # A restarted pod picks up where the trainers' newest checkpoint left the prompt cursor.
+            command=["moerl", "orchestrate", "--run", RUN_FILE, "--resume", "latest"],
             env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ORCHESTRATOR_PORT)],
             resources=ORCHESTRATOR_SIZE.resources(),

@@ -150,7 +150,8 @@ def test_orchestrator_is_pointed_at_the_rollout_service(manifests):
         f"dns+http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
     orchestrator = find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator")
     assert orchestrator["spec"]["replicas"] == 1
-    assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml"]
+    assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml",
+                                                                      "--resume", "latest"]
 
 
 def test_every_container_is_locked_down_and_sized(objects):

@@ -3,7 +3,7 @@ sampling, batches idempotent by step and in prompt order."""
 import pytest
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator, expand_endpoint
+from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator, expand_endpoint, resume_state
 
 
 def orchestrator(tmp_path, **sections):
@@ -103,3 +103,13 @@ def test_queue_depth_counts_in_flight_and_what_the_budget_allows_but_no_server_t
     orch.in_flight["p0"] = Attempt(0, 0.0)
     complete(orch, 1, 0)
     assert orch.queue_depth() == 1 + 2  # one in flight, one buffered, two more allowed
+
+
+def test_resume_latest_reads_the_newest_checkpoint_or_starts_fresh(tmp_path):
+    assert resume_state("latest", tmp_path) is None  # no checkpoint yet
+    (tmp_path / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000010" / "orchestrator.json").write_text('{"next_prompt": 20}')
+    (tmp_path / "checkpoints" / "LATEST").write_text("step-00000010")
+    assert resume_state("latest", tmp_path) == {"next_prompt": 20}
+    assert resume_state(str(tmp_path / "checkpoints" / "step-00000010" / "orchestrator.json"), tmp_path) == {"next_prompt": 20}
+    assert resume_state(None, tmp_path) is None

@@ -105,13 +105,13 @@ class LocalCluster:
             self.servers.append(role)
         return role
 
-    def start_orchestrator(self, resume: Path | None = None, cpus: set[int] | None = None) -> Role:
+    def start_orchestrator(self, resume: bool = False, cpus: set[int] | None = None) -> Role:
         port = free_port()
         argv = CLI + ["orchestrate", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)]
         for s in self.servers:
             argv += ["--endpoint", s.url]
-        if resume is not None:
-            argv += ["--resume", str(resume)]
+        if resume:  # from the run's newest trainer checkpoint, if any
+            argv += ["--resume", "latest"]
         self.orchestrator = Role("orchestrator", self._spawn("orchestrator", argv, cpus), f"http://127.0.0.1:{port}")
         wait_for(f"{self.orchestrator.url}/health", timeout=START_TIMEOUT_S)
         return self.orchestrator
@@ -244,18 +244,13 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(args.run, run)
-    resume_state = None
-    if args.resume:
-        from . import checkpoint as ckpt
-        latest = ckpt.latest(out / "checkpoints")
-        resume_state = latest / "orchestrator.json" if latest else None
     print(f"local-run {run.name}: {run.rollout.min_servers} rollout servers, trainer EP={run.parallelism.ranks_per_node or LOCAL_RANKS} "
           f"(gloo), max_staleness {run.rl.orchestrator.max_staleness}; logs in {cluster.logs}", flush=True)
     start = time.monotonic()
     try:
         for i in range(run.rollout.min_servers):
             cluster.start_server(i)
-        cluster.start_orchestrator(resume_state)
+        cluster.start_orchestrator(resume=args.resume)
         cluster.start_trainer()
         rc = watch(cluster, args.timeout)
     finally:

@@ -461,18 +461,31 @@ def _int_arg(query: dict, name: str, default: int | None = None) -> int:
         raise HttpError(400, f"{name}: {values[0]!r} is not an integer", name) from None
 
 
+def resume_state(resume: str | None, out: Path) -> dict | None:
+    """`--resume`: a path to orchestrator.json, or 'latest' for the one in the run's newest trainer checkpoint
+    (None while there is no checkpoint yet: a fresh start)."""
+    if resume == "latest":
+        from . import checkpoint as ckpt
+
+        newest = ckpt.latest(out / "checkpoints")
+        resume = str(newest / "orchestrator.json") if newest else None
+        log.info("resuming from %s", resume or "nothing: no checkpoint yet")
+    return json.loads(Path(resume).read_text()) if resume else None
+
+
 def main(argv: list[str]) -> int:
     parser = run_argparser("orchestrate", "drive rollouts and feed trainers for a run")
     parser.add_argument("--port", type=int, default=ORCHESTRATOR_PORT)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--endpoint", action="append", default=[],
                         help="rollout server base URL (repeatable; default: rl.orchestrator.endpoints)")
-    parser.add_argument("--resume", help="orchestrator state (orchestrator.json of a trainer checkpoint)")
+    parser.add_argument("--resume", help="orchestrator state: orchestrator.json of a trainer checkpoint, or 'latest' "
+                                         "for the run's newest checkpoint (a fresh start when there is none)")
     args = parser.parse_args(argv)
     run = load(args.run)
     out = output_dir(run)
     out.mkdir(parents=True, exist_ok=True)
-    state = json.loads(Path(args.resume).read_text()) if args.resume else None
+    state = resume_state(args.resume, out)
     orch = Orchestrator(run, args.endpoint or list(run.rl.orchestrator.endpoints),
                         os.environ.get(run.rl.weight_token_env), out / "orchestrator-events.jsonl", state)
     orch.start()
