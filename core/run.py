@@ -145,6 +145,16 @@ class RunConfig:
     # anywhere; `triton` (moe_rl_eks.kernels) needs CUDA GPUs.
     moe_compute: Literal["torch", "triton"] = "torch"
 
+    def validate(self) -> None:
+        # Invariants between roles: what the orchestrator asks of rollout servers must be what they accept.
+        s = self.rl.sampling
+        if s.max_tokens > self.rollout.max_new_tokens:
+            fail("rl.sampling.max_tokens", s.max_tokens,
+                 f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), which servers enforce")
+        if self.rl.algorithm.group_size > s.max_n:
+            fail("rl.algorithm.group_size", self.rl.algorithm.group_size,
+                 f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")
+
 
 @dataclass(frozen=True)
 class ResolvedRun:

@@ -112,3 +112,13 @@ def test_model_config_invariants(patch, field, fragment):
 def test_triton_compute_is_refused_for_a_cpu_run():
     with pytest.raises(ConfigError, match="moe_compute: 'triton' is not allowed; the triton kernels need CUDA GPUs"):
         resolve_run(RunConfig(name="local", model=TINY, moe_compute="triton"), None)
+
+
+@pytest.mark.parametrize("rl, field, fragment", [
+    ({"sampling": {"max_tokens": 300}}, "rl.sampling.max_tokens", "must be <= rollout.max_new_tokens (256)"),
+    ({"algorithm": {"group_size": 65}}, "rl.algorithm.group_size", "must be <= rl.sampling.max_n (64)"),
+])
+def test_what_the_orchestrator_asks_must_be_what_rollout_servers_accept(rl, field, fragment):
+    with pytest.raises(ConfigError) as err:
+        parse(RunConfig, {"name": "x", "model": dict(TINY.__dict__), "rl": rl}, source="run.yaml")
+    assert err.value.field == field and fragment in str(err.value)

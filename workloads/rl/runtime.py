@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from moe_rl_eks.core.metrics import Metric
 from moe_rl_eks.core.run import RunConfig, load_run
-from moe_rl_eks.core.schema import ConfigError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -34,20 +33,7 @@ def output_dir(run: RunConfig) -> Path:
 
 def load(path: str) -> RunConfig:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run = load_run(path)
-    check_roles_agree(run, path)
-    return run
-
-
-def check_roles_agree(run: RunConfig, source: str) -> None:
-    """Invariants between what the orchestrator asks for and what the rollout servers accept."""
-    s = run.rl.sampling
-    if s.max_tokens > run.rollout.max_new_tokens:
-        raise ConfigError(source, "rl.sampling.max_tokens", s.max_tokens,
-                          f"must be <= rollout.max_new_tokens ({run.rollout.max_new_tokens}), which servers enforce")
-    if run.rl.algorithm.group_size > s.max_n:
-        raise ConfigError(source, "rl.algorithm.group_size", run.rl.algorithm.group_size,
-                          f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")
+    return load_run(path)
 
 
 class Registry:
