@@ -14,7 +14,7 @@ def rollout(tmp_path):
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
     from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
-    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16})
+    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
     store = DirectoryStore(tmp_path / "weights")
     publish_initial(run, store)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
