@@ -115,6 +115,8 @@ class Trainer:
             self.value_head.to(self.device)
             self.model.model.norm.register_forward_hook(lambda mod, args, out: self._hidden.append(out))
         head = list(self.value_head.parameters()) if self.value_head is not None else []
+        # Everything the optimizer steps; the value head is replicated like every non-expert weight.
+        self.trained = torch.nn.ModuleList([self.model, *([self.value_head] if self.value_head is not None else [])])
         self.expert_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK in n]
         self.shared_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK not in n] + head
         self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
@@ -131,22 +133,17 @@ class Trainer:
     def _sync_and_clip(self) -> float:
         """Sum replicated parameters' gradients over ranks (each rank's loss is already divided by the global
         token count); expert gradients arrive whole through the all-to-all. Then clip by the global norm."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.shared_params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.world > 1:
-            dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip(self.shared_params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-        expert_sq = sum((p.grad.float() ** 2).sum() for p in self.expert_params if p.grad is not None)
+        if self.ep is not None:
+            self.ep.sum_replicated_grads(self.trained)
+        shared_sq = sum(p.grad.float().square().sum() for p in self.shared_params if p.grad is not None)
+        expert_sq = sum(p.grad.float().square().sum() for p in self.expert_params if p.grad is not None)
         expert_sq = torch.as_tensor(expert_sq, dtype=torch.float32, device=self.device)
         if self.world > 1:
-            dist.all_reduce(expert_sq)
-        norm = float(torch.sqrt(expert_sq + (flat.float() ** 2).sum()))
+            dist.all_reduce(expert_sq)  # each rank holds other experts; replicated weights are equal everywhere
+        norm = float(torch.sqrt(expert_sq + shared_sq))
         scale = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
         if scale < 1.0:
-            for p in self.model.parameters():
+            for p in self.trained.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
