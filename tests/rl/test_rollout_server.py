@@ -86,11 +86,14 @@ def test_weight_loading_needs_the_token_and_switches_the_version(rollout, tmp_pa
     assert call("GET", f"{url}/nowhere")[0] == 404
 
 
-def test_concurrent_requests_are_batched_and_each_gets_its_own_seeded_completions(rollout):
-    url, engine = rollout["url"], rollout["engine"]
+def test_concurrent_requests_each_get_their_own_seeded_completions(rollout):
+    # Whatever batches the server forms from concurrent requests (their composition is pinned by
+    # test_take_batch_fills_up_to_max_rows_and_never_overtakes_a_weight_swap), each seed's completions are the
+    # ones it gets alone.
+    url = rollout["url"]
     request = {"prompt": "2+3=", "n": 4, "max_tokens": 3, "logprobs": 1}
     alone = {s: call("POST", f"{url}/v1/completions", {**request, "seed": s})[1] for s in range(8)}
-    batches_before, results = engine.batches, {}
+    results = {}
 
     def send(seed):
         results[seed] = call("POST", f"{url}/v1/completions", {**request, "seed": seed})[1]
@@ -101,7 +104,6 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_seeded_completion
         t.join(timeout=30)
     for s in range(8):
         assert [c["token_ids"] for c in results[s]["choices"]] == [c["token_ids"] for c in alone[s]["choices"]]
-    assert engine.batches - batches_before <= 8
 
 
 def test_take_batch_fills_up_to_max_rows_and_never_overtakes_a_weight_swap():

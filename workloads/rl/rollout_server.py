@@ -78,7 +78,6 @@ class RolloutEngine:
         self.queue: queue.Queue[Work | tuple[int, dict] | None] = queue.Queue()
         self.metrics = Registry()
         self.busy_seconds = 0.0
-        self.batches = 0
         self.started = time.monotonic()
         self._load_lock = threading.Lock()
         self._worker = threading.Thread(target=self._serve, name="batcher", daemon=True)
@@ -131,7 +130,6 @@ class RolloutEngine:
                 self._swap(*item)
                 continue
             batch, held = take_batch(item, self.queue, self.run.rollout.max_batch_size)
-            self.batches += 1
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[Work]) -> None:

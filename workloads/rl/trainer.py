@@ -163,6 +163,7 @@ class Trainer:
         return float(t)
 
     def _logprobs(self, model: MoETransformer, t: Tensors, temperature: float, replay: bool):
+        self._hidden.clear()  # the value head's hook keeps only this forward's final hidden state
         # The mask keeps right padding out of the expert load and balance loss (it never reaches real tokens:
         # attention is causal).
         out = model(t.inputs, routing_replay=t.routing if replay else None, attention_mask=t.valid)
@@ -204,7 +205,6 @@ class Trainer:
         advantages = t.advantages  # GRPO: from the orchestrator
         metrics: dict[str, float] = {}
         for epoch in range(self.algo.epochs_per_batch):
-            self._hidden.clear()
             logp, entropy, aux, load = self._logprobs(self.model, t, temperature, replay)
             if proximal is None:
                 proximal = logp.detach()  # the policy before this step's first update
