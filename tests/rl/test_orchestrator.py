@@ -1,9 +1,11 @@
 """Orchestrator rules without servers: staleness bound on issuing, stale groups dropped and counted, dynamic
 sampling, batches idempotent by step and in prompt order."""
+from types import SimpleNamespace
+
 import pytest
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator, expand_endpoint, resume_state
+from moe_rl_eks.workloads.rl.orchestrator import Attempt, Group, Orchestrator, Server, expand_endpoint, resume_state
 
 
 def orchestrator(tmp_path, **sections):
@@ -113,3 +115,19 @@ def test_resume_latest_reads_the_newest_checkpoint_or_starts_fresh(tmp_path):
     assert resume_state("latest", tmp_path) == {"next_prompt": 20}
     assert resume_state(str(tmp_path / "checkpoints" / "step-00000010" / "orchestrator.json"), tmp_path) == {"next_prompt": 20}
     assert resume_state(None, tmp_path) is None
+
+
+def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_version(tmp_path):
+    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 2})  # budget: (0 + 2 + 1) x 2 = 6 requests
+    sent = []
+    orch.pool = SimpleNamespace(submit=lambda fn, request_id, index, server: sent.append(server.url))
+    urls = ["http://a", "http://b", "http://c"]
+    orch.servers = {url: Server(url, healthy=True, version=0) for url in urls}
+    orch.published = 1
+    orch.servers["http://c"].version = 1  # the first to load version 1; a and b are still loading it
+    orch._issue_new()
+    assert sent == ["http://c"]  # its share of 6 over 3 healthy servers, not all 6
+    for url in urls[:2]:
+        orch.servers[url].version = 1
+    orch._issue_new()
+    assert sorted(sent) == sorted(urls * 2) and len(orch.in_flight) == 6

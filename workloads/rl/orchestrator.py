@@ -1,7 +1,7 @@
 """Orchestrator: drives the rollout servers, scores completions, forms groups and batches, bounds staleness,
 and feeds the trainers.
 
-- Spreads requests over every healthy endpoint (least in flight first); each request has a deadline and is
+- Spreads requests over every healthy endpoint (least in flight first, none beyond its fair share); each request has a deadline and is
   re-sent elsewhere when its server fails or times out, and hedged on a second server when it straggles. A
   request id completes once: a late duplicate is ignored. Request seeds derive from the prompt index, so a
   retried request yields the same completions.
@@ -62,6 +62,7 @@ class Server:
     version: int | None = None
     in_flight: int = 0
     pushing: bool = False  # a weight load is in progress
+    last_sent: float = 0.0  # monotonic time of the last request sent here
 
 
 @dataclass
@@ -158,7 +159,20 @@ class Orchestrator:
     def _ready_servers(self, exclude: list[str] = ()) -> list[Server]:
         ready = [s for s in self.servers.values() if s.healthy and s.version == self.published
                  and s.in_flight < self.cfg.max_inflight_requests and s.url not in exclude]
-        return sorted(ready, key=lambda s: s.in_flight)
+        # Least in flight first; among equals the one sent to longest ago, so no server wins by its place in a dict.
+        return sorted(ready, key=lambda s: (s.in_flight, s.last_sent))
+
+    def _next_server(self) -> Server | None:
+        """Where a new request goes: the least busy ready server, unless it already holds its fair share of what
+        is in flight over every healthy server. A server still loading the published version is healthy but not
+        ready; without the share, the burst issued when a version is published would pile onto whichever server
+        loaded it first while the rest of the pool idles."""
+        ready = self._ready_servers()
+        if not ready:
+            return None
+        healthy = [s for s in self.servers.values() if s.healthy]
+        share = -(-(sum(s.in_flight for s in healthy) + 1) // len(healthy))
+        return ready[0] if ready[0].in_flight < share else None
 
     def _dispatch_loop(self) -> None:
         with self.lock:
@@ -170,8 +184,8 @@ class Orchestrator:
 
     def _issue_new(self) -> None:
         while self.published is not None and self._may_issue():
-            servers = self._ready_servers()
-            if not servers:
+            server = self._next_server()
+            if server is None:
                 return
             if self.retry:
                 request_id = self.retry.popleft()
@@ -181,7 +195,7 @@ class Orchestrator:
                 attempt = self.in_flight[request_id] = Attempt(self.next_prompt, time.monotonic())
                 self.next_prompt += 1
             attempt.started = time.monotonic()
-            self._send(request_id, attempt, servers[0])
+            self._send(request_id, attempt, server)
 
     def _hedge_stragglers(self) -> None:
         now = time.monotonic()
@@ -201,6 +215,7 @@ class Orchestrator:
     def _send(self, request_id: str, attempt: Attempt, server: Server) -> None:
         attempt.servers.append(server.url)
         server.in_flight += 1
+        server.last_sent = time.monotonic()
         self.pool.submit(self._request, request_id, attempt.prompt_index, server)
 
     def _request(self, request_id: str, prompt_index: int, server: Server) -> None:
