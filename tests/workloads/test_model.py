@@ -69,6 +69,25 @@ def test_sharded_checkpoint_has_an_index_and_round_trips_exactly(tmp_path, tiny_
     assert all(torch.equal(state[k], original[k]) for k in original)
 
 
+def test_reading_one_ranks_experts_reads_that_slice_from_either_expert_layout(tmp_path, tiny_config):
+    from safetensors.torch import save_file
+
+    config = tiny_config()
+    original = MoETransformer(config).state_dict()
+    save_hf(original, config, tmp_path / "per-expert", max_shard_bytes=20_000)
+    fused = tmp_path / "fused"  # transformers 5 writes the experts fused, as we hold them
+    fused.mkdir()
+    (fused / "config.json").write_text((tmp_path / "per-expert" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in original.items() if k != "lm_head.weight" or not config.tie_word_embeddings},
+              fused / "model.safetensors")
+    experts = range(2, 4)
+    for directory in (tmp_path / "per-expert", fused):
+        _, state = load_hf(directory, experts=experts)
+        for name, tensor in original.items():
+            want = tensor[2:4] if ".mlp.experts." in name else tensor
+            assert torch.equal(state[name], want), (directory.name, name)
+
+
 def test_load_hf_refuses_a_dense_layer_naming_the_field(tmp_path, tiny_config):
     save_hf(MoETransformer(tiny_config()), tiny_config(), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -87,8 +87,11 @@ def to_hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return {name: t.detach().contiguous() for name, t in out.items()}
 
 
-def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """One tensor per expert projection (or transformers 5's fused layout) -> our fused state dict."""
+def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, experts: range | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """One tensor per expert projection (or transformers 5's fused layout) -> our fused state dict; with
+    `experts`, the per-expert tensors given are those of that slice (one EP rank's; fused ones come sliced)."""
+    experts = range(config.num_experts) if experts is None else experts
     state, per_expert = {}, {}
     for name, tensor in tensors.items():
         match = PER_EXPERT.match(name)
@@ -98,13 +101,13 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> di
             prefix, j, kind = match.groups()
             per_expert.setdefault(prefix, {})[(int(j), kind)] = tensor
     for prefix, parts in per_expert.items():
-        missing = [f"{prefix}.{j}.{kind}.weight" for j in range(config.num_experts)
+        missing = [f"{prefix}.{j}.{kind}.weight" for j in experts
                    for kind in ("gate_proj", "up_proj", "down_proj") if (j, kind) not in parts]
         if missing:
             raise CheckpointError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[0]}")
         state[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[(j, "gate_proj")], parts[(j, "up_proj")]]) for j in range(config.num_experts)])
-        state[f"{prefix}.down_proj"] = torch.stack([parts[(j, "down_proj")] for j in range(config.num_experts)])
+            [torch.cat([parts[(j, "gate_proj")], parts[(j, "up_proj")]]) for j in experts])
+        state[f"{prefix}.down_proj"] = torch.stack([parts[(j, "down_proj")] for j in experts])
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
@@ -148,9 +151,11 @@ def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: Mo
         os.replace(directory / f".{name}.tmp", directory / name)
 
 
-def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, full state dict with fused experts)."""
-    from safetensors.torch import load_file
+def load_hf(directory: str | Path, *, experts: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, state dict with fused experts). With `experts`
+    (an EP rank's contiguous slice) only those experts' tensors are read from disk: a rank's host memory holds
+    its share of the experts, not the whole model."""
+    from safetensors import safe_open
 
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -160,12 +165,19 @@ def load_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     index = directory / INDEX_FILE
     shard_names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
                    else ["model.safetensors"])
+    wanted = range(config.num_experts) if experts is None else experts
     tensors: dict[str, torch.Tensor] = {}
     for name in shard_names:
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory}: missing weights file {name}")
-        tensors.update(load_file(directory / name))
-    return config, from_hf_tensors(tensors, config)
+        with safe_open(directory / name, framework="pt") as f:
+            for key in f.keys():
+                match = PER_EXPERT.match(key)
+                if experts is not None and FUSED.match(key):
+                    tensors[key] = f.get_slice(key)[experts.start:experts.stop]
+                elif match is None or int(match.group(2)) in wanted:
+                    tensors[key] = f.get_tensor(key)
+    return config, from_hf_tensors(tensors, config, experts)
 
 
 def load_model(directory: str | Path, *, ep=None, compute: str = "torch", device: str | torch.device = "cpu"):
