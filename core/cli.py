@@ -19,6 +19,14 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def launch(command: list[str], *, processes: int, torchrun: tuple[str, ...] = ("torchrun",)) -> list[str]:
+    """`command` as one process, or under torchrun as `processes` ranks on this node (a rollout server that
+    spans several GPUs runs one rank per GPU). `--no-python --` runs `command` as given, options and all."""
+    if processes == 1:
+        return command
+    return [*torchrun, "--standalone", f"--nproc-per-node={processes}", "--no-python", "--", *command]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

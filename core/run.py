@@ -154,6 +154,10 @@ class RunConfig:
         if self.rl.algorithm.group_size > s.max_n:
             fail("rl.algorithm.group_size", self.rl.algorithm.group_size,
                  f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")
+        if self.model.num_experts % self.rollout.gpus_per_server:
+            fail("rollout.gpus_per_server", self.rollout.gpus_per_server,
+                 f"must divide model.num_experts ({self.model.num_experts}): a server splits the experts evenly "
+                 "over its GPUs")
 
 
 @dataclass(frozen=True)

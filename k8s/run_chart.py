@@ -13,6 +13,7 @@ from cdk8s_plus_33 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster, labels, metrics
+from moe_rl_eks.core.cli import launch
 from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun
 
@@ -110,7 +111,8 @@ class RunChart(cdk8s.Chart):
             name="server",
             image=self.rollout_image,
             image_pull_policy=PULL_POLICY,
-            command=["moerl", "serve-rollout", "--run", RUN_FILE, "--port", str(cluster.ROLLOUT_PORT)],
+            command=launch(["moerl", "serve-rollout", "--run", RUN_FILE, "--port", str(cluster.ROLLOUT_PORT)],
+                           processes=rollout.gpus_per_server),
             env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
             resources=size.resources(),

@@ -122,3 +122,11 @@ def test_what_the_orchestrator_asks_must_be_what_rollout_servers_accept(rl, fiel
     with pytest.raises(ConfigError) as err:
         parse(RunConfig, {"name": "x", "model": dict(TINY.__dict__), "rl": rl}, source="run.yaml")
     assert err.value.field == field and fragment in str(err.value)
+
+
+def test_a_rollout_server_must_split_the_experts_evenly_over_its_gpus():
+    with pytest.raises(ConfigError) as err:
+        parse(RunConfig, {"name": "x", "model": {**TINY.__dict__, "num_experts": 8}, "rollout": {"gpus_per_server": 3}},
+              source="run.yaml")
+    assert err.value.field == "rollout.gpus_per_server" and err.value.value == 3
+    assert "must divide model.num_experts (8)" in str(err.value)

@@ -128,6 +128,21 @@ def test_fixed_size_rollout_sets_replicas_and_has_no_scaler(manifests):
     assert not [d for d in docs if d["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")]
 
 
+@pytest.mark.parametrize("run, gpus", [("dev-small", 1), ("qwen3-30b-a3b-p5", 2)])
+def test_a_rollout_server_of_several_gpus_runs_one_rank_per_gpu_under_torchrun(manifests, run, gpus):
+    deployment = find(manifests[f"{run}/run.k8s.yaml"], "Deployment", f"{run}-rollout")
+    (container,) = pod_specs(deployment)[0]["containers"]
+    serve = ["moerl", "serve-rollout", "--run", "/etc/moerl/run.yaml", "--port", str(cluster.ROLLOUT_PORT)]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    if gpus == 1:
+        assert container["command"] == serve
+        return
+    from torch.distributed.run import get_args_parser
+    args = get_args_parser().parse_args(container["command"][1:])
+    assert container["command"][0] == "torchrun" and args.standalone and args.nproc_per_node == str(gpus)
+    assert args.no_python and [args.training_script, *args.training_script_args] == serve
+
+
 def test_rollout_servers_probe_health_drain_and_yield_to_trainers(manifests):
     docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
     spec = pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from moe_rl_eks.workloads.rl.generation import Row
-from moe_rl_eks.workloads.rl.rollout_server import Work, take_batch
+from moe_rl_eks.workloads.rl.rollout_server import Control, Work, take_batch
 
 from rl_helpers import call, publish_initial
 
@@ -110,7 +110,7 @@ def test_take_batch_fills_up_to_max_rows_and_never_overtakes_a_weight_swap():
     def work(rows):
         return Work([Row([1], 1, 1.0, 1.0, 0)] * rows, None)
     waiting = queue.Queue()
-    second, third, swap, fourth = work(2), work(3), (5, {}), work(1)
+    second, third, swap, fourth = work(2), work(3), Control("swap", (5,), None), work(1)
     for item in (second, third, swap, fourth):
         waiting.put(item)
     first = work(1)

@@ -100,7 +100,11 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, exper
         else:
             prefix, j, kind = match.groups()
             per_expert.setdefault(prefix, {})[(int(j), kind)] = tensor
-    for prefix, parts in per_expert.items():
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        parts = per_expert.get(prefix, {})
+        if f"{prefix}.down_proj" in state:  # fused in the file
+            continue
         missing = [f"{prefix}.{j}.{kind}.weight" for j in experts
                    for kind in ("gate_proj", "up_proj", "down_proj") if (j, kind) not in parts]
         if missing:

@@ -3,6 +3,7 @@ token for the whole batch). Each row samples from its own seeded generator, so a
 and the weights, not on which other rows shared its batch (up to floating-point reduction order)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,10 +48,14 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 @torch.no_grad()
-def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 0) -> list[RowResult]:
+def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 0, *, steps: int | None = None,
+             any_active: Callable[[bool], bool] = bool) -> list[RowResult]:
+    """Decode `rows` together. On an expert-parallel server each rank decodes its own rows and every forward
+    exchanges tokens with the other ranks, so they must run the same number of forwards: `steps` is then the
+    largest max_tokens over every rank's rows and `any_active` says whether any rank still has a row decoding."""
     b = len(rows)
     prompt_len = max(len(r.prompt) for r in rows)
-    steps = max(r.max_tokens for r in rows)
+    steps = max(r.max_tokens for r in rows) if steps is None else steps
     device = next(model.parameters()).device
     ids = torch.full((b, prompt_len), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(b, prompt_len, dtype=torch.bool, device=device)
@@ -83,7 +88,7 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
             res.finished = token == eos_id
             fed[i, 0] = token
         active = [not res.finished and len(res.tokens) < r.max_tokens for r, res in zip(rows, results)]
-        if not any(active) or step == steps - 1:
+        if not any_active(any(active)) or step == steps - 1:
             break
         out = model(fed, positions=next_pos[:, None], kv_cache=cache, return_routing=want_routing)
         if want_routing:

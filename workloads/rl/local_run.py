@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_rl_eks.core.cli import launch
 from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig
 
 from .runtime import load, output_dir, run_argparser, wait_for
 
 CLI = [sys.executable, "-m", "moe_rl_eks.core.cli"]
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 START_TIMEOUT_S = 120
 
 
@@ -96,8 +98,9 @@ class LocalCluster:
 
     def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
         port = free_port()
-        proc = self._spawn(f"rollout-{index}", CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1",
-                                                     "--port", str(port)], cpus)
+        argv = launch(CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)],
+                      processes=self.run.rollout.gpus_per_server, torchrun=TORCHRUN)
+        proc = self._spawn(f"rollout-{index}", argv, cpus)
         role = Role(f"rollout-{index}", proc, f"http://127.0.0.1:{port}")
         if index < len(self.servers):
             self.servers[index] = role
@@ -118,7 +121,7 @@ class LocalCluster:
 
     def start_trainer(self, cpus: set[int] | None = None) -> Role:
         ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}",
                 # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
                 "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url,
                 "--metrics-port", str(free_port())]

@@ -33,14 +33,13 @@ from moe_rl_eks.core.cluster import ROLLOUT_PORT
 from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
-from ..model.checkpoint import load_hf
-from .generation import Row, RowResult, generate
+from .generation import Row, RowResult
+from .replica import Replica, follow
 from .runtime import HttpError, JsonHandler, Registry, HttpServer, load, output_dir, run_argparser
 from .tokenizer import Tokenizer, UnknownText, load_tokenizer
 from .weights import WeightStore, open_store
 
 log = logging.getLogger(__name__)
-SERVE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "logprobs",
                      "return_routing"}
 
@@ -51,10 +50,18 @@ class Work:
     done: Future
 
 
+@dataclass
+class Control:
+    """A replica operation for the batcher to run between batches (only it talks to the replica)."""
+    op: str
+    args: tuple
+    done: Future
+
+
 def take_batch(first: Work, waiting: queue.Queue, max_rows: int) -> tuple[list[Work], Any]:
     """Dynamic batching: `first` plus whatever requests are already waiting, up to `max_rows` rows. Returns the
-    batch and the item that ended it (a request that does not fit, a weight swap, or the stop signal), if any;
-    a weight swap is never overtaken, so no completion mixes two versions."""
+    batch and the item that ended it (a request that does not fit, a replica operation such as a weight swap, or
+    the stop signal), if any; a weight swap is never overtaken, so no completion mixes two versions."""
     batch, rows = [first], len(first.rows)
     while rows < max_rows:
         try:
@@ -69,13 +76,13 @@ def take_batch(first: Work, waiting: queue.Queue, max_rows: int) -> tuple[list[W
 
 
 class RolloutEngine:
-    """The model, its weight version, and the batching worker. HTTP-free, so tests can drive it directly."""
+    """The replica, its weight version, and the batching worker. HTTP-free, so tests can drive it directly."""
 
-    def __init__(self, run: RunConfig, store: WeightStore, cache_dir: Path, tokenizer: Tokenizer) -> None:
+    def __init__(self, run: RunConfig, store: WeightStore, cache_dir: Path, tokenizer: Tokenizer,
+                 replica: Replica | None = None) -> None:
         self.run, self.store, self.cache_dir, self.tokenizer = run, store, cache_dir, tokenizer
-        self.model: MoETransformer | None = None
-        self.version: int | None = None
-        self.queue: queue.Queue[Work | tuple[int, dict] | None] = queue.Queue()
+        self.replica = replica or Replica(run)
+        self.queue: queue.Queue[Work | Control | None] = queue.Queue()
         self.metrics = Registry()
         self.busy_seconds = 0.0
         self.started = time.monotonic()
@@ -83,41 +90,44 @@ class RolloutEngine:
         self._worker = threading.Thread(target=self._serve, name="batcher", daemon=True)
         self._worker.start()
 
+    @property
+    def model(self) -> MoETransformer | None:
+        return self.replica.model
+
+    @property
+    def version(self) -> int | None:
+        """The weight version the next batch samples from (set by the batcher as it swaps)."""
+        return self.replica.version
+
     def submit(self, rows: list[Row]) -> Future:
         work = Work(rows, Future())
         self.queue.put(work)
         return work.done
 
+    def _control(self, op: str, *args):
+        item = Control(op, args, Future())
+        self.queue.put(item)
+        return item.done.result()
+
     def load_version(self, version: int) -> float:
-        """Fetch and read version `version` here, then hand it to the batcher to swap in between batches."""
+        """Fetch version `version` and have every shard read it while serving goes on, then swap it in
+        between batches."""
         with self._load_lock:
             if version == self.version:
                 return 0.0
             start = time.monotonic()
             fetched = self.store.fetch(version, self.cache_dir)
-            config, state = load_hf(fetched)
-            if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
-                shutil.rmtree(fetched, ignore_errors=True)
-            swapped: Future = Future()
-            self.queue.put((version, {"config": config, "state": state, "done": swapped}))
-            swapped.result()
+            try:
+                self._control("begin_read", version, str(fetched)).result()  # this rank's share is read
+                self._control("swap", version)
+            finally:
+                if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
+                    shutil.rmtree(fetched, ignore_errors=True)
+            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
             seconds = time.monotonic() - start
             self.metrics[M.WEIGHT_LOAD_SECONDS].set(seconds)
             log.info("loaded weight version %d in %.2f s", version, seconds)
             return seconds
-
-    def _swap(self, version: int, payload: dict) -> None:
-        try:
-            if self.model is None:
-                self.model = MoETransformer(payload["config"], compute=self.run.moe_compute)
-            dtype = torch.float32 if payload["config"].dtype == "float32" else torch.bfloat16
-            self.model.load_full_state_dict(payload["state"])
-            self.model.to(device=SERVE_DEVICE, dtype=dtype).eval()
-            self.version = version
-            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
-            payload["done"].set_result(version)
-        except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
-            payload["done"].set_exception(exc)
 
     def _serve(self) -> None:
         held = None
@@ -125,9 +135,13 @@ class RolloutEngine:
             item = held if held is not None else self.queue.get()
             held = None
             if item is None:
+                self.replica.stop()
                 return
-            if isinstance(item, tuple):
-                self._swap(*item)
+            if isinstance(item, Control):
+                try:
+                    item.done.set_result(getattr(self.replica, item.op)(*item.args))
+                except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
+                    item.done.set_exception(exc)
                 continue
             batch, held = take_batch(item, self.queue, self.run.rollout.max_batch_size)
             self._run_batch(batch)
@@ -137,7 +151,7 @@ class RolloutEngine:
         try:
             if self.model is None:
                 raise HttpError(503, "no weights loaded yet")
-            results = generate(self.model, [r for w in batch for r in w.rows], self.tokenizer.eos_id)
+            results = self.replica.generate([r for w in batch for r in w.rows], self.tokenizer.eos_id)
         except Exception as exc:  # noqa: BLE001 -- fail these requests, not the server
             for w in batch:
                 w.done.set_exception(exc)
@@ -293,11 +307,19 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run = load(args.run)
     torch.set_num_threads(1)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes != run.rollout.gpus_per_server:
+        raise SystemExit(f"rollout.gpus_per_server is {run.rollout.gpus_per_server} but this server has {processes} "
+                         "process(es); start one per GPU with torchrun (moe_rl_eks.core.cli.launch)")
+    replica = Replica.sharded(run) if processes > 1 else Replica(run)
+    if replica.rank > 0:  # the HTTP server and the batcher live on rank 0; this rank follows its operations
+        follow(replica)
+        return 0
     out = output_dir(run)
     store = open_store(run.rl.weights, out / "weights")
     # Downloads go to the pod's own scratch space: the run's output directory is read-only for rollout pods.
     cache = Path(tempfile.mkdtemp(prefix="moerl-rollout-cache-"))
-    engine = RolloutEngine(run, store, cache, load_tokenizer(run.rl.sampling.tokenizer))
+    engine = RolloutEngine(run, store, cache, load_tokenizer(run.rl.sampling.tokenizer), replica)
     # Serve /health at once (503 until weights arrive), and pick up the newest published version by itself.
     server = make_server(run, engine, args.host, args.port, os.environ.get(run.rl.weight_token_env))
     threading.Thread(target=_load_first_version, args=(engine, store), daemon=True).start()

@@ -1,0 +1,115 @@
+"""A rollout server spanning two "GPUs": two torchrun ranks over gloo, each holding half of the experts and
+decoding its share of every batch. It must answer exactly as a one-process server with the same weights."""
+import json
+import threading
+
+import pytest
+from rl_helpers import call, publish_initial, write_run
+
+from safetensors.torch import save_file
+
+from moe_rl_eks.core.run import load_run
+from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.checkpoint import hf_config, to_hf_tensors
+from moe_rl_eks.workloads.rl.local_run import LocalCluster, output_dir
+from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine, make_server
+from moe_rl_eks.workloads.rl.runtime import wait_for
+from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+from moe_rl_eks.workloads.rl.weights import DirectoryStore
+
+REQUESTS = [  # uneven rows: 1, 3, 4, 2 and 1 -> the ranks' shares differ, and a lone row leaves a rank idle
+    {"prompt": "3+4=", "n": 1, "max_tokens": 3, "temperature": 0.0},
+    {"prompt": "1+2=", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 11, "return_routing": True},
+    {"prompt": "4+4=", "n": 4, "max_tokens": 2, "temperature": 1.0, "top_p": 0.8, "seed": 5},
+    {"prompt": "2+0=", "n": 2, "max_tokens": 3, "temperature": 0.7, "seed": 3, "return_routing": True},
+    {"prompt": "0+1=", "n": 1, "max_tokens": 1, "temperature": 1.0, "seed": 9},
+]
+
+
+def completions(url, requests, together: bool):
+    """Each request's choices; sent one after another, or all at once so they share batches."""
+    answers = [None] * len(requests)
+
+    def send(i):
+        status, body = call("POST", f"{url}/v1/completions", {**requests[i], "logprobs": 1})
+        assert status == 200, body
+        answers[i] = body
+
+    if together:
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    else:
+        for i in range(len(requests)):
+            send(i)
+    return answers
+
+
+def assert_same(sharded, single):
+    for a, b in zip(sharded, single):
+        assert a["weight_version"] == b["weight_version"]
+        for x, y in zip(a["choices"], b["choices"], strict=True):
+            assert x["token_ids"] == y["token_ids"] and x.get("routed_experts") == y.get("routed_experts")
+            assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+@pytest.fixture
+def servers(tmp_path):
+    """The same run served by two ranks (torchrun, gloo) and by one in-process engine."""
+    path = write_run(tmp_path, rollout={"gpus_per_server": 2, "max_batch_size": 16},
+                     sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
+    run = load_run(path)
+    store = DirectoryStore(output_dir(run) / "weights")
+    publish_initial(run, store, version=0, seed=1)
+    cluster = LocalCluster(str(path), run)
+    sharded = cluster.start_server(0)
+    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())  # one process, the whole model
+    engine.load_version(0)
+    http = make_server(run, engine, "127.0.0.1", 0, token=None)
+    threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    try:
+        wait_for(f"{sharded.url}/health", timeout=120)
+        yield {"sharded": sharded.url, "single": f"http://127.0.0.1:{http.server_address[1]}", "store": store,
+               "run": run, "engine": engine, "token": cluster.env[run.rl.weight_token_env], "logs": cluster.logs}
+    finally:
+        cluster.stop()
+        http.shutdown()
+        engine.stop()
+
+
+def test_a_server_sharded_over_two_ranks_answers_as_one_process_does_and_swaps_versions_on_both(servers):
+    sharded, single = servers["sharded"], servers["single"]
+    log = (servers["logs"] / "rollout-0.log").read_text()
+    assert "expert parallelism: backend=alltoall ranks=2 rank=1" in log  # each rank holds 2 of the 4 experts
+    assert_same(completions(sharded, REQUESTS, together=False), completions(single, REQUESTS, together=False))
+    assert_same(completions(sharded, REQUESTS, together=True), completions(single, REQUESTS, together=False))
+
+    publish_initial(servers["run"], servers["store"], version=1, seed=2)
+    auth = {"Authorization": f"Bearer {servers['token']}"}
+    status, body = call("POST", f"{sharded}/v1/weights/load", {"version": 1}, headers=auth)
+    assert status == 200 and body["weight_version"] == 1, body
+    servers["engine"].load_version(1)
+    after = completions(sharded, REQUESTS, together=True)
+    assert_same(after, completions(single, REQUESTS, together=False))
+    assert after[0]["weight_version"] == 1
+
+    # a version whose file lacks experts 2-3: rank 0 reads its slice (experts 0-1), rank 1 cannot read its own.
+    # Both refuse it together, and both keep serving version 1.
+    publish_lacking_experts(servers["run"], servers["store"], version=7, lacking=range(2, 4))
+    status, body = call("POST", f"{sharded}/v1/weights/load", {"version": 7}, headers=auth)
+    message = body["error"]["message"]
+    assert status == 409 and "rank 1: checkpoint lacks" in message and "rank 0" not in message, body
+    assert call("GET", f"{sharded}/health")[1]["weight_version"] == 1
+    assert_same(completions(sharded, REQUESTS[:2], together=True), after[:2])
+
+
+def publish_lacking_experts(run, store, version, lacking):
+    staging = store.root.parent / f"src-{version}"
+    staging.mkdir()
+    tensors = to_hf_tensors(MoETransformer(run.model).state_dict(), run.model)
+    save_file({k: v for k, v in tensors.items() if not any(f".experts.{j}." in k for j in lacking)},
+              staging / "model.safetensors")
+    (staging / "config.json").write_text(json.dumps(hf_config(run.model)))
+    store.publish(version, staging)

@@ -1,0 +1,159 @@
+"""One rollout server's model replica: in this process, or expert-parallel over the server's GPUs.
+
+A server with `rollout.gpus_per_server` > 1 runs one torchrun rank per GPU (`core.cli.launch`). The experts are
+split over the ranks in contiguous slices, as the trainer splits them, and the rest of the model is replicated.
+Each rank decodes its own share of a batch's rows (data-parallel attention: a rank's KV cache holds only its
+rows) and the MoE layers exchange tokens by all-to-all at every forward. Rank 0 serves HTTP and batches requests;
+every operation it runs on the replica (start reading a weight version, swap it in, generate a batch) it first
+broadcasts to the other ranks (`follow`), which then do their part in the same order.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core.run import RunConfig
+
+from ..model import MoETransformer
+from ..model.checkpoint import load_hf
+from ..moe.parallel import ExpertParallel
+from .generation import Row, RowResult, generate
+
+log = logging.getLogger(__name__)
+# The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+class Replica:
+    """The model a rollout server samples from. Its methods are called by one thread (rank 0's batcher); on a
+    sharded server each call also runs on every other rank, through `follow`."""
+
+    def __init__(self, run: RunConfig, *, ep: ExpertParallel | None = None, control=None,
+                 device: torch.device | None = None) -> None:
+        self.run, self.ep, self.control = run, ep, control
+        self.rank, self.size = (ep.rank, ep.size) if ep is not None else (0, 1)
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model: MoETransformer | None = None
+        self.version: int | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
+        self._reading: tuple[int, Future] | None = None
+
+    @classmethod
+    def sharded(cls, run: RunConfig) -> "Replica":
+        """This rank's part of a server started by torchrun with one rank per GPU."""
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # All-to-all on NCCL (gloo on a CPU): DeepEP's decode (low-latency) kernels are not verified yet.
+        ep = ExpertParallel(dist.group.WORLD, "alltoall", device=str(device))
+        return cls(run, ep=ep, control=control, device=device)
+
+    # ---- operations, run on every rank in the same order -------------------------------------------------
+    def begin_read(self, version: int, path: str) -> Future:
+        """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
+        self._tell("begin_read", version, path)
+        experts = self.ep.local_experts(self.run.model.num_experts) if self.size > 1 else None
+        read = self._reader.submit(load_hf, path, experts=experts)
+        self._reading = (version, read)
+        return read
+
+    def swap(self, version: int) -> None:
+        """Install the weights `begin_read` read, on every rank or (if any rank failed to read them) on none."""
+        self._tell("swap", version)
+        error, state = None, None
+        try:
+            if self._reading is None or self._reading[0] != version:
+                raise RuntimeError(f"version {version} was not read first")
+            config, state = self._reading[1].result()
+            if self.model is not None:
+                check_fits(state, self.model.state_dict())
+        except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
+            error = f"rank {self.rank}: {exc}"
+        self._reading = None
+        errors = [e for e in self._all(error) if e]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        if self.model is None:
+            self.model = MoETransformer(config, ep=self.ep, compute=self.run.moe_compute)
+        self.model.load_state_dict(state)
+        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
+        self.model.to(device=self.device, dtype=dtype).eval()
+        self.version = version
+
+    def generate(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
+        """Sample `rows`; on rank 0 the results in order, on the other ranks None."""
+        self._tell("generate", rows, eos_id)
+        if self.size == 1:
+            return generate(self.model, rows, eos_id)
+        try:
+            return self._generate_share(rows, eos_id)
+        except Exception:
+            # The other ranks are inside a collective this rank will never join: end the whole server (torchrun
+            # stops every rank, Kubernetes restarts the pod) rather than leave it hung.
+            log.exception("rank %d failed in a sharded batch; stopping the server", self.rank)
+            os._exit(1)
+
+    def _generate_share(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
+        bounds = [len(rows) * r // self.size for r in range(self.size + 1)]
+        mine = rows[bounds[self.rank]:bounds[self.rank + 1]]
+        # A rank with no rows still runs every forward: a one-token placeholder row keeps its shapes valid.
+        placeholder = [Row([eos_id], 1, 0.0, 1.0, 0)]
+        results = generate(self.model, mine or placeholder, eos_id, steps=max(r.max_tokens for r in rows),
+                           any_active=self._any)
+        parts = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(results if mine else [], parts, dst=0, group=self.control)
+        return [r for part in parts for r in part] if self.rank == 0 else None
+
+    def stop(self) -> None:
+        self._tell("stop")
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the control channel ---------------------------------------------------------------------------
+    def _tell(self, op: str, *args) -> None:
+        if self.size > 1 and self.rank == 0:
+            dist.broadcast_object_list([(op, args)], src=0, group=self.control)
+
+    def _all(self, value):
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.control)
+        return values
+
+    def _any(self, local: bool) -> bool:
+        flag = torch.tensor([int(local)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(flag)
+
+
+def check_fits(state: dict[str, torch.Tensor], served: dict[str, torch.Tensor]) -> None:
+    """A new version must have exactly the served model's tensors and shapes (checked before the ranks agree to
+    swap, so no rank can fail after the others have swapped)."""
+    for name in sorted(set(state) | set(served)):
+        if name not in state or name not in served or state[name].shape != served[name].shape:
+            have = tuple(state[name].shape) if name in state else "nothing"
+            want = tuple(served[name].shape) if name in served else "nothing"
+            raise RuntimeError(f"{name}: the version has {have}, the served model {want}")
+
+
+def follow(replica: Replica) -> None:
+    """Ranks other than 0: do rank 0's operations, in its order, until it stops."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=replica.control)
+        op, args = message[0]
+        if op == "stop":
+            replica.stop()
+            return
+        try:
+            getattr(replica, op)(*args)
+        except RuntimeError as exc:  # a swap every rank refused together; rank 0 reports it to the loader
+            log.warning("rank %d: %s failed: %s", replica.rank, op, exc)
