@@ -144,10 +144,13 @@ def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    state = model.full_state_dict()
+    state, bf16 = model.gather_state(), model.gather_state(torch.bfloat16)
     if rank == 0:
         save_hf(state, CONFIG, checkpoint_dir)
+    else:
+        assert state is None and bf16 is None, "only EP rank 0 receives the gathered state"
     slices = _gather_objects(model.model.layers[0].mlp.experts.down_proj.detach().clone(), world)
     with torch.no_grad():
         final = model(ids[:, :-1]).logits
-    return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1], backend=ep.backend)
+    return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1], backend=ep.backend,
+                bf16_down_proj=bf16 and bf16["model.layers.0.mlp.experts.down_proj"])

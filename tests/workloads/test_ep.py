@@ -32,7 +32,7 @@ def test_alltoall_ep_equals_single_process_outputs_loss_and_grads(world):
     assert results["rank_sends_none", "alltoall"]["logits"][world - 1].shape[0] == 0
 
 
-def test_ep2_training_lowers_the_loss_and_saves_a_full_hf_checkpoint(tmp_path):
+def test_ep2_training_lowers_the_loss_and_rank_0_gathers_a_full_hf_checkpoint(tmp_path):
     result = run_ranks(2, train_toy, 30, str(tmp_path))
     losses = result["losses"]
     assert result["backend"] == "alltoall"
@@ -40,6 +40,8 @@ def test_ep2_training_lowers_the_loss_and_saves_a_full_hf_checkpoint(tmp_path):
     config, state = load_hf(tmp_path)
     assert config == CONFIG
     assert torch.equal(state["model.layers.0.mlp.experts.down_proj"][4:], result["rank1_down_proj"])
+    bf16 = result["bf16_down_proj"]  # gathered in the serving dtype
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, state["model.layers.0.mlp.experts.down_proj"].bfloat16())
     model = MoETransformer(config)
     model.load_state_dict(state)
     with torch.no_grad():

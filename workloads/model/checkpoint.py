@@ -120,7 +120,7 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, exper
 def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: ModelConfig, directory: str | Path,
             *, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and safetensors shards (with an index when there is more than one) into `directory`.
-    A module is saved through its state_dict(): pass `model.full_state_dict()` (a collective) from EP ranks.
+    A module is saved through its state_dict(): pass `model.gather_state()` (a collective) from EP ranks.
     Files are written under temporary names and renamed, so a crash leaves no half-written checkpoint."""
     from safetensors.torch import save_file
 

@@ -207,21 +207,30 @@ class MoETransformer(nn.Module):
             bias = layer.mlp.gate.e_score_correction_bias
             bias.copy_(balance_bias_step(bias, load, rate))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state (Hugging Face names, fused experts [E, ...]). Under EP this is a collective:
-        every rank all-gathers the expert slices and gets the full dict."""
-        state = self.state_dict()
+    def gather_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """The whole model's state (Hugging Face names, fused experts [E, ...]) in host memory on EP rank 0, cast
+        to `dtype`; None on the other ranks. Under EP this is a collective. Tensors travel one at a time and go
+        to host memory as they arrive, so no GPU holds more than one tensor's experts beyond its own slice: a
+        model larger than one GPU publishes like one that fits."""
+        state = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                 for k, v in self.state_dict().items()}
         if self.ep is None or self.ep.size == 1:
-            return state
+            return {k: v.cpu() for k, v in state.items()}
         import torch.distributed as dist
 
+        root = self.ep.rank == 0
+        gathered = {} if root else None
         for name, tensor in state.items():
-            if ".mlp.experts." in name:
-                local = tensor.cpu() if through_host(tensor, self.ep.group) else tensor.contiguous()
-                parts = [torch.empty_like(local) for _ in range(self.ep.size)]
-                dist.all_gather(parts, local, group=self.ep.group)
-                state[name] = torch.cat(parts).to(tensor.device)
-        return state
+            if ".mlp.experts." not in name:
+                if root:
+                    gathered[name] = tensor.cpu()
+                continue
+            local = tensor.cpu() if through_host(tensor, self.ep.group) else tensor.contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.ep.size)] if root else None
+            dist.gather(local, parts, dst=dist.get_global_rank(self.ep.group, 0), group=self.ep.group)
+            if root:
+                gathered[name] = torch.cat([part.cpu() for part in parts])
+        return gathered
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""

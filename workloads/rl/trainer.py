@@ -250,11 +250,10 @@ class Trainer:
     # ---- weights, checkpoints -----------------------------------------------------------------------------
     def publish(self, version: int) -> None:
         start = time.monotonic()
-        state = self.model.full_state_dict()  # collective
+        # Published in the model's serving dtype; the trainer keeps float32 master weights.
+        dtype = torch.bfloat16 if self.run.model.dtype == "bfloat16" else torch.float32
+        state = self.model.gather_state(dtype)  # collective; the state on rank 0 only
         if self.rank == 0:
-            # Published in the model's serving dtype; the trainer keeps float32 master weights.
-            dtype = torch.bfloat16 if self.run.model.dtype == "bfloat16" else torch.float32
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             with tempfile.TemporaryDirectory(dir=self.out) as staging:
                 save_hf(state, self.run.model, staging)
                 self.store.publish(version, Path(staging))
@@ -386,7 +385,7 @@ class Trainer:
 
     def _save_eval_weights(self, name: str) -> None:
         """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
-        state = self.model.full_state_dict()  # collective
+        state = self.model.gather_state()  # collective; the state on rank 0 only
         if self.rank == 0:
             save_hf(state, self.run.model, self.out / "eval" / name)
         if self.world > 1:
