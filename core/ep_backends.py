@@ -23,6 +23,7 @@ class Topology:
     device: Literal["cpu", "cuda"]
     num_experts: int
     nvlink_domain: int | None = None  # GPUs of a node that share NVLink (catalog); None: not known (CPU)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # what the tokens travel in (the model's dtype)
 
     @property
     def ep_size(self) -> int:
@@ -65,6 +66,8 @@ def check_backend(backend: EpBackend, topo: Topology) -> None:
     if backend == "deepep":
         if topo.device != "cuda":
             raise UnsupportedBackend("ep backend 'deepep' needs CUDA GPUs")
+        if topo.dtype != "bfloat16":
+            raise UnsupportedBackend(f"ep backend 'deepep' moves bfloat16 tokens; the model's dtype is {topo.dtype}")
         if topo.nvlink_domain is not None and topo.nvlink_domain < topo.ranks_per_node:
             raise UnsupportedBackend(
                 f"ep backend 'deepep' moves tokens between a node's ranks over NVLink; this node type's GPUs share "

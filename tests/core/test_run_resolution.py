@@ -51,6 +51,7 @@ def test_auto_picks_backend_by_topology(nodes, ranks, device, expected):
     (Topology(2, 4, "cuda", 16), "internode needs 8 ranks per node and 16 to 160 ranks"),
     (Topology(1, 4, "cpu", 8), "needs CUDA GPUs"),
     (Topology(1, 4, "cuda", 6), "num_experts (6) must be divisible by the expert-parallel size (4)"),
+    (Topology(1, 8, "cuda", 16, dtype="float32"), "moves bfloat16 tokens; the model's dtype is float32"),
 ])
 def test_deepep_limits_are_named(topo, fragment):
     with pytest.raises(UnsupportedBackend, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -130,3 +131,9 @@ def test_a_rollout_server_must_split_the_experts_evenly_over_its_gpus():
               source="run.yaml")
     assert err.value.field == "rollout.gpus_per_server" and err.value.value == 3
     assert "must divide model.num_experts (8)" in str(err.value)
+
+
+def test_a_float32_model_on_one_gpu_node_falls_back_from_deepep_to_all_to_all():
+    run = RunConfig(name="fp32", model=replace(TINY, dtype="float32"), environment="dev", **CLUSTER_READY)
+    resolved = resolve_run(run, ENVS["dev"])
+    assert resolved.ep_backend == "alltoall" and "moves bfloat16 tokens" in resolved.ep_backend_reason

@@ -79,8 +79,10 @@ def _gather_objects(obj, world):
 def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: str, dtype_name: str,
                      scenarios: tuple[str, ...], config: ModelConfig = CONFIG) -> dict:
     """For each scenario and backend: every rank's logits, the total loss and the full gradients, run as
-    `local` (one process, all ranks' batches, same weights) or EP over this group."""
-    dtype = getattr(torch, dtype_name)
+    `local` (one process, all ranks' batches, same weights) or EP over this group. dtype_name "bf16-autocast":
+    float32 weights under bf16 autocast (the GPU trainer's mixed precision)."""
+    autocast = dtype_name == "bf16-autocast"
+    dtype = torch.float32 if autocast else getattr(torch, dtype_name)
     if device == "cuda":
         torch.cuda.set_device(0)
     torch.manual_seed(0)
@@ -92,7 +94,8 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
             if backend == "local":
                 model = MoETransformer(config).to(device, dtype)
                 model.load_state_dict(full)
-                outs = [model(ids, routing_replay=replay) for ids, replay in batches]
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    outs = [model(ids, routing_replay=replay) for ids, replay in batches]
                 logits = [o.logits.detach().float().cpu() for o in outs]
                 loss = sum(_loss(o) for o in outs)
                 loss.backward()
@@ -103,7 +106,8 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
             model = MoETransformer(config, ep=ep).to(device, dtype)
             model.load_full_state_dict(full)
             ids, replay = batches[rank]
-            out = model(ids, routing_replay=replay)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                out = model(ids, routing_replay=replay)
             loss = _loss(out)
             loss.backward()
             ep.sum_replicated_grads(model)

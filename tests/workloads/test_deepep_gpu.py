@@ -1,5 +1,6 @@
 """The `deepep` backend against `alltoall` and `local` on the same weights: 2 and 4 ranks sharing cuda:0 over a
-gloo group (DeepEP's intranode kernels need 2, 4 or 8 ranks; one GPU is what the device machine lends), bf16.
+gloo group (DeepEP's intranode kernels need 2, 4 or 8 ranks; one GPU is what the device machine lends), in bf16
+and as float32 weights under bf16 autocast.
 Skipped where deep_ep or CUDA is missing."""
 import dataclasses
 
@@ -24,8 +25,9 @@ def assert_close_relative(got, want, tol, what):
 
 @pytest.mark.parametrize("scenario", ["random", "skewed", "rank_sends_none"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_deepep_equals_alltoall_and_local_on_shared_gpu(world, scenario):
-    results = run_ranks(world, compare_backends, ("local", "alltoall", "deepep"), "cuda", "bfloat16", (scenario,),
+@pytest.mark.parametrize("precision", ["bfloat16", "bf16-autocast"])  # the rollout model's; the trainer's
+def test_deepep_equals_alltoall_and_local_on_shared_gpu(world, scenario, precision):
+    results = run_ranks(world, compare_backends, ("local", "alltoall", "deepep"), "cuda", precision, (scenario,),
                         GPU_CONFIG, timeout=240, start_method="spawn")
     deepep = results[scenario, "deepep"]
     for reference in ("alltoall", "local"):

@@ -32,6 +32,18 @@ def test_alltoall_ep_equals_single_process_outputs_loss_and_grads(world):
     assert results["rank_sends_none", "alltoall"]["logits"][world - 1].shape[0] == 0
 
 
+def test_alltoall_ep_under_bf16_autocast_equals_the_single_process_model_under_it():
+    # The GPU trainer's mixed precision: float32 master weights, bf16 tokens through the dispatcher and experts.
+    results = run_ranks(2, compare_backends, ("local", "alltoall"), "cpu", "bf16-autocast", ("random",))
+    got, want = results["random", "alltoall"], results["random", "local"]
+    for g, w in zip(got["logits"], want["logits"]):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-2)
+    for name, w in want["grads"].items():
+        assert got["grads"][name].dtype == torch.float32
+        assert torch.cosine_similarity(got["grads"][name].flatten(), w.flatten(), 0) > 0.99, name
+
+
 def test_ep2_training_lowers_the_loss_and_rank_0_gathers_a_full_hf_checkpoint(tmp_path):
     result = run_ranks(2, train_toy, 30, str(tmp_path))
     losses = result["losses"]

@@ -171,3 +171,32 @@ def test_shared_experts_add_a_dense_swiglu_to_the_routed_output(tiny_config):
         shared_only = block(x).out
     torch.testing.assert_close(shared_only, block.shared_experts(x))
     assert not torch.allclose(with_routed, shared_only)
+
+
+def test_under_bf16_autocast_tokens_reach_the_experts_in_bf16_and_float32_master_weights_get_float32_grads(tiny_config):
+    from moe_rl_eks.workloads.moe.dispatch import LocalDispatcher
+
+    seen = []
+
+    class Recorder(LocalDispatcher):  # what a dispatcher (DeepEP moves bf16 only) is handed
+        def dispatch(self, x, weights, ids):
+            seen.append(x.dtype)
+            return super().dispatch(x, weights, ids)
+
+    config = tiny_config()
+    model = MoETransformer(config)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    reference = model(ids).logits
+    reference.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if ".experts." in n}
+    model.zero_grad()
+    for layer in model.model.layers:
+        layer.mlp.dispatcher = Recorder(layer.mlp.compute, config.num_experts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids).logits
+    logits.float().square().mean().backward()
+    assert seen == [torch.bfloat16] * config.num_hidden_layers
+    torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
+    for name, grad in want.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got.dtype == torch.float32 and torch.cosine_similarity(got.flatten(), grad.flatten(), 0) > 0.99, name

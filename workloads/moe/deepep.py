@@ -85,8 +85,8 @@ class DeepEPDispatcher(Dispatcher):
 
     def dispatch(self, x, weights, ids):
         if x.dtype != torch.bfloat16:
-            raise DeepEPUnavailable(f"ep backend 'deepep' moves bfloat16 activations, got {x.dtype}; run the model "
-                                    "in bfloat16")
+            raise DeepEPUnavailable(f"ep backend 'deepep' moves bfloat16 tokens, got {x.dtype}; run the model in "
+                                    "bfloat16 or under bf16 autocast (the GPU trainer does)")
         info: dict[str, Any] = {}
         recv_x, recv_weights = _Dispatch.apply(x, weights.float(), ids, self.buffer, self.num_experts, info)
         # Slots routed to other ranks' experts arrive as -1: sort them after the last local expert and drop them.

@@ -80,6 +80,11 @@ class MoEBlock(nn.Module):
         """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
         but counts in neither the expert load nor the balance loss."""
         gate, spec = self.gate, self.gate.spec
+        if torch.is_autocast_enabled(x.device.type):
+            # Mixed precision (the GPU trainer's bf16 autocast): the experts compute in the autocast dtype, as
+            # nn.Linear does, so tokens also travel in it (DeepEP moves bf16 only) and the float32 master
+            # weights are cast on the way in (their gradients stay float32).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         logits = F.linear(x, gate.weight)
         if replay_ids is not None:
             ids = replay_ids.to(torch.int64)
@@ -90,7 +95,8 @@ class MoEBlock(nn.Module):
                 bias = node_limit_bias(logits, spec, bias, gate.node_groups, gate.max_nodes)
             weights, ids = self.compute.route(logits, spec, bias)
         x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
-        y_sorted = self.compute.experts(x_sorted, counts, self.experts.gate_up_proj, self.experts.down_proj)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        y_sorted = self.compute.experts(x_sorted, counts, w13.to(x_sorted.dtype), w2.to(x_sorted.dtype))
         out = self.dispatcher.combine(y_sorted, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -166,8 +166,11 @@ class Trainer:
         self._hidden.clear()  # the value head's hook keeps only this forward's final hidden state
         # The mask keeps right padding out of the expert load and balance loss (it never reaches real tokens:
         # attention is causal).
-        out = model(t.inputs, routing_replay=t.routing if replay else None, attention_mask=t.valid)
-        logp, entropy = token_logprobs_and_entropy(out.logits / temperature, t.targets)
+        # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
+        bf16 = self.device.type == "cuda" and self.run.model.dtype == "bfloat16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(t.inputs, routing_replay=t.routing if replay else None, attention_mask=t.valid)
+        logp, entropy = token_logprobs_and_entropy(out.logits.float() / temperature, t.targets)
         return logp, entropy, out.aux_loss, out.expert_load
 
     # ---- the two kinds of step ----------------------------------------------------------------------------
