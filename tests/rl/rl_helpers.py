@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -103,3 +105,51 @@ def sample_accounting(out: Path, final_state: dict) -> dict:
     assert not (trained_requests & (dropped | filtered | leftover)), "a sample was both trained and discarded"
     return {"completed": set(completed), "trained": trained_requests, "dropped": dropped, "leftover": leftover,
             "trained_ids": trained_ids}
+
+
+class SlowProxy:
+    """A rollout server as the orchestrator sees it when it straggles: health checks and weight loads pass
+    straight through, each completion request is held `delay_s` before it is forwarded (its answer comes late)."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        self.target, self.delay_s, self.held = target, delay_s, 0
+        proxy, lock = self, threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+                if self.path == "/v1/completions":
+                    with lock:
+                        proxy.held += 1
+                    time.sleep(proxy.delay_s)
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+                req = urllib.request.Request(proxy.target + self.path, data=body, method=self.command, headers=headers)
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as resp:
+                        status, data = resp.status, resp.read()
+                except urllib.error.HTTPError as err:
+                    status, data = err.code, err.read()
+                except OSError:
+                    status, data = 502, b'{"error": {"message": "rollout server unreachable"}}'
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the orchestrator gave up on this request
+                    pass
+
+            do_GET = do_POST = forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

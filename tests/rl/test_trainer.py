@@ -163,3 +163,23 @@ def test_training_starts_from_a_pretrained_checkpoint_of_the_same_architecture(t
     wider = replace(run, model=replace(run.model, num_experts=8))
     with pytest.raises(ValueError, match="has num_experts=4 but the run's model.num_experts is 8"):
         Trainer(wider, None, rank=0, world=1)
+
+
+def test_a_rank_starts_from_its_own_expert_slice_of_the_pretrained_or_random_weights(tmp_path):
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.rl.trainer import initial_weights
+
+    run = tiny_run(tmp_path)
+    torch.manual_seed(5)
+    random_full = initial_weights(run)
+    torch.manual_seed(5)
+    random_half = initial_weights(run, range(2, 4))  # rank 1 of 2: the same draw, then its slice
+    pretrained = MoETransformer(run.model).state_dict()
+    save_hf(pretrained, run.model, tmp_path / "pretrained")
+    from_disk = initial_weights(replace(run, rl=replace(run.rl, training=replace(
+        run.rl.training, init_from=str(tmp_path / "pretrained")))), range(2, 4))
+    for name in pretrained:
+        cut = slice(2, 4) if ".mlp.experts." in name else slice(None)
+        assert torch.equal(random_half[name], random_full[name][cut]), name
+        assert torch.equal(from_disk[name], pretrained[name][cut]), name

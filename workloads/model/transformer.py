@@ -234,10 +234,12 @@ class MoETransformer(nn.Module):
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""
-        mine = dict(state)
-        if self.ep is not None and self.ep.size > 1:
-            experts = self.ep.local_experts(self.config.num_experts)
-            for name in mine:
-                if ".mlp.experts." in name:
-                    mine[name] = mine[name][experts.start:experts.stop]
-        self.load_state_dict(mine, strict=True)
+        mine = self.ep.local_experts(self.config.num_experts) if self.ep is not None and self.ep.size > 1 else None
+        self.load_state_dict(expert_slice(state, mine), strict=True)
+
+
+def expert_slice(state: dict[str, torch.Tensor], experts: range | None) -> dict[str, torch.Tensor]:
+    """A full state with the fused expert tensors cut to `experts` (one EP rank's slice; None keeps all)."""
+    if experts is None:
+        return dict(state)
+    return {name: t[experts.start:experts.stop] if ".mlp.experts." in name else t for name, t in state.items()}

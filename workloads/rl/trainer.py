@@ -29,6 +29,7 @@ from moe_rl_eks.core.cluster import TRAINER_METRICS_PORT
 from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
+from ..model.transformer import expert_slice
 from ..model.checkpoint import load_hf, save_hf
 from ..moe.parallel import ExpertParallel
 from . import checkpoint as ckpt
@@ -96,12 +97,10 @@ class Trainer:
         self.device = train_device()
         self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                   device=str(self.device)) if world > 1 else None)
-        # Initialise the whole model identically everywhere, then keep this rank's expert slice: the initial
-        # weights do not depend on the number of ranks.
         torch.manual_seed(self.cfg.seed)
-        full = initial_weights(run)
+        state = initial_weights(run, self.ep.local_experts(run.model.num_experts) if self.ep else None)
         self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
-        self.model.load_full_state_dict(full)
+        self.model.load_state_dict(state)
         self.model.to(self.device)
         # PPO's critic: a linear value head on the final hidden state (captured by a hook on the final norm),
         # replicated like every non-expert weight. It is not part of the published policy.
@@ -422,13 +421,14 @@ class Trainer:
             self.prometheus[metric].set(value)
 
 
-def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:
-    """The full state the run starts from: `rl.training.init_from` (a pretrained checkpoint, which must have the
-    run's architecture) or a seeded random initialisation."""
+def initial_weights(run: RunConfig, experts: range | None = None) -> dict[str, torch.Tensor]:
+    """The state the run starts from, with only `experts` (this rank's slice; None: all): `rl.training.init_from`
+    (a pretrained checkpoint, which must have the run's architecture; only the slice is read from disk) or a
+    seeded random initialisation of the whole model, then sliced, so the weights do not depend on the ranks."""
     source = run.rl.training.init_from
     if source is None:
-        return MoETransformer(run.model).state_dict()
-    config, state = load_hf(source)
+        return expert_slice(MoETransformer(run.model).state_dict(), experts)
+    config, state = load_hf(source, experts=experts)
     ignored = {"dtype", "router_aux_loss_coef"}  # how the run trains, not what the checkpoint holds
     for f in fields(config):
         if f.name not in ignored and getattr(config, f.name) != getattr(run.model, f.name):
