@@ -1,7 +1,10 @@
 """A rollout server spanning two "GPUs": two torchrun ranks over gloo, each holding half of the experts and
 decoding its share of every batch. It must answer exactly as a one-process server with the same weights."""
 import json
+import os
+import signal
 import threading
+from pathlib import Path
 
 import pytest
 from rl_helpers import call, publish_initial, write_run
@@ -11,7 +14,7 @@ from safetensors.torch import save_file
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import hf_config, to_hf_tensors
-from moe_rl_eks.workloads.rl.local_run import LocalCluster, output_dir
+from moe_rl_eks.workloads.rl.local_run import LocalCluster, descendants, output_dir
 from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine, make_server
 from moe_rl_eks.workloads.rl.runtime import wait_for
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
@@ -71,7 +74,7 @@ def servers(tmp_path):
     threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     try:
         wait_for(f"{sharded.url}/health", timeout=120)
-        yield {"sharded": sharded.url, "single": f"http://127.0.0.1:{http.server_address[1]}", "store": store,
+        yield {"role": sharded, "sharded": sharded.url, "single": f"http://127.0.0.1:{http.server_address[1]}", "store": store,
                "run": run, "engine": engine, "token": cluster.env[run.rl.weight_token_env], "logs": cluster.logs}
     finally:
         cluster.stop()
@@ -113,3 +116,20 @@ def publish_lacking_experts(run, store, version, lacking):
               staging / "model.safetensors")
     (staging / "config.json").write_text(json.dumps(hf_config(run.model)))
     store.publish(version, staging)
+
+
+def test_a_lost_rank_ends_the_whole_sharded_server_instead_of_leaving_it_hung(servers):
+    role = servers["role"]
+    ranks = {int(environ(pid).get("RANK", -1)): pid for pid in descendants(role.proc.pid)}
+    os.kill(ranks[1], signal.SIGKILL)  # rank 0 would wait in its next collective forever
+    assert role.proc.wait(timeout=60) != 0  # torchrun stops rank 0 too: the pod restarts, the orchestrator fails over
+    with pytest.raises(OSError):
+        call("GET", f"{servers['sharded']}/health", timeout=2)
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
