@@ -96,6 +96,11 @@ class ModelConfig:
     def bytes_per_parameter(self) -> int:
         return 2 if self.dtype == "bfloat16" else 4
 
+    @property
+    def weights_gib(self) -> float:
+        """The size of one copy of the weights in the model's dtype (a published version, a serving replica)."""
+        return self.parameter_count() * self.bytes_per_parameter / 2**30
+
 
 @dataclass(frozen=True)
 class ParallelismConfig:
@@ -230,7 +235,7 @@ def _check_fits(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
         raise ConfigError(src, "rollout.max_servers", r.max_servers,
                           f"environment {env.name!r} rollout pool fits at most {servers_per_node * rollout.max_size} "
                           f"servers of {r.gpus_per_server} GPU(s) ({rollout.max_size} x {rollout.instance_type})")
-    weights_gib = run.model.parameter_count() * run.model.bytes_per_parameter / 2**30
+    weights_gib = run.model.weights_gib
     # Weights may use at most 80 % of the server's GPU memory: the rest is KV cache and activations.
     usable = 0.8 * r.gpus_per_server * rspec.gpu_memory_gib
     if weights_gib > usable:

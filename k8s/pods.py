@@ -109,12 +109,15 @@ class Volumes:
     mounts: list[k8s.VolumeMount]
 
 
-def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: bool) -> Volumes:
+TMP_GIB = 8  # caches and scratch under /tmp
+
+
+def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: bool, tmp_gib: int = TMP_GIB) -> Volumes:
     volumes = [
         k8s.Volume(name="run-config", config_map=k8s.ConfigMapVolumeSource(name=config_map)),
         k8s.Volume(name="fsx", persistent_volume_claim=k8s.PersistentVolumeClaimVolumeSource(
             claim_name=cluster.FSX_CLAIM_NAME, read_only=fsx_read_only)),
-        k8s.Volume(name="tmp", empty_dir=k8s.EmptyDirVolumeSource(size_limit=k8s.Quantity.from_string("8Gi"))),
+        k8s.Volume(name="tmp", empty_dir=k8s.EmptyDirVolumeSource(size_limit=k8s.Quantity.from_string(f"{tmp_gib}Gi"))),
     ]
     mounts = [
         k8s.VolumeMount(name="run-config", mount_path=RUN_CONFIG_DIR, read_only=True),

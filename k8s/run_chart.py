@@ -6,6 +6,7 @@ PriorityClasses) are named in core.cluster; values known only after `cdk deploy`
 from __future__ import annotations
 
 import json
+import math
 
 import cdk8s
 import yaml
@@ -19,7 +20,7 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_CONFIG_DIR, RUN_FILE, check_shm, container_security, \
-    efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes
+    TMP_GIB, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -105,7 +106,10 @@ class RunChart(cdk8s.Chart):
         size = rollout_size(env.rollout_pool, rollout.gpus_per_server)
         check_shm(size, deploy.rollout_shm_gib, "deploy.rollout_shm_gib", self.source)
         name, pod_labels = f"{self.name}-rollout", role_labels(self.name, "rollout")
-        volumes = standard_volumes(config_map_name(self.name), shm_gib=deploy.rollout_shm_gib, fsx_read_only=True)
+        # A version in S3 is downloaded to /tmp before the server's ranks read it: room for one more copy.
+        download_gib = math.ceil(run.model.weights_gib) if run.rl.weights.kind == "s3" else 0
+        volumes = standard_volumes(config_map_name(self.name), shm_gib=deploy.rollout_shm_gib, fsx_read_only=True,
+                                   tmp_gib=TMP_GIB + download_gib)
         health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))
         container = k8s.Container(
             name="server",

@@ -282,3 +282,18 @@ def test_a_pod_resolves_the_shipped_run_to_the_same_backend(manifests, run):
     envs = load_environments(json.loads(data["cdk.json"])["context"])
     in_pod = resolve_run(shipped, envs[shipped.environment])
     assert (in_pod.ep_backend, in_pod.topology) == (resolved(run).ep_backend, resolved(run).topology)
+
+
+def test_a_rollout_pod_has_tmp_room_for_one_downloaded_version_when_weights_live_in_s3(tmp_path):
+    from moe_rl_eks.k8s.manifests import main
+
+    data = yaml.safe_load(run_file("qwen3-30b-a3b-p5").read_text())
+    data["rl"]["weights"] = {"kind": "s3", "bucket": "weights-bucket", "prefix": "qwen3/weights"}
+    path = tmp_path / "qwen3-30b-a3b-p5.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["--run", str(path), "--outputs", str(EXAMPLE_OUTPUTS), "--out", str(tmp_path / "dist"),
+                 "--cdk-json", str(ROOT / "cdk.json")]) == 0
+    docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
+    (tmp,) = [v for v in pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]["volumes"]
+              if v["name"] == "tmp"]
+    assert tmp["emptyDir"]["sizeLimit"] == "65Gi"  # 8 Gi of scratch + 57 Gi (30.5 B bf16 parameters)
