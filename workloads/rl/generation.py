@@ -78,19 +78,21 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
     logits = out.logits[:, -1]
     next_pos = positions[:, -1] + 1
     for step in range(steps):
-        fed = torch.full((b, 1), pad_id, dtype=torch.long, device=device)
+        # Sampling runs on the host: one copy of the logits down and one of the fed tokens up per step.
+        host_logits, fed = logits.float().cpu(), [pad_id] * b
         for i, (r, res) in enumerate(zip(rows, results)):
             if res.finished or len(res.tokens) >= r.max_tokens:
                 continue
-            token, logprob = sample(logits[i].cpu(), r.temperature, r.top_p, generators[i])
+            token, logprob = sample(host_logits[i], r.temperature, r.top_p, generators[i])
             res.tokens.append(token)
             res.logprobs.append(logprob)
             res.finished = token == eos_id
-            fed[i, 0] = token
+            fed[i] = token
         active = [not res.finished and len(res.tokens) < r.max_tokens for r, res in zip(rows, results)]
         if not any_active(any(active)) or step == steps - 1:
             break
-        out = model(fed, positions=next_pos[:, None], kv_cache=cache, return_routing=want_routing)
+        out = model(torch.tensor(fed, device=device)[:, None], positions=next_pos[:, None], kv_cache=cache,
+                    return_routing=want_routing)
         if want_routing:
             routing_steps.append((out.routing, torch.ones(b, 1, dtype=torch.bool)))
         logits = out.logits[:, -1]
