@@ -3,6 +3,7 @@ import queue
 import threading
 
 import pytest
+import torch
 
 from moe_rl_eks.workloads.rl.generation import Row
 from moe_rl_eks.workloads.rl.rollout_server import Control, Work, take_batch
@@ -84,6 +85,20 @@ def test_weight_loading_needs_the_token_and_switches_the_version(rollout, tmp_pa
     assert status == 200 and body["weight_version"] == 1
     assert call("POST", f"{url}/v1/completions", {"prompt": "2+2=", "max_tokens": 2})[1]["weight_version"] == 1
     assert call("GET", f"{url}/nowhere")[0] == 404
+
+
+def test_a_version_of_another_shape_is_refused_and_the_served_weights_stay_whole(rollout):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    url, engine = rollout["url"], rollout["engine"]
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    wider = SimpleNamespace(model=replace(rollout["run"].model, num_experts=8))
+    publish_initial(wider, rollout["store"], version=3, seed=4)
+    status, body = call("POST", f"{url}/v1/weights/load", {"version": 3}, headers=AUTH)
+    assert status == 409 and "the version has (8, 64, 64), the served model (4, 64, 64)" in body["error"]["message"], body
+    assert call("GET", f"{url}/health")[1]["weight_version"] == 0
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())  # nothing half-loaded
 
 
 def test_concurrent_requests_each_get_their_own_seeded_completions(rollout):

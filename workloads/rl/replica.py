@@ -68,24 +68,22 @@ class Replica:
     def swap(self, version: int) -> None:
         """Install the weights `begin_read` read, on every rank or (if any rank failed to read them) on none."""
         self._tell("swap", version)
-        error, state = None, None
+        error = model = state = None
         try:
             if self._reading is None or self._reading[0] != version:
                 raise RuntimeError(f"version {version} was not read first")
             config, state = self._reading[1].result()
-            if self.model is not None:
-                check_fits(state, self.model.state_dict())
+            model = self.model or MoETransformer(config, ep=self.ep, compute=self.run.moe_compute)
+            check_fits(state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
         self._reading = None
         errors = [e for e in self._all(error) if e]
         if errors:
             raise RuntimeError("; ".join(errors))
-        if self.model is None:
-            self.model = MoETransformer(config, ep=self.ep, compute=self.run.moe_compute)
-        self.model.load_state_dict(state)
+        model.load_state_dict(state)
         dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
-        self.model.to(device=self.device, dtype=dtype).eval()
+        self.model = model.to(device=self.device, dtype=dtype).eval()
         self.version = version
 
     def generate(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
