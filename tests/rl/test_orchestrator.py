@@ -117,17 +117,30 @@ def test_resume_latest_reads_the_newest_checkpoint_or_starts_fresh(tmp_path):
     assert resume_state(None, tmp_path) is None
 
 
-def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_version(tmp_path):
-    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 2})  # budget: (0 + 2 + 1) x 2 = 6 requests
+def pool_of(tmp_path, loaded: str):
+    """An orchestrator (budget: (0 + 2 + 1) x 2 = 6 requests) over servers a, b, c, of which only `loaded` holds
+    the published version yet; returns it and the list its sends land in."""
+    orch = orchestrator(tmp_path, orchestrator={"max_staleness": 2})
     sent = []
     orch.pool = SimpleNamespace(submit=lambda fn, request_id, index, server: sent.append(server.url))
-    urls = ["http://a", "http://b", "http://c"]
-    orch.servers = {url: Server(url, healthy=True, version=0) for url in urls}
+    orch.servers = {url: Server(url, healthy=True, version=0) for url in ("a", "b", "c")}
     orch.published = 1
-    orch.servers["http://c"].version = 1  # the first to load version 1; a and b are still loading it
+    orch.servers[loaded].version = 1
+    return orch, sent
+
+
+def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_version(tmp_path):
+    orch, sent = pool_of(tmp_path, loaded="c")
     orch._issue_new()
-    assert sent == ["http://c"]  # its share of 6 over 3 healthy servers, not all 6
-    for url in urls[:2]:
+    assert sent == ["c", "c"]  # its share of the 6 over 3 healthy servers, not all 6
+    for url in ("a", "b"):
         orch.servers[url].version = 1
     orch._issue_new()
-    assert sorted(sent) == sorted(urls * 2) and len(orch.in_flight) == 6
+    assert sorted(sent) == ["a", "a", "b", "b", "c", "c"] and len(orch.in_flight) == 6
+
+
+def test_a_server_whose_load_failed_releases_its_share(tmp_path):
+    orch, sent = pool_of(tmp_path, loaded="c")
+    orch.servers["a"].healthy = orch.servers["b"].healthy = False  # their weight loads failed
+    orch._issue_new()
+    assert sent == ["c"] * 6

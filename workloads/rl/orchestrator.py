@@ -163,15 +163,18 @@ class Orchestrator:
         return sorted(ready, key=lambda s: (s.in_flight, s.last_sent))
 
     def _next_server(self) -> Server | None:
-        """Where a new request goes: the least busy ready server, unless it already holds its fair share of what
-        is in flight over every healthy server. A server still loading the published version is healthy but not
-        ready; without the share, the burst issued when a version is published would pile onto whichever server
-        loaded it first while the rest of the pool idles."""
+        """Where a new request goes: the least busy ready server, unless it already holds its fair share of the
+        demand (in flight on healthy servers, plus what may be issued now) over every healthy server. A server
+        still loading the published version is healthy but not ready; without the share, the burst issued when a
+        version is published would pile onto whichever server loaded it first while the rest of the pool idles.
+        (A load that fails marks its server unhealthy, which releases the share it held.)"""
         ready = self._ready_servers()
         if not ready:
             return None
         healthy = [s for s in self.servers.values() if s.healthy]
-        share = -(-(sum(s.in_flight for s in healthy) + 1) // len(healthy))
+        demand = (sum(s.in_flight for s in healthy) + len(self.retry)
+                  + max(0, self._budget() - self._outstanding()))
+        share = -(-demand // len(healthy))
         return ready[0] if ready[0].in_flight < share else None
 
     def _dispatch_loop(self) -> None:
