@@ -10,8 +10,14 @@ import json
 
 import jsii
 from aws_cdk import (IPolicyValidationContext, IPolicyValidationPlugin, PolicyValidationPluginReport,
-                     PolicyViolatingResource, PolicyViolation, Stage, Validations)
+                     PolicyViolatingResource, PolicyViolation, Stack, Stage, Token, Validations)
 from cdk_nag import AwsSolutionsChecks
+
+def nag_partition(stack: Stack) -> str:
+    """The partition as cdk-nag prints it in a finding's id: a literal where the app sets
+    `@aws-cdk/core:enablePartitionLiterals` (new apps do) and the region is known, else the pseudo parameter."""
+    return "<AWS::Partition>" if Token.is_unresolved(stack.partition) else stack.partition
+
 
 REQUIRED_LOG_TYPES = frozenset({"api", "audit", "authenticator", "controllerManager", "scheduler"})
 

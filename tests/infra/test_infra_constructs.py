@@ -126,3 +126,12 @@ def test_stack_without_fsx_and_prometheus_and_with_an_allow_listed_public_endpoi
     template.has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig": Match.object_like(
         {"EndpointPublicAccess": True, "PublicAccessCidrs": ["203.0.113.0/24"]})})
     assert "PersistentVolume" not in json.dumps(template.to_json())
+
+
+@pytest.mark.parametrize("literals, expected", [(True, "aws"), (False, "<AWS::Partition>")])
+def test_nag_acknowledgments_spell_the_partition_as_nag_prints_it_in_either_kind_of_app(literals, expected):
+    # New apps set enablePartitionLiterals (cdk.json does); an app without it keeps the pseudo parameter.
+    from moe_rl_eks.infra.checks import nag_partition
+
+    app = cdk.App(context={"@aws-cdk/core:enablePartitionLiterals": literals})
+    assert nag_partition(cdk.Stack(app, "S", env=ENV)) == expected
