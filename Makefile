@@ -104,5 +104,10 @@ local-run: $(STAMP)
 bench-rl: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-rl $(BENCH_RL_ARGS)
 
+# Rollout decoding with a group's prompt prefilled once vs per row (CPU); results in workloads/BENCHMARKS-rl.md.
+.PHONY: bench-generation
+bench-generation: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-generation $(BENCH_GENERATION_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

@@ -47,6 +47,15 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys.shape[3]
 
+    def take_prefix(self, prefill: "KVCache", rows: torch.Tensor) -> None:
+        """Start from `prefill`'s slots, row i copying prefill row rows[i]: rows that share a prompt (a group's
+        samples) share one prefill."""
+        n = prefill.length
+        self.keys[:, :, :, :n] = prefill.keys[:, rows, :, :n]
+        self.values[:, :, :, :n] = prefill.values[:, rows, :, :n]
+        self.valid[:, :n] = prefill.valid[rows, :n]
+        self.length = n
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):

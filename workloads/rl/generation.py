@@ -57,16 +57,24 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
     prompt_len = max(len(r.prompt) for r in rows)
     steps = max(r.max_tokens for r in rows) if steps is None else steps
     device = next(model.parameters()).device
-    ids = torch.full((b, prompt_len), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(b, prompt_len, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        ids[i, prompt_len - len(r.prompt):] = torch.tensor(r.prompt)
-        mask[i, prompt_len - len(r.prompt):] = True
+    # A group's rows (GRPO samples n completions of one prompt) share their prompt: each distinct prompt is
+    # prefilled once and every row starts from a copy of its prompt's cache.
+    distinct: dict[tuple[int, ...], int] = {}
+    source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows], device=device)
+    ids = torch.full((len(distinct), prompt_len), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(len(distinct), prompt_len, dtype=torch.bool, device=device)
+    for i, prompt in enumerate(distinct):
+        ids[i, prompt_len - len(prompt):] = torch.tensor(prompt)
+        mask[i, prompt_len - len(prompt):] = True
     positions = (mask.long().cumsum(1) - 1).clamp(min=0)
     dtype = next(model.parameters()).dtype
-    cache = KVCache.allocate(model.config, b, prompt_len + steps, device, dtype)
+    prefill = KVCache.allocate(model.config, len(distinct), prompt_len, device, dtype)
     want_routing = any(r.want_routing for r in rows)
-    out = model(ids, positions=positions, kv_cache=cache, attention_mask=mask, return_routing=want_routing)
+    out = model(ids, positions=positions, kv_cache=prefill, attention_mask=mask, return_routing=want_routing)
+    cache = KVCache.allocate(model.config, b, prompt_len + steps, device, dtype)
+    cache.take_prefix(prefill, source)
+    del prefill
+    mask, positions = mask[source], positions[source]
     generators = []
     for r in rows:
         g = torch.Generator(device="cpu")
@@ -74,8 +82,8 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
         generators.append(g)
     results = [RowResult(routing=[[] for _ in range(model.config.num_hidden_layers)] if r.want_routing else None)
                for r in rows]
-    routing_steps = [(out.routing, mask)] if want_routing else []
-    logits = out.logits[:, -1]
+    routing_steps = [([layer[source] for layer in out.routing], mask)] if want_routing else []
+    logits = out.logits[:, -1][source]
     next_pos = positions[:, -1] + 1
     for step in range(steps):
         # Sampling runs on the host: one copy of the logits down and one of the fed tokens up per step.
