@@ -1,6 +1,9 @@
-"""`moerl bench-generation`: what sharing a group's prompt prefill buys the rollout engine. The same number of
-rows decode the same number of tokens either way; only the prompts differ: one prompt for the whole group
-(GRPO's n samples: prefilled once) or a distinct prompt per row (prefilled n times). Prints a table."""
+"""`moerl bench-generation`: two costs of the rollout engine's batched decoding, each in a table.
+
+- Prefill: the same rows decode the same number of tokens; only the prompts differ: one prompt for the whole
+  group (GRPO's n samples: prefilled once) or a distinct prompt per row (prefilled n times).
+- Long tail: a batch whose rows all run to the longest length against one where most rows stop early (as rows
+  that reach end-of-sequence do); the second should cost in proportion to the tokens it generates."""
 from __future__ import annotations
 
 import argparse
@@ -21,13 +24,14 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_a
                     num_experts_per_tok=4, max_position_embeddings=1024, dtype="float32")
 
 
-def rows_for(group: int, prompt_tokens: int, new_tokens: int, shared: bool, rng: random.Random) -> list[Row]:
+def rows_for(prompt_tokens: int, lengths: list[int], shared: bool, rng: random.Random) -> list[Row]:
+    """One row per entry of `lengths` (its new tokens), all of one prompt or each of its own."""
     def prompt():
         return [rng.randrange(3, MODEL.vocab_size) for _ in range(prompt_tokens)]
 
     one = prompt()
-    # eos id 0 never comes up (vocabulary from 3), so every row decodes exactly new_tokens
-    return [Row(one if shared else prompt(), new_tokens, 1.0, 1.0, seed) for seed in range(group)]
+    # eos id 0 never comes up (vocabulary from 3), so every row decodes exactly its length
+    return [Row(one if shared else prompt(), n, 1.0, 1.0, seed) for seed, n in enumerate(lengths)]
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +40,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tail-tokens", type=int, nargs=2, default=[64, 8], metavar=("LONG", "SHORT"),
+                        help="long tail: one row decodes LONG tokens, the others SHORT")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -49,16 +55,27 @@ def main(argv: list[str]) -> int:
         times = {}
         for shared in (False, True):
             rng = random.Random(prompt_tokens)
-            samples = []
-            for _ in range(args.repeats):
-                rows = rows_for(args.group, prompt_tokens, args.new_tokens, shared, rng)
-                start = time.perf_counter()
-                generate(model, rows, eos_id=0)
-                samples.append(time.perf_counter() - start)
-            times[shared] = statistics.median(samples)
+            times[shared] = statistics.median(
+                _timed(model, rows_for(prompt_tokens, [args.new_tokens] * args.group, shared, rng))
+                for _ in range(args.repeats))
         for shared in (False, True):
             label = "1 shared" if shared else f"{args.group} distinct"
             rate = args.group * args.new_tokens / times[shared]
             speedup = f"{times[False] / times[shared]:.2f}x" if shared else "1.00x"
             print(f"| {prompt_tokens} | {label} | {times[shared]:.3f} | {rate:.0f} | {speedup} |")
+    long, short = args.tail_tokens
+    print(f"\nlong tail: {args.group} rows of one 64-token prompt; median of {args.repeats}")
+    print("| rows x new tokens | generated tokens | seconds | generated tokens / s |")
+    print("|---|---|---|---|")
+    rng = random.Random(1)
+    for lengths in ([long] * args.group, [long] + [short] * (args.group - 1)):
+        seconds = statistics.median(_timed(model, rows_for(64, lengths, True, rng)) for _ in range(args.repeats))
+        label = f"{args.group} x {long}" if len(set(lengths)) == 1 else f"1 x {long} + {args.group - 1} x {short}"
+        print(f"| {label} | {sum(lengths)} | {seconds:.3f} | {sum(lengths) / seconds:.0f} |")
     return 0
+
+
+def _timed(model, rows) -> float:
+    start = time.perf_counter()
+    generate(model, rows, eos_id=0)
+    return time.perf_counter() - start
