@@ -47,6 +47,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys.shape[3]
 
+    def keep_rows(self, rows: torch.Tensor) -> "KVCache":
+        """A cache of only `rows` (a copy): decoding goes on without the rows that finished."""
+        return KVCache(self.keys[:, rows], self.values[:, rows], self.valid[rows], self.length)
+
     def take_prefix(self, prefill: "KVCache", rows: torch.Tensor) -> None:
         """Start from `prefill`'s slots, row i copying prefill row rows[i]: rows that share a prompt (a group's
         samples) share one prefill."""

@@ -82,27 +82,37 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
         generators.append(g)
     results = [RowResult(routing=[[] for _ in range(model.config.num_hidden_layers)] if r.want_routing else None)
                for r in rows]
-    routing_steps = [([layer[source] for layer in out.routing], mask)] if want_routing else []
+    # Decoding feeds only the rows in `live` (indices into `rows`); routing_steps keeps which rows each step had.
+    live = list(range(b))
+    routing_steps = [([layer[source] for layer in out.routing], mask, live)] if want_routing else []
     logits = out.logits[:, -1][source]
     next_pos = positions[:, -1] + 1
     for step in range(steps):
         # Sampling runs on the host: one copy of the logits down and one of the fed tokens up per step.
-        host_logits, fed = logits.float().cpu(), [pad_id] * b
-        for i, (r, res) in enumerate(zip(rows, results)):
+        host_logits, fed = logits.float().cpu(), [pad_id] * len(live)
+        for j, i in enumerate(live):
+            r, res = rows[i], results[i]
             if res.finished or len(res.tokens) >= r.max_tokens:
                 continue
-            token, logprob = sample(host_logits[i], r.temperature, r.top_p, generators[i])
+            token, logprob = sample(host_logits[j], r.temperature, r.top_p, generators[i])
             res.tokens.append(token)
             res.logprobs.append(logprob)
             res.finished = token == eos_id
-            fed[i] = token
-        active = [not res.finished and len(res.tokens) < r.max_tokens for r, res in zip(rows, results)]
-        if not any_active(any(active)) or step == steps - 1:
+            fed[j] = token
+        active = [j for j, i in enumerate(live)
+                  if not results[i].finished and len(results[i].tokens) < rows[i].max_tokens]
+        if not any_active(bool(active)) or step == steps - 1:
             break
-        out = model(torch.tensor(fed, device=device)[:, None], positions=next_pos[:, None], kv_cache=cache,
-                    return_routing=want_routing)
+        if len(active) <= len(live) // 2:
+            # Drop the finished rows once they are half the batch: each copy of the cache is at most half the
+            # last, so the copies cost less than one more cache, while every later step computes only live rows.
+            keep = torch.tensor(active, dtype=torch.long, device=device)
+            cache, next_pos = cache.keep_rows(keep), next_pos[keep]
+            live, fed = [live[j] for j in active], [fed[j] for j in active]
+        out = model(torch.tensor(fed, dtype=torch.long, device=device)[:, None], positions=next_pos[:, None],
+                    kv_cache=cache, return_routing=want_routing)
         if want_routing:
-            routing_steps.append((out.routing, torch.ones(b, 1, dtype=torch.bool)))
+            routing_steps.append((out.routing, torch.ones(len(live), 1, dtype=torch.bool), live))
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     if want_routing:
@@ -111,14 +121,15 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
 
 
 def _collect_routing(rows: list[Row], results: list[RowResult], steps) -> None:
-    """Keep, per row, the routing of the positions the trainer will feed: its prompt and completion[:-1]."""
-    for i, (r, res) in enumerate(zip(rows, results)):
-        if not r.want_routing:
-            continue
-        wanted = len(r.prompt) + len(res.tokens) - 1
-        for layer in range(len(res.routing)):
-            per_pos = []
-            for routing, valid in steps:
-                ids = routing[layer][i][valid[i].cpu()]
-                per_pos.extend(ids.tolist())
-            res.routing[layer] = per_pos[:wanted]
+    """Keep, per row, the routing of the positions the trainer will feed: its prompt and completion[:-1]. Each
+    step's ids come to the host once, as one tensor."""
+    for routing, valid, live in steps:
+        ids, valid = torch.stack(routing).cpu(), valid.cpu()  # [layers, live rows, positions, k]
+        for j, i in enumerate(live):
+            if rows[i].want_routing:
+                for layer, kept in enumerate(ids[:, j][:, valid[j]].tolist()):
+                    results[i].routing[layer].extend(kept)
+    for r, res in zip(rows, results):
+        if r.want_routing:
+            wanted = len(r.prompt) + len(res.tokens) - 1
+            res.routing = [layer[:wanted] for layer in res.routing]
