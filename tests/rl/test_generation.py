@@ -37,3 +37,24 @@ def test_the_generation_benchmark_prints_its_table(capsys):
     assert main(["--group", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["2 distinct", "1 shared"]
+
+
+def test_sampling_follows_the_scaled_distribution_cut_to_top_p_and_reports_the_uncut_logprob():
+    from moe_rl_eks.workloads.rl.generation import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(3, 1)
+    rows = [Row([1], 1, 1.0, 1.0, None), Row([1], 1, 1.0, 0.7, None), Row([1], 1, 0.0, 1.0, None)]
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    counts = torch.zeros(3, 4)
+    for _ in range(4000):
+        tokens, logprobs = sample(logits, rows, gens)
+        for row, token in enumerate(tokens):
+            counts[row, token] += 1
+        assert logprobs == pytest.approx([float(logits[0, t]) for t in tokens], abs=1e-6)  # temperature 1: log p
+    freq = counts / counts.sum(1, keepdim=True)
+    assert freq[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.03)
+    assert freq[1].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.03)  # top-p 0.7 keeps 0.5 + 0.3
+    assert freq[2].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy
+    hot, _ = sample(logits[:1] * 0 + torch.tensor([[0.0, 1.0, 0.0, 0.0]]), [Row([1], 1, 0.25, 1.0, 0)],
+                    [torch.Generator().manual_seed(0)])
+    assert hot == [1]  # a low temperature sharpens towards the largest logit

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -27,7 +28,7 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_a
 def rows_for(prompt_tokens: int, lengths: list[int], shared: bool, rng: random.Random) -> list[Row]:
     """One row per entry of `lengths` (its new tokens), all of one prompt or each of its own."""
     def prompt():
-        return [rng.randrange(3, MODEL.vocab_size) for _ in range(prompt_tokens)]
+        return [rng.randrange(3, 2048) for _ in range(prompt_tokens)]  # within every --vocab
 
     one = prompt()
     # eos id 0 never comes up (vocabulary from 3), so every row decodes exactly its length
@@ -40,14 +41,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=MODEL.vocab_size,
+                        help="vocabulary size (151936 is Qwen3's: sampling's share of the cost grows with it)")
     parser.add_argument("--tail-tokens", type=int, nargs=2, default=[64, 8], metavar=("LONG", "SHORT"),
                         help="long tail: one row decodes LONG tokens, the others SHORT")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = MoETransformer(MODEL).eval()
+    config = dataclasses.replace(MODEL, vocab_size=args.vocab)
+    model = MoETransformer(config).eval()
     print(f"model: {MODEL.num_hidden_layers} layers, hidden {MODEL.hidden_size}, {MODEL.num_experts} experts top-"
-          f"{MODEL.num_experts_per_tok}, float32, 1 CPU thread; {args.group} rows, {args.new_tokens} new tokens each; "
+          f"{MODEL.num_experts_per_tok}, vocabulary {args.vocab}, float32, 1 CPU thread; {args.group} rows, {args.new_tokens} new tokens each; "
           f"median of {args.repeats}")
     print("| prompt tokens | prompts | seconds | rows x new tokens / s | speed-up |")
     print("|---|---|---|---|---|")

@@ -30,21 +30,28 @@ class RowResult:
     routing: list[list[list[int]]] | None = None
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-           ) -> tuple[int, float]:
-    """logits [V] -> (token, its log-probability under the temperature-scaled distribution before top-p).
-    The trainer scores tokens under that same distribution. temperature 0 = greedy (logprob at temperature 1)."""
-    if temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits.float(), -1)[token])
-    logp = torch.log_softmax(logits.float() / temperature, -1)
+def sample(logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """logits [B, V] -> per row (token, its log-probability under the temperature-scaled distribution before
+    top-p); the trainer scores tokens under that same distribution. temperature 0 = greedy (logprob at
+    temperature 1). One pass over the batch on the logits' device; a row's only randomness is one uniform from
+    its own seeded generator (inverse-CDF sampling), so its draw does not depend on the other rows."""
+    logits = logits.float()
+    device = logits.device
+    temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=device)[:, None]
+    logp = torch.log_softmax(logits / temperature, -1)
     probs = logp.exp()
-    if top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logp[token])
+    if any(r.top_p < 1 for r in rows):  # keep the smallest prefix of the sorted distribution whose mass reaches top_p
+        top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
+        sorted_p, order = probs.sort(-1, descending=True)
+        kept = (sorted_p.cumsum(-1) - sorted_p < top_p) | (top_p >= 1)
+        # The cut is applied in vocabulary order, so a row's draw does not depend on whether others needed one.
+        probs = probs * torch.zeros_like(kept).scatter(-1, order, kept)
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([float(torch.rand(1, generator=g)) for g in generators], device=device)[:, None]
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=logits.shape[-1] - 1)
+    greedy = torch.tensor([r.temperature == 0 for r in rows], device=device)[:, None]
+    tokens = torch.where(greedy, logits.argmax(-1, keepdim=True), tokens)
+    return tokens[:, 0].tolist(), logp.gather(-1, tokens)[:, 0].tolist()
 
 
 @torch.no_grad()
@@ -88,17 +95,18 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
     logits = out.logits[:, -1][source]
     next_pos = positions[:, -1] + 1
     for step in range(steps):
-        # Sampling runs on the host: one copy of the logits down and one of the fed tokens up per step.
-        host_logits, fed = logits.float().cpu(), [pad_id] * len(live)
-        for j, i in enumerate(live):
-            r, res = rows[i], results[i]
-            if res.finished or len(res.tokens) >= r.max_tokens:
-                continue
-            token, logprob = sample(host_logits[j], r.temperature, r.top_p, generators[i])
-            res.tokens.append(token)
-            res.logprobs.append(logprob)
-            res.finished = token == eos_id
-            fed[j] = token
+        # The live rows still decoding sample together on the device; their tokens and logprobs come down once.
+        fed = [pad_id] * len(live)
+        todo = [j for j, i in enumerate(live) if not results[i].finished and len(results[i].tokens) < rows[i].max_tokens]
+        if todo:
+            picked = logits if len(todo) == len(live) else logits[torch.tensor(todo, device=device)]
+            tokens, logprobs = sample(picked, [rows[live[j]] for j in todo], [generators[live[j]] for j in todo])
+            for j, token, logprob in zip(todo, tokens, logprobs):
+                res = results[live[j]]
+                res.tokens.append(token)
+                res.logprobs.append(logprob)
+                res.finished = token == eos_id
+                fed[j] = token
         active = [j for j, i in enumerate(live)
                   if not results[i].finished and len(results[i].tokens) < rows[i].max_tokens]
         if not any_active(bool(active)) or step == steps - 1:
