@@ -40,15 +40,17 @@ def test_no_new_request_beyond_the_staleness_budget(tmp_path):
     # synchronous: while the trainer is at version 0, only step 0's two groups may be outstanding
     complete(orch, 0, 0)
     orch.in_flight["p1"] = Attempt(1, 0.0)
-    assert not orch._may_issue()
+    assert orch._issuable() == 0
     orch.trainer_version = 1
-    assert orch._may_issue()
+    assert orch._issuable() == 2  # step 1's two groups
+    orch.retry.append("p1")  # a request no server is working on goes out again, budget or not
+    assert orch._issuable() == 3
     async_orch = orchestrator(tmp_path, orchestrator={"max_staleness": 2})
     for i in range(5):
         async_orch.in_flight[f"p{i}"] = Attempt(i, 0.0)
-    assert async_orch._may_issue()  # (0 + 2 + 1) x 2 = 6 > 5
+    assert async_orch._issuable() == 1  # (0 + 2 + 1) x 2 = 6, 5 outstanding
     async_orch.in_flight["p5"] = Attempt(5, 0.0)
-    assert not async_orch._may_issue()
+    assert async_orch._issuable() == 0
 
 
 def test_dynamic_sampling_filters_groups_whose_rewards_do_not_vary(tmp_path):

@@ -15,7 +15,7 @@ from moe_rl_eks.core.schema import parse
 from ..moe.backends import get_compute
 from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import MoEBlock
-from ..moe.parallel import ExpertParallel
+from ..moe.parallel import ExpertParallel, local_experts
 from ..moe.router import balance_bias_step
 
 
@@ -247,8 +247,12 @@ class MoETransformer(nn.Module):
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""
-        mine = self.ep.local_experts(self.config.num_experts) if self.ep is not None and self.ep.size > 1 else None
-        self.load_state_dict(expert_slice(state, mine), strict=True)
+        self.load_state_dict(expert_slice(state, local_experts(self.ep, self.config.num_experts)), strict=True)
+
+
+def weights_dtype(config: ModelConfig) -> torch.dtype:
+    """The dtype a model's weights are published and served in (its config's `dtype`)."""
+    return getattr(torch, config.dtype)
 
 
 def expert_slice(state: dict[str, torch.Tensor], experts: range | None) -> dict[str, torch.Tensor]:

@@ -15,6 +15,11 @@ from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, through_h
 log = logging.getLogger(__name__)
 
 
+def local_experts(ep: "ExpertParallel | None", num_experts: int) -> range | None:
+    """The experts this rank holds under `ep`; None (all of them) without expert parallelism."""
+    return ep.local_experts(num_experts) if ep is not None and ep.size > 1 else None
+
+
 class ExpertParallel:
     """The EP process group and the resolved backend (core.run.resolve_run picks it once per run; see
     core/ep_backends.py). Every rank of `group` holds E / R experts in contiguous order; non-expert weights are

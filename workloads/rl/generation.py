@@ -94,10 +94,14 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
     routing_steps = [([layer[source] for layer in out.routing], mask, live)] if want_routing else []
     logits = out.logits[:, -1][source]
     next_pos = positions[:, -1] + 1
+
+    def decoding(i: int) -> bool:
+        return not results[i].finished and len(results[i].tokens) < rows[i].max_tokens
+
     for step in range(steps):
         # The live rows still decoding sample together on the device; their tokens and logprobs come down once.
         fed = [pad_id] * len(live)
-        todo = [j for j, i in enumerate(live) if not results[i].finished and len(results[i].tokens) < rows[i].max_tokens]
+        todo = [j for j, i in enumerate(live) if decoding(i)]
         if todo:
             picked = logits if len(todo) == len(live) else logits[torch.tensor(todo, device=device)]
             tokens, logprobs = sample(picked, [rows[live[j]] for j in todo], [generators[live[j]] for j in todo])
@@ -107,8 +111,7 @@ def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 
                 res.logprobs.append(logprob)
                 res.finished = token == eos_id
                 fed[j] = token
-        active = [j for j, i in enumerate(live)
-                  if not results[i].finished and len(results[i].tokens) < rows[i].max_tokens]
+        active = [j for j in todo if decoding(live[j])]
         if not any_active(bool(active)) or step == steps - 1:
             break
         if len(active) <= len(live) // 2:

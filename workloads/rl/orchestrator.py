@@ -1,8 +1,8 @@
 """Orchestrator: drives the rollout servers, scores completions, forms groups and batches, bounds staleness,
 and feeds the trainers.
 
-- Spreads requests over every healthy endpoint (least in flight first, none beyond its fair share); each request has a deadline and is
-  re-sent elsewhere when its server fails or times out, and hedged on a second server when it straggles. A
+- Spreads requests over every healthy endpoint (least in flight first, none beyond its fair share); each
+  request has a deadline and is re-sent elsewhere when its server fails or times out, and hedged on a second server when it straggles. A
   request id completes once: a late duplicate is ignored. Request seeds derive from the prompt index, so a
   retried request yields the same completions.
 - Bounded staleness (AReaL's rule): no new request while consumed + buffered + in flight groups would exceed
@@ -148,8 +148,9 @@ class Orchestrator:
     def _budget(self) -> int:
         return (self.trainer_version + self.cfg.max_staleness + 1) * self.run.rl.training.prompts_per_step
 
-    def _may_issue(self) -> bool:
-        return self._outstanding() < self._budget() or bool(self.retry)
+    def _issuable(self) -> int:
+        """Requests that may go out now: retries, and new prompts the staleness budget allows."""
+        return len(self.retry) + max(0, self._budget() - self._outstanding())
 
     def queue_depth(self) -> int:
         """Requests in flight plus those the staleness budget allows but no server has room for: the demand the
@@ -172,9 +173,7 @@ class Orchestrator:
         if not ready:
             return None
         healthy = [s for s in self.servers.values() if s.healthy]
-        demand = (sum(s.in_flight for s in healthy) + len(self.retry)
-                  + max(0, self._budget() - self._outstanding()))
-        share = -(-demand // len(healthy))
+        share = -(-(sum(s.in_flight for s in healthy) + self._issuable()) // len(healthy))
         return ready[0] if ready[0].in_flight < share else None
 
     def _dispatch_loop(self) -> None:
@@ -186,7 +185,7 @@ class Orchestrator:
                 self.lock.wait(timeout=0.2)
 
     def _issue_new(self) -> None:
-        while self.published is not None and self._may_issue():
+        while self.published is not None and self._issuable():
             server = self._next_server()
             if server is None:
                 return

@@ -20,13 +20,18 @@ import torch.distributed as dist
 from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
+from ..model.transformer import weights_dtype
 from ..model.checkpoint import load_hf
-from ..moe.parallel import ExpertParallel
+from ..moe.parallel import ExpertParallel, local_experts
 from .generation import Row, RowResult, generate
 
 log = logging.getLogger(__name__)
 # The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+class SwapRefused(RuntimeError):
+    """A weight version every rank refused together (some rank could not read or fit it)."""
 
 
 class Replica:
@@ -60,8 +65,7 @@ class Replica:
     def begin_read(self, version: int, path: str) -> Future:
         """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
         self._tell("begin_read", version, path)
-        experts = self.ep.local_experts(self.run.model.num_experts) if self.size > 1 else None
-        read = self._reader.submit(load_hf, path, experts=experts)
+        read = self._reader.submit(load_hf, path, experts=local_experts(self.ep, self.run.model.num_experts))
         self._reading = (version, read)
         return read
 
@@ -80,10 +84,9 @@ class Replica:
         self._reading = None
         errors = [e for e in self._all(error) if e]
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise SwapRefused("; ".join(errors))
         model.load_state_dict(state)
-        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
-        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.model = model.to(device=self.device, dtype=weights_dtype(config)).eval()
         self.version = version
 
     def generate(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
@@ -153,5 +156,5 @@ def follow(replica: Replica) -> None:
             return
         try:
             getattr(replica, op)(*args)
-        except RuntimeError as exc:  # a swap every rank refused together; rank 0 reports it to the loader
+        except SwapRefused as exc:  # refused on every rank alike; rank 0 reports it to the loader
             log.warning("rank %d: %s failed: %s", replica.rank, op, exc)

@@ -29,9 +29,9 @@ from moe_rl_eks.core.cluster import TRAINER_METRICS_PORT
 from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
-from ..model.transformer import expert_slice
 from ..model.checkpoint import load_hf, save_hf
-from ..moe.parallel import ExpertParallel
+from ..model.transformer import expert_slice, weights_dtype
+from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
 from .algorithms import gae, terminal_rewards
 from .losses import PolicyBatch, policy_loss, token_logprobs_and_entropy, value_loss
@@ -98,7 +98,7 @@ class Trainer:
         self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                   device=str(self.device)) if world > 1 else None)
         torch.manual_seed(self.cfg.seed)
-        state = initial_weights(run, self.ep.local_experts(run.model.num_experts) if self.ep else None)
+        state = initial_weights(run, local_experts(self.ep, run.model.num_experts))
         self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
         self.model.load_state_dict(state)
         self.model.to(self.device)
@@ -253,8 +253,7 @@ class Trainer:
     def publish(self, version: int) -> None:
         start = time.monotonic()
         # Published in the model's serving dtype; the trainer keeps float32 master weights.
-        dtype = torch.bfloat16 if self.run.model.dtype == "bfloat16" else torch.float32
-        state = self.model.gather_state(dtype)  # collective; the state on rank 0 only
+        state = self.model.gather_state(weights_dtype(self.run.model))  # collective; the state on rank 0 only
         if self.rank == 0:
             with tempfile.TemporaryDirectory(dir=self.out) as staging:
                 save_hf(state, self.run.model, staging)
