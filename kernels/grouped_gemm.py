@@ -1,186 +1,237 @@
 """Grouped GEMMs over an expert-sorted batch, with the SwiGLU activation fused, forward and backward.
 
-Rows of expert e are the contiguous block [offset_e, offset_e + count_e) of the sorted batch. Each program of the
-row-grouped kernel finds its expert and row tile from `counts` alone (a cumulative sum over at most a few hundred
-experts, in registers), so no tile schedule is built on the host and nothing synchronises with it. The grid is
-the upper bound cdiv(N, BM) + E tiles; programs past the real tile count return at once. Weight gradients
-reduce over each expert's rows in a second kernel, one program per (expert, output tile); empty experts get 0.
+Rows of expert e are the contiguous block [offset_e, offset_e + count_e) of the sorted batch. The row-grouped
+kernel is persistent (one program per multiprocessor) and finds each tile's expert and rows from `counts` alone (a
+cumulative sum over at most a few hundred experts, in registers), so no tile schedule is built on the host and
+nothing synchronises with it. Weight gradients reduce over each expert's rows in a second kernel, one program
+per (expert, output tile); empty experts get 0. Operands are read through TMA descriptors (Hopper's bulk tensor
+copies), which also zero-fill past a tensor's bounds.
 
 Forward:  gate_up = x @ w13[e]^T  (kept for backward),  act = silu(gate) * up,  y = act @ w2[e]^T
-Backward: d_act = dy @ w2[e] -> d_gate_up through SwiGLU (fused epilogue),  dx = d_gate_up @ w13[e],
+Backward: d_act = dy @ w2[e] -> d_gate_up through SwiGLU (its own pass),  dx = d_gate_up @ w13[e],
           dw2[e] = dy_e^T @ act_e,  dw13[e] = d_gate_up_e^T @ x_e
 bf16 operands, fp32 accumulation and activation arithmetic.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton import INTERPRET, check_device, dot_acc, next_pow2
 
-_PLAIN, _SWIGLU_FWD, _SWIGLU_BWD = 0, 1, 2
+ROW_ALIGN_BYTES = 16  # a TMA descriptor's row stride must be a multiple of 16 bytes
+# Row tiles of one expert that sweep its columns together; smaller under the interpreter so that CPU tests, whose
+# experts have a handful of 16-row tiles, cover full and partial groups.
+GROUP_M = 2 if INTERPRET else 8
 
 
-def _configs(wide_ok: bool) -> list[triton.Config]:
+def _set_blocks(nargs):
+    """Tensor descriptors carry their tile shape, which is the autotuned config's: set it before each launch."""
+    bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
+    if "B_NK" in nargs:  # the row-grouped kernel
+        nargs["a_desc"].block_shape = [bm, bk]
+        nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
+    else:  # the weight-gradient kernel reads both operands as [rows, features] tiles
+        nargs["a_desc"].block_shape = [bk, bm]
+        nargs["b_desc"].block_shape = [bk, bn]
+
+
+def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
+    """Tile shapes to autotune over. For the persistent kernel also FLATTEN: whether the tile loop and the K loop
+    are pipelined as one, so the next tile's loads overlap this tile's epilogue. It paid for the plain products
+    and cost the gate/up product a quarter of its time on the H200 (kernels/BENCHMARKS.md), so it is tuned."""
     if INTERPRET:  # small tiles so CPU tests cover partial and multi-tile experts at small shapes
-        return [triton.Config({"BM": 16, "BN": 16, "BK": 16}, num_warps=4, num_stages=1)]
-    configs = [
-        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=4),
-        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
-    ]
+        flat = {"FLATTEN": False} if persistent else {}
+        return [triton.Config({"BM": 16, "BN": 16, "BK": 16, **flat}, num_warps=4, num_stages=1,
+                              pre_hook=_set_blocks)]
+    shapes = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
     if wide_ok:  # the fused gate/up kernel already holds two BN-wide accumulators
-        configs += [triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
-                    triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=4),
-                    triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=8, num_stages=3)]
+        shapes += [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
     else:
-        configs += [triton.Config({"BM": 128, "BN": 64, "BK": 64}, num_warps=4, num_stages=4),
-                    triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=5)]
+        shapes += [(128, 64, 64, 4, 4), (64, 128, 64, 4, 5)]
+    configs = []
+    for i, (bm, bn, bk, w, s) in enumerate(shapes):
+        for flatten in ((False, True) if persistent and bm == 128 and w == 8 else (False,)):
+            tile = {"BM": bm, "BN": bn, "BK": bk, **({"FLATTEN": flatten} if persistent else {})}
+            configs.append(triton.Config(tile, num_warps=w, num_stages=s, pre_hook=_set_blocks))
     return configs
 
 
 @triton.jit
-def _expert_tile(counts_ptr, pid_m, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr):
-    """Flat M-tile index -> (expert, first row of the tile, end row of the expert, number of real tiles)."""
+def _expert_tile(counts_ptr, tile, num_n, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Flat output-tile index -> (expert, first row, expert's end row, column tile). Tiles are numbered expert by
+    expert; inside an expert, GROUP_M row tiles sweep the columns together so the expert's weight tiles are
+    reused from L2 while they are hot (an expert's weights can exceed L2: 58 MB at DeepSeek-V3's shape)."""
     ecols = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + ecols, mask=ecols < E, other=0).to(tl.int32)
-    tiles = (counts + BM - 1) // BM
-    tile_end = tl.cumsum(tiles, 0)
+    m_tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(m_tiles * num_n, 0)
     row_end = tl.cumsum(counts, 0)
-    e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
+    e = tl.sum((tile_end <= tile).to(tl.int32), 0)
     this = ecols == e
-    first_tile = tl.sum(tl.where(this, tile_end - tiles, 0), 0)
+    local = tile - tl.sum(tl.where(this, tile_end - m_tiles * num_n, 0), 0)
+    expert_tiles = tl.sum(tl.where(this, m_tiles, 0), 0)
     expert_end = tl.sum(tl.where(this, row_end, 0), 0)
     expert_start = expert_end - tl.sum(tl.where(this, counts, 0), 0)
-    return e, expert_start + (pid_m - first_tile) * BM, expert_end, tl.sum(tiles, 0)
-
-
-_EVEN = {"EVEN_K": lambda args: args["K"] % args["BK"] == 0, "EVEN_N": lambda args: args["N_OUT"] % args["BN"] == 0}
+    group = GROUP_M * num_n
+    first_m = (local // group) * GROUP_M
+    group_m = tl.minimum(expert_tiles - first_m, GROUP_M)
+    pid_m = first_m + (local % group) % group_m
+    pid_n = (local % group) // group_m
+    return e, expert_start + pid_m * BM, expert_end, pid_n
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, aux_ptr, counts_ptr, N_ROWS, N_OUT, K,
-                         stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_auxm, up_offset,
-                         E: tl.constexpr, BLOCK_E: tl.constexpr, EPILOGUE: tl.constexpr,
-                         STORE_AUX: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+def _total_tiles(counts_ptr, num_n, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr):
+    ecols = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + ecols, mask=ecols < E, other=0).to(tl.int32)
+    return tl.sum((counts + BM - 1) // BM, 0) * num_n
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_desc, b_desc, c_ptr, aux_ptr, counts_ptr, N_OUT, K, B_ROWS, stride_cm, stride_auxm,
+                         E: tl.constexpr, BLOCK_E: tl.constexpr, SWIGLU: tl.constexpr, STORE_AUX: tl.constexpr,
+                         B_NK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """C[rows of e] = epilogue(A[rows of e] @ B[e]), B[e][k, n] at b_ptr + e*stride_be + n*stride_bn + k*stride_bk.
-    EPILOGUE _SWIGLU_FWD: a second product with B rows shifted by up_offset gives `up`; C = silu(gate) * up and,
-    if STORE_AUX, aux = [gate | up]. EPILOGUE _SWIGLU_BWD: acc is d_act; aux holds [gate | up]; C = [d_gate | d_up]."""
-    pid = tl.program_id(0)
+    """C[rows of e] = epilogue(A[rows of e] @ B_e). B is a 2-D descriptor over all experts' weights, B_ROWS rows
+    per expert: stored [E*N, K] (B_NK, read as tiles [BN, BK] and transposed) or [E*K, N] (tiles [BK, BN]).
+    SWIGLU: a second product with B rows N_OUT further down gives `up`; C = silu(gate) * up and, if STORE_AUX,
+    aux = [gate | up].
+
+    Persistent: each program walks output tiles with a stride of the grid. Loads go through TMA. A tile's rows past its expert, and
+    columns past N_OUT, read other experts' data and are masked at the store; columns past K are zero-filled
+    (A's by the descriptor's bounds, so B's rows there, which may belong to the next expert, add 0)."""
     num_n = tl.cdiv(N_OUT, BN)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e, row0, row_end, total_tiles = _expert_tile(counts_ptr, pid_m, E, BLOCK_E, BM)
-    if pid_m >= total_tiles:
-        return
-    rows = row0 + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    # Rows past this expert and columns past N_OUT load valid memory and are masked at the store, which keeps
-    # the inner loop free of row/column masks. Clamping columns hides their contiguity from the compiler (scalar
-    # loads when B is contiguous along n: 20x slower backward), so it is done only for a ragged last tile.
-    rows_in = tl.minimum(rows, N_ROWS - 1).to(tl.int64)
-    cols_in = cols if EVEN_N else tl.minimum(cols, N_OUT - 1)
-    a_ptrs = a_ptr + rows_in[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + cols_in[None, :] * stride_bn + rk[:, None] * stride_bk
-    acc = tl.zeros((BM, BN), tl.float32)
-    acc_up = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = rk < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = dot_acc(a, b, acc)
-        if EPILOGUE == 1:
-            if EVEN_K:
-                b_up = tl.load(b_ptrs + up_offset)
+    total = _total_tiles(counts_ptr, num_n, E, BLOCK_E, BM)
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        e, row0, row_end, pid_n = _expert_tile(counts_ptr, tile, num_n, E, BLOCK_E, BM, GROUP_M)
+        col0 = pid_n * BN
+        b_row = e * B_ROWS
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc_up = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            a = a_desc.load([row0, k0])
+            if B_NK:
+                b = b_desc.load([b_row + col0, k0]).T
             else:
-                b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
-            acc_up = dot_acc(a, b_up, acc_up)
-        a_ptrs += BK
-        b_ptrs += BK * stride_bk
+                b = b_desc.load([b_row + k0, col0])
+            acc = dot_acc(a, b, acc)
+            if SWIGLU:
+                acc_up = dot_acc(a, b_desc.load([b_row + N_OUT + col0, k0]).T, acc_up)
 
-    out_rows = rows.to(tl.int64)[:, None]
-    mask = (rows < row_end)[:, None] & (cols < N_OUT)[None, :]
-    c_ptrs = c_ptr + out_rows * stride_cm + cols[None, :]
-    if EPILOGUE == 0:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-    elif EPILOGUE == 1:
-        if STORE_AUX:
-            aux_ptrs = aux_ptr + out_rows * stride_auxm + cols[None, :]
-            tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=mask)
-            tl.store(aux_ptrs + N_OUT, acc_up.to(aux_ptr.dtype.element_ty), mask=mask)
-        act = acc * tl.sigmoid(acc) * acc_up
-        tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        aux_ptrs = aux_ptr + out_rows * stride_auxm + cols[None, :]
-        gate = tl.load(aux_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(aux_ptrs + N_OUT, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = acc * gate * sig
-        tl.store(c_ptrs, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_ptrs + N_OUT, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+        rows = row0 + tl.arange(0, BM)
+        cols = col0 + tl.arange(0, BN)
+        out_rows = rows.to(tl.int64)[:, None]
+        mask = (rows < row_end)[:, None] & (cols < N_OUT)[None, :]
+        c_ptrs = c_ptr + out_rows * stride_cm + cols[None, :]
+        if not SWIGLU:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            if STORE_AUX:
+                aux_ptrs = aux_ptr + out_rows * stride_auxm + cols[None, :]
+                tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=mask)
+                tl.store(aux_ptrs + N_OUT, acc_up.to(aux_ptr.dtype.element_ty), mask=mask)
+            act = acc * tl.sigmoid(acc) * acc_up
+            tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-_KEY = ["N_OUT", "K", "EPILOGUE"]
-_with_even = triton.heuristics(_EVEN)(_grouped_gemm_kernel)
-_gemm_swiglu = triton.autotune(_configs(wide_ok=False), key=_KEY)(_with_even)
-_gemm_plain = triton.autotune(_configs(wide_ok=True), key=_KEY)(_with_even)
+_KEY = ["N_OUT", "K", "SWIGLU", "B_NK"]
+_gemm_swiglu = triton.autotune(_configs(wide_ok=False, persistent=True), key=_KEY)(_grouped_gemm_kernel)
+_gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY)(_grouped_gemm_kernel)
 
 
-@triton.autotune(_configs(wide_ok=True), key=["M_OUT", "N_OUT"])
-@triton.heuristics({"EVEN_MN": lambda args: args["M_OUT"] % args["BM"] == 0 and args["N_OUT"] % args["BN"] == 0})
 @triton.jit
-def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, M_OUT, N_OUT, stride_am, stride_bm, stride_ce,
-                          E: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_MN: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """C[e] = A[rows of e]^T @ B[rows of e]: A [N, M_OUT], B [N, N_OUT], C [E, M_OUT, N_OUT]."""
+def _swiglu_backward_kernel(d_act_ptr, gate_up_ptr, out_ptr, n_rows, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+                            BLOCK_R: tl.constexpr):
+    """[d_gate | d_up] of act = silu(gate) * up, one BLOCK_R x WIDTH row block per program, fp32 arithmetic.
+    Its own pass rather than the d_act product's epilogue: there, loading gate and up stalled every tile (no
+    other work hides the loads in a non-specialised kernel) and took the product to half its dense rate."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_W)[None, :]
+    mask = (rows < n_rows) & (cols < WIDTH)
+    d_act = tl.load(d_act_ptr + rows * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + rows * (2 * WIDTH) + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + rows * (2 * WIDTH) + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = d_act * gate * sig
+    tl.store(out_ptr + rows * (2 * WIDTH) + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * (2 * WIDTH) + WIDTH + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _swiglu_backward(d_act, gate_up):
+    n, width = d_act.shape
+    out = torch.empty(n, 2 * width, device=d_act.device, dtype=d_act.dtype)
+    block_w = next_pow2(width)
+    block_r = max(1, 4096 // block_w)  # about 4096 elements of each operand per program
+    _swiglu_backward_kernel[(triton.cdiv(n, block_r),)](d_act, gate_up, out, n, WIDTH=width, BLOCK_W=block_w,
+                                                        BLOCK_R=block_r)
+    return out
+
+
+@triton.autotune(_configs(wide_ok=True, persistent=False), key=["M_OUT", "N_OUT"])
+@triton.jit
+def _grouped_wgrad_kernel(a_desc, b_desc, c_ptr, counts_ptr, M_OUT, N_OUT, stride_ce,
+                          E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """C[e] = A[rows of e]^T @ B[rows of e]: A [N, M_OUT], B [N, N_OUT], C [E, M_OUT, N_OUT]. The reduction runs
+    over the expert's rows, so only its last partial tile has rows of the next expert: they are zeroed there."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_n = tl.cdiv(N_OUT, BN)
-    rm = (pid // num_n) * BM + tl.arange(0, BM)
-    rn = (pid % num_n) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    m0 = (pid // num_n) * BM
+    n0 = (pid % num_n) * BN
     ecols = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + ecols, mask=ecols < E, other=0).to(tl.int32)
     count = tl.sum(tl.where(ecols == e, counts, 0), 0)
     start = tl.sum(tl.where(ecols < e, counts, 0), 0)
-    # both operands are contiguous along the output dims: clamp only ragged tiles (see _grouped_gemm_kernel)
-    rm_in = rm if EVEN_MN else tl.minimum(rm, M_OUT - 1)
-    rn_in = rn if EVEN_MN else tl.minimum(rn, N_OUT - 1)
+    full = count - count % BK
     acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, count, BK):
-        k_ok = k0 + rk < count
-        rows = (start + k0 + rk).to(tl.int64)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + rm_in[None, :], mask=k_ok[:, None], other=0.0)
-        b = tl.load(b_ptr + rows[:, None] * stride_bm + rn_in[None, :], mask=k_ok[:, None], other=0.0)
-        acc = dot_acc(tl.trans(a), b, acc)
+    for k0 in range(0, full, BK):
+        acc = dot_acc(a_desc.load([start + k0, m0]).T, b_desc.load([start + k0, n0]), acc)
+    if full < count:
+        k_ok = (full + tl.arange(0, BK) < count)[:, None]
+        a = a_desc.load([start + full, m0])
+        b = b_desc.load([start + full, n0])
+        acc = dot_acc(tl.where(k_ok, a, tl.zeros_like(a)).T, tl.where(k_ok, b, tl.zeros_like(b)), acc)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
     mask = (rm < M_OUT)[:, None] & (rn < N_OUT)[None, :]
     tl.store(c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * N_OUT + rn[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _grouped_gemm(kernel, a, b, b_strides, counts, n_out, epilogue, out, aux=None, store_aux=False,
-                  up_offset=0):
+def _descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """A 2-D TMA descriptor; its block shape is set per config by _set_blocks."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    # one program per multiprocessor; a few under the interpreter, so the tile loop's stride is exercised
+    return 3 if INTERPRET else torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grouped_gemm(kernel, a, b, counts, n_out, out, *, b_nk, swiglu=False, aux=None):
+    """b is [E, N, K] (b_nk) or [E, K, N], contiguous."""
     n_rows, k = a.shape
     num_experts = b.shape[0]
     if n_rows == 0:
         return out
+    programs = _programs(a.device.index or 0)
 
-    def grid(meta):
-        return ((triton.cdiv(n_rows, meta["BM"]) + num_experts) * triton.cdiv(n_out, meta["BN"]),)
+    def grid(meta):  # at most the upper bound on real tiles, cdiv(N, BM) + E row tiles per column tile
+        return (min(programs, (triton.cdiv(n_rows, meta["BM"]) + num_experts) * triton.cdiv(n_out, meta["BN"])),)
 
-    kernel[grid](a, b, out, aux if aux is not None else out, counts, n_rows, n_out, k,
-                 a.stride(0), b.stride(0), b_strides[0], b_strides[1], out.stride(0),
-                 aux.stride(0) if aux is not None else 0, up_offset,
-                 E=num_experts, BLOCK_E=next_pow2(num_experts), EPILOGUE=epilogue, STORE_AUX=store_aux)
+    kernel[grid](_descriptor(a), _descriptor(b.view(-1, b.shape[2])), out, aux if aux is not None else out, counts,
+                 n_out, k, b.shape[1], out.stride(0), aux.stride(0) if aux is not None else 0,
+                 E=num_experts, BLOCK_E=next_pow2(num_experts), SWIGLU=swiglu, STORE_AUX=aux is not None, B_NK=b_nk,
+                 GROUP_M=GROUP_M)
     return out
 
 
@@ -194,7 +245,7 @@ def _grouped_wgrad(a, b, counts, num_experts, dtype):
     def grid(meta):
         return (triton.cdiv(m_out, meta["BM"]) * triton.cdiv(n_out, meta["BN"]), num_experts)
 
-    _grouped_wgrad_kernel[grid](a, b, out, counts, m_out, n_out, a.stride(0), b.stride(0), out.stride(0),
+    _grouped_wgrad_kernel[grid](_descriptor(a), _descriptor(b), out, counts, m_out, n_out, out.stride(0),
                                 E=num_experts, BLOCK_E=next_pow2(num_experts))
     return out
 
@@ -206,11 +257,10 @@ class _SwiGLUExperts(torch.autograd.Function):
         width = w2.shape[2]
         act = torch.empty(n, width, device=x.device, dtype=x.dtype)
         gate_up = torch.empty(n, 2 * width, device=x.device, dtype=x.dtype) if training else None
-        # w13[e] as B[k, n] = w13[e, n, k]; up rows start `width` rows further down
-        _grouped_gemm(_gemm_swiglu, x, w13, (w13.stride(1), w13.stride(2)), counts, width, _SWIGLU_FWD, act,
-                      aux=gate_up, store_aux=training, up_offset=width * w13.stride(1))
+        # w13[e] is [2I, h] = [N, K]: gate rows first, up rows `width` further down
+        _grouped_gemm(_gemm_swiglu, x, w13, counts, width, act, b_nk=True, swiglu=True, aux=gate_up)
         y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-        _grouped_gemm(_gemm_plain, act, w2, (w2.stride(1), w2.stride(2)), counts, hidden, _PLAIN, y)
+        _grouped_gemm(_gemm_plain, act, w2, counts, hidden, y, b_nk=True)
         ctx.save_for_backward(x, counts, w13, w2, gate_up, act)
         return y
 
@@ -220,14 +270,13 @@ class _SwiGLUExperts(torch.autograd.Function):
         dy = dy.contiguous()
         n, hidden = x.shape
         num_experts, width = w2.shape[0], w2.shape[2]
-        d_gate_up = torch.empty(n, 2 * width, device=x.device, dtype=x.dtype)
-        # w2[e] as B[k, n] = w2[e, k, n]
-        _grouped_gemm(_gemm_plain, dy, w2, (w2.stride(2), w2.stride(1)), counts, width, _SWIGLU_BWD, d_gate_up,
-                      aux=gate_up)
+        # w2[e] is [h, I] = [K, N] here
+        d_act = _grouped_gemm(_gemm_plain, dy, w2, counts, width, torch.empty_like(act), b_nk=False)
+        d_gate_up = _swiglu_backward(d_act, gate_up)
         dx = dw13 = dw2 = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-            _grouped_gemm(_gemm_plain, d_gate_up, w13, (w13.stride(2), w13.stride(1)), counts, hidden, _PLAIN, dx)
+            _grouped_gemm(_gemm_plain, d_gate_up, w13, counts, hidden, dx, b_nk=False)
         if ctx.needs_input_grad[2]:
             dw13 = _grouped_wgrad(d_gate_up, x, counts, num_experts, w13.dtype)
         if ctx.needs_input_grad[3]:
@@ -249,6 +298,10 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tens
                          f"w13 {tuple(w13.shape)} (want [E, 2I, h]), w2 {tuple(w2.shape)} (want [E, h, I])")
     if not (x_sorted.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"experts dtypes must match: x_sorted {x_sorted.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    align = ROW_ALIGN_BYTES // x_sorted.element_size()
+    if hidden % align or two_width // 2 % align:
+        raise ValueError(f"experts reads rows through TMA, which needs {ROW_ALIGN_BYTES}-byte rows: hidden "
+                         f"{hidden} and width {two_width // 2} must be multiples of {align} for {x_sorted.dtype}")
     # autograd disables grad mode inside forward, so whether to keep gate_up for backward is decided here
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w13, w2))
     return _SwiGLUExperts.apply(x_sorted.contiguous(), counts.contiguous(), w13.contiguous(), w2.contiguous(),
