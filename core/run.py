@@ -137,6 +137,11 @@ class RolloutConfig:
         return self.max_servers > self.min_servers
 
 
+# The triton MoE kernels' rows must be 16-byte multiples: 8 bfloat16 values (kernels/grouped_gemm.py checks the
+# tensors it gets; this refuses a run before anything starts). Stated here because core never imports kernels.
+TRITON_ROW_MULTIPLE = 8
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str
@@ -159,6 +164,12 @@ class RunConfig:
         if self.rl.algorithm.group_size > s.max_n:
             fail("rl.algorithm.group_size", self.rl.algorithm.group_size,
                  f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")
+        if self.moe_compute == "triton":
+            for name in ("hidden_size", "moe_intermediate_size"):
+                size = getattr(self.model, name)
+                if size % TRITON_ROW_MULTIPLE:
+                    fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with moe_compute: triton "
+                         "(its kernels read expert rows through TMA, which needs rows of 16-byte multiples)")
         if self.model.num_experts % self.rollout.gpus_per_server:
             fail("rollout.gpus_per_server", self.rollout.gpus_per_server,
                  f"must divide model.num_experts ({self.model.num_experts}): a server splits the experts evenly "

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 
@@ -174,7 +176,36 @@ def ceilings() -> dict:
     return {"dense_tflops": 2 * 8192 ** 3 / mm_ms / 1e9, "copy_gbs": 2 * src.numel() * 4 / copy_ms / 1e6}
 
 
-def bench_backend(name: str, compute, shape: Shape, inp: dict) -> dict:
+def kernel_times(fn) -> list[tuple[str, float]]:
+    """(kernel name, ms) of each kernel one call of fn launches, in launch order, from torch.profiler's trace."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    return [(e["name"].split("(")[0][:48], e["dur"] / 1000) for e in sorted(events, key=lambda e: e["ts"])]
+
+
+def dense_equivalents(shape: Shape) -> dict:
+    """ms of one cuBLAS matmul of each expert GEMM's total size (rows of all experts at once): the rate the
+    grouped kernels would reach if grouping cost nothing."""
+    n, h, i = shape.rows, shape.hidden, shape.width
+    sizes = {"gate_up x@w13^T": (n, h, 2 * i), "down act@w2^T": (n, i, h), "d_act dy@w2": (n, h, i),
+             "dx d_gate_up@w13": (n, 2 * i, h), "dw13 d_gate_up^T@x": (2 * i, n, h), "dw2 dy^T@act": (h, n, i)}
+    out = {}
+    for name, (m, k, n_) in sizes.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n_, device="cuda", dtype=torch.bfloat16)
+        out[name] = bench_ms(lambda: a @ b)
+    return out
+
+
+def bench_backend(name: str, compute, shape: Shape, inp: dict, breakdown: bool = False) -> dict:
     params = {k: inp[k].clone().requires_grad_() for k in ("x", "router", "w13", "w2")}
     extra = dict(bias=inp["bias"], offset=inp["offset"])
     leaves = list(params.values())
@@ -215,6 +246,14 @@ def bench_backend(name: str, compute, shape: Shape, inp: dict) -> dict:
         compute.experts(expert_leaves[0], counts, *expert_leaves[1:]).backward(dy_sorted)
 
     row["experts_fwdbwd_ms"] = bench_ms(experts_step, grad_to_none=expert_leaves)
+    if breakdown:
+
+        def fresh_experts_step():  # no gradient accumulation kernels in the trace
+            for t in expert_leaves:
+                t.grad = None
+            experts_step()
+
+        row["experts_fwdbwd_kernels"] = kernel_times(fresh_experts_step)
     moved = (shape.tokens + shape.rows) * shape.hidden * 2  # bf16 rows read once and written once
     row["permute_gbs"] = moved / row["permute_ms"] / 1e6
     row["unpermute_gbs"] = moved / row["unpermute_ms"] / 1e6
@@ -251,12 +290,26 @@ def table(ceil: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(results: dict) -> str:
+    lines = []
+    for r in results["rows"]:
+        if "experts_fwdbwd_kernels" in r:
+            kernels = ", ".join(f"{k} {ms:.3f}" for k, ms in r["experts_fwdbwd_kernels"])
+            lines.append(f"{r['shape']} {r['routing']} triton experts fwd+bwd kernels (ms, launch order): {kernels}")
+    for shape, dense in results.get("dense_equivalents", {}).items():
+        lines.append(f"{shape} cuBLAS on the same total sizes (ms): "
+                     + ", ".join(f"{k} {ms:.3f}" for k, ms in dense.items()))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moerl bench-kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3,dsv3", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--routing", default="balanced,skewed")
     ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="module:class of the baseline backend")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference check")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each kernel of the experts' fwd+bwd (torch.profiler) and cuBLAS on the same sizes")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             inp = make_inputs(shape, skewed=routing == "skewed", device="cuda")
             for name, compute in (("torch", baseline), ("triton", TritonCompute())):
                 try:
-                    row = bench_backend(name, compute, shape, inp)
+                    row = bench_backend(name, compute, shape, inp, breakdown=args.breakdown and name == "triton")
                 except Exception:
                     results["errors"].append(traceback.format_exc())
                     print(results["errors"][-1], flush=True)
@@ -301,8 +354,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 save()
                 torch.cuda.empty_cache()
+        if args.breakdown:
+            results.setdefault("dense_equivalents", {})[shape.name] = dense_equivalents(shape)
     save()
     print(table(results["ceilings"], results["rows"]))
+    if args.breakdown:
+        print(breakdown_table(results))
     return 1 if results["errors"] else 0
 
 

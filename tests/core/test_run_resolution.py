@@ -133,6 +133,16 @@ def test_a_rollout_server_must_split_the_experts_evenly_over_its_gpus():
     assert "must divide model.num_experts (8)" in str(err.value)
 
 
+@pytest.mark.parametrize("field,size", [("hidden_size", 36), ("moe_intermediate_size", 20)])
+def test_the_triton_compute_backend_refuses_expert_rows_its_tma_loads_cannot_read(field, size):
+    model = {**TINY.__dict__, field: size}
+    with pytest.raises(ConfigError) as err:
+        parse(RunConfig, {"name": "x", "model": model, "moe_compute": "triton"}, source="run.yaml")
+    assert err.value.field == f"model.{field}" and err.value.value == size
+    assert "multiple of 8 with moe_compute: triton" in str(err.value)
+    parse(RunConfig, {"name": "x", "model": model}, source="run.yaml")  # the torch backend takes any size
+
+
 def test_a_float32_model_on_one_gpu_node_falls_back_from_deepep_to_all_to_all():
     run = RunConfig(name="fp32", model=replace(TINY, dtype="float32"), environment="dev", **CLUSTER_READY)
     resolved = resolve_run(run, ENVS["dev"])

@@ -193,6 +193,14 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         TritonCompute().permute(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.long), 2)
 
 
+def test_experts_refuse_rows_that_are_not_16_byte_multiples():
+    counts = torch.tensor([3, 2])
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="hidden 32 and width 20 must be multiples of 8 for torch.bfloat16"):
+        TritonCompute().experts(x, counts, torch.randn(2, 40, 32, dtype=torch.bfloat16),
+                                torch.randn(2, 32, 20, dtype=torch.bfloat16))
+
+
 def test_a_rank_with_no_tokens_gets_empty_outputs_and_zero_weight_grads():
     E, k, h, width = 4, 2, 16, 16
     compute = TritonCompute()

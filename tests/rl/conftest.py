@@ -1,10 +1,22 @@
-"""Fixtures shared by the RL tests: in-process rollout servers."""
+"""Fixtures shared by the RL tests: in-process rollout servers, a one-process gloo world."""
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
+import torch.distributed as dist
 from rl_helpers import publish_initial, tiny_run
+
+
+@pytest.fixture
+def world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

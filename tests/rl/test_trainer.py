@@ -1,25 +1,13 @@
 """Trainer pieces in one process (world of 1): training tensors aligned by hand, a GRPO step and a PPO step
 (value head + GAE) that change the weights, checkpoint round trip."""
-import socket
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from rl_helpers import tiny_run
+from rl_helpers import rewarded_batch, tiny_run
 
 from moe_rl_eks.workloads.rl.trainer import (Trainer, expert_load_imbalance, resolved_backend, straggler_ratio,
                                              to_tensors)
-
-
-@pytest.fixture
-def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_training_tensors_align_completion_tokens_logprobs_and_advantages():
@@ -33,27 +21,19 @@ def test_training_tensors_align_completion_tokens_logprobs_and_advantages():
     assert t.advantages.tolist() == [[0, 0, 2, 2], [0, -1, 0, 0]]
 
 
-def batch():
-    samples = []
-    for i, (completion, reward, adv) in enumerate([([9, 2], 1.0, 1.0), ([10, 2], -1.0, -1.0)]):
-        samples.append({"id": f"p0/{i}", "prompt_ids": [1, 6, 13, 6, 16], "completion_ids": completion,
-                        "logprobs": [-2.0] * len(completion), "reward": reward, "advantage": adv, "version": 0})
-    return {"step": 0, "samples": samples, "stats": {}}
-
-
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, world_of_one, algorithm):
     run = tiny_run(tmp_path, algorithm={"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.0},
                    training={"learning_rate": 0.01})
     trainer = Trainer(run, None, rank=0, world=1)
-    t = to_tensors(batch()["samples"])
+    t = to_tensors(rewarded_batch()["samples"])
 
     def logp_of_rewarded():
         with torch.no_grad():
             logp = torch.log_softmax(trainer.model(t.inputs).logits, -1)
         return float(logp[0, 4, 9])  # the first completion token of the rewarded sample
     before = logp_of_rewarded()
-    metrics = trainer.rl_step(batch())
+    metrics = trainer.rl_step(rewarded_batch())
     assert logp_of_rewarded() > before
     assert metrics["tokens"] == 4 and metrics["grad_norm"] > 0
     if algorithm == "ppo":
@@ -64,7 +44,7 @@ def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, wo
 def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, world_of_one):
     run = tiny_run(tmp_path, algorithm={"name": "ppo", "kl_coef": 0.0})
     trainer = Trainer(run, None, rank=0, world=1)
-    trainer.rl_step(batch())
+    trainer.rl_step(rewarded_batch())
     trainer.step = 1
     trainer.save_checkpoint()
     other = Trainer(run, None, rank=0, world=1)
@@ -122,7 +102,7 @@ def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path
     trainer = Trainer(run, None, rank=0, world=1)
     gates = [layer.mlp.gate for layer in trainer.model.model.layers]
     before = [g.e_score_correction_bias.clone() for g in gates]
-    step = batch()
+    step = rewarded_batch()
     step["samples"][1]["completion_ids"], step["samples"][1]["logprobs"] = [2], [-2.0]  # one padded position
     t = to_tensors(step["samples"])
     with torch.no_grad():
