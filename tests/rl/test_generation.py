@@ -7,12 +7,15 @@ from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.rl.generation import Row, generate
 
 EOS = 2
+# The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
-def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_it_would_alone(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_it_would_alone(tmp_path, device):
     run = tiny_run(tmp_path)
     torch.manual_seed(0)
-    model = MoETransformer(run.model).eval()
+    model = MoETransformer(run.model).eval().to(device)
     # one prompt's group with uneven lengths (rows stop early as at end-of-sequence), and another prompt
     group = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 1, 2])]
     other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
@@ -39,10 +42,11 @@ def test_the_generation_benchmark_prints_its_table(capsys):
     assert [r.split("|")[2].strip() for r in rows] == ["2 distinct", "1 shared"]
 
 
-def test_sampling_follows_the_scaled_distribution_cut_to_top_p_and_reports_the_uncut_logprob():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_follows_the_scaled_distribution_cut_to_top_p_and_reports_the_uncut_logprob(device):
     from moe_rl_eks.workloads.rl.generation import sample
 
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(3, 1)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], device=device)).repeat(3, 1)
     rows = [Row([1], 1, 1.0, 1.0, None), Row([1], 1, 1.0, 0.7, None), Row([1], 1, 0.0, 1.0, None)]
     gens = [torch.Generator().manual_seed(s) for s in range(3)]
     counts = torch.zeros(3, 4)
@@ -55,6 +59,6 @@ def test_sampling_follows_the_scaled_distribution_cut_to_top_p_and_reports_the_u
     assert freq[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.03)
     assert freq[1].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.03)  # top-p 0.7 keeps 0.5 + 0.3
     assert freq[2].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy
-    hot, _ = sample(logits[:1] * 0 + torch.tensor([[0.0, 1.0, 0.0, 0.0]]), [Row([1], 1, 0.25, 1.0, 0)],
+    hot, _ = sample(logits[:1] * 0 + torch.tensor([[0.0, 1.0, 0.0, 0.0]], device=device), [Row([1], 1, 0.25, 1.0, 0)],
                     [torch.Generator().manual_seed(0)])
     assert hot == [1]  # a low temperature sharpens towards the largest logit

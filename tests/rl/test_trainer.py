@@ -1,5 +1,6 @@
 """Trainer pieces in one process (world of 1): training tensors aligned by hand, a GRPO step and a PPO step
-(value head + GAE) that change the weights, checkpoint round trip."""
+(value head + GAE) that change the weights, checkpoint round trip. They run on the trainer's device: the CPU
+here, the GPU where there is one (the H200 through the device tool)."""
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,7 @@ def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, wo
     run = tiny_run(tmp_path, algorithm={"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.0},
                    training={"learning_rate": 0.01})
     trainer = Trainer(run, None, rank=0, world=1)
-    t = to_tensors(rewarded_batch()["samples"])
+    t = to_tensors(rewarded_batch()["samples"]).to(trainer.device)
 
     def logp_of_rewarded():
         with torch.no_grad():
@@ -66,7 +67,7 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
                                               for seed, p in enumerate(prompts * 2)], tok.eos_id)
     samples = [{"prompt_ids": p, "completion_ids": r.tokens, "logprobs": r.logprobs, "routing": r.routing}
                 for p, r in zip(prompts * 2, results)]
-    t = to_tensors(samples)
+    t = to_tensors(samples).to(trainer.device)
     with torch.no_grad():
         logp = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
     # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
@@ -104,7 +105,7 @@ def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path
     before = [g.e_score_correction_bias.clone() for g in gates]
     step = rewarded_batch()
     step["samples"][1]["completion_ids"], step["samples"][1]["logprobs"] = [2], [-2.0]  # one padded position
-    t = to_tensors(step["samples"])
+    t = to_tensors(step["samples"]).to(trainer.device)
     with torch.no_grad():
         load = trainer.model(t.inputs, attention_mask=t.valid).expert_load.float()
     # padding is routed but not counted: every layer counts k slots of each real token
@@ -139,7 +140,7 @@ def test_training_starts_from_a_pretrained_checkpoint_of_the_same_architecture(t
     run = tiny_run(tmp_path, training={"init_from": str(tmp_path / "pretrained")})
     trainer = Trainer(run, None, rank=0, world=1)
     for name, tensor in pretrained.state_dict().items():
-        assert torch.equal(trainer.model.state_dict()[name], tensor), name
+        assert torch.equal(trainer.model.state_dict()[name].cpu(), tensor), name
     wider = replace(run, model=replace(run.model, num_experts=8))
     with pytest.raises(ValueError, match="has num_experts=4 but the run's model.num_experts is 8"):
         Trainer(wider, None, rank=0, world=1)
