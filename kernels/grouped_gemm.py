@@ -29,35 +29,36 @@ ROW_ALIGN_BYTES = 16  # a TMA descriptor's row stride must be a multiple of 16 b
 GROUP_M = 2 if INTERPRET else 8
 
 
-def _set_blocks(nargs):
-    """Tensor descriptors carry their tile shape, which is the autotuned config's: set it before each launch."""
-    bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
-    if "B_NK" in nargs:  # the row-grouped kernel
-        nargs["a_desc"].block_shape = [bm, bk]
-        nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
-    else:  # the weight-gradient kernel reads both operands as [rows, features] tiles
-        nargs["a_desc"].block_shape = [bk, bm]
-        nargs["b_desc"].block_shape = [bk, bn]
+# Tensor descriptors carry their tile shape, which is the autotuned config's: these set it before each launch.
+def _row_grouped_blocks(nargs):
+    nargs["a_desc"].block_shape = [nargs["BM"], nargs["BK"]]
+    nargs["b_desc"].block_shape = [nargs["BN"], nargs["BK"]] if nargs["B_NK"] else [nargs["BK"], nargs["BN"]]
+
+
+def _wgrad_blocks(nargs):  # both operands are read as [rows, features] tiles
+    nargs["a_desc"].block_shape = [nargs["BK"], nargs["BM"]]
+    nargs["b_desc"].block_shape = [nargs["BK"], nargs["BN"]]
 
 
 def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
-    """Tile shapes to autotune over. For the persistent kernel also FLATTEN: whether the tile loop and the K loop
-    are pipelined as one, so the next tile's loads overlap this tile's epilogue. It paid for the plain products
-    and cost the gate/up product a quarter of its time on the H200 (kernels/BENCHMARKS.md), so it is tuned."""
+    """Tile shapes to autotune over: the persistent row-grouped kernel's, or the weight-gradient kernel's. For the
+    persistent kernel also FLATTEN: whether the tile loop and the K loop are pipelined as one, so the next tile's
+    loads overlap this tile's epilogue. It paid for the plain products and cost the gate/up product a quarter of
+    its time on the H200 (kernels/BENCHMARKS.md), so it is tuned."""
+    hook = _row_grouped_blocks if persistent else _wgrad_blocks
     if INTERPRET:  # small tiles so CPU tests cover partial and multi-tile experts at small shapes
         flat = {"FLATTEN": False} if persistent else {}
-        return [triton.Config({"BM": 16, "BN": 16, "BK": 16, **flat}, num_warps=4, num_stages=1,
-                              pre_hook=_set_blocks)]
+        return [triton.Config({"BM": 16, "BN": 16, "BK": 16, **flat}, num_warps=4, num_stages=1, pre_hook=hook)]
     shapes = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
     if wide_ok:  # the fused gate/up kernel already holds two BN-wide accumulators
         shapes += [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
     else:
         shapes += [(128, 64, 64, 4, 4), (64, 128, 64, 4, 5)]
     configs = []
-    for i, (bm, bn, bk, w, s) in enumerate(shapes):
+    for bm, bn, bk, w, s in shapes:
         for flatten in ((False, True) if persistent and bm == 128 and w == 8 else (False,)):
             tile = {"BM": bm, "BN": bn, "BK": bk, **({"FLATTEN": flatten} if persistent else {})}
-            configs.append(triton.Config(tile, num_warps=w, num_stages=s, pre_hook=_set_blocks))
+            configs.append(triton.Config(tile, num_warps=w, num_stages=s, pre_hook=hook))
     return configs
 
 
@@ -207,7 +208,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, c_ptr, counts_ptr, M_OUT, N_OUT, strid
 
 
 def _descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A 2-D TMA descriptor; its block shape is set per config by _set_blocks."""
+    """A 2-D TMA descriptor; its block shape is set per config by the configs' pre_hook."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
 
 
