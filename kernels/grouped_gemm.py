@@ -10,7 +10,8 @@ copies), which also zero-fill past a tensor's bounds.
 Forward:  gate_up = x @ w13[e]^T  (kept for backward),  act = silu(gate) * up,  y = act @ w2[e]^T
 Backward: d_act = dy @ w2[e] -> d_gate_up through SwiGLU (its own pass),  dx = d_gate_up @ w13[e],
           dw2[e] = dy_e^T @ act_e,  dw13[e] = d_gate_up_e^T @ x_e
-bf16 operands, fp32 accumulation and activation arithmetic.
+bf16 operands, fp32 accumulation and activation arithmetic; d_act is stored in bf16 between its product and the
+SwiGLU backward pass, as gate_up and d_gate_up are.
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def _wgrad_blocks(nargs):  # both operands are read as [rows, features] tiles
 def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
     """Tile shapes to autotune over: the persistent row-grouped kernel's, or the weight-gradient kernel's. For the
     persistent kernel also FLATTEN: whether the tile loop and the K loop are pipelined as one, so the next tile's
-    loads overlap this tile's epilogue. It paid for the plain products and cost the gate/up product a quarter of
-    its time on the H200 (kernels/BENCHMARKS.md), so it is tuned."""
+    loads overlap this tile's epilogue. It paid for the plain products and made the gate/up product a third
+    slower on the H200 (kernels/BENCHMARKS.md), so it is tuned."""
     hook = _row_grouped_blocks if persistent else _wgrad_blocks
     if INTERPRET:  # small tiles so CPU tests cover partial and multi-tile experts at small shapes
         flat = {"FLATTEN": False} if persistent else {}
