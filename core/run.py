@@ -137,9 +137,11 @@ class RolloutConfig:
         return self.max_servers > self.min_servers
 
 
-# The triton MoE kernels' rows must be 16-byte multiples: 8 bfloat16 values (kernels/grouped_gemm.py checks the
-# tensors it gets; this refuses a run before anything starts). Stated here because core never imports kernels.
-TRITON_ROW_MULTIPLE = 8
+# The triton MoE kernels read expert rows through TMA, whose row strides must be multiples of 16 bytes.
+# kernels/grouped_gemm.py checks the tensors it gets against TMA_ROW_BYTES; a run is refused before anything starts
+# unless its rows fit in bfloat16, the dtype the experts compute in on GPUs (a float32 model runs under autocast).
+TMA_ROW_BYTES = 16
+TRITON_ROW_MULTIPLE = TMA_ROW_BYTES // 2
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,8 @@ class RunConfig:
             for name in ("hidden_size", "moe_intermediate_size"):
                 size = getattr(self.model, name)
                 if size % TRITON_ROW_MULTIPLE:
-                    fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with moe_compute: triton "
-                         "(its kernels read expert rows through TMA, which needs rows of 16-byte multiples)")
+                    fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with moe_compute: "
+                         f"triton (its kernels read expert rows through TMA, which needs {TMA_ROW_BYTES}-byte rows)")
         if self.model.num_experts % self.rollout.gpus_per_server:
             fail("rollout.gpus_per_server", self.rollout.gpus_per_server,
                  f"must divide model.num_experts ({self.model.num_experts}): a server splits the experts evenly "

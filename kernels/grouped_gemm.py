@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moe_rl_eks.core.run import TMA_ROW_BYTES
+
 from ._triton import INTERPRET, check_device, dot_acc, next_pow2
 
-ROW_ALIGN_BYTES = 16  # a TMA descriptor's row stride must be a multiple of 16 bytes
 # Row tiles of one expert that sweep its columns together; smaller under the interpreter so that CPU tests, whose
 # experts have a handful of 16-row tiles, cover full and partial groups.
 GROUP_M = 2 if INTERPRET else 8
@@ -300,9 +301,9 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tens
                          f"w13 {tuple(w13.shape)} (want [E, 2I, h]), w2 {tuple(w2.shape)} (want [E, h, I])")
     if not (x_sorted.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"experts dtypes must match: x_sorted {x_sorted.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
-    align = ROW_ALIGN_BYTES // x_sorted.element_size()
+    align = TMA_ROW_BYTES // x_sorted.element_size()
     if hidden % align or two_width // 2 % align:
-        raise ValueError(f"experts reads rows through TMA, which needs {ROW_ALIGN_BYTES}-byte rows: hidden "
+        raise ValueError(f"experts reads rows through TMA, which needs {TMA_ROW_BYTES}-byte rows: hidden "
                          f"{hidden} and width {two_width // 2} must be multiples of {align} for {x_sorted.dtype}")
     # autograd disables grad mode inside forward, so whether to keep gate_up for backward is decided here
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w13, w2))
