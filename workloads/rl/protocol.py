@@ -220,7 +220,7 @@ class CompletionRequest(Record):
     temperature: float
     top_p: float
     seed: int
-    model: str = "policy"
+    model: str | None = None  # the served name (run.name) or None: a server refuses any other
     logprobs: int = 0  # no alternatives: only the sampled token's logprob
     return_token_ids: bool = True
     return_routing: bool = False
