@@ -221,10 +221,24 @@ class Generation:
 
     def start(self) -> None:
         loop, engine = asyncio.get_running_loop(), self.server.engine
-        self.future = engine.submit(self.plan.rows(self.request_id),
-                                    lambda event: loop.call_soon_threadsafe(self._token, event))
-        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self.queue.put_nowait, DONE))
+        try:
+            self.future = engine.submit(self.plan.rows(self.request_id),
+                                        lambda event: loop.call_soon_threadsafe(self._token, event))
+        except RuntimeError as exc:  # the engine is stopping
+            raise HttpError(503, f"the rollout engine cannot take requests: {exc}", None, "engine_stopped") from None
+        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished))
         self.server.metrics.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
+
+    def _finished(self) -> None:
+        """The engine resolved the request (after its last token): count how its rows ended, whether or not
+        anyone still listens (a client that hung up leaves aborted rows)."""
+        m = self.server.metrics
+        if self.future.exception() is None:
+            for out in self.future.result():
+                if out.finish_reason != "error":
+                    m.finished.labels("stop" if self.rows[out.row].stopped else out.finish_reason).inc()
+        m.e2e.observe(time.monotonic() - self.arrival)
+        self.queue.put_nowait(DONE)
 
     def _token(self, event: TokenEvent) -> None:
         row = self.rows[event.row]
@@ -253,15 +267,15 @@ class Generation:
 
     def result(self) -> list[RowOutput]:
         self.finished = True
+        if (exc := self.future.exception()) is not None:  # no weights yet, or the engine stopped
+            raise HttpError(503, f"the rollout engine cannot serve: {exc}", None, "engine_unavailable")
         outputs = sorted(self.future.result(), key=lambda o: o.row)
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:
             raise HttpError(500, f"choice {failed[0].row} failed in the engine: {failed[0].error}", None,
                             "row_failed")
-        for o, row in zip(outputs, self.rows):
+        for row in self.rows:
             row.text.finish()
-            self.server.metrics.finished.labels("stop" if row.stopped else o.finish_reason).inc()
-        self.server.metrics.e2e.observe(time.monotonic() - self.arrival)
         return outputs
 
     def cancel(self) -> None:
