@@ -12,13 +12,23 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 UINT64 = 2**64
 MAX_LOGPROBS = 20  # alternatives per token; OpenAI allows 5 (completions) and 20 (chat), vLLM 20 by default
 MAX_STOP_STRINGS = 16
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _integral(value):
+    # JSON Schema's integers include 3.0 (and JavaScript clients write them so); "3" and true stay errors.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field type with bounds (placed before the validator, so the JSON schema states them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 LogprobMode = Literal["processed", "raw"]
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -39,18 +49,18 @@ class SamplingFields(Request):
     """What both endpoints share: how rows are sampled and what comes back with them."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] | None = Field(None, description="choices per prompt (<= the server's max_n)")
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: integer(ge=1) | None = Field(None, description="choices per prompt (<= the server's max_n)")
+    max_tokens: integer(ge=1) | None = None
     temperature: Annotated[Finite, Field(ge=0, le=10)] | None = Field(None, description="0 = greedy; default 1")
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="-1 or 0 = off")
+    top_k: integer(ge=-1) | None = Field(None, description="-1 or 0 = off")
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=UINT64)] | None = Field(
+    seed: integer(ge=0, lt=UINT64) | None = Field(
         None, description="choice i samples from the counter-based stream (seed, i): the same request reproduces")
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description="the text ends before the first of these strings")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[integer(ge=0)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="also return the prompt's token ids")
@@ -63,12 +73,12 @@ class SamplingFields(Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="0 = the sampled token's logprob; N = also the N most likely alternatives")
     echo: bool | None = None
 
@@ -99,9 +109,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="OpenAI's newer max_tokens")
+    max_completion_tokens: integer(ge=1) | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool | None = Field(None, description="end the prompt with the assistant's turn "
                                                                  "(default true)")
 
@@ -230,8 +240,8 @@ class ModelList(BaseModel):
 
 class WeightLoadRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    version: Annotated[int, Field(ge=0)]
-    lineage: Annotated[int, Field(ge=0)] | None = Field(
+    version: integer(ge=0)
+    lineage: integer(ge=0) | None = Field(
         None, description="the trainer lineage the version belongs to (default: the lineage served now)")
 
 

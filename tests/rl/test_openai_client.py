@@ -1,0 +1,50 @@
+"""The official `openai` client against a rollout server started here on 127.0.0.1: what an evaluation harness or
+a user's script does, with nothing of ours on the client side."""
+import openai
+import pytest
+
+
+@pytest.fixture
+def client(rollout):
+    return openai.OpenAI(base_url=f"{rollout['url']}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_completions_with_n_logprobs_alternatives_and_seed_reproduce(client):
+    kwargs = dict(model="local", prompt="3+4=", max_tokens=5, n=3, logprobs=2, seed=2**64 - 1, temperature=1.0)
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    for choice in first.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) >= 1
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+        assert choice.finish_reason in ("stop", "length")
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert first.model_extra["weight_version"] == 0  # our field, kept by the client
+
+
+def test_streamed_completions_match_and_stop_strings_cut(client):
+    whole = client.completions.create(model="local", prompt="1+", max_tokens=8, seed=4)
+    text = whole.choices[0].text
+    streamed = client.completions.create(model="local", prompt="1+", max_tokens=8, seed=4, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    stop = next((text[i:i + 1] for i in range(1, len(text)) if text[i] != "\ufffd"), None)
+    if stop is not None:
+        cut = client.completions.create(model="local", prompt="1+", max_tokens=8, seed=4, stop=[stop])
+        assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_models_list_and_errors_raise_the_clients_exceptions(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["local"] and models[0].created > 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="local", prompt="3+4=", max_tokens=2, n=99)
+    assert err.value.body["param"] == "n" and err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="3+4=", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="local", messages=[{"role": "user", "content": "3+4="}])
+    assert err.value.body["param"] == "messages"  # the built-in vocabulary has no chat template
