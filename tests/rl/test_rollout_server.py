@@ -18,6 +18,14 @@ AUTH = {"Authorization": "Bearer s3cret"}
 PROMPT_IDS = [1, 6, 13, 7, 16]  # <bos> 3 + 4 =
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server for the tests that only read from it (a fresh one per test costs more than the test)."""
+    from conftest import serve_rollout
+
+    yield from serve_rollout(tmp_path_factory.mktemp("shared"))
+
+
 def complete(url, **body):
     status, answer = call("POST", f"{url}/v1/completions", {"prompt": "3+4=", "max_tokens": 4, **body})
     assert status == 200, answer
@@ -48,8 +56,8 @@ def test_completion_from_text_and_token_ids_carries_version_logprobs_and_routing
     assert "routed_experts" not in again["choices"][0] or again["choices"][0]["routed_experts"] is None
 
 
-def test_seeds_reproduce_per_choice_up_to_the_largest_uint64(rollout):
-    url = rollout["url"]
+def test_seeds_reproduce_per_choice_up_to_the_largest_uint64(shared):
+    url = shared["url"]
     for seed in (0, 2**63, 2**64 - 1):  # 2**63 and up failed every request of its batch before
         first = complete(url, n=4, seed=seed, max_tokens=6)
         assert complete(url, n=4, seed=seed, max_tokens=6)["choices"] == first["choices"]
@@ -109,8 +117,8 @@ def test_models_health_ready_and_metrics(rollout):
     (b'{"prompt": "1+1=", "echo": true, "logprobs": 1}', "echo", 400),  # no prompt logprobs
     (b'{"prompt": "1+1=", "model": "gpt-4"}', "model", 404),
 ])
-def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_serving(rollout, raw, param, status):
-    url = rollout["url"]
+def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_serving(shared, raw, param, status):
+    url = shared["url"]
     got, body = call("POST", f"{url}/v1/completions", raw=raw)
     assert got == status, body
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["param"] == param
@@ -120,18 +128,18 @@ def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_
     assert complete(url, max_tokens=2)["choices"]
 
 
-def test_nulls_mean_defaults_and_unknown_fields_are_ignored_with_a_warning(rollout, caplog):
+def test_nulls_mean_defaults_and_unknown_fields_are_ignored_with_a_warning(shared, caplog):
     with caplog.at_level(logging.WARNING, logger="moe_rl_eks.workloads.rl.rollout_server"):
-        body = complete(rollout["url"], n=None, temperature=None, top_p=None, seed=None, max_tokens=None,
+        body = complete(shared["url"], n=None, temperature=None, top_p=None, seed=None, max_tokens=None,
                         stop=None, logprobs=None, best_of=3, user="x")
     assert len(body["choices"]) == 1 and 1 <= len(body["choices"][0]["token_ids"]) <= 8
     assert "ignoring unknown fields best_of, user" in caplog.text
 
 
-def test_a_stop_string_ends_the_text_before_it_and_cancels_the_row(rollout):
+def test_a_stop_string_ends_the_text_before_it_and_cancels_the_row(shared):
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
-    url, decode = rollout["url"], CharTokenizer().decode
+    url, decode = shared["url"], CharTokenizer().decode
     for seed in range(50):  # a completion with two printable characters after its first (the tiny model babbles)
         full = complete(url, prompt="1+", max_tokens=8, seed=seed)["choices"][0]
         text = full["text"]
@@ -148,8 +156,8 @@ def test_a_stop_string_ends_the_text_before_it_and_cancels_the_row(rollout):
     assert stop in decode(cut["token_ids"]) and stop not in decode(cut["token_ids"][:-1])
 
 
-def test_a_stop_token_id_ends_the_row_and_is_reported(rollout):
-    url = rollout["url"]
+def test_a_stop_token_id_ends_the_row_and_is_reported(shared):
+    url = shared["url"]
     full = complete(url, prompt="1+", max_tokens=8, seed=3)["choices"][0]
     token = full["token_ids"][2]
     first = full["token_ids"].index(token)
@@ -159,8 +167,8 @@ def test_a_stop_token_id_ends_the_row_and_is_reported(rollout):
     assert cut["text"] == full["text"][:first]  # ... but not of the text
 
 
-def test_top_logprobs_are_the_most_likely_alternatives(rollout):
-    choice = complete(rollout["url"], max_tokens=3, seed=2, logprobs=3, temperature=0)["choices"][0]
+def test_top_logprobs_are_the_most_likely_alternatives(shared):
+    choice = complete(shared["url"], max_tokens=3, seed=2, logprobs=3, temperature=0)["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["top_logprobs"]) == len(choice["token_ids"])
     for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
@@ -169,9 +177,9 @@ def test_top_logprobs_are_the_most_likely_alternatives(rollout):
     assert lp["text_offset"] == list(range(len(choice["token_ids"])))
 
 
-def test_echo_prepends_the_prompt(rollout):
-    choice = complete(rollout["url"], prompt="3+4=", max_tokens=2, seed=1, echo=True)["choices"][0]
-    plain = complete(rollout["url"], prompt="3+4=", max_tokens=2, seed=1)["choices"][0]
+def test_echo_prepends_the_prompt(shared):
+    choice = complete(shared["url"], prompt="3+4=", max_tokens=2, seed=1, echo=True)["choices"][0]
+    plain = complete(shared["url"], prompt="3+4=", max_tokens=2, seed=1)["choices"][0]
     assert choice["text"] == "3+4=" + plain["text"]
 
 
@@ -186,8 +194,8 @@ def sse(url, body):
     return [json.loads(line) for line in lines[:-1]]
 
 
-def test_streamed_completions_add_up_to_the_unstreamed_answer(rollout):
-    url = rollout["url"]
+def test_streamed_completions_add_up_to_the_unstreamed_answer(shared):
+    url = shared["url"]
     request = {"prompt": "2+2=", "n": 2, "max_tokens": 6, "seed": 11, "logprobs": 0, "stop": ["3+"],
                "return_token_ids": True}
     whole = complete(url, **request)
@@ -345,9 +353,9 @@ def test_concurrent_requests_each_get_their_own_seeded_completions(rollout):
         assert [c["token_ids"] for c in results[s]["choices"]] == [c["token_ids"] for c in alone[s]["choices"]]
 
 
-def test_chat_without_a_chat_template_is_refused_naming_messages(rollout):
-    status, body = call("POST", f"{rollout['url']}/v1/chat/completions",
+def test_chat_without_a_chat_template_is_refused_naming_messages(shared):
+    status, body = call("POST", f"{shared['url']}/v1/chat/completions",
                         {"messages": [{"role": "user", "content": "1+1="}]})
     assert status == 400 and body["error"]["param"] == "messages" and "chat template" in body["error"]["message"]
-    status, body = call("POST", f"{rollout['url']}/v1/chat/completions", {"messages": []})
+    status, body = call("POST", f"{shared['url']}/v1/chat/completions", {"messages": []})
     assert status == 400 and body["error"]["param"] == "messages"

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Literal
 
@@ -78,7 +79,8 @@ class ServedModel:
         self.max_new_tokens, self.max_rows = run.rollout.max_new_tokens, run.rollout.max_batch_size
         s = run.rl.sampling
         self.max_prompt_tokens, self.max_n = s.max_prompt_tokens, s.max_n
-        self.eos_ids = (tokenizer.eos_id,)
+        # Every id that ends a row (the engine adds them to each row's stop ids): never part of the text.
+        self.eos_ids = tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -102,13 +104,15 @@ class ServedModel:
         return tuple(ids)
 
     def chat_prompt_ids(self, messages: list[api.ChatMessage], add_generation_prompt: bool) -> tuple[int, ...]:
-        render = getattr(self.tokenizer, "apply_chat_template", None)
-        template = getattr(self.tokenizer, "chat_template", None)
-        if render is None or template is None:
-            raise HttpError(400, f"messages: model {self.name!r} has no chat template; use /v1/completions",
-                            "messages", "no_chat_template")
-        ids = render([m.model_dump(exclude_none=True) for m in messages], add_generation_prompt=add_generation_prompt)
-        return self.prompt_ids(list(ids), "messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise HttpError(400, f"messages: model {self.name!r} has no chat template; send a prompt to "
+                                 "/v1/completions instead", "messages", "no_chat_template")
+        turns = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 -- a template's raise_exception or a jinja error: the messages' fault
+            raise HttpError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        return self.prompt_ids(text, "messages")
 
     def plan(self, kind: Literal["completion", "chat"], req: api.SamplingFields, prompts: list[tuple[int, ...]],
              max_tokens: int | None, default_max_tokens: int, logprobs: int | None, echo: bool) -> Plan:
@@ -118,11 +122,10 @@ class ServedModel:
             raise HttpError(400, f"n: {n} is outside 1..{self.max_n}", "n")
         if len(prompts) > self.max_rows:
             raise HttpError(400, f"prompt: {len(prompts)} prompts; at most {self.max_rows} per request", "prompt")
-        for field, ids in (("stop_token_ids", req.stop_token_ids or ()),):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise HttpError(400, f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                field)
+        bad = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise HttpError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})", "stop_token_ids")
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         if top_k > self.vocab_size:
             raise HttpError(400, f"top_k: {top_k} exceeds the vocabulary size {self.vocab_size}", "top_k")
@@ -463,7 +466,7 @@ class RolloutServer:
     def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float],
                              tops: list[list[tuple[int, float]]] | None, start: int) -> api.CompletionLogprobs:
         tokens = [self._token_text(t) for t in ids]
-        offsets = [start + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(accumulate((len(t) for t in tokens), initial=start))[:len(tokens)]
         top = None
         if gen.plan.logprobs and tops is not None:
             top = [{self._token_text(t): lp for t, lp in alts} for alts in tops]
