@@ -9,7 +9,6 @@ import pytest
 from moe_rl_eks.core.rl_config import RewardConfig, TaskConfig
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.rewards import ArithmeticTask, RewardScorer
-from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer, UnknownText
 
 
 USER_REWARDS = """
@@ -95,32 +94,3 @@ def test_remote_reward_over_http_and_its_timeout_counts_as_failure(remote):
     assert time.monotonic() - start < 0.9 and scorer.failures == 1
     down = RewardScorer(RewardConfig(format_weight=0.0, remote_url="http://127.0.0.1:9/none", remote_timeout_s=0.3))
     assert down.score("1+1=", "2", "2", True) == pytest.approx(1.0) and down.failures == 1
-
-
-def test_builtin_tokenizer_round_trip_and_unknown_characters():
-    tok = CharTokenizer()
-    ids = tok.encode("12+3=")
-    assert ids[0] == tok.bos_id and tok.decode(ids) == "12+3="
-    # a special or out-of-vocabulary id inside a completion must not read as a well-formed answer
-    assert tok.decode([tok.ids["7"], tok.eos_id, 30]) == "7\ufffd\ufffd"
-    with pytest.raises(UnknownText, match="'x'"):
-        tok.encode("x+1=")
-
-
-def test_a_real_tokenizer_json_loads_with_its_end_of_sequence_token(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from moe_rl_eks.workloads.rl.tokenizer import load_tokenizer
-
-    vocab = {"<unk>": 0, "</s>": 1, "two": 2, "plus": 3, "is": 4, "four": 5}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert loaded.eos_id == 1 and loaded.vocab_size == 6
-    assert loaded.encode("two plus two is") == [2, 3, 2, 4]
-    assert loaded.decode([5, 1]) == "four"
-    (tmp_path / "bare.json").write_text((tmp_path / "tokenizer.json").read_text().replace("</s>", "<x>"))
-    with pytest.raises(ValueError, match="no end-of-sequence token"):
-        load_tokenizer(str(tmp_path / "bare.json"))
