@@ -17,17 +17,24 @@ from .schema import fail
 class AlgorithmConfig:
     """How scored groups become per-token advantages, and the policy loss."""
 
-    name: Literal["grpo", "ppo"] = "grpo"
+    # grpo: group-normalised advantages, token-mean loss; dr_grpo: Dr. GRPO (centred advantages, loss divided
+    # by the constant sequences x rl.sampling.max_tokens); gspo: sequence-level ratio and clip, sequence-mean
+    # loss; ppo: a critic, whitened GAE advantages (workloads/rl/algorithms.py).
+    name: Literal["grpo", "dr_grpo", "gspo", "ppo"] = "grpo"
     group_size: int = 8  # completions per prompt (GRPO's group; PPO samples them too)
-    scale_by_std: bool = True  # GRPO divides by the group's std; false = Dr. GRPO (centering only)
+    # grpo and gspo: divide the centred rewards by the group's std. false centres only, keeping the token-mean
+    # loss (DAPO's aggregation); that is not Dr. GRPO, whose constant normaliser is `name: dr_grpo`.
+    scale_by_std: bool = True
     dynamic_sampling: bool = False  # drop groups whose rewards do not vary (they carry no GRPO signal)
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low = clip-higher
     clip_high: float = 0.28
     importance_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (off-policy correction)
     kl_coef: float = 0.0  # KL to the frozen initial policy; 0 = no reference model is kept
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    # k1; k3 (log-ratio clamped to +-20, estimate to <= 10, as verl); k3+ (k3's value, k2's unbiased gradient)
+    kl_estimator: Literal["k1", "k3", "k3+"] = "k3"
     entropy_coef: float = 0.0
-    epochs_per_batch: int = 1  # optimizer steps on each batch; > 1 makes the clipped ratio bite
+    epochs_per_batch: int = 1  # passes over each batch; > 1 makes the clipped ratio bite
+    mini_batches: int = 1  # optimizer steps per pass: the batch is split into this many parts
     gamma: float = 1.0  # PPO: discount
     gae_lambda: float = 0.95  # PPO: GAE lambda
     value_coef: float = 0.5  # PPO: weight of the value loss
@@ -35,8 +42,8 @@ class AlgorithmConfig:
     routing_replay: bool = False  # train on the experts the rollout chose (R3)
 
     def validate(self) -> None:
-        if self.group_size < 2 and self.name == "grpo":
-            fail("group_size", self.group_size, "GRPO needs >= 2 completions per prompt")
+        if self.group_size < 2 and self.name != "ppo":
+            fail("group_size", self.group_size, f"{self.name} needs >= 2 completions per prompt (its group)")
         if self.group_size < 1:
             fail("group_size", self.group_size, "must be >= 1")
         for name in ("clip_low", "clip_high"):
@@ -47,8 +54,9 @@ class AlgorithmConfig:
         for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0")
-        if self.epochs_per_batch < 1:
-            fail("epochs_per_batch", self.epochs_per_batch, "must be >= 1")
+        for name in ("epochs_per_batch", "mini_batches"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
         for name in ("gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 fail(name, getattr(self, name), "must be between 0 and 1")
@@ -286,6 +294,10 @@ class RLConfig:
     weight_token_env: str = "MOERL_WEIGHT_TOKEN"
 
     def validate(self) -> None:
+        samples = self.training.prompts_per_step * self.algorithm.group_size
+        if self.algorithm.mini_batches > samples:
+            fail("algorithm.mini_batches", self.algorithm.mini_batches,
+                 f"must be <= rl.training.prompts_per_step x rl.algorithm.group_size ({samples} samples per step)")
         if not self.data.builtin and self.sampling.tokenizer == "builtin":
             fail("sampling.tokenizer", self.sampling.tokenizer, "a dataset (rl.data.train) needs the model's "
                  "tokenizer: a Hugging Face model directory or a tokenizer.json")
