@@ -80,7 +80,7 @@ def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
     return versions
 
 
-def read_lock(path: Path = LOCK_FILE) -> dict[str, str]:
+def read_lock(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     lock = json.loads(path.read_text())
@@ -89,7 +89,7 @@ def read_lock(path: Path = LOCK_FILE) -> dict[str, str]:
     return lock
 
 
-def write_lock(lock: dict[str, str], path: Path = LOCK_FILE) -> None:
+def write_lock(lock: dict[str, str], path: Path) -> None:
     # Written whole to a temporary file and renamed: an interrupted build never leaves half a lock behind.
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         tmp.write(json.dumps(dict(sorted(lock.items())), indent=2) + "\n")
@@ -139,9 +139,11 @@ def check_inputs(registry: str, tag: str) -> None:
 
 
 def docker_available() -> bool:
+    """A docker CLI with the buildx plugin and an engine that answers."""
     if shutil.which("docker") is None:
         return False
-    return subprocess.run(["docker", "buildx", "version"], capture_output=True).returncode == 0
+    return all(subprocess.run(command, capture_output=True).returncode == 0
+               for command in (["docker", "buildx", "version"], ["docker", "info"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,21 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_inputs(args.registry, args.tag)
         versions = read_versions()
-        lock = {} if args.refresh_lock else read_lock()
+        lock = {} if args.refresh_lock else read_lock(LOCK_FILE)
         missing = [versions[key] for key in BASE_IMAGE_ARGS if versions[key] not in lock]
         if not args.dry_run and not docker_available():
-            raise BuildError("docker with buildx is not available here (`docker buildx version` failed): building "
-                             "needs a Docker engine; `--dry-run` prints the commands")
+            raise BuildError("docker with buildx and a running engine is not available here (`docker buildx "
+                             "version` or `docker info` failed); `--dry-run` prints the commands")
         if missing:
             if args.dry_run:
                 for ref in missing:
                     print(shlex.join(inspect_command(ref)))
                     lock[ref] = "sha256:" + "0" * 64  # placeholder, only for printing the build commands
-                print(f"# (dry run) the digests above would be recorded in {LOCK_FILE.relative_to(REPO_ROOT)}")
+                print(f"# (dry run) the digests above would be recorded in {LOCK_FILE}")
             else:
                 for ref in missing:
                     lock[ref] = resolve_digest(ref)
-                write_lock(lock)
+                write_lock(lock, LOCK_FILE)
         arguments = build_args(versions, lock)
         digests = {}
         with tempfile.TemporaryDirectory() as tmp:

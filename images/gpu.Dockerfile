@@ -18,6 +18,9 @@ ARG AWS_OFI_NCCL_COMMIT
 ARG GDRCOPY_VERSION
 ARG GDRCOPY_COMMIT
 ARG TORCH_VERSION
+ARG NINJA_VERSION
+ARG SETUPTOOLS_VERSION
+ARG WHEEL_VERSION
 ARG DEEPEP_VARIANT
 ARG DEEPEP_COMMIT
 ARG AWS_DEEPEP_SETUP_COMMIT
@@ -37,8 +40,10 @@ COPY images/scripts/ /build/scripts/
 # One layer per compiled dependency on purpose: a version bump rebuilds that layer and the ones after it only.
 # hadolint ignore=DL3059
 RUN /build/scripts/install_efa.sh
+# Its own layer (see above).
 # hadolint ignore=DL3059
 RUN /build/scripts/build_gdrcopy.sh /opt/gdrcopy
+# Its own layer (see above).
 # hadolint ignore=DL3059
 RUN /build/scripts/build_aws_ofi_nccl.sh /opt/aws-ofi-nccl
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
@@ -46,7 +51,8 @@ COPY constraints.txt /build/src/constraints.txt
 # torch first, by exact version, so nothing later resolves another build of it (its CUDA 13.0 wheel pins its
 # nvidia-* libraries, NCCL included, exactly).
 RUN python3 -m venv /opt/venv \
-    && pip install --no-cache-dir -c /build/src/constraints.txt "torch==${TORCH_VERSION}" ninja setuptools wheel
+    && pip install --no-cache-dir -c /build/src/constraints.txt "torch==${TORCH_VERSION}" \
+        "ninja==${NINJA_VERSION}" "setuptools==${SETUPTOOLS_VERSION}" "wheel==${WHEEL_VERSION}"
 # /opt/nvshmem stays empty for stock-v1 (it links torch's NVSHMEM wheel).
 RUN mkdir -p /opt/nvshmem \
     && /build/scripts/build_deepep.sh --variant "${DEEPEP_VARIANT}" --out /opt/wheels --nvshmem-prefix /opt/nvshmem

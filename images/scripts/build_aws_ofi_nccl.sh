@@ -3,6 +3,7 @@
 # for the NCCL that torch ships (the plugin carries NCCL's plugin headers; NCCL loads it by name).
 # Usage: build_aws_ofi_nccl.sh PREFIX   (needs libfabric from install_efa.sh, CUDA and hwloc headers)
 set -euo pipefail
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 require AWS_OFI_NCCL_VERSION AWS_OFI_NCCL_COMMIT
 prefix=${1:?usage: build_aws_ofi_nccl.sh PREFIX}

@@ -8,6 +8,7 @@
 # Both build DeepEP at DEEPEP_COMMIT for TORCH_CUDA_ARCH_LIST with the Python on PATH (torch installed).
 # Usage: build_deepep.sh --variant efa-v1|stock-v1 --out WHEEL_DIR [--src DEEPEP_TREE] [--nvshmem-prefix DIR]
 set -euo pipefail
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 
 variant="" out="" src="" nvshmem_prefix=/opt/nvshmem

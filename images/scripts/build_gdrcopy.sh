@@ -3,6 +3,7 @@
 # NVIDIA AMI loads the gdrdrv kernel module).
 # Usage: build_gdrcopy.sh PREFIX
 set -euo pipefail
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 require GDRCOPY_VERSION GDRCOPY_COMMIT
 prefix=${1:?usage: build_gdrcopy.sh PREFIX}

@@ -2,6 +2,7 @@
 # EFA user space (libfabric with the efa provider, rdma-core) from AWS's EFA installer at EFA_INSTALLER_VERSION.
 # Usage: install_efa.sh   (as root; Debian/Ubuntu or Amazon Linux)
 set -euo pipefail
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 require EFA_INSTALLER_VERSION
 
