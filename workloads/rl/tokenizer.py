@@ -29,8 +29,8 @@ Message = dict[str, Any]
 
 class Tokenizer(Protocol):
     vocab_size: int
-    eos_id: int  # the checkpoint's primary end-of-sequence id (first of stop_ids)
-    stop_ids: tuple[int, ...]  # every id that ends a completion; the engine stops a row on any of them
+    eos_id: int  # the checkpoint's primary end-of-sequence id (first of eos_ids)
+    eos_ids: tuple[int, ...]  # every id that ends a completion; the engine stops a row on any of them
     bos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
@@ -55,7 +55,7 @@ class CharTokenizer:
         self.ids = {tok: i for i, tok in enumerate(BUILTIN_VOCAB)}
         self.vocab_size = len(BUILTIN_VOCAB)
         self.eos_id, self.bos_id, self.pad_id = self.ids["<eos>"], self.ids["<bos>"], self.ids["<pad>"]
-        self.stop_ids = (self.eos_id,)
+        self.eos_ids = (self.eos_id,)
 
     def encode(self, text: str) -> list[int]:
         unknown = sorted({c for c in text if c not in self.ids})
@@ -89,8 +89,8 @@ class HFTokenizer:
         self.special_tokens = {k: _token_text(self.config.get(k)) for k in SPECIAL_TOKEN_KEYS
                                if _token_text(self.config.get(k)) is not None}
         self.chat_template = chat_template
-        self.stop_ids = self._stop_ids(generation_config or {})
-        self.eos_id = self.stop_ids[0]
+        self.eos_ids = self._eos_ids(generation_config or {})
+        self.eos_id = self.eos_ids[0]
         bos = self.special_tokens.get("bos_token")
         self.bos_id = self._id(bos, "tokenizer_config.json: bos_token") if bos is not None else None
 
@@ -100,7 +100,7 @@ class HFTokenizer:
             raise TokenizerError(f"{self.source}: {where}: {token!r} is not in the vocabulary")
         return found
 
-    def _stop_ids(self, generation_config: dict) -> tuple[int, ...]:
+    def _eos_ids(self, generation_config: dict) -> tuple[int, ...]:
         ids: list[int] = []
         eos = self.special_tokens.get("eos_token")
         if eos is not None:
