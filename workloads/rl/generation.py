@@ -199,7 +199,7 @@ class Sequence:
 
     request: RowRequest
     seed: int  # the resolved seed (fresh entropy when the request had none)
-    eos_ids: frozenset[int]
+    stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -430,7 +430,7 @@ class Decoder:
             r.tokens.append(token)
             r.logprobs.append(logprob)
             events.sampled.append((r, token, logprob, top))
-            if token in r.eos_ids:
+            if token in r.stop_ids:
                 r.finish_reason = "stop"
             elif len(r.tokens) >= r.params.max_tokens or self.length[r.slot] >= self.max_len:
                 r.finish_reason = "length"
