@@ -231,24 +231,19 @@ def main(argv: list[str]) -> int:
 
 
 def eval_run(args):
-    """A RunConfig for `moerl eval`: the --run file (or a minimal one around --model's config.json) with the flags
+    """A RunConfig for `moerl eval`: the --run file (or one derived from --model's directory) with the flags
     applied, parsed and validated like any run file."""
-    import dataclasses
-
     import yaml
 
     from moe_rl_eks.core.run import RunConfig
     from moe_rl_eks.core.schema import parse
 
-    from ..model.checkpoint import model_config
+    from .model_dir import model_run_data
 
     if args.run:
         data = yaml.safe_load(Path(args.run).read_text())
     else:
-        config_path = Path(args.model) / "config.json"
-        hf = json.loads(config_path.read_text())
-        data = {"name": Path(args.model).resolve().name,
-                "model": dataclasses.asdict(model_config(hf, source=str(config_path)))}
+        data = model_run_data(args.model, max_new_tokens=args.max_tokens)
     rl = data.setdefault("rl", {})
     rl.setdefault("sampling", {})["tokenizer"] = args.tokenizer or args.model
     if args.data:
@@ -262,7 +257,4 @@ def eval_run(args):
                        ("max_tokens", args.max_tokens), ("temperature", args.temperature)):
         if value is not None:
             evaluation[key] = value
-    if not args.run and args.max_tokens:  # no servers here: the run's length limits only need to admit it
-        rl["sampling"]["max_tokens"] = args.max_tokens
-        data["rollout"] = {"max_new_tokens": args.max_tokens}
     return parse(RunConfig, data, source=args.run or f"moerl eval --model {args.model}")
