@@ -123,6 +123,16 @@ def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None
             scorer.close()
 
 
+def evaluate_checkpoint(run, directory: str | Path) -> dict[str, float]:
+    """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
+    the local run's evaluation of its initial, post-warm-up and final weights."""
+    from ..model.checkpoint import load_model
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer)
+
+
 def _text(tokenizer, tokens: list[int], finished: bool) -> str:
     return tokenizer.decode(tokens[:-1] if finished else tokens)
 
