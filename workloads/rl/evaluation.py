@@ -109,15 +109,17 @@ def params_for(run, n: int | None = None) -> EvalParams:
                       temperature=e.temperature, top_p=run.rl.sampling.top_p, seed=run.rl.training.seed)
 
 
-def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None = None) -> dict[str, float]:
-    """A run's evaluation (rl.evaluation) on its evaluation prompts; what the orchestrator calls every N steps."""
+def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None = None,
+                 prompts: list[Prompt] | None = None) -> dict[str, float]:
+    """A run's evaluation (rl.evaluation) on its evaluation prompts; what the orchestrator calls every N steps.
+    Pass `prompts` (data.evaluation_prompts, computed once) so a dataset in S3 is not read again each time."""
     from .data import evaluation_prompts
 
     own = scorer is None
     scorer = scorer or RewardScorer(run.rl.reward)
     try:
-        return evaluate(evaluation_prompts(run, tokenizer), complete, scorer, params_for(run),
-                        pass_threshold=run.rl.reward.pass_threshold)
+        return evaluate(evaluation_prompts(run, tokenizer) if prompts is None else prompts, complete, scorer,
+                        params_for(run), pass_threshold=run.rl.reward.pass_threshold)
     finally:
         if own:
             scorer.close()
