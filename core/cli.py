@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
+    "eval": ("moe_rl_eks.workloads.rl.evaluation", "main",
+             "evaluate a Hugging Face checkpoint on a dataset: reward, pass@1/pass@k, length, truncation"),
     "example-data": ("moe_rl_eks.workloads.rl.example_data", "main",
                      "write the local real-data example: a BPE tokenizer directory and word-problem Parquet files"),
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
