@@ -51,20 +51,6 @@ def test_jsonl_reads_the_same_prompts_as_parquet(example, tok, tmp_path):
     assert [jsonl.prompt(i, i) for i in range(12)] == [parquet.prompt(i, i) for i in range(12)]
 
 
-@pytest.fixture
-def s3_endpoint(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def test_parquet_and_jsonl_from_s3_read_as_from_disk(example, tok, s3_endpoint, tmp_path):
     import boto3
 

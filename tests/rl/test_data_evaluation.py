@@ -116,3 +116,17 @@ def test_moerl_eval_scores_a_checkpoint_on_a_dataset(tmp_path, capsys):
     assert rc == 0 and metrics["eval/prompts"] == 5.0 and "eval/pass@2" in metrics
     assert 0 <= metrics["eval/reward_mean"] <= 1.1 and 1 <= metrics["eval/response_tokens_mean"] <= 4
     assert read_records(tmp_path / "out")[0]["eval/prompts"] == 5.0
+
+
+def test_a_runs_checkpoint_is_evaluated_on_its_evaluation_prompts(tmp_path):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.rl.evaluation import evaluate_checkpoint
+
+    run = tiny_run(tmp_path, evaluation={"prompts": 6, "samples_per_prompt": 3})
+    model = tiny_model(run.model.vocab_size)
+    save_hf(model, model.config, tmp_path / "v0")
+    metrics = evaluate_checkpoint(run, tmp_path / "v0")
+    assert metrics["eval/prompts"] == 6.0 and "eval/pass@3" in metrics
+    assert 0.0 <= metrics["eval/truncation_rate"] <= 1.0 and metrics["eval/rewards_failed"] == 0.0

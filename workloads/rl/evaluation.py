@@ -109,18 +109,30 @@ def params_for(run, n: int | None = None) -> EvalParams:
                       temperature=e.temperature, top_p=run.rl.sampling.top_p, seed=run.rl.training.seed)
 
 
-def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None = None) -> dict[str, float]:
-    """A run's evaluation (rl.evaluation) on its evaluation prompts; what the orchestrator calls every N steps."""
+def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None = None,
+                 prompts: list[Prompt] | None = None) -> dict[str, float]:
+    """A run's evaluation (rl.evaluation) on its evaluation prompts; what the orchestrator calls every N steps.
+    Pass `prompts` (data.evaluation_prompts, computed once) so a dataset in S3 is not read again each time."""
     from .data import evaluation_prompts
 
     own = scorer is None
     scorer = scorer or RewardScorer(run.rl.reward)
     try:
-        return evaluate(evaluation_prompts(run, tokenizer), complete, scorer, params_for(run),
-                        pass_threshold=run.rl.reward.pass_threshold)
+        return evaluate(evaluation_prompts(run, tokenizer) if prompts is None else prompts, complete, scorer,
+                        params_for(run), pass_threshold=run.rl.reward.pass_threshold)
     finally:
         if own:
             scorer.close()
+
+
+def evaluate_checkpoint(run, directory: str | Path) -> dict[str, float]:
+    """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
+    the local run's evaluation of its initial, post-warm-up and final weights."""
+    from ..model.checkpoint import load_model
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer)
 
 
 def _text(tokenizer, tokens: list[int], finished: bool) -> str:
