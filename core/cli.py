@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
     "bench-generation": ("moe_rl_eks.workloads.rl.bench_generation", "main",
                          "rollout decoding with a group's prompt prefilled once vs per row"),
+    "doctor": ("moe_rl_eks.core.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),
+    "preflight": ("moe_rl_eks.core.preflight", "main", "check an AWS account can hold an environment (boto3)"),
 }
 
 
