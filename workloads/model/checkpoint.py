@@ -135,11 +135,12 @@ def published_dtype(name: str, dtype: torch.dtype, serving: torch.dtype) -> torc
 
 
 def cast_for_serving(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model.to(dtype)`, except the FLOAT32_TENSORS, which stay float32."""
-    keep = {name: t for name, t in model.state_dict(keep_vars=True).items() if name.endswith(FLOAT32_TENSORS)}
+    """`model.to(dtype)`, except the FLOAT32_TENSORS (buffers), which keep their float32 values."""
+    kept = {(module, name): buf.float() for module in model.modules()
+            for name, buf in module.named_buffers(recurse=False) if name.endswith(FLOAT32_TENSORS)}
     model.to(dtype=dtype)
-    for name, t in keep.items():
-        t.data = t.data.float()
+    for (module, name), value in kept.items():
+        module._buffers[name] = value.to(module._buffers[name].device)
     return model
 
 
