@@ -98,6 +98,12 @@ bench-kernels: $(STAMP)
 local-run: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local.yaml
 
+# The local real-data example: word problems in Parquet through a chat template and a BPE tokenizer, made here.
+.PHONY: run-words
+run-words: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli example-data --out runs/word-problems
+	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local-words.yaml
+
 # Synchronous vs asynchronous RL, one rollout server and one trainer rank on their own cores; results go in
 # workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--steps 80 --async-staleness 2".
 .PHONY: bench-rl
