@@ -235,7 +235,7 @@ def stage_part(store, ref, part, parts, source, files):
 def any_store(request, tmp_path):
     if request.param == "directory":
         return DirectoryStore(tmp_path / "store")
-    url = request.getfixturevalue("s3_endpoint")
+    url = request.getfixturevalue("s3_url")
     return S3Store("weights", "run1/weights", endpoint_url=url, chunk_mib=5)
 
 
@@ -268,27 +268,19 @@ def test_an_expert_parallel_version_some_rank_skipped_is_published_by_none(tmp_p
 
 
 @pytest.fixture
-def s3_endpoint(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
+def s3_url(s3_endpoint):
+    """conftest's moto server, emptied (its state is per process) and with the bucket `weights`."""
     import urllib.request
 
     import boto3
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))  # state is per process
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket="weights")
-    yield url
-    server.stop()
+
+    urllib.request.urlopen(urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST"))
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="weights")
+    return s3_endpoint
 
 
-def test_s3_store_publishes_manifest_last_keeps_the_newest_and_verifies(tmp_path, s3_endpoint, model_config):
-    store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint, keep_versions=2)
+def test_s3_store_publishes_manifest_last_keeps_the_newest_and_verifies(tmp_path, s3_url, model_config):
+    store = S3Store("weights", "run1/weights", endpoint_url=s3_url, keep_versions=2)
     for v in range(3):
         store.publish(v, checkpoint(tmp_path, model_config, v, value=float(v)), lineage=0)
     assert store.latest() == V(0, 2) and weight(store.fetch(2, tmp_path / "cache")) == 2.0
@@ -300,8 +292,8 @@ def test_s3_store_publishes_manifest_last_keeps_the_newest_and_verifies(tmp_path
         store.publish(0, checkpoint(tmp_path, model_config, "old"), lineage=0)
 
 
-def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path, s3_endpoint, model_config):
-    store = S3Store("weights", "w", endpoint_url=s3_endpoint, chunk_mib=5)
+def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path, s3_url, model_config):
+    store = S3Store("weights", "w", endpoint_url=s3_url, chunk_mib=5)
     source = tmp_path / "src"
     source.mkdir()
     (source / "config.json").write_text("{}")
@@ -314,8 +306,8 @@ def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path
     assert (fetched / "big.bin").read_bytes() == (source / "big.bin").read_bytes()
 
 
-def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_endpoint, model_config, monkeypatch):
-    store = S3Store("weights", "w", endpoint_url=s3_endpoint)
+def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_url, model_config, monkeypatch):
+    store = S3Store("weights", "w", endpoint_url=s3_url)
     store.publish(1, checkpoint(tmp_path, model_config, "a"), lineage=0)
     calls = []
     original = store.s3.upload_file
@@ -337,7 +329,7 @@ def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_
     assert not [k for k in keys if version_name(V(0, 2)) in k]  # the uploaded half was removed
 
 
-def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_endpoint):
+def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_url):
     from rl_helpers import tiny_run
 
     from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine
@@ -346,7 +338,7 @@ def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3
     run = tiny_run(tmp_path)
     state = MoETransformer(run.model).state_dict()
     save_hf(state, run.model, tmp_path / "src")
-    store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint)
+    store = S3Store("weights", "run1/weights", endpoint_url=s3_url)
     store.publish(0, tmp_path / "src", lineage=0)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
     try:
