@@ -51,13 +51,13 @@ def published_bytes(config: ModelConfig) -> int:
     return total
 
 
-def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
+def disk_bandwidth(directory: Path, nbytes: float) -> tuple[float, float]:
     """Sequential write (64 MiB writes, then fsync) and cold read (page cache dropped) of one file, GB/s."""
     path = directory / "baseline.bin"
     buffer = memoryview(torch.randint(0, 255, (CHUNK,), dtype=torch.uint8).numpy())
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    chunks = max(1, -(-nbytes // CHUNK))
+    chunks = max(1, int(-(-nbytes // CHUNK)))
     for _ in range(chunks):
         view = buffer
         while view:
@@ -98,23 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12, help="at most this many layers (fewer if the disk is small)")
     parser.add_argument("--steps", type=int, default=3, help="training steps timed with and without publication")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--baseline-gb", type=int, default=8, help="size of the disk baseline's file")
+    parser.add_argument("--budget-s", type=float, default=120,
+                        help="fewer layers if the disk would need longer than this for the writes and reads")
     parser.add_argument("--device", default="cuda", help="cpu only to try the script out")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.dir.mkdir(parents=True, exist_ok=True)
     full = published_bytes(QWEN3_30B_A3B)
+    write_bw, read_bw = disk_bandwidth(args.dir, args.baseline_gb * 10**9)
+    print(f"disk at {args.dir}: sequential write {write_bw:.2f} GB/s (64 MiB writes, fsync), read {read_bw:.2f} "
+          f"GB/s (page cache dropped), {args.baseline_gb} GB file", flush=True)
     free = shutil.disk_usage(args.dir).free
+
+    def fits(layers: int) -> bool:  # three versions on disk; about four written and one read in the budget
+        gb = published_bytes(dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)) / 1e9
+        return 3.5 * gb * 1e9 < free and gb * (4 / write_bw + 1 / read_bw) < args.budget_s
+
     layers = args.layers
-    while layers > 1 and 3.5 * published_bytes(dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)) > free:
+    while layers > 1 and not fits(layers):
         layers -= 1
     config = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)
     nbytes = published_bytes(config)
     scale = full / nbytes
     print(f"Qwen3-30B-A3B shape, {layers} of 48 layers: {nbytes / 1e9:.2f} GB published (bf16; the 48-layer "
-          f"model {full / 1e9:.2f} GB, x{scale:.2f}); disk free {free / 1e9:.0f} GB at {args.dir}", flush=True)
-
-    write_bw, read_bw = disk_bandwidth(args.dir, nbytes)
-    print(f"disk: sequential write {write_bw:.2f} GB/s (fsync), cold read {read_bw:.2f} GB/s", flush=True)
+          f"model {full / 1e9:.2f} GB, x{scale:.2f}); disk free {free / 1e9:.0f} GB", flush=True)
 
     torch.manual_seed(0)
     state = {k: torch.randn(s, device=device) * 0.02 for k, s in shapes(config).items()}  # float32 masters
@@ -123,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     publisher.publish(0, state)
     snapshot_first = publisher.snapshot_seconds
+    print(f"snapshot (first, pins the buffers): {snapshot_first:.2f} s", flush=True)
     start = time.perf_counter()
     publisher.flush()
     write = time.perf_counter() - start
+    print(f"write + fsync + commit: {write:.2f} s", flush=True)
     if publisher.published != 0:
         raise SystemExit("version 0 was not published (the log says why)")
     start = time.perf_counter()
@@ -135,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     _, loaded = load_hf(directory, device=device, drop_cache=True)
     sync(device)
     load = time.perf_counter() - start
+    print(f"fetch {fetch:.3f} s, load to {device} (cold) {load:.2f} s", flush=True)
     mismatched = [k for k, v in state.items() if not torch.equal(loaded[k], v.to(loaded[k].dtype))]
     del loaded
 
     publisher.publish(1, state)
     snapshot_steady = publisher.snapshot_seconds
+    print(f"snapshot (steady): {snapshot_steady:.2f} s", flush=True)
     publisher.flush()
 
     side = 8192 if device.type == "cuda" else 256
