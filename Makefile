@@ -115,6 +115,13 @@ bench-rl: $(STAMP)
 bench-generation: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-generation $(BENCH_GENERATION_ARGS)
 
+# Weight publication (snapshot, write, fetch, load to the GPU) against the disk's own bandwidth, on a GPU machine;
+# results go in workloads/BENCHMARKS.md. Arguments: make bench-weights BENCH_WEIGHTS_ARGS="--dir /nvme/x --layers 12".
+.PHONY: bench-weights
+BENCH_WEIGHTS_ARGS ?= --dir runs/bench-weights --out runs/bench-weights.json
+bench-weights: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-weights $(BENCH_WEIGHTS_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache
 
