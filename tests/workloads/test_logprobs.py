@@ -12,14 +12,18 @@ def plain(hidden, weight, targets, temperature):
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def both(hidden, weight, targets, temperature, chunk, autocast):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def both(hidden, weight, targets, temperature, chunk, autocast, device="cpu"):
     """(values, grads) of the chunked and the plain computation under the same upstream gradients."""
-    g_logp, g_ent = torch.randn(targets.shape), torch.randn(targets.shape)
+    hidden, weight, targets = hidden.to(device), weight.to(device), targets.to(device)
+    g_logp, g_ent = torch.randn(targets.shape, device=device), torch.randn(targets.shape, device=device)
     results = []
     for fn in (lambda h, w: token_logprobs_and_entropy(h, w, targets, temperature=temperature, chunk_tokens=chunk),
                lambda h, w: plain(h, w, targets, temperature)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             logp, ent = fn(h, w)
         ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
         results.append((logp.detach(), ent.detach(), h.grad, w.grad))
@@ -36,12 +40,14 @@ def test_chunked_logprobs_and_entropy_equal_the_plain_computation_in_float32(tem
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_chunked_logprobs_under_bf16_autocast_match_the_plain_bf16_lm_head():
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_logprobs_under_bf16_autocast_match_the_plain_bf16_lm_head(device):
     # Both compute the product in bf16 and the softmax in float32; they differ by bf16 rounding of the weight
-    # gradient's per-chunk partial sums and of the products' accumulation order.
-    hidden, weight = torch.randn(2, 40, 32), torch.randn(64, 32) * 0.3
-    targets = torch.randint(0, 64, (2, 40))
-    got, want = both(hidden, weight, targets, 1.0, chunk=16, autocast=True)
+    # gradient's per-chunk partial sums and of the products' accumulation order. On CUDA the chunked path runs
+    # the Triton kernels (kernels/logprobs.py), so this is their check on the GPU too.
+    hidden, weight = torch.randn(2, 40, 32), torch.randn(5000, 32) * 0.3  # more than one kernel block of vocabulary
+    targets = torch.randint(0, 5000, (2, 40))
+    got, want = both(hidden, weight, targets, 0.8, chunk=16, autocast=True, device=device)
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
     for g, w in zip(got[2:], want[2:]):

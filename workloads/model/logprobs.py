@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-# A chunk's float32 logits are at most this many elements (1 GiB); the backward holds about three such buffers.
+# A chunk's logits are at most this many elements (a float32 chunk: 1 GiB).
 CHUNK_ELEMENTS = 2**28
 
 
@@ -19,9 +19,33 @@ def default_chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[n, h] x [V, h] -> float32 [n, V] logits / temperature, the product in the operands' (compute) dtype."""
-    return (hidden @ weight.t()).float().div_(temperature)
+def softmax_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, V] -> (log p[target], entropy, log-sum-exp) of softmax(logits / temperature), float32 [n].
+    On GPUs one Triton pass (moe_rl_eks.kernels.logprobs); elsewhere in torch."""
+    if logits.is_cuda:
+        from moe_rl_eks.kernels.logprobs import softmax_stats as fused
+
+        return fused(logits, targets, temperature)
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)
+    return z.gather(1, targets[:, None]).squeeze(1) - lse, entropy, lse
+
+
+def logit_grads_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                 g_logp: torch.Tensor, g_ent: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The gradient wrt logits [n, V] of sum(g_logp * log p[target] + g_ent * entropy), in the logits' dtype;
+    it may reuse (overwrite) the logits' storage."""
+    if logits.is_cuda:
+        from moe_rl_eks.kernels.logprobs import logit_grads_ as fused
+
+        return fused(logits, targets, lse, entropy, g_logp, g_ent, temperature)
+    logp = logits.float().div_(temperature).sub_(lse[:, None])
+    p = logp.exp()
+    dz = logp.add_(entropy[:, None]).mul_(p).mul_(-g_ent[:, None]).sub_(p.mul_(g_logp[:, None]))
+    dz.scatter_add_(1, targets[:, None], g_logp[:, None])
+    return dz.div_(temperature).to(logits.dtype)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -29,18 +53,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk, compute_dtype):
         n = hidden.shape[0]
         w = weight.to(compute_dtype)
-        logp = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
+        stats = hidden.new_empty(3, n, dtype=torch.float32)  # log p[target], entropy, lse
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            z = _chunk_logits(hidden[start:end].to(compute_dtype), w, temperature)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[start:end] = chunk_lse
-            logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
-            p = torch.exp(z - chunk_lse[:, None])
-            entropy[start:end] = chunk_lse - (p * z).sum(dim=-1)
-            del z, p
+            logits = hidden[start:end].to(compute_dtype) @ w.t()
+            for row, value in zip(stats, softmax_stats(logits, targets[start:end], temperature)):
+                row[start:end] = value
+            del logits
+        logp, entropy, lse = stats
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         return logp, entropy
@@ -48,36 +68,27 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.compute_dtype
-        n = hidden.shape[0]
+        chunk, dtype = ctx.chunk, ctx.compute_dtype
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         g_logp = grad_logp if grad_logp is not None else torch.zeros_like(lse)
         g_ent = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end].to(dtype)
-            z = _chunk_logits(h, w, t)
-            logp_all = z.sub_(lse[start:end, None])  # log p, in place of z
-            p = logp_all.exp()
-            # dz = g_logp (onehot - p) - g_ent p (log p + H), built in place over log p
-            ent = entropy[start:end, None]
-            dz = logp_all.add_(ent).mul_(p).mul_(-g_ent[start:end, None])
-            dz.sub_(p.mul_(g_logp[start:end, None]))
-            dz.scatter_add_(1, targets[start:end, None], g_logp[start:end, None].to(dz.dtype))
-            del p
-            dlogits = dz.div_(t).to(dtype)
+            # the chunk's logits again (recomputed, never kept), overwritten by their gradient
+            dlogits = logit_grads_(h @ w.t(), targets[start:end], lse[start:end], entropy[start:end],
+                                   g_logp[start:end], g_ent[start:end], ctx.temperature)
             if grad_hidden is not None:
-                grad_hidden[start:end] = (dlogits @ w).to(hidden.dtype)
+                grad_hidden[start:end] = dlogits @ w
             if grad_weight is not None:
                 # Rounded to the compute dtype per chunk, as nn.Linear's weight gradient is under autocast.
                 grad_weight.add_(dlogits.t() @ h)
-            del dz, dlogits, z
+            del dlogits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
-
 
 def token_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                temperature: float = 1.0, chunk_tokens: int | None = None
