@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
+    "example-data": ("moe_rl_eks.workloads.rl.example_data", "main",
+                     "write the local real-data example: a BPE tokenizer directory and word-problem Parquet files"),
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
     "bench-generation": ("moe_rl_eks.workloads.rl.bench_generation", "main",
                          "rollout decoding with a group's prompt prefilled once vs per row"),

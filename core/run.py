@@ -222,6 +222,13 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         ranks = run.parallelism.ranks_per_node or trainer.gpus
         topo = Topology(nodes=run.parallelism.trainer_nodes, ranks_per_node=ranks, device="cuda",
                         num_experts=run.model.num_experts, nvlink_domain=trainer.nvlink_domain, dtype=run.model.dtype)
+    samples, ranks_total = run.rl.training.prompts_per_step * run.rl.algorithm.group_size, topo.ep_size
+    if samples < ranks_total * run.rl.algorithm.mini_batches:
+        raise ConfigError(src, "rl.training.prompts_per_step", run.rl.training.prompts_per_step,
+                          f"prompts_per_step x rl.algorithm.group_size ({run.rl.algorithm.group_size}) = {samples} "
+                          f"samples per step "
+                          f"must be >= {ranks_total} trainer ranks x rl.algorithm.mini_batches "
+                          f"({run.rl.algorithm.mini_batches}): every rank trains on every mini-batch")
     try:
         backend, why = resolve_backend(run.parallelism.ep_backend, topo)
     except UnsupportedBackend as exc:

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from moe_rl_eks.workloads.rl.algorithms import (gae, grpo_advantages, terminal_rewards, varied_groups,
-                                                within_staleness)
-from moe_rl_eks.core.rl_config import AlgorithmConfig
-from moe_rl_eks.workloads.rl.losses import (PolicyBatch, kl_estimate, policy_loss, token_logprobs_and_entropy,
-                                            value_loss)
+from moe_rl_eks.workloads.rl.algorithms import (SequenceScores, gae, grpo_advantages, make_algorithm,
+                                                terminal_rewards, varied_groups, whiten)
+from moe_rl_eks.core.rl_config import AlgorithmConfig, RLConfig, SamplingConfig
+from moe_rl_eks.workloads.rl.losses import (PolicyBatch, Totals, kl_estimate, policy_loss,
+                                            token_logprobs_and_entropy, value_loss)
 
 
 def test_grpo_scales_by_unbiased_group_std_and_dr_grpo_only_centres():
@@ -108,12 +108,157 @@ def test_clipped_value_loss():
     assert loss.item() == pytest.approx(0.845)
 
 
-def test_staleness_bound():
-    assert within_staleness(5, 5, 0) and not within_staleness(5, 4, 0)
-    assert within_staleness(5, 4, 1) and not within_staleness(5, 3, 1)
-
-
 def test_token_logprobs_and_entropy_of_uniform_logits():
     logp, ent = token_logprobs_and_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 3]]))
     assert torch.allclose(logp, torch.full((1, 2), -math.log(4)))
     assert torch.allclose(ent, torch.full((1, 2), math.log(4)))
+
+
+def algorithm(name, max_tokens=4, **cfg):
+    return make_algorithm(RLConfig(algorithm=AlgorithmConfig(name=name, **cfg),
+                                   sampling=SamplingConfig(max_tokens=max_tokens)))
+
+
+def test_the_algorithm_says_what_the_trainer_must_compute_and_how_often_it_steps():
+    grpo = algorithm("grpo", kl_coef=0.1, epochs_per_batch=2, mini_batches=4)
+    assert (grpo.name, grpo.needs_values, grpo.needs_reference, grpo.needs_entropy) == ("grpo", False, True, False)
+    assert (grpo.epochs, grpo.mini_batches) == (2, 4)
+    ppo = algorithm("ppo", entropy_coef=0.01)
+    assert (ppo.name, ppo.needs_values, ppo.needs_reference, ppo.needs_entropy) == ("ppo", True, False, True)
+    assert torch.equal(ppo.sequence_advantages(torch.tensor([[1.0, 0.0]])), torch.zeros(1, 2))
+    assert algorithm("dr_grpo").sequence_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).tolist() == [[0.5, -0.5, -0.5, 0.5]]
+    assert algorithm("gspo").name == "gspo"
+
+
+def test_dr_grpo_divides_by_the_constant_sequences_times_max_tokens_not_by_tokens():
+    # 2 sequences of 1 and 3 valid tokens, max_tokens 4: every token weighs 1 / (2 * 4) = 0.125, whatever the
+    # lengths; the token mean would weigh 1 / 4 and the sequence mean 1/2 and 1/6.
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    totals = Totals.of(Totals.local(mask))
+    assert (totals.tokens, totals.sequences) == (4.0, 2.0)
+    assert torch.equal(algorithm("dr_grpo").normalizer(mask, totals), mask * 0.125)
+    assert torch.equal(algorithm("grpo").normalizer(mask, totals), mask * 0.25)
+    assert torch.allclose(algorithm("gspo").normalizer(mask, totals),
+                          torch.tensor([[0.5, 0.0, 0.0], [1 / 6, 1 / 6, 1 / 6]]))
+    # the loss: ratio 1 (current = proximal = behaviour), advantage 1 on every token -> -(sum of weights)
+    same = torch.zeros(2, 3)
+    batch = PolicyBatch(same, same, same, torch.ones(2, 3), mask)
+    assert algorithm("dr_grpo").loss(batch, totals)[0].item() == pytest.approx(-4 * 0.125)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo", "ppo"])
+def test_micro_batches_with_the_global_totals_sum_to_the_whole_batch_loss_and_gradient(name):
+    torch.manual_seed(0)
+    b, t = 6, 5
+    mask = (torch.rand(b, t) < 0.7).float()
+    mask[:, 0] = 1.0
+    logits = torch.randn(b, t, requires_grad=True)
+    fields = dict(proximal_logprobs=-torch.rand(b, t), behaviour_logprobs=-torch.rand(b, t),
+                  advantages=torch.randn(b, t) * mask)
+    algo = algorithm(name, kl_coef=0.1, entropy_coef=0.01)
+    extra = lambda rows: dict(reference_logprobs=-torch.ones(b, t)[rows], entropy=torch.ones(b, t)[rows])
+
+    def loss_of(rows, totals):
+        logp = torch.nn.functional.logsigmoid(logits[rows])
+        pb = PolicyBatch(logp, fields["proximal_logprobs"][rows], fields["behaviour_logprobs"][rows],
+                         fields["advantages"][rows], mask[rows], **extra(rows))
+        return algo.loss(pb, totals)[0]
+
+    totals = Totals.of(Totals.local(mask))
+    whole = loss_of(slice(0, b), totals)
+    (g_whole,) = torch.autograd.grad(whole, logits)
+    parts = loss_of(slice(0, 2), totals) + loss_of(slice(2, b), totals)
+    (g_parts,) = torch.autograd.grad(parts, logits)
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+    assert torch.allclose(g_parts, g_whole, atol=1e-7)
+
+
+def test_ppo_advantages_are_whitened_over_the_mask_across_ranks():
+    torch.manual_seed(1)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    scores = SequenceScores(rewards=torch.tensor([1.0, 0.0, 0.5]), advantages=torch.zeros(3), mask=mask)
+    values = torch.randn(3, 4)
+    adv, returns = algorithm("ppo").token_advantages(scores, values)
+    valid = adv[mask.bool()]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert valid.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased, as the whitening
+    assert torch.equal(adv[~mask.bool()], torch.zeros(3))
+    raw, raw_returns = gae(terminal_rewards(scores.rewards, mask), values, mask, gamma=1.0, lam=0.95)
+    assert torch.equal(returns, raw_returns)  # the critic regresses on unwhitened returns
+    # two ranks holding rows [0] and [1, 2] whiten with the global statistics through the all-reduce
+    rank_sums = []
+
+    def all_reduce(t):  # both ranks' sums, as torch.distributed.all_reduce would leave them
+        rank_sums.append(t.clone())
+        if len(rank_sums) == 2:
+            t.copy_(rank_sums[0] + rank_sums[1])
+
+    whiten(raw[:1], mask[:1], all_reduce)  # rank 0 contributes its sums (a real all-reduce runs both at once)
+    both = whiten(raw[1:], mask[1:], all_reduce)
+    assert torch.allclose(both, adv[1:], atol=1e-6)
+
+
+def test_grpo_token_advantages_put_the_sequence_advantage_on_each_completion_token():
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    adv, returns = algorithm("grpo").token_advantages(SequenceScores(torch.zeros(2), torch.tensor([2.0, -1.0]), mask))
+    assert torch.equal(adv, torch.tensor([[0.0, 2.0, 2.0], [0.0, -1.0, 0.0]])) and returns is None
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k3+"])
+def test_k3_kl_is_finite_and_bounded_at_extreme_ratios(estimator):
+    # unclamped, log p = -20 against log q = -1 gives exp(19) - 1 - 19 = 1.8e8
+    logp = torch.tensor([-20.0, -1000.0, -1.0, 0.0], requires_grad=True)
+    ref = torch.tensor([-1.0, 0.0, -1000.0, -0.5])
+    kl = kl_estimate(logp, ref, estimator)
+    assert torch.isfinite(kl).all() and (kl >= 0).all() and (kl <= 10.0).all()
+    assert kl[3].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)  # inside the clamps: k3 unchanged
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    assert torch.isfinite(grad).all() and grad.abs().max() <= 20.0
+    if estimator == "k3+":
+        # k2's gradient, log p - log q (clamped to +-20): an unbiased KL gradient
+        assert grad.tolist() == pytest.approx([-19.0, -20.0, 20.0, 0.5])
+    # and the whole loss stays finite and bounded at extreme ratios
+    b = torch.tensor([[-30.0, 0.0]], requires_grad=True)
+    batch = PolicyBatch(b, torch.tensor([[0.0, -30.0]]), torch.tensor([[-30.0, 0.0]]), torch.tensor([[1.0, -1.0]]),
+                        torch.ones(1, 2), reference_logprobs=torch.tensor([[0.0, -40.0]]))
+    loss, _ = algorithm("grpo", kl_coef=1.0, kl_estimator=estimator).loss(batch, Totals(2.0, 1.0))
+    loss.backward()
+    assert math.isfinite(loss.item()) and abs(loss.item()) < 100 and torch.isfinite(b.grad).all()
+
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    # one sequence of 2 tokens: log-ratios log 1.5 and log 0.5 -> sequence ratio exp(mean) = sqrt(0.75) = 0.8660,
+    # inside [1 - 0.2, 1 + 0.28]; A = 1, no off-policy weight; sequence mean -> loss = -0.8660
+    logp = torch.log(torch.tensor([[0.6, 0.2]])).requires_grad_()
+    prox = torch.log(torch.tensor([[0.4, 0.4]]))
+    batch = PolicyBatch(logp, prox, prox, torch.ones(1, 2), torch.ones(1, 2))
+    loss, m = algorithm("gspo").loss(batch, Totals(2.0, 1.0))
+    assert loss.item() == pytest.approx(-math.sqrt(0.75), abs=1e-6) and m["clip_fraction"] == 0.0
+    loss.backward()
+    # d/dlogp_t of -(1/2) * sum_t s: s / 2 on each token (GSPO-token's form)
+    assert logp.grad[0].tolist() == pytest.approx([-math.sqrt(0.75) / 2] * 2, abs=1e-6)
+    # a sequence ratio above 1 + clip_high with A > 0 is clipped as a whole: no gradient on any of its tokens
+    far = PolicyBatch(torch.log(torch.tensor([[0.8, 0.8]])).requires_grad_(), prox, prox, torch.ones(1, 2),
+                      torch.ones(1, 2))
+    loss, m = algorithm("gspo").loss(far, Totals(2.0, 1.0))
+    loss.backward()
+    assert m["clip_fraction"] == 1.0 and torch.equal(far.logprobs.grad, torch.zeros(1, 2))
+
+
+def test_config_checks_that_every_trainer_rank_gets_samples_in_every_mini_batch(tmp_path):
+    from rl_helpers import write_run
+
+    from moe_rl_eks.core.run import load_run, resolve_run
+    from moe_rl_eks.core.schema import ConfigError
+
+    # local.yaml: 2 ranks; 1 prompt x 2 completions = 2 samples: one mini-batch fits, two do not
+    path = write_run(tmp_path, training={"prompts_per_step": 1}, algorithm={"group_size": 2, "mini_batches": 2})
+    with pytest.raises(ConfigError, match=r"rl.training.prompts_per_step: 1 is not allowed; prompts_per_step x rl.algorithm.group_size "
+                                          r"\(2\) = 2 samples per step must be >= 2 trainer ranks x "
+                                          r"rl.algorithm.mini_batches \(2\)"):
+        resolve_run(load_run(path), None)
+    resolve_run(load_run(write_run(tmp_path, training={"prompts_per_step": 1}, algorithm={"group_size": 2})), None)
+    with pytest.raises(ConfigError, match=r"rl.algorithm.mini_batches: 3 is not allowed; must be <= "):
+        load_run(write_run(tmp_path, training={"prompts_per_step": 1}, algorithm={"group_size": 2, "mini_batches": 3}))
+    with pytest.raises(ConfigError, match=r"rl.algorithm.name: 'dapo' is not allowed; allowed: 'grpo', 'dr_grpo'"):
+        load_run(write_run(tmp_path, algorithm={"name": "dapo"}))

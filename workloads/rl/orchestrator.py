@@ -35,7 +35,7 @@ from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.cluster import ORCHESTRATOR_PORT
 from moe_rl_eks.core.run import RunConfig
 
-from .algorithms import grpo_advantages, varied_groups, within_staleness
+from .algorithms import grpo_advantages, varied_groups
 from .rewards import ArithmeticTask, RewardScorer
 from .runtime import HttpError, JsonHandler, Registry, HttpServer, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
@@ -388,7 +388,7 @@ class Orchestrator:
     def _drop_stale(self, step: int) -> None:
         kept = deque()
         for g in self.buffered:
-            if within_staleness(step, g.version, self.cfg.max_staleness):
+            if 0 <= step - g.version <= self.cfg.max_staleness:
                 kept.append(g)
             else:
                 self.counts["dropped_stale_groups"] += 1

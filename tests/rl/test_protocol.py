@@ -1,0 +1,123 @@
+"""The wire records: JSON round trips, malformed input rejected naming the field, routing arrays, seeds,
+versions and the staleness rule."""
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, CompletionRequest, Group,
+                                              OrchestratorState, ProtocolError, Sample, TrainingSample, VersionRef,
+                                              decode_routing, derive_seed, encode_routing, staleness_ok)
+
+
+def sample(i, lineage=1, version=3):
+    return TrainingSample(id=f"p{i}/0", prompt_ids=[1, 2], completion_ids=[5, 2], logprobs=[-0.5, -0.1],
+                          reward=1.0, advantage=0.5, finished=True, version=VersionRef(lineage, version))
+
+
+def batch():
+    stats = BatchStats(reward_mean=0.5, accuracy=0.25, staleness_mean=1.0, dropped_stale_groups=0,
+                       filtered_groups=0, retries=1, rewards_failed=0, completed=2)
+    return Batch(step=4, lineage=1, samples=[sample(0), sample(1)], stats=stats)
+
+
+def test_records_round_trip_through_json():
+    b = batch()
+    assert Batch.from_json(json.loads(json.dumps(b.to_json()))) == b
+    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, encode_routing(np.zeros((3, 2, 2), np.int64)))])
+    state = OrchestratorState(next_prompt=9, consumed=2, pending_prompts=[8], buffered=[group], batches={4: b},
+                              counts={"retries": 1}, trainer=VersionRef(1, 4))
+    back = OrchestratorState.from_json(json.loads(json.dumps(state.to_json())))
+    assert back == state and back.batches[4].samples[1].version == VersionRef(1, 3)
+
+
+@pytest.mark.parametrize("mutate, path, expected", [
+    (lambda d: d["samples"][1].update(advantage="x"), "batch.samples[1].advantage", "a finite number"),
+    (lambda d: d["samples"][0].update(logprobs=[-0.5]), "batch.samples[0].logprobs", "one per completion token"),
+    (lambda d: d["samples"][0]["version"].update(lineage=-1), "batch.samples[0].version.lineage", ">= 0"),
+    (lambda d: d["samples"][0]["version"].update(lineage=2), "batch.samples", "every sample of lineage 1"),
+    (lambda d: d["samples"][0].pop("reward"), "batch.samples[0].reward", "required field missing"),
+    (lambda d: d["stats"].update(colour=1), "batch.stats.colour", "unknown field"),
+    (lambda d: d.update(step=True), "batch.step", "an integer"),
+    (lambda d: d["samples"][0].update(finished=1), "batch.samples[0].finished", "true or false"),
+    (lambda d: d.update(samples=[]), "batch.samples", "at least one sample"),
+])
+def test_malformed_records_are_rejected_naming_the_field(mutate, path, expected):
+    data = batch().to_json()
+    mutate(data)
+    with pytest.raises(ProtocolError, match=expected) as err:
+        Batch.from_json(data)
+    assert str(err.value).startswith(f"{path}: ") and err.value.path == path
+
+
+def test_a_completion_response_is_read_into_typed_choices():
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy", "weight_version": 5,
+            "weight_lineage": 2, "usage": {},
+            "choices": [{"index": 1, "text": "3", "token_ids": [9, 2], "finish_reason": "length",
+                         "logprobs": {"tokens": [], "token_logprobs": [-0.25, -0.5], "top_logprobs": None,
+                                      "text_offset": []}, "routed_experts": None},
+                        {"index": 0, "text": "4", "token_ids": [10], "finish_reason": "stop",
+                         "logprobs": {"token_logprobs": [-1.0]}}]}
+    c = Completion.from_response(body)
+    assert c.version == VersionRef(2, 5) and [ch.index for ch in c.choices] == [0, 1]
+    assert c.choices[1].logprobs == [-0.25, -0.5] and c.choices[0].finish_reason == "stop"
+    body["choices"][0]["logprobs"]["token_logprobs"] = [-0.25]
+    with pytest.raises(ProtocolError, match=r"^response.choices\[0\].logprobs: .*one per token"):
+        Completion.from_response(body)
+    with pytest.raises(ProtocolError, match=r"^response.weight_version: None .*an integer"):
+        Completion.from_response({"choices": []})
+    with pytest.raises(ProtocolError, match=r"^response.choices: \[0, 0\]"):
+        Completion.from_response({**body, "choices": [body["choices"][1], body["choices"][1]]})
+
+
+def test_a_completion_request_carries_our_fields_and_checks_its_seed():
+    r = CompletionRequest(prompt=[1, 2], n=4, max_tokens=3, temperature=1.0, top_p=0.9, seed=derive_seed(0, 1))
+    data = r.to_json()
+    assert data["logprob_mode"] == "processed" and data["return_token_ids"] is True and data["logprobs"] == 0
+    with pytest.raises(ProtocolError, match=r"^completion_request.seed: .*\[0, 2\*\*63\)"):
+        CompletionRequest.from_json({**data, "seed": 2**63})
+
+
+@pytest.mark.parametrize("experts, dtype", [(4, np.uint8), (256, np.uint8), (300, np.int16)])
+def test_routing_is_base64_npy_in_the_narrowest_of_uint8_and_int16(experts, dtype):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, experts, size=(7, 3, 2))
+    ids[0, 0, 0] = experts - 1
+    text = encode_routing(ids)
+    raw = np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)  # what vLLM's readers do
+    assert raw.dtype == dtype and raw.shape == (7, 3, 2)
+    back = decode_routing(text)
+    assert back.dtype == dtype and np.array_equal(back, ids)
+
+
+def test_malformed_routing_is_rejected():
+    with pytest.raises(ProtocolError, match="integer expert ids"):
+        encode_routing(np.zeros((3, 2)))
+    with pytest.raises(ProtocolError, match="base64 of .npy"):
+        decode_routing("not base64!")
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((2, 2, 2), np.float32))
+    with pytest.raises(ProtocolError, match=r"^choice.routing: .*uint8 or int16"):
+        decode_routing(base64.b64encode(buf.getvalue()).decode(), "choice.routing")
+
+
+def test_derived_seeds_are_stable_in_range_and_do_not_collide_across_nearby_runs():
+    assert derive_seed(0, 5) == derive_seed(0, 5) and derive_seed(0, 5) != derive_seed(0, 6)
+    # seed * 100_000 + i collided whenever two runs' seeds differed by one and their prompts by 100_000
+    seeds = {derive_seed(run, i) for run in range(20) for i in range(0, 500_000, 997)}
+    assert len(seeds) == 20 * len(range(0, 500_000, 997))
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(2**64 - 1, 2**64 - 1) < 2**63
+    with pytest.raises(ProtocolError, match=r"^counters\[0\]: -1"):
+        derive_seed(0, -1)
+
+
+def test_the_staleness_rule_refuses_newer_weights_and_other_lineages():
+    trainer = VersionRef(lineage=1, version=10)
+    assert staleness_ok(trainer, VersionRef(1, 10), 0) and staleness_ok(trainer, VersionRef(1, 8), 2)
+    assert not staleness_ok(trainer, VersionRef(1, 7), 2)  # too old
+    assert not staleness_ok(trainer, VersionRef(1, 15), 2)  # from the future: a restart's stale servers
+    assert not staleness_ok(trainer, VersionRef(0, 10), 2)  # the dead lineage, same number
+    assert VersionRef(0, 99) < VersionRef(1, 0) < VersionRef(1, 1)

@@ -1,0 +1,379 @@
+"""What crosses a process boundary between the RL roles, as typed records: weight versions, routing arrays,
+request seeds, completion results, training samples and batches, and the orchestrator's checkpointed state.
+
+Torch-free and dependency-free (numpy is imported only to encode or decode routing arrays), so the orchestrator
+image, the trainer on a GPU machine without pydantic, and checkpoints all read the same records. Every record
+converts with `to_json()` (plain JSON types) and `Record.from_json(data)`, which rejects malformed input with a
+`ProtocolError` naming the field path (`batch.samples[3].advantage`), the value and what was expected.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import io
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+R = TypeVar("R", bound="Record")
+SEED_LIMIT = 2**63  # request seeds are non-negative int64s: every engine and JSON reader takes them
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ProtocolError(ValueError):
+    """A wire record is malformed; the message names the field path, the value and what is allowed."""
+
+    def __init__(self, path: str, value: Any, expected: str) -> None:
+        self.path, self.value, self.expected = path, value, expected
+        shown = repr(value)
+        super().__init__(f"{path}: {shown if len(shown) <= 80 else shown[:77] + '...'} is not allowed; {expected}")
+
+
+# ---- decoding -------------------------------------------------------------------------------------------------
+def _decode(tp: Any, value: Any, path: str) -> Any:
+    """`value` (parsed JSON) as type `tp`, or ProtocolError at `path`."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = [o for o in get_args(tp) if o is not type(None)]
+        if value is None:
+            if len(options) < len(get_args(tp)):
+                return None
+            raise ProtocolError(path, value, "required (null is not allowed)")
+        return _decode(options[0], value, path)  # our records use X | None only
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ProtocolError(path, value, "allowed: " + ", ".join(repr(a) for a in get_args(tp)))
+        return value
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return tp._from_json(value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(path, value, "expected a list")
+        item = get_args(tp)[0]
+        items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(path, value, "expected an object")
+        key_tp, val_tp = get_args(tp)
+        out = {}
+        for k, v in value.items():
+            key = k
+            if key_tp is int:  # JSON object keys are strings
+                try:
+                    key = int(k)
+                except (TypeError, ValueError):
+                    raise ProtocolError(f"{path}.{k}", k, "expected an integer key") from None
+            out[key] = _decode(val_tp, v, f"{path}.{k}")
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(path, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(path, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProtocolError(path, value, "expected a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(path, value, "expected a string")
+        return value
+    raise TypeError(f"protocol: unsupported field type {tp!r} at {path}")
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return value
+
+
+class Record:
+    """Base of the wire records (dataclasses): JSON out, checked JSON in, then the record's own `check()`."""
+
+    def to_json(self) -> dict:
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls: type[R], data: Any, path: str | None = None) -> R:
+        return cls._from_json(data, path or _snake(cls.__name__))
+
+    @classmethod
+    def _from_json(cls: type[R], data: Any, path: str) -> R:
+        if not isinstance(data, dict):
+            raise ProtocolError(path, data, f"expected an object ({cls.__name__})")
+        hints = get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ProtocolError(f"{path}.{unknown[0]}", data[unknown[0]], "unknown field; known: " + ", ".join(fields))
+        kwargs = {}
+        for name, f in fields.items():
+            if name in data:
+                kwargs[name] = _decode(hints[name], data[name], f"{path}.{name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{path}.{name}", None, "required field missing")
+        record = cls(**kwargs)
+        problem = record.check()
+        if problem is not None:
+            name, expected = problem
+            raise ProtocolError(f"{path}.{name}", getattr(record, name), expected)
+        return record
+
+    def check(self) -> tuple[str, str] | None:
+        """(field, what is expected) for a record whose fields are well-typed but inconsistent; None if fine."""
+        return None
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+# ---- weight versions ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class VersionRef(Record):
+    """A published weight version. Every trainer start from a checkpoint begins a new lineage whose version
+    numbers continue from the checkpoint's step, so a number alone can name weights of a dead lineage; the pair
+    cannot. Ordered by lineage, then version: the order the store's LATEST moves in."""
+
+    lineage: int
+    version: int
+
+    def check(self) -> tuple[str, str] | None:
+        if self.lineage < 0:
+            return "lineage", "must be >= 0"
+        if self.version < 0:
+            return "version", "must be >= 0"
+        return None
+
+
+def staleness_ok(trainer: VersionRef, sample: VersionRef, max_staleness: int) -> bool:
+    """The rule for training a sample at trainer version `trainer.version` (= the step): same lineage, and the
+    sample's weights at most `max_staleness` steps old and never newer than the trainer's (a server still holding
+    a dead lineage's higher version must not feed the step)."""
+    return sample.lineage == trainer.lineage and 0 <= trainer.version - sample.version <= max_staleness
+
+
+# ---- routing replay -------------------------------------------------------------------------------------------
+def encode_routing(array: Any) -> str:
+    """Routed expert ids [tokens - 1, layers, k] (positions of prompt + completion[:-1]) -> base64 of `.npy`
+    bytes: uint8 when every id fits (num_experts <= 256), else int16 (vLLM's layout and width)."""
+    import numpy as np
+
+    a = np.asarray(array)
+    if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer):
+        raise ProtocolError("routing", f"{a.dtype}{list(a.shape)}", "expected integer expert ids [tokens - 1, layers, k]")
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int16).max):
+        raise ProtocolError("routing", f"ids in [{a.min()}, {a.max()}]", "expert ids must be in [0, 32767]")
+    dtype = np.uint8 if not a.size or a.max() <= np.iinfo(np.uint8).max else np.int16
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(a, dtype=dtype), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_routing(text: str, path: str = "routing") -> Any:
+    """The inverse of encode_routing: a numpy integer array [tokens - 1, layers, k] (uint8 or int16)."""
+    import numpy as np
+
+    if not isinstance(text, str):
+        raise ProtocolError(path, text, "expected base64 of .npy bytes")
+    try:
+        a = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ProtocolError(path, text, f"expected base64 of .npy bytes ({exc})") from None
+    if a.ndim != 3 or a.dtype not in (np.uint8, np.int16):
+        raise ProtocolError(path, f"{a.dtype}{list(a.shape)}", "expected uint8 or int16 [tokens - 1, layers, k]")
+    return a
+
+
+# ---- seeds ----------------------------------------------------------------------------------------------------
+def derive_seed(run_seed: int, *counters: int) -> int:
+    """A request's seed in [0, 2**63) as a hash of (run seed, counters...) (e.g. the prompt index): counter-based
+    like Philox, so nearby run seeds and indices never collide the way `seed * 100_000 + i` does, and the same
+    request retried anywhere samples the same completions."""
+    for name, value in (("run_seed", run_seed), *((f"counters[{i}]", c) for i, c in enumerate(counters))):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+            raise ProtocolError(name, value, "expected an integer in [0, 2**64)")
+    data = b"".join(v.to_bytes(8, "little") for v in (run_seed, *counters))
+    digest = hashlib.blake2b(data, digest_size=8, person=b"moerl-seed").digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
+
+
+# ---- rollouts -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompletionRequest(Record):
+    """POST /v1/completions as the orchestrator sends it (OpenAI fields plus ours)."""
+
+    prompt: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    model: str | None = None  # the served name (run.name) or None: a server refuses any other
+    logprobs: int = 0  # no alternatives: only the sampled token's logprob
+    return_token_ids: bool = True
+    return_routing: bool = False
+    logprob_mode: Literal["processed", "raw"] = "processed"  # what the trainer scores: after temperature/top-p
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def check(self) -> tuple[str, str] | None:
+        if not self.prompt:
+            return "prompt", "at least one token id"
+        if self.n < 1:
+            return "n", "must be >= 1"
+        if not 0 <= self.seed < SEED_LIMIT:
+            return "seed", "must be in [0, 2**63)"
+        return None
+
+
+@dataclass(frozen=True)
+class Choice(Record):
+    """One completion of a response, as the orchestrator keeps it."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]  # of each token in token_ids, in the request's logprob_mode
+    finish_reason: FinishReason
+    text: str = ""
+    routing: str | None = None  # encode_routing of [prompt + completion - 1, layers, k]
+
+    def check(self) -> tuple[str, str] | None:
+        if len(self.logprobs) != len(self.token_ids):
+            return "logprobs", f"one per token ({len(self.token_ids)} token ids)"
+        return None
+
+
+@dataclass(frozen=True)
+class Completion(Record):
+    """A rollout server's answer: every token of every choice was sampled with the weights `version`."""
+
+    version: VersionRef
+    choices: list[Choice]
+
+    @classmethod
+    def from_response(cls, body: Any, path: str = "response") -> "Completion":
+        """Read an OpenAI-style completions response with our fields (`weight_version`, `weight_lineage`,
+        `token_ids`, `logprobs.token_logprobs`, `routed_experts`)."""
+        if not isinstance(body, dict):
+            raise ProtocolError(path, body, "expected a JSON object")
+        version = _decode(int, body.get("weight_version"), f"{path}.weight_version")
+        lineage = _decode(int, body.get("weight_lineage", 0), f"{path}.weight_lineage")
+        raw = body.get("choices")
+        if not isinstance(raw, list) or not raw:
+            raise ProtocolError(f"{path}.choices", raw, "expected a non-empty list")
+        choices = []
+        for i, c in enumerate(raw):
+            where = f"{path}.choices[{i}]"
+            if not isinstance(c, dict):
+                raise ProtocolError(where, c, "expected an object")
+            lp = c.get("logprobs")
+            if not isinstance(lp, dict):
+                raise ProtocolError(f"{where}.logprobs", lp, "expected an object with token_logprobs")
+            choices.append(Choice._from_json({
+                "index": c.get("index", i), "token_ids": c.get("token_ids"), "logprobs": lp.get("token_logprobs"),
+                "finish_reason": c.get("finish_reason"), "text": c.get("text", ""),
+                "routing": c.get("routed_experts")}, where))
+        if sorted(c.index for c in choices) != list(range(len(choices))):
+            raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
+        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path), sorted(choices, key=lambda c: c.index))
+
+
+# ---- training data --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sample(Record):
+    """One scored completion of a group."""
+
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour policy's, one per completion token
+    reward: float
+    finished: bool  # ended by EOS/stop, not cut by max_tokens
+    routing: str | None = None
+
+    def check(self) -> tuple[str, str] | None:
+        if len(self.logprobs) != len(self.completion_ids):
+            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
+        return None
+
+
+@dataclass(frozen=True)
+class Group(Record):
+    """One prompt's scored completions (those whose reward did not fail), sampled with weights `version`."""
+
+    request_id: str
+    prompt_index: int
+    prompt_ids: list[int]
+    version: VersionRef
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class TrainingSample(Record):
+    """What a trainer rank trains on: one completion with its advantage."""
+
+    id: str  # "<request id>/<choice>": unique in a run, so accounting can prove nothing is trained twice
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    advantage: float  # sequence-level (the algorithm's sequence_advantages); PPO's are 0 and made by the trainer
+    finished: bool
+    version: VersionRef
+    routing: str | None = None
+
+    def check(self) -> tuple[str, str] | None:
+        if len(self.logprobs) != len(self.completion_ids):
+            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
+        return None
+
+
+@dataclass(frozen=True)
+class BatchStats(Record):
+    reward_mean: float
+    accuracy: float
+    staleness_mean: float
+    dropped_stale_groups: int
+    filtered_groups: int
+    retries: int
+    rewards_failed: int
+    completed: int
+
+
+@dataclass(frozen=True)
+class Batch(Record):
+    """The samples of one optimizer step (trainer version `step` of `lineage`), in prompt order."""
+
+    step: int
+    lineage: int
+    samples: list[TrainingSample]
+    stats: BatchStats
+
+    def check(self) -> tuple[str, str] | None:
+        if not self.samples:
+            return "samples", "at least one sample"
+        if any(s.version.lineage != self.lineage for s in self.samples):
+            return "samples", f"every sample of lineage {self.lineage}"
+        return None
+
+
+@dataclass(frozen=True)
+class OrchestratorState(Record):
+    """What a checkpoint records of the orchestrator; a restarted one resumes from it."""
+
+    next_prompt: int
+    consumed: int  # groups that went into batches
+    pending_prompts: list[int]  # in flight when the snapshot was taken: issued again, with the same seeds
+    buffered: list[Group]
+    batches: dict[int, Batch]  # by step, kept until the trainer has committed a checkpoint past them
+    counts: dict[str, int]
+    trainer: VersionRef | None = None
