@@ -1,0 +1,114 @@
+"""Trainer ranks in gloo processes (imported by module name, so forked workers find these functions): one RL
+step's gradients, and a loop that one rank is asked to stop."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core.run import load_run
+from moe_rl_eks.workloads.rl import checkpoint as ckpt
+from moe_rl_eks.workloads.rl.protocol import Batch
+from moe_rl_eks.workloads.rl.trainer import Trainer, stop_on_sigterm
+
+
+def _entry(fn, rank, world, init_file, out_dir, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
+    """fn(rank, world, *args) on `world` forked processes of one gloo group; every rank's result."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"ranks exited with {codes}")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:
+    """(gradients as the optimizer saw them, by parameter name; the step's metrics), one optimizer step."""
+    names = {id(p): n for n, p in trainer.train_step.trained.named_parameters()}
+    seen: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        for group in trainer.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    seen[names[id(p)]] = p.grad.detach().clone()
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    metrics = trainer.rl_step(batch)
+    trainer.optimizer.step = step
+    return seen, metrics
+
+
+def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step on `world` EP ranks; the gradients with the experts' slices gathered (full tensors)."""
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
+    full = {}
+    for name, grad in grads.items():
+        if ".mlp.experts." in name:
+            parts = [torch.empty_like(grad) for _ in range(world)]
+            dist.all_gather(parts, grad)
+            grad = torch.cat(parts)
+        full[name] = grad
+    return {"grads": full, "metrics": metrics, "samples": len(Batch.from_json(batch_json).samples[rank::world])}
+
+
+class ListSource:
+    """Batches made on demand, as an orchestrator would hand them out."""
+
+    def __init__(self, make_batch) -> None:
+        self.make_batch, self.versions = make_batch, []
+
+    def next_batch(self, step, committed, stopping):
+        return None if stopping() else self.make_batch(step)
+
+    def version_published(self, version, lineage):
+        self.versions.append((lineage, version))
+
+    def state(self):
+        return {"note": "orchestrator state"}
+
+
+def loop_stopped_on_rank_1(rank: int, world: int, run_path: str, make_batch, signal_at_step: int) -> dict:
+    """The trainer's loop on every rank; SIGTERM reaches rank 1 alone, during step `signal_at_step`."""
+    trainer = Trainer(load_run(run_path), ListSource(make_batch) if rank == 0 else None, rank, world)
+    stop_on_sigterm(trainer)
+    train = trainer.rl_step
+
+    def rl_step(batch):
+        metrics = train(batch)
+        if rank == 1 and batch.step == signal_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    trainer.rl_step = rl_step
+    code = trainer.run_loop()
+    latest = ckpt.latest(trainer.ckpt_root)
+    return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested,
+            "latest": None if latest is None else latest.name}
