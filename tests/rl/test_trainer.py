@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 from rl_helpers import rewarded_batch, tiny_run, write_run
-from trainer_ranks import ep_step_gradients, loop_stopped_on_rank_1, run_ranks, step_gradients
+from trainer_ranks import (ep_step_gradients, full_state, loop_stopped_on_rank_1, resumed_state, run_ranks,
+                           step_gradients, train_and_checkpoint)
 
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
@@ -171,12 +172,56 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, wor
     trainer = Trainer(run, None, rank=0, world=1)
     trainer.rl_step(rewarded_batch())
     trainer.step = 1
+    saved = {k: v.detach().clone() for k, v in trainer._trained_state().items()}
+    params = lambda t: [p for group in t.optimizer.param_groups for p in group["params"]]  # noqa: E731
+    moments = [trainer.optimizer.state[p]["exp_avg"].clone() for p in params(trainer)]
     trainer.save_checkpoint()
+    trainer.rl_step(rewarded_batch())  # the write runs in the background from a copy: training goes on
+    trainer.finish_checkpoint()
+    assert (tmp_path / "out" / "checkpoints" / "LATEST").read_text() == "step-00000001"
     other = Trainer(run, None, rank=0, world=1)
     assert other.try_resume() and other.step == 1
-    for a, b in zip(trainer._trained_state().values(), other._trained_state().values()):
-        assert torch.equal(a, b)
-    assert other.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+    for name, tensor in other._trained_state().items():
+        assert torch.equal(tensor, saved[name]), name
+    assert all(torch.equal(other.optimizer.state[p]["exp_avg"], m) for p, m in zip(params(other), moments))
+    assert all(float(other.optimizer.state[p]["step"]) == 1.0 for p in params(other))
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weights_and_moments(tmp_path):
+    path = write_run(tmp_path, algorithm={"name": "ppo", **FAST})  # PPO: the value head is checkpointed too
+    saved = run_ranks(2, train_and_checkpoint, str(path), varied_batch().to_json())[0]
+    assert any(".mlp.experts." in name for name in saved) and "value_head.weight.exp_avg" in saved
+    on_four = run_ranks(4, resumed_state, str(path))
+    on_one = full_state(Trainer(tiny_run(tmp_path, algorithm={"name": "ppo", **FAST}), None, rank=0, world=1))
+    assert not any(torch.equal(t, saved[n]) for n, t in on_one.items() if ".mlp.experts." in n)  # before resuming
+    resumed = resumed_state(0, 1, str(path))
+    for state in (*on_four, resumed):
+        assert state.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(state[name], tensor), name
+
+
+def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moe_rl_eks.workloads.rl import checkpoint as ckpt
+
+    state = {"w": torch.randn(3, 2)}
+    ckpt.save(state, tmp_path, asynchronous=False)
+    loaded = {"w": torch.zeros(3, 2)}
+    ckpt.load(loaded, tmp_path)
+    assert torch.equal(loaded["w"], state["w"])
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    # DCP wraps the refusal in its CheckpointException, with our message
+    with pytest.raises(CheckpointException, match="refers to builtins.print, which a DCP metadata file never holds"):
+        ckpt.load(loaded, tmp_path)
 
 
 def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, world_of_one):

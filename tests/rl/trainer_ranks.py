@@ -112,3 +112,34 @@ def loop_stopped_on_rank_1(rank: int, world: int, run_path: str, make_batch, sig
     latest = ckpt.latest(trainer.ckpt_root)
     return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested,
             "latest": None if latest is None else latest.name}
+
+
+def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Weights and AdamW moments by name, the experts' slices gathered from every rank (whole tensors)."""
+    names = {id(t): n for n, t in trainer._trained_state().items()}
+    state = {n: t.detach().clone() for n, t in trainer._trained_state().items()}
+    for p, entries in trainer.optimizer.state.items():
+        state.update({f"{names[id(p)]}.{k}": v.clone() for k, v in entries.items() if v.dim()})
+    if trainer.world > 1:
+        for name, t in state.items():
+            if ".mlp.experts." in name:
+                parts = [torch.empty_like(t) for _ in range(trainer.world)]
+                dist.all_gather(parts, t.contiguous())
+                state[name] = torch.cat(parts)
+    return state
+
+
+def train_and_checkpoint(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step, then a checkpoint of step 1 written by these ranks; the state it holds."""
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    trainer.rl_step(Batch.from_json(batch_json))
+    trainer.step = 1
+    trainer.save_checkpoint()
+    trainer.finish_checkpoint()
+    return full_state(trainer)
+
+
+def resumed_state(rank: int, world: int, run_path: str) -> dict:
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    assert trainer.try_resume() and trainer.step == 1
+    return full_state(trainer)

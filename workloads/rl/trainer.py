@@ -145,6 +145,11 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
                                     device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
         self.reference: MoETransformer | None = None
+        # Checkpoints are written in the background over a gloo group of their own (never interleaved with the
+        # training collectives of the default group).
+        self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
+        self._mesh = None
+        self._pending_checkpoint = None
         self.step, self.lineage, self.stop_requested = 0, 0, False
         self.wait_seconds, self.started = 0.0, time.monotonic()
         self.samples_trained = 0
@@ -300,49 +305,85 @@ class Trainer:
             log.info("published version %d in %.2f s", version, seconds)
 
     def save_checkpoint(self) -> None:
-        staging = ckpt.staging_dir(self.ckpt_root, self.step)
-        if self.rank == 0:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir()
-        if self.world > 1:
-            dist.barrier()
-        ckpt.write_rank(self.ckpt_root, self.step, self.rank, self._trained_state(), self.optimizer.state_dict())
-        if self.world > 1:
-            dist.barrier()
-        if self.rank == 0:
-            orch_state = self.source.state() if self.source is not None else None
-            meta = {"step": self.step, "version": self.step, "world": self.world,
-                    "samples_trained": self.samples_trained}
-            path = ckpt.commit(self.ckpt_root, self.step, meta, orch_state)
-            log.info("checkpoint %s", path)
-        if self.world > 1:
-            dist.barrier()
+        """Start writing a checkpoint of this step (every rank) and return; the previous one is committed first.
+        The write runs in the background (DCP async_save: tensors copied to host memory first), off the step's
+        critical path; `finish_checkpoint` commits it."""
+        self.finish_checkpoint()
+        staging = ckpt.prepare(self.ckpt_root, self.step, self.rank, self.world)
+        self._ensure_optimizer_state()
+        future = ckpt.save(self._checkpoint_state(), staging, asynchronous=True, group=self.checkpoint_group)
+        meta = {"step": self.step, "version": self.step, "lineage": self.lineage, "world": self.world,
+                "samples_trained": self.samples_trained, "python_rng": ckpt.python_rng_state()}
+        # the orchestrator's state as of this step, fetched now (it moves on while the write runs)
+        source_state = self.source.state() if self.rank == 0 and self.source is not None else None
+        self._pending_checkpoint = (future, self.step, meta, source_state)
 
-    def _trained_state(self) -> dict:
-        state = self.model.state_dict()
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint being written (every rank) and commit it (rank 0)."""
+        if self._pending_checkpoint is None:
+            return
+        future, step, meta, source_state = self._pending_checkpoint
+        self._pending_checkpoint = None
+        future.result()  # on rank 0 this also means every rank's shards and the metadata are written
+        if self.rank == 0:
+            log.info("checkpoint %s", ckpt.commit(self.ckpt_root, step, meta, source_state))
+        if self.world > 1:
+            dist.barrier(group=self.checkpoint_group)  # nobody reads LATEST before it moved
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """Weights and buffers of what the optimizer trains (the policy; PPO's value head), by name."""
+        state = dict(self.model.state_dict(keep_vars=True))
         if self.value_head is not None:
-            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
+            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict(keep_vars=True).items()})
         return state
 
+    def _ensure_optimizer_state(self) -> None:
+        """AdamW's state exists for every trained parameter (it is made lazily at the first step), so a checkpoint
+        always has the same entries and a fresh trainer has tensors to load them into."""
+        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+
+    def _checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Flat DCP state, sharing storage with the live tensors: weights, AdamW moments and step counts, the
+        torch RNG. Under EP the experts and their moments are DTensors sharded over the ranks along the expert
+        dimension, so a run with another number of ranks reads its own slices."""
+        state: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+        weights = self._trained_state()
+        by_param = {id(t): name for name, t in weights.items()}
+        for name, tensor in weights.items():
+            state[f"model.{name}"] = self._shard(name, tensor.detach())
+        for p, entries in self.optimizer.state.items():
+            name = by_param[id(p)]
+            for key, value in entries.items():
+                state[f"optim.{name}.{key}"] = self._shard(name, value) if value.dim() else value
+        return state
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1 or ".mlp.experts." not in name:
+            return tensor  # replicated: DCP writes it once
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return DTensor.from_local(tensor, self._mesh, [Shard(0)], run_check=False)
+
     def try_resume(self) -> bool:
+        """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""
         directory = ckpt.latest(self.ckpt_root)
         if directory is None:
             return False
         meta = json.loads((directory / "trainer.json").read_text())
-        if meta["world"] != self.world:
-            raise SystemExit(f"checkpoint {directory} was written by {meta['world']} ranks; this run has {self.world}")
-        state = ckpt.read_rank(directory, self.rank)
-        model_state = dict(state["model"])
-        if self.value_head is not None:
-            self.value_head.load_state_dict({k.removeprefix("value_head."): model_state.pop(k)
-                                             for k in list(model_state) if k.startswith("value_head.")})
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        ckpt.set_rng_state(state["rng"])
+        self._ensure_optimizer_state()
+        state = self._checkpoint_state()
+        ckpt.load(state, directory)
+        torch.set_rng_state(state["rng.torch"])
+        ckpt.set_python_rng_state(meta["python_rng"])
         self.step, self.samples_trained = meta["step"], meta["samples_trained"]
-        log.info("resumed from %s at step %d", directory, self.step)
+        log.info("resumed from %s (written by %d ranks) at step %d", directory, meta["world"], self.step)
         return True
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -404,6 +445,7 @@ class Trainer:
         if stopping and self.step % self.cfg.checkpoint_every:
             log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
             self.save_checkpoint()
+        self.finish_checkpoint()
         if self.rank == 0 and self.writer:
             self.writer.close()
         return 0
