@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 from rl_helpers import rewarded_batch, tiny_run, write_run
-from trainer_ranks import (ep_step_gradients, full_state, loop_stopped_on_rank_1, resumed_state, run_ranks,
-                           step_gradients, train_and_checkpoint)
+from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
+                           run_ranks, step_gradients, train_and_checkpoint)
 
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
@@ -165,6 +165,14 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step_and_exits_c
     assert [r["stop_requested"] for r in ranks] == [False, True]  # only rank 1 got the signal
     assert [r["code"] for r in ranks] == [0, 0] and [r["step"] for r in ranks] == [2, 2]
     assert ranks[0]["latest"] == "step-00000002"  # committed: both ranks' shards and the metadata are in place
+    # the weights went out in the background and were announced once in the store; the last one for sure
+    assert ranks[0]["lineage"] == 0 and ranks[0]["announced"][-1] == (0, 2)
+    assert ranks[0]["store_latest"] == VersionRef(0, 2)
+    # started again, the trainer resumes at step 2 in a new lineage: its versions cannot be confused with the
+    # dead lineage's
+    again = run_ranks(2, loop_resumed, str(path), rewarded_batch)
+    assert [r["step"] for r in again] == [6, 6] and [r["lineage"] for r in again] == [1, 1]
+    assert again[0]["announced"][0] == (1, 2) and again[0]["store_latest"] == VersionRef(1, 6)
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, world_of_one):

@@ -108,10 +108,21 @@ def loop_stopped_on_rank_1(rank: int, world: int, run_path: str, make_batch, sig
         return metrics
 
     trainer.rl_step = rl_step
-    code = trainer.run_loop()
+    return _loop_result(trainer, trainer.run_loop())
+
+
+def loop_resumed(rank: int, world: int, run_path: str, make_batch) -> dict:
+    """The loop started again after a stop: it resumes from the checkpoint in a new lineage."""
+    trainer = Trainer(load_run(run_path), ListSource(make_batch) if rank == 0 else None, rank, world)
+    return _loop_result(trainer, trainer.run_loop())
+
+
+def _loop_result(trainer: Trainer, code: int) -> dict:
     latest = ckpt.latest(trainer.ckpt_root)
-    return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested,
-            "latest": None if latest is None else latest.name}
+    return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested, "lineage": trainer.lineage,
+            "latest": None if latest is None else latest.name,
+            "announced": trainer.source.versions if trainer.source is not None else None,
+            "store_latest": trainer.store.latest()}
 
 
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:

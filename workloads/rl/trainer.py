@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import statistics
-import tempfile
+import threading
 import time
 import urllib.error
 from dataclasses import fields
@@ -39,6 +39,7 @@ from .data import ArithmeticTask
 from .losses import PolicyBatch, Totals
 from .microbatch import Sequences, plan_microbatches, sequence_tokens
 from .protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
 from .train_step import Forward, TrainStep, learning_rate
@@ -110,6 +111,45 @@ def batch_from_json(data: dict) -> Batch:
         stats.get("completed", 0)))
 
 
+class Announcer:
+    """Rank 0: tells the batch source each weight version once the publisher has put it in the store (its write
+    runs in the background, so the version reaches the orchestrator only when rollout servers can load it).
+    Locking rule: none of its own; `kick` only sets an event, the thread alone calls the source."""
+
+    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int) -> None:
+        self.publisher, self.source, self.lineage = publisher, source, lineage
+        self.announced: int | None = None
+        self._event, self._closing = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._event.set()
+
+    def close(self) -> None:
+        """Stop the thread, then announce the newest version (the publisher is closed: everything is written)."""
+        self._closing = True
+        self._event.set()
+        self._thread.join()
+        self._announce()
+
+    def _run(self) -> None:
+        while not self._closing:
+            self._event.wait()
+            self._event.clear()
+            self.publisher.flush()
+            self._announce()
+
+    def _announce(self) -> None:
+        version = self.publisher.published
+        if version is not None and version != self.announced:
+            try:
+                self.source.version_published(version, self.lineage)
+                self.announced = version
+            except (OSError, RuntimeError) as exc:  # the next publish tries again with a newer version
+                log.warning("announcing weight version %d failed: %s", version, exc)
+
+
 class Trainer:
     def __init__(self, run: RunConfig, source: BatchSource | None, rank: int, world: int) -> None:
         self.run, self.source, self.rank, self.world = run, source, rank, world
@@ -150,6 +190,8 @@ class Trainer:
         self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
         self._mesh = None
         self._pending_checkpoint = None
+        self.publisher: Publisher | None = None
+        self.announcer: Announcer | None = None
         self.step, self.lineage, self.stop_requested = 0, 0, False
         self.wait_seconds, self.started = 0.0, time.monotonic()
         self.samples_trained = 0
@@ -290,19 +332,32 @@ class Trainer:
         return proximal, values, reference
 
     # ---- weights, checkpoints -----------------------------------------------------------------------------
+    def start_publishing(self) -> None:
+        """Pick this run's weight lineage and start the background publisher (every rank writes its experts).
+        The lineage is 0 in an empty store, else one past the store's newest: a restart from a checkpoint never
+        reuses the dead lineage's version numbers, and LATEST (which only moves forward) follows the new run."""
+        box = [self.store.latest() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.lineage = 0 if box[0] is None else box[0].lineage + 1
+        self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep)
+        if self.rank == 0 and self.source is not None:
+            self.announcer = Announcer(self.publisher, self.source, self.lineage)
+        log.info("publishing weights as lineage %d", self.lineage)
+
     def publish(self, version: int) -> None:
-        start = time.monotonic()
-        # Published in the model's serving dtype; the trainer keeps float32 master weights.
-        state = self.model.gather_state(weights_dtype(self.run.model))  # collective; the state on rank 0 only
-        if self.rank == 0:
-            with tempfile.TemporaryDirectory(dir=self.out) as staging:
-                save_hf(state, self.run.model, staging)
-                self.store.publish(version, Path(staging))
-            seconds = time.monotonic() - start
-            self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = seconds
-            if self.source is not None:
-                self.source.version_published(version, self.lineage)
-            log.info("published version %d in %.2f s", version, seconds)
+        """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
+        then announced to the batch source)."""
+        self.publisher.publish(version, self.model.state_dict())
+        self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
+        if self.announcer is not None:
+            self.announcer.kick()
+
+    def stop_publishing(self) -> None:
+        """Write the newest version, announce it, stop the writer."""
+        self.publisher.close()
+        if self.announcer is not None:
+            self.announcer.close()
 
     def save_checkpoint(self) -> None:
         """Start writing a checkpoint of this step (every rank) and return; the previous one is committed first.
@@ -406,7 +461,9 @@ class Trainer:
         return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
 
     def run_loop(self) -> int:
-        if not self.try_resume():
+        resumed = self.try_resume()
+        self.start_publishing()
+        if not resumed:
             self._save_eval_weights("initial")
             for i in range(self.cfg.warmup_sft_steps):
                 loss = self.sft_step(i)
@@ -446,6 +503,7 @@ class Trainer:
             log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
             self.save_checkpoint()
         self.finish_checkpoint()
+        self.stop_publishing()
         if self.rank == 0 and self.writer:
             self.writer.close()
         return 0
