@@ -199,8 +199,9 @@ def check_deployed(env: EnvironmentConfig, stack: str, aws: AwsClients) -> list[
     status = described["StackStatus"]
     findings = [Finding("stack", stack, "ok" if status in COMPLETE_STACK_STATES else "blocker", status)]
     outputs = {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
-    required = [cluster.OUTPUT_CLUSTER_NAME, cluster.OUTPUT_BUCKET_NAME, cluster.OUTPUT_TRAINER_REPOSITORY_URI,
-                cluster.OUTPUT_ROLLOUT_REPOSITORY_URI]
+    repositories = [cluster.OUTPUT_TRAINER_REPOSITORY_URI, cluster.OUTPUT_ROLLOUT_REPOSITORY_URI,
+                    cluster.OUTPUT_ORCHESTRATOR_REPOSITORY_URI]
+    required = [cluster.OUTPUT_CLUSTER_NAME, cluster.OUTPUT_BUCKET_NAME, *repositories]
     if env.observability.prometheus:
         required.append(cluster.OUTPUT_PROMETHEUS_ENDPOINT)
     missing = [key for key in required if key not in outputs]
@@ -213,7 +214,7 @@ def check_deployed(env: EnvironmentConfig, stack: str, aws: AwsClients) -> list[
             findings.append(Finding("bucket", bucket, "ok", "exists"))
         except Exception as exc:
             findings.append(Finding("bucket", bucket, "blocker", f"not reachable: {_error_code(exc)}"))
-    for key in (cluster.OUTPUT_TRAINER_REPOSITORY_URI, cluster.OUTPUT_ROLLOUT_REPOSITORY_URI):
+    for key in repositories:
         uri = outputs.get(key)
         if uri:
             findings.append(_check_repository(uri, aws))

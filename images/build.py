@@ -1,9 +1,11 @@
-"""Build and push the three images with docker buildx: `make images REGISTRY=... TAG=...`.
+"""Build and push the three images with docker buildx: `make images (OUTPUTS=... ENV=... | REGISTRY=...) TAG=...`.
 
+    python images/build.py --outputs cdk.out/dev-outputs.json --env dev --tag v0.1.0
     python images/build.py --registry 111111111111.dkr.ecr.us-east-1.amazonaws.com/moe-rl-dev --tag v0.1.0
 
-pushes `<registry>/trainer:<tag>`, `<registry>/rollout:<tag>` and `<registry>/orchestrator:<tag>` (linux/amd64)
-and prints each image's digest and the `deploy.images` block for a run file. Every version comes from
+pushes the trainer, rollout and orchestrator images (linux/amd64) to the stack's ECR repositories named in the
+`cdk deploy --outputs-file` file, or to `<registry>/<image>:<tag>`, and prints each image's digest and the
+`deploy.images` block for a run file. Every version comes from
 images/versions.env, passed as build arguments. Base images are named there by exact tag; the first build
 resolves each to its digest (`docker buildx imagetools inspect`) and records it in images/base-images.lock, and
 every build after that uses `tag@digest` from the lock (`--refresh-lock` resolves again). `--dry-run` prints
@@ -23,7 +25,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_rl_eks.core.deploy import image_version_problem
+from moe_rl_eks.core.deploy import IMAGE_ROLES, image_version_problem
+from moe_rl_eks.core.environment import load_cdk_json, select_environment
+from moe_rl_eks.core.schema import ConfigError
 
 IMAGES_DIR = Path(__file__).resolve().parent
 REPO_ROOT = IMAGES_DIR.parent
@@ -45,7 +49,7 @@ class BuildError(Exception):
 
 @dataclass(frozen=True)
 class Image:
-    name: str  # repository under the registry, and the role its doctor checks
+    name: str  # the role it serves (core.deploy.IMAGE_ROLES): its doctor's role and its repository
     dockerfile: str
     target: str
 
@@ -129,10 +133,23 @@ def build_command(image: Image, args: dict[str, str], reference: str, metadata_f
     return command
 
 
-def check_inputs(registry: str, tag: str) -> None:
-    if not _REGISTRY.fullmatch(registry):
-        raise BuildError(f"--registry {registry!r}: expected a registry and repository prefix without scheme or "
-                         "tag, like 111111111111.dkr.ecr.us-east-1.amazonaws.com/moe-rl-dev")
+def repositories(args: argparse.Namespace) -> dict[str, str]:
+    """Image name -> repository: from the stack's outputs file, or `<registry>/<image>`."""
+    if args.outputs:
+        from moe_rl_eks.k8s.outputs import load_outputs
+        try:
+            env = select_environment(load_cdk_json(args.cdk_json), args.env)
+            outputs = load_outputs(args.outputs, env)
+        except (ConfigError, FileNotFoundError) as exc:
+            raise BuildError(str(exc)) from None
+        return {name: getattr(outputs, f"{name}_repository_uri") for name in IMAGE_ROLES}
+    if not _REGISTRY.fullmatch(args.registry):
+        raise BuildError(f"--registry {args.registry!r}: expected a registry and repository prefix without scheme "
+                         "or tag, like 111111111111.dkr.ecr.us-east-1.amazonaws.com/moe-rl-dev")
+    return {name: f"{args.registry}/{name}" for name in IMAGE_ROLES}
+
+
+def check_tag(tag: str) -> None:
     problem = image_version_problem(tag)
     if problem or tag.startswith("sha256:"):
         raise BuildError(f"--tag {tag!r}: {problem or 'a tag to push, not a digest'}")
@@ -148,14 +165,21 @@ def docker_available() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--registry", required=True, help="registry and repository prefix: <registry>/<image>:<tag>")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--outputs", help="`cdk deploy --outputs-file` file: push to the stack's repositories")
+    target.add_argument("--registry", help="registry and repository prefix: push to <registry>/<image>:<tag>")
+    parser.add_argument("--env", help="environment in cdk.json whose stack --outputs names (required with it)")
+    parser.add_argument("--cdk-json", default=str(REPO_ROOT / "cdk.json"), help="the environments (default: the repo's)")
     parser.add_argument("--tag", required=True, help="release tag (immutable in ECR; latest and the like are refused)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--no-push", action="store_true", help="load into the local engine instead of pushing")
     parser.add_argument("--refresh-lock", action="store_true", help="resolve every base image digest again")
     args = parser.parse_args(argv)
+    if args.outputs and not args.env:
+        parser.error("--outputs needs --env (the environment whose stack wrote it)")
     try:
-        check_inputs(args.registry, args.tag)
+        check_tag(args.tag)
+        repository = repositories(args)
         versions = read_versions()
         lock = {} if args.refresh_lock else read_lock(LOCK_FILE)
         missing = [versions[key] for key in BASE_IMAGE_ARGS if versions[key] not in lock]
@@ -176,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         digests = {}
         with tempfile.TemporaryDirectory() as tmp:
             for image in IMAGES:
-                reference = f"{args.registry}/{image.name}:{args.tag}"
+                reference = f"{repository[image.name]}:{args.tag}"
                 metadata = Path(tmp) / f"{image.name}.json"
                 command = build_command(image, arguments, reference, metadata, push=not args.no_push)
                 if args.dry_run:
@@ -192,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if digests:
         print("\nimage         digest")
         for name, digest in digests.items():
-            print(f"{name:13} {args.registry}/{name}@{digest}")
+            print(f"{name:13} {repository[name]}@{digest}")
         print("\n# for a run file (deploy.images):")
         print("deploy:\n  images:")
         for name, digest in digests.items():

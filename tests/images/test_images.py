@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl_eks.core.cli import SUBCOMMANDS
+from moe_rl_eks.core.deploy import IMAGE_ROLES
 from moe_rl_eks.core.doctor import DEEPEP_VARIANTS, ROLE_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +132,7 @@ def test_python_installs_are_pinned():
 
 
 def test_each_image_runs_its_doctor_and_its_entry_points_exist():
+    assert [image.name for image in build.IMAGES] == list(IMAGE_ROLES)  # one image per deploy.images field
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["moerl"] == "moe_rl_eks.core.cli:main"
     for image in build.IMAGES:
@@ -160,6 +162,18 @@ def test_dry_run_resolves_base_digests_then_builds_and_pushes_three_images(capsy
     for line in builds:
         assert "--platform linux/amd64" in line and line.endswith("--push .")
     assert not (tmp_path / "base-images.lock").exists(), "a dry run writes nothing"
+
+
+def test_pushes_to_the_repositories_in_the_stack_outputs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "LOCK_FILE", tmp_path / "base-images.lock")
+    example = REPO / "tests" / "k8s" / "data" / "outputs.example.json"
+    assert build.main(["--outputs", str(example), "--env", "prod", "--tag", "v0.2.0", "--dry-run"]) == 0
+    tags = re.findall(r"--tag (\S+)", capsys.readouterr().out)
+    stack = json.loads(example.read_text())["MoeRlEks-prod"]
+    assert tags == [f"{stack[key]}:v0.2.0" for key in ("TrainerRepositoryUri", "RolloutRepositoryUri",
+                                                       "OrchestratorRepositoryUri")]
+    assert build.main(["--outputs", str(example), "--env", "staging", "--tag", "v0.2.0", "--dry-run"]) == 2
+    assert "known environments: dev, prod" in capsys.readouterr().err
 
 
 def test_builds_from_the_lock_when_present(capsys, tmp_path, monkeypatch):
@@ -202,10 +216,13 @@ def test_without_docker_the_build_fails_clearly(capsys):
     assert "docker with buildx and a running engine is not available here" in capsys.readouterr().err
 
 
-def test_make_images_runs_the_build_script_with_registry_and_tag():
+def test_make_images_runs_the_build_script_with_outputs_or_registry_and_tag():
     result = subprocess.run(["make", "-n", "--no-print-directory", "images", f"REGISTRY={REGISTRY}", "TAG=v0.1.0"],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert f"images/build.py --registry {REGISTRY} --tag v0.1.0" in result.stdout
+    result = subprocess.run(["make", "-n", "--no-print-directory", "images", "OUTPUTS=out.json", "ENV=dev", "TAG=v1"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert "images/build.py --outputs out.json --env dev --tag v1" in result.stdout
     usage = subprocess.run(["make", "--no-print-directory", "images"], capture_output=True, text=True, cwd=REPO)
-    assert usage.returncode == 2 and "usage: make images REGISTRY=" in usage.stdout
+    assert usage.returncode == 2 and "usage: make images OUTPUTS=" in usage.stdout

@@ -23,6 +23,7 @@ CDK_JSON = Path(__file__).resolve().parents[2] / "cdk.json"
 MOTO_ACCOUNT = "123456789012"  # the account moto answers for
 TODAY = dt.date(2026, 12, 1)
 FAR = dt.datetime(2027, 12, 1, tzinfo=dt.timezone.utc)
+VERSION = select_environment(load_cdk_json(CDK_JSON), "dev").kubernetes_version
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_dev_environment_is_ready_when_quotas_cover_both_pools(endpoint):
     with Aws(endpoint) as aws:
         aws.quota("L-DB2E81BA", 96)  # rollout: 2 x g6e.12xlarge x 48 vCPUs
         aws.quota("L-417A185B", 384)  # trainer: 2 x p5.48xlarge x 192 vCPUs
-        aws.kubernetes("1.33", "STANDARD_SUPPORT")
+        aws.kubernetes(VERSION, "STANDARD_SUPPORT")
         findings = run_preflight(env, aws.clients, today=TODAY)
     assert [f for f in findings if f.status != "ok"] == []
     found = by_check(findings)
@@ -104,7 +105,7 @@ def test_dev_environment_is_ready_when_quotas_cover_both_pools(endpoint):
 
 def test_blockers_name_zone_quota_reservation_and_support(endpoint):
     # p5e.48xlarge is not offered in us-east-1a (moto's copy of EC2's offerings); the Capacity Block sits in
-    # another zone; the P quota is one node short; 1.33 is in extended support.
+    # another zone; the P quota is one node short; the version is (here, as if) in extended support.
     trainer = dataclasses.replace(dev_environment().trainer_pool, instance_type="p5e.48xlarge", max_size=2,
                                   capacity_type="CAPACITY_BLOCK", capacity_reservation_id="cr-0123456789abcdef0")
     rollout = dataclasses.replace(dev_environment().rollout_pool, instance_type="p5.48xlarge", efa=True, max_size=2)
@@ -113,7 +114,7 @@ def test_blockers_name_zone_quota_reservation_and_support(endpoint):
         aws.quota("L-417A185B", 192)  # only the rollout pool draws on it (the trainer runs in its block)
         aws.reservation("cr-0123456789abcdef0", State="active", AvailabilityZone="us-east-1b",
                         InstanceType="p5e.48xlarge", ReservationType="capacity-block", TotalInstanceCount=2)
-        aws.kubernetes("1.33", "EXTENDED_SUPPORT", dt.datetime(2026, 7, 29, tzinfo=dt.timezone.utc))
+        aws.kubernetes(VERSION, "EXTENDED_SUPPORT", dt.datetime(2026, 7, 29, tzinfo=dt.timezone.utc))
         found = by_check(run_preflight(env, aws.clients, today=TODAY))
     blockers = {key: f.detail for key, f in found.items() if f.status == "blocker"}
     assert blockers == {
@@ -121,7 +122,7 @@ def test_blockers_name_zone_quota_reservation_and_support(endpoint):
         ("vcpu quota", "L-417A185B Running On-Demand P instances"):
             "192 vCPUs, max sizes need 384 (rollout 384); request an increase in Service Quotas",
         ("reservation", "trainer: cr-0123456789abcdef0"): "in us-east-1b, the GPU zone is us-east-1a",
-        ("kubernetes version", "EKS 1.33"): "EXTENDED_SUPPORT (standard support ends 2026-07-29): a new cluster "
+        ("kubernetes version", f"EKS {VERSION}"): "EXTENDED_SUPPORT (standard support ends 2026-07-29): a new cluster "
             "would pay extended support; set kubernetes_version to a version in standard support",
     }
 
@@ -154,7 +155,7 @@ def test_wrong_account_is_a_blocker(endpoint):
 
 def test_standard_support_ending_soon_warns(endpoint):
     with Aws(endpoint) as aws:
-        aws.kubernetes("1.33", "STANDARD_SUPPORT", dt.datetime(2027, 1, 15, tzinfo=dt.timezone.utc))
+        aws.kubernetes(VERSION, "STANDARD_SUPPORT", dt.datetime(2027, 1, 15, tzinfo=dt.timezone.utc))
         finding = preflight.check_kubernetes_version(dev_environment(), aws.clients, TODAY)
     assert (finding.status, finding.detail) == ("warn", "standard support ends 2027-01-15, in 45 days")
 
@@ -164,13 +165,14 @@ def _deploy(aws: Aws, stack: str, *, rollout_repository: bool) -> dict[str, str]
     c = aws.clients
     c.s3.create_bucket(Bucket=f"{stack.lower()}-artifacts")
     uris = {}
-    for name in ("trainer", "rollout"):
+    for name in ("trainer", "rollout", "orchestrator"):
         repo = f"{stack.lower()}/{name}"
         uris[name] = f"{MOTO_ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/{repo}"
-        if name == "trainer" or rollout_repository:
+        if name != "rollout" or rollout_repository:
             c.ecr.create_repository(repositoryName=repo)
     outputs = {"ClusterName": "moe-rl-dev", "ArtifactBucketName": f"{stack.lower()}-artifacts",
                "TrainerRepositoryUri": uris["trainer"], "RolloutRepositoryUri": uris["rollout"],
+               "OrchestratorRepositoryUri": uris["orchestrator"],
                "PrometheusEndpoint": "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-1/"}
     template = {"Resources": {"Topic": {"Type": "AWS::SNS::Topic"}},
                 "Outputs": {k: {"Value": v} for k, v in outputs.items()}}
@@ -183,7 +185,8 @@ def test_after_deploy_finds_stack_outputs_bucket_and_repositories(endpoint):
     _deploy(aws, "MoeRl-ok", rollout_repository=True)
     findings = preflight.check_deployed(dev_environment(), "MoeRl-ok", aws.clients)
     assert [(f.check, f.status) for f in findings] == [
-        ("stack", "ok"), ("stack outputs", "ok"), ("bucket", "ok"), ("ecr repository", "ok"), ("ecr repository", "ok")]
+        ("stack", "ok"), ("stack outputs", "ok"), ("bucket", "ok"), ("ecr repository", "ok"), ("ecr repository", "ok"),
+        ("ecr repository", "ok")]
 
 
 def test_after_deploy_blocks_on_missing_repository_and_stack(endpoint):
@@ -203,7 +206,7 @@ def test_cli_prints_a_table_and_exits_1_on_blockers(endpoint, tmp_path, capsys):
     with Aws(endpoint) as aws:
         aws.quota("L-DB2E81BA", 0)
         aws.quota("L-417A185B", 384)
-        aws.kubernetes("1.33", "STANDARD_SUPPORT")
+        aws.kubernetes(VERSION, "STANDARD_SUPPORT")
         code = main(["--env", "dev", "--cdk-json", str(tmp_path / "cdk.json")], aws=aws.clients)
     out = capsys.readouterr().out
     assert code == 1

@@ -39,7 +39,7 @@ def test_engine_serves_the_directory_in_place_and_stops_on_its_eos_ids(checkpoin
     tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
     engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
     try:
-        engine.load_version(store.latest())
+        engine.load_version(store.latest().version)
         rows = [RowRequest(tuple(tokenizer.encode("1+2=")) or (1,), SamplingParams(6, seed=s), f"r{s}", 0)
                 for s in range(8)]
         outputs = engine.submit(rows).result(timeout=120)

@@ -8,7 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .weights import IncompleteVersion, WeightStore
+from .protocol import VersionRef
+from .weights import IncompleteVersion
 
 MODEL_VERSION = 0  # the version number a server reports for the directory's weights
 
@@ -43,19 +44,20 @@ def model_run(directory: str | Path, **options):
     return parse(RunConfig, model_run_data(directory, **options), source=f"--model {directory}")
 
 
-class ModelDirectoryStore(WeightStore):
-    """The checkpoint directory as a read-only weight store holding one version, MODEL_VERSION."""
+class ModelDirectoryStore:
+    """The checkpoint directory standing in for a weight store (the part of it a rollout engine reads: `latest`
+    and `fetch`) that holds one version, MODEL_VERSION, in lineage 0. Nothing can be published to it."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
 
-    def publish(self, version: int, source: Path) -> None:
+    def publish(self, version: int, source: Path, *, lineage: int = 0) -> None:
         raise RuntimeError(f"{self.directory} is a model directory served as it is; nothing is published to it")
 
-    def latest(self) -> int | None:
-        return MODEL_VERSION
+    def latest(self) -> VersionRef:
+        return VersionRef(0, MODEL_VERSION)
 
-    def fetch(self, version: int, cache: Path) -> Path:
-        if version != MODEL_VERSION:
+    def fetch(self, ref: VersionRef | int, cache: Path) -> Path:
+        if (ref if isinstance(ref, int) else ref.version) != MODEL_VERSION:
             raise IncompleteVersion(f"{self.directory} holds only version {MODEL_VERSION} (the checkpoint itself)")
         return self.directory
