@@ -38,3 +38,28 @@ def test_decode_attention_equals_softmax_attention_over_each_rows_valid_position
     want = reference(q, keys, values, slots, lengths)
     assert got.dtype == dtype and not got.isnan().any()
     assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_the_engines_decode_forward_with_these_kernels_equals_its_plain_forward():
+    import copy
+    import dataclasses
+
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.rl.bench_rollout import TINY
+    from moe_rl_eks.workloads.rl.generation import SlotCache, forward_slots
+
+    torch.manual_seed(0)
+    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval()
+    cache = SlotCache.allocate(model.config, 3, 24, "cpu", torch.float32)
+    slot, start = torch.tensor([2, 0]), torch.tensor([0, 0])
+    with torch.no_grad():  # two prompts of 7 and 4 tokens, then one decode step each
+        forward_slots(model, cache, slot, torch.randint(0, 512, (2, 7)), start, torch.tensor([7, 4]), 7, False)
+        results = []
+        for fused in (False, True):
+            c = copy.deepcopy(cache)
+            logits = forward_slots(model, c, slot, torch.tensor([[5], [9]]), torch.tensor([7, 4]),
+                                   torch.ones(2, dtype=torch.long), 8, fused)
+            results.append((logits, c))
+    (plain, a), (fused, b) = results
+    assert ((fused - plain).norm() / plain.norm()).item() < 1e-5
+    assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.equal(a.routing, b.routing)

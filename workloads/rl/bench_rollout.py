@@ -263,9 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write every result here")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
+
+    def save() -> None:  # after every measurement: a run cut short by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
     config = TINY if args.tiny else dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     report: dict = {"model": dataclasses.asdict(config), "device": torch.cuda.get_device_name() if
-                    device.type == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args)}
+                    device.type == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     bandwidth = copy_bandwidth(device)
     report["copy_bandwidth_bytes_per_s"] = bandwidth
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -303,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     gc.collect()
                     torch.cuda.empty_cache() if device.type == "cuda" else None
                 report["engine"].append(row)
+                save()
                 print(json.dumps(row), flush=True)
         for batch in args.profile:
             path = f"{args.trace_dir}/trace-{compute}-{batch}.json" if args.trace_dir else None
@@ -319,10 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         report["mismatch"] = logprob_mismatch(config, device, layers, 8 if args.tiny else 64, 128,
                                               16 if args.tiny else 256)
         print(json.dumps(report["mismatch"]), flush=True)
+    save()
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
     return 0
 
 

@@ -152,11 +152,11 @@ class SlotCache:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
-           key_len: int) -> torch.Tensor:
+           key_len: int, fused: bool) -> torch.Tensor:
     """q [B, H, S, D] at `positions` [B, S] of slots `slot` [B] -> [B, H, S, D], causal over each slot's cache
-    (keys/values [slots + 1, max_len, H_kv, D]). A decode step on a GPU reads each row's own length through the
+    (keys/values [slots + 1, max_len, H_kv, D]). A `fused` decode step reads each row's own length through the
     decode kernel (static shapes: CUDA graphs replay it); otherwise the first `key_len` positions are read."""
-    if q.is_cuda and q.shape[2] == 1:
+    if fused and q.shape[2] == 1:
         from moe_rl_eks.kernels.decode_attention import decode_attention
 
         return decode_attention(q[:, :, 0], keys, values, slot, positions[:, 0] + 1)[:, :, None]
@@ -166,11 +166,35 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + delta), h + delta) with the model's RMSNorm `module` (no add when delta is None); `fused` does
+    both in one kernel of the same arithmetic."""
+    if fused:
+        from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+        return (rms_norm(h, module.weight, module.eps), h) if delta is None else \
+            rms_norm(delta, module.weight, module.eps, residual=h)
+    h = h if delta is None else h + delta
+    return module(h), h
+
+
+def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x [B, S, heads, D] -> rotary(norm(x)) as [B, heads, S, D] (the q/k path of the model's attention)."""
+    if fused:
+        from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+        return rms_norm(x, module.weight, module.eps, rope=(cos[:, 0], sin[:, 0])).transpose(1, 2)
+    return _rotate(module(x).transpose(1, 2), cos, sin)
+
+
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
-                  start: torch.Tensor, count: torch.Tensor, key_len: int) -> torch.Tensor:
+                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None) -> torch.Tensor:
     """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
     their keys, values and routed experts go into the cache. Returns the logits [B, V] after each row's last
-    real token. The layers are the model's own modules, so the numerics are the trainer's."""
+    real token. The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
+    GPU) computes the norms (with the residual adds and the rotary embedding around them) and decode attention
+    with this project's Triton kernels instead of PyTorch ops."""
+    fused = tokens.is_cuda if fused is None else fused
     c = model.config
     b, s = tokens.shape
     device = tokens.device
@@ -181,23 +205,24 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     write_pos = torch.where(real, positions, 0)
     h = model.model.embed_tokens(tokens)
     cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
-    routed = []
+    routed, delta = [], None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).view(b, s, attn.heads, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim)).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        x, h = _add_norm(layer.input_layernorm, h, delta, fused)
+        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
+        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
         cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
         cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
-        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
-        moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size))
-        h = h + moe.out.view(b, s, c.hidden_size)
+        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
+        x, h = _add_norm(layer.post_attention_layernorm, h,
+                         attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False)
+        delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
-    last = h[torch.arange(b, device=device), count - 1]
-    return model.lm_head(model.model.norm(last))
+    rows = torch.arange(b, device=device)
+    last_h, last_delta = h[rows, count - 1], delta[rows, count - 1]
+    return model.lm_head(_add_norm(model.model.norm, last_h, last_delta, fused)[0])
 
 
 # ---- rows and the decoder ----------------------------------------------------------------------------------
@@ -462,7 +487,7 @@ class Decoder:
         tokens = self.state.last_token[slot][:, None]
         logits = forward_slots(self.model, self.cache, slot, tokens, start, torch.ones_like(start), key_len)
         self.state.length[slot] = start + 1
-        self.state.length[self.slots] = 0  # padding rows fed the scratch slot
+        self.state.length[self.slots:].zero_()  # padding rows fed the scratch slot (a kernel, no host copy)
         return logits
 
     def _capture(self, buckets: list[int]) -> None:
