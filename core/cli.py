@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
     "bench-generation": ("moe_rl_eks.workloads.rl.bench_generation", "main",
                          "rollout decoding with a group's prompt prefilled once vs per row"),
+    "bench-rollout": ("moe_rl_eks.workloads.rl.bench_rollout", "main",
+                      "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
 }
 
 

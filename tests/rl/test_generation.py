@@ -176,3 +176,29 @@ def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
     rows = [line.split("|")[1:4] for line in out.splitlines() if line.startswith("| torch |")]
     assert [[c.strip() for c in r] for r in rows] == [["torch", "1", "5"], ["torch", "3", "5"]]
     assert "logprob mismatch, engine vs trainer forward (1 layers, 128 tokens)" in out
+
+
+def test_greedy_decoding_equals_transformers_generate_on_its_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from moe_rl_eks.workloads.model.checkpoint import load_hf
+
+    torch.manual_seed(3)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)  # sharper logits: no near-ties for float rounding to flip
+    hf.save_pretrained(tmp_path)
+    config, state = load_hf(tmp_path)
+    ours = MoETransformer(config).eval()
+    ours.load_state_dict(state)
+    prompts = [[5, 17, 33, 2, 9], [40, 41]]
+    decoder = Decoder(ours, slots=2, max_len=32, eos_ids=[95])
+    seqs = run_to_end(decoder, [decoder.add(request(p, 12, 0, i, temperature=0.0)) for i, p in enumerate(prompts)])
+    for p, seq in zip(prompts, seqs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=95, pad_token_id=0)
+        assert seq.tokens == want[0, len(p):].tolist()

@@ -316,6 +316,19 @@ class SlotState:
                             top_n=max(p.top_logprobs for p in params))
 
 
+def fitting_slots(model: MoETransformer, wanted: int, max_len: int, memory_fraction: float = 0.8) -> int:
+    """How many KV-cache slots of `max_len` positions (keys, values, routing) to allocate: `wanted`, or on a GPU as
+    many as fit in `memory_fraction` of its free memory (the rest is for activations and CUDA graphs)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return wanted
+    c = model.config
+    per_slot = max_len * c.num_hidden_layers * (2 * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
+                                                + c.num_experts_per_tok * (1 if c.num_experts <= 256 else 2))
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(wanted, int(free * memory_fraction) // per_slot - 1))
+
+
 def graph_buckets(slots: int) -> list[int]:
     """Batch sizes that decode steps are padded to (one CUDA graph each): 1, 2, 4, 8, then every 16 up to 256,
     every 64 up to 1,024, every 256 beyond; the last is `slots`."""
