@@ -11,10 +11,14 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "manifests": ("moe_rl_eks.k8s.manifests", "main", "write a run's Kubernetes manifests to dist/<env>/<run>/"),
     "bench-ep": ("moe_rl_eks.workloads.bench_ep", "main", "EP dispatch + combine throughput per backend (DeepEP method)"),
     "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
+    "bench-train": ("moe_rl_eks.workloads.bench_train", "main",
+                    "trainer micro-batch tokens/s, MFU and memory on one GPU (Qwen3-30B-A3B layers)"),
     "serve-rollout": ("moe_rl_eks.workloads.rl.rollout_server", "main", "serve completions (rollout server role)"),
     "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
+    "eval": ("moe_rl_eks.workloads.rl.evaluation", "main",
+             "evaluate a Hugging Face checkpoint on a dataset: reward, pass@1/pass@k, length, truncation"),
     "example-data": ("moe_rl_eks.workloads.rl.example_data", "main",
                      "write the local real-data example: a BPE tokenizer directory and word-problem Parquet files"),
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
@@ -22,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                          "rollout decoding with a group's prompt prefilled once vs per row"),
     "bench-rollout": ("moe_rl_eks.workloads.rl.bench_rollout", "main",
                       "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
+    "bench-weights": ("moe_rl_eks.workloads.rl.bench_weights", "main",
+                      "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
+    "doctor": ("moe_rl_eks.core.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),
+    "preflight": ("moe_rl_eks.core.preflight", "main", "check an AWS account can hold an environment (boto3)"),
 }
 
 

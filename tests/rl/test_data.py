@@ -1,6 +1,7 @@
 """Prompt datasets: Parquet and JSONL in verl's layout from a local path and from S3 (moto's server on 127.0.0.1),
 column mapping, chat rendering, a seeded per-epoch permutation whose cursor resumes exactly, the built-in task
 behind the same interface, and errors that name the file and column."""
+import dataclasses
 import json
 
 import pytest
@@ -48,20 +49,6 @@ def test_jsonl_reads_the_same_prompts_as_parquet(example, tok, tmp_path):
     jsonl = load_split(data_cfg(train=str(tmp_path / "train.jsonl")), "train", tok)
     assert len(jsonl) == len(parquet) == 12
     assert [jsonl.prompt(i, i) for i in range(12)] == [parquet.prompt(i, i) for i in range(12)]
-
-
-@pytest.fixture
-def s3_endpoint(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def test_parquet_and_jsonl_from_s3_read_as_from_disk(example, tok, s3_endpoint, tmp_path):
@@ -168,7 +155,8 @@ def test_a_run_picks_its_sources_from_rl_data(example, tmp_path):
     run = tiny_run(tmp_path, data={"train": str(example / "train.parquet"), "eval": str(example / "eval.parquet")},
                    sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
     tok = load_model_tokenizer(example / "tokenizer")
-    assert isinstance(make_prompt_source(run, tok), DatasetSource)
+    wide = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=tok.vocab_size))
+    assert isinstance(make_prompt_source(wide, tok), DatasetSource)
     evals = evaluation_prompts(run, tok, limit=3)
     assert [p.extra_info["index"] for p in evals] == [0, 1, 2] and evals[0].extra_info["split"] == "eval"
 
@@ -189,3 +177,33 @@ def test_a_dataset_with_the_builtin_tokenizer_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match=r"rl.sampling.tokenizer: 'builtin' is not allowed; a dataset"):
         tiny_run(tmp_path, data={"train": "t.parquet"})
+
+
+def test_warmup_pairs_have_an_answers_shape_but_not_the_prompts_answer(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.rl.data import format_examples
+
+    builtin = tiny_run(tmp_path)
+    char = CharTokenizer()
+    pairs = format_examples(builtin, char, 0, 20)
+    assert pairs == format_examples(builtin, char, 0, 20) and len(pairs) == 20
+    assert all(c[-1] == char.eos_id and char.decode(c[:-1]).lstrip("-").isdigit() for _, c in pairs)
+    assert all(char.decode(list(p)).endswith("=") for p, _ in pairs)
+    run = tiny_run(tmp_path, data={"train": str(example / "train.parquet")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    tok = load_model_tokenizer(example / "tokenizer")
+    truths = {r["reward_model"]["ground_truth"] for r in problems(12, 0, 4, "train")}
+    pairs = format_examples(run, tok, 5, 30)
+    assert all(c[-1] == tok.eos_id and tok.decode(c[:-1]) in truths for _, c in pairs)
+    assert all(tok.decode(list(p)).endswith("assistant\n") for p, _ in pairs)
+    assert pairs[:3] == format_examples(run, tok, 5, 3)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    run = tiny_run(tmp_path, data={"train": str(example / "train.parquet")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    with pytest.raises(DataError, match=r"has \d+ tokens, more than model.vocab_size \(32\)"):
+        make_prompt_source(run, load_model_tokenizer(example / "tokenizer"))

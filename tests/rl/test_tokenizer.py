@@ -21,10 +21,10 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_stop_ids_are_every_eos_the_checkpoint_lists_turn_end_first(model_dir):
+def test_eos_ids_are_every_eos_the_checkpoint_lists_turn_end_first(model_dir):
     tok = load_tokenizer(str(model_dir))
     im_end, end_of_text = tok.tok.token_to_id("<|im_end|>"), tok.tok.token_to_id("<|endoftext|>")
-    assert tok.stop_ids == (im_end, end_of_text) and tok.eos_id == im_end
+    assert tok.eos_ids == (im_end, end_of_text) and tok.eos_id == im_end
     assert tok.bos_id is None
 
 
@@ -38,7 +38,7 @@ def test_qwen3_layout_stops_on_im_end_151645_and_endoftext_151643(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     tok = load_tokenizer(str(tmp_path))
-    assert tok.eos_id == 151645 and tok.stop_ids == (151645, 151643)
+    assert tok.eos_id == 151645 and tok.eos_ids == (151645, 151643)
 
 
 def test_chat_template_renders_and_tokenizes_as_transformers_does(model_dir):
@@ -87,7 +87,7 @@ def test_bare_tokenizer_json_stops_on_every_known_eos_it_holds(tmp_path):
     tok.add_special_tokens(["</s>", "<|im_end|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert loaded.stop_ids == (1, 6) and loaded.eos_id == 1 and loaded.vocab_size == 7
+    assert loaded.eos_ids == (1, 6) and loaded.eos_id == 1 and loaded.vocab_size == 7
     assert loaded.encode("two plus two is") == [2, 3, 2, 4]
     assert loaded.decode([5, 1]) == "four"
     (tmp_path / "bare.json").write_text((tmp_path / "tokenizer.json").read_text()
@@ -116,7 +116,7 @@ def test_bad_checkpoint_files_name_the_file_and_field(model_dir, tmp_path):
 def test_builtin_tokenizer_round_trip_unknown_characters_and_no_chat():
     tok = CharTokenizer()
     ids = tok.encode("12+3=")
-    assert ids[0] == tok.bos_id and tok.decode(ids) == "12+3=" and tok.stop_ids == (tok.eos_id,)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "12+3=" and tok.eos_ids == (tok.eos_id,)
     # a special or out-of-vocabulary id inside a completion must not read as a well-formed answer
     assert tok.decode([tok.ids["7"], tok.eos_id, 30]) == "7\ufffd\ufffd"
     with pytest.raises(UnknownText, match="'x'"):

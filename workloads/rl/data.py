@@ -302,6 +302,7 @@ def load_split(cfg: DataConfig, split: str, tokenizer: CharTokenizer | HFTokeniz
 def make_prompt_source(run, tokenizer: CharTokenizer | HFTokenizer) -> ArithmeticSource | DatasetSource:
     """The training prompts of a run (`run`: a RunConfig)."""
     rl = run.rl
+    check_vocabulary(run, tokenizer)
     if rl.data.builtin:
         return ArithmeticSource(ArithmeticTask(rl.task, rl.training.seed), tokenizer)
     dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
@@ -325,3 +326,36 @@ def evaluation_prompts(run, tokenizer: CharTokenizer | HFTokenizer, limit: int |
     dataset = load_split(rl.data, "eval", tokenizer, rl.sampling.max_prompt_tokens)
     found = (dataset.prompt(i, i) for i in range(len(dataset)))
     return list(islice((p for p in found if p is not None), limit))
+
+
+def format_examples(run, tokenizer: CharTokenizer | HFTokenizer, start: int, count: int
+                    ) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Supervised warm-up pairs j = start .. start+count-1: (prompt ids, completion ids ending with the EOS id)
+    whose completion has the shape of an answer but is not this prompt's (the built-in task: a random value; a
+    dataset: another row's ground truth), so warm-up teaches the format and the RL that follows is measured on
+    the task. Pure functions of (rl.training.seed, j)."""
+    rl = run.rl
+    pairs = []
+    if rl.data.builtin:
+        task = ArithmeticTask(rl.task, rl.training.seed + 1)
+        texts = [(task.problem(j).prompt, task.well_formed_example(j)) for j in range(start, start + count)]
+        pairs = [(tuple(tokenizer.encode(p)), answer) for p, answer in texts]
+    else:
+        dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
+        for j in range(start, start + count):
+            rng = random.Random(f"moerl-warmup:{rl.training.seed}:{j}")
+            prompt = None
+            while prompt is None:
+                prompt = dataset.prompt(rng.randrange(len(dataset)), j)
+            other = dataset.rows.row(rng.randrange(len(dataset)))
+            pairs.append((prompt.prompt_ids, str(_get(other, rl.data.columns.ground_truth))))
+    # The built-in tokenizer starts every encoded text with <bos>; a completion continues its prompt without one.
+    skip = 1 if isinstance(tokenizer, CharTokenizer) else 0
+    return [(p, tokenizer.encode(answer)[skip:] + [tokenizer.eos_id]) for p, answer in pairs]
+
+
+def check_vocabulary(run, tokenizer: CharTokenizer | HFTokenizer) -> None:
+    """A tokenizer whose ids reach past the model's embedding table cannot be trained or served with it."""
+    if tokenizer.vocab_size > run.model.vocab_size:
+        raise DataError(f"rl.sampling.tokenizer {run.rl.sampling.tokenizer!r} has {tokenizer.vocab_size} tokens, "
+                        f"more than model.vocab_size ({run.model.vocab_size}); use the model's own tokenizer")

@@ -253,7 +253,7 @@ def _load_first_version(engine: RolloutEngine, store: WeightStore) -> None:
         latest = store.latest()
         if latest is not None:
             try:
-                engine.load_version(latest)
+                engine.load_version(latest.version)  # store.latest() is a VersionRef (lineage, version)
             except Exception as exc:  # noqa: BLE001 -- pruned meanwhile: try the newer one
                 log.warning("loading version %s failed: %s", latest, exc)
         time.sleep(0.2)

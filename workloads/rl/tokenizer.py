@@ -29,8 +29,8 @@ Message = dict[str, Any]
 
 class Tokenizer(Protocol):
     vocab_size: int
-    eos_id: int  # the checkpoint's primary end-of-sequence id (first of stop_ids)
-    stop_ids: tuple[int, ...]  # every id that ends a completion; the engine stops a row on any of them
+    eos_id: int  # the checkpoint's primary end-of-sequence id (first of eos_ids)
+    eos_ids: tuple[int, ...]  # every id that ends a completion; the engine stops a row on any of them
     bos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
@@ -55,7 +55,7 @@ class CharTokenizer:
         self.ids = {tok: i for i, tok in enumerate(BUILTIN_VOCAB)}
         self.vocab_size = len(BUILTIN_VOCAB)
         self.eos_id, self.bos_id, self.pad_id = self.ids["<eos>"], self.ids["<bos>"], self.ids["<pad>"]
-        self.stop_ids = (self.eos_id,)
+        self.eos_ids = (self.eos_id,)
 
     def encode(self, text: str) -> list[int]:
         unknown = sorted({c for c in text if c not in self.ids})
@@ -89,8 +89,8 @@ class HFTokenizer:
         self.special_tokens = {k: _token_text(self.config.get(k)) for k in SPECIAL_TOKEN_KEYS
                                if _token_text(self.config.get(k)) is not None}
         self.chat_template = chat_template
-        self.stop_ids = self._stop_ids(generation_config or {})
-        self.eos_id = self.stop_ids[0]
+        self.eos_ids = self._eos_ids(generation_config or {})
+        self.eos_id = self.eos_ids[0]
         bos = self.special_tokens.get("bos_token")
         self.bos_id = self._id(bos, "tokenizer_config.json: bos_token") if bos is not None else None
 
@@ -100,7 +100,7 @@ class HFTokenizer:
             raise TokenizerError(f"{self.source}: {where}: {token!r} is not in the vocabulary")
         return found
 
-    def _stop_ids(self, generation_config: dict) -> tuple[int, ...]:
+    def _eos_ids(self, generation_config: dict) -> tuple[int, ...]:
         ids: list[int] = []
         eos = self.special_tokens.get("eos_token")
         if eos is not None:
@@ -204,3 +204,65 @@ def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
     if Path(spec).is_dir():
         return load_model_tokenizer(spec)
     return HFTokenizer(spec)
+
+
+# --- the tokenizer files of a published checkpoint ---------------------------------------------------------------
+
+def builtin_tokenizer_json():
+    """The built-in character vocabulary as a `tokenizers` tokenizer (one token per character, <bos> first), so a
+    checkpoint of the built-in task carries a tokenizer that transformers loads."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    ids = {tok: i for i, tok in enumerate(BUILTIN_VOCAB)}
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(BUILTIN_VOCAB[:3]))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", ids["<bos>"])])
+    return tok
+
+
+def generation_config(tokenizer: CharTokenizer | HFTokenizer, *, temperature: float = 1.0, top_p: float = 1.0
+                      ) -> dict:
+    """generation_config.json: every EOS id (transformers and vLLM stop on any of them) and the run's sampling."""
+    pad = getattr(tokenizer, "pad_id", None)
+    if isinstance(tokenizer, HFTokenizer) and "pad_token" in tokenizer.special_tokens:
+        pad = tokenizer.tok.token_to_id(tokenizer.special_tokens["pad_token"])
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.eos_ids),
+            "pad_token_id": tokenizer.eos_id if pad is None else pad,
+            "do_sample": temperature > 0, "temperature": temperature, "top_p": top_p}
+
+
+def write_tokenizer_files(spec: str, directory: str | Path, *, temperature: float = 1.0, top_p: float = 1.0) -> None:
+    """Put the tokenizer files and generation_config.json of tokenizer `spec` (as rl.sampling.tokenizer takes it)
+    into the checkpoint directory `directory`, so a published version is a complete Hugging Face checkpoint.
+    A model directory's own files are copied as they are (its generation_config.json included); a bare
+    tokenizer.json or the built-in vocabulary gets a tokenizer_config.json naming its special tokens."""
+    import shutil
+
+    directory = Path(directory)
+    tokenizer = load_tokenizer(spec)
+    if Path(spec).is_dir():
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (Path(spec) / name).is_file():
+                shutil.copyfile(Path(spec) / name, directory / name)
+        if (Path(spec) / "generation_config.json").is_file():
+            return
+    else:
+        if spec == "builtin":
+            builtin_tokenizer_json().save(str(directory / "tokenizer.json"))
+            names = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+        else:
+            shutil.copyfile(spec, directory / "tokenizer.json")
+            names = {"eos_token": tokenizer.tok.id_to_token(tokenizer.eos_id)}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "generation_config.json").write_text(
+        json.dumps(generation_config(tokenizer, temperature=temperature, top_p=top_p), indent=2))
+
+
+def write_checkpoint_metadata(directory: str | Path, run) -> None:
+    """What a published version needs next to its weights and config.json (`run`: the RunConfig): the run's
+    tokenizer files and generation_config.json. Called by the weight publisher while it stages a version."""
+    s = run.rl.sampling
+    write_tokenizer_files(s.tokenizer, directory, temperature=s.temperature, top_p=s.top_p)
