@@ -265,6 +265,9 @@ def check_deepep(ctx: Context) -> Check:
             return Check("ep backends", "warn", f"alltoall, deepep intranode (stock V1 at {where}); deepep internode "
                          "needs InfiniBand GPU-initiated RDMA, which EFA lacks: multi-node runs must use alltoall")
         return Check("ep backends", "ok", f"alltoall, deepep intranode and internode (stock V1 at {where})")
+    if not ctx.expect_efa:
+        # Without EFA only the NVLink kernels run, and the manifests set no remote transport.
+        return Check("ep backends", "ok", f"alltoall, deepep intranode (efa-v1 at {where}; no EFA expected here)")
     return _check_nvshmem_libfabric(ctx, where)
 
 

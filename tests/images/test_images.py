@@ -149,6 +149,24 @@ def test_each_image_runs_its_doctor_and_its_entry_points_exist():
                         "orchestrator.Dockerfile": [("workloads", "orchestrator")]}
 
 
+def test_build_context_holds_what_the_dockerfiles_copy_and_nothing_else():
+    rules = [l for l in (REPO / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")]
+    assert rules[0] == "*", "allow-list: everything is excluded first"
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied = set()
+    for dockerfile in DOCKERFILES:
+        for line in dockerfile.read_text().splitlines():
+            if line.startswith("COPY ") and "--from=" not in line:
+                copied.update(p.rstrip("/") for p in line.split()[1:-1])
+    def under(path: str, folder: str) -> bool:
+        return path == folder or path.startswith(folder + "/")
+
+    assert {c for c in copied if not any(under(c, a) for a in allowed)} == set(), "copied but excluded"
+    assert {a for a in allowed if not any(under(c, a) for c in copied)} == set(), "sent but never copied"
+    for path in copied:
+        assert (REPO / path).exists(), path
+
+
 def test_dry_run_resolves_base_digests_then_builds_and_pushes_three_images(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(build, "LOCK_FILE", tmp_path / "base-images.lock")
     assert build.main(["--registry", REGISTRY, "--tag", "v0.1.0", "--dry-run"]) == 0
