@@ -3,6 +3,7 @@ secrets, access entries, the managed add-ons GPU nodes need, and the kubectl pro
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 
 from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validations, aws_ec2 as ec2,
@@ -10,7 +11,7 @@ from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validat
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -89,6 +90,9 @@ class MoeRlCluster(Construct):
         endpoint = EndpointConfig(public=bool(public_endpoint_cidrs), public_cidrs=public_endpoint_cidrs)
         if system_nodes < 1:
             raise ValueError(f"system_nodes: {system_nodes} is not allowed; at least 1 (cluster services run there)")
+        if vpc_cni_version is not None and _version(vpc_cni_version) < _version(VPC_CNI_MIN_VERSION_FOR_EFA_ONLY):
+            raise ValueError(f"vpc_cni_version: {vpc_cni_version!r} is not allowed; at least "
+                             f"v{VPC_CNI_MIN_VERSION_FOR_EFA_ONLY} (efa-only interfaces), e.g. v1.20.1-eksbuild.3")
         if not 20 <= system_root_volume_gib <= 16384:
             raise ValueError(f"system_root_volume_gib: {system_root_volume_gib} is not allowed; between 20 and 16384")
         private = list(subnets) if subnets is not None else list(vpc.private_subnets)
@@ -242,6 +246,14 @@ class MoeRlCluster(Construct):
             addon.node.add_dependency(self.pod_identity_agent)
         self.addons[name] = addon
         return addon
+
+
+def _version(addon_version: str) -> tuple[int, ...]:
+    """``v1.20.1-eksbuild.3`` -> (1, 20, 1)."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(-eksbuild\.\d+)?", addon_version)
+    if not match:
+        raise ValueError(f"vpc_cni_version: {addon_version!r} is not allowed; an add-on version like v1.20.1-eksbuild.3")
+    return tuple(int(g) for g in match.groups()[:3])
 
 
 def _children(scope: Construct, kind: type) -> list:

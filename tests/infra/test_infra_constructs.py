@@ -209,3 +209,14 @@ def test_nag_acknowledgments_spell_the_partition_as_nag_prints_it_in_either_kind
 
     app = cdk.App(context={"@aws-cdk/core:enablePartitionLiterals": literals})
     assert nag_partition(cdk.Stack(app, "S", env=ENV)) == expected
+
+
+@pytest.mark.parametrize("version, fragment", [
+    ("v1.18.4-eksbuild.1", "at least v1.18.5 (efa-only interfaces)"),
+    ("latest", "an add-on version like v1.20.1-eksbuild.3"),
+])
+def test_cluster_refuses_a_vpc_cni_too_old_for_efa_only_interfaces(version, fragment):
+    stack = cdk.Stack(cdk.App(), "Cni", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
+    with pytest.raises(ValueError, match=r"vpc_cni_version: .* is not allowed; " + fragment.replace("(", r"\(").replace(")", r"\)")):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, vpc_cni_version=version)
