@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
-from manifest_helpers import EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
+from manifest_helpers import CLUSTER_RUNS, EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
 
 from moe_rl_eks.core import cluster, labels, metrics
 from moe_rl_eks.core.environment import load_cdk_json
@@ -20,7 +21,8 @@ def resolved(name: str):
 
 
 def containers(objects):
-    return [c for obj in objects for spec in pod_specs(obj) for c in spec["containers"]]
+    """Every container, init containers (the startup check) included."""
+    return [c for obj in objects for spec in pod_specs(obj) for c in spec["containers"] + spec.get("initContainers", [])]
 
 
 def test_example_runs_resolve_to_the_backends_the_auto_rule_promises():
@@ -99,9 +101,9 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     # torchrun must leave the workers' SIGTERM checkpoint time before it SIGKILLs them, inside the pod's grace
     spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
     assert 60 <= int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < spec["terminationGracePeriodSeconds"]
-    # the trainer finds the orchestrator and the environment its run resolves against
+    # the trainer finds the orchestrator; its run file is resolved already (no cdk.json in the pod)
     assert env["MOERL_ORCHESTRATOR"] == f"http://{run}-orchestrator.moe-rl.svc.cluster.local:{cluster.ORCHESTRATOR_PORT}"
-    assert env["MOERL_CDK_JSON"] == "/etc/moerl/cdk.json"
+    assert "MOERL_CDK_JSON" not in env
     assert "MOERL_WEIGHT_TOKEN" not in env  # only the orchestrator and rollout servers hold the token
 
 
@@ -165,13 +167,19 @@ def test_orchestrator_is_pointed_at_the_rollout_service(manifests):
         f"dns+http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
     orchestrator = find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator")
     assert orchestrator["spec"]["replicas"] == 1
+    spec = pod_specs(orchestrator)[0]
+    # Its own small CPU image from the stack's orchestrator repository, at a class that never preempts.
+    assert spec["containers"][0]["image"] == \
+        "111111111111.dkr.ecr.us-east-1.amazonaws.com/moe-rl-dev/orchestrator:v0.1.0"
+    assert spec["priorityClassName"] == cluster.ORCHESTRATOR_PRIORITY_CLASS
     assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml",
                                                                       "--resume", "latest"]
 
 
 def test_every_container_is_locked_down_and_sized(objects):
     found = containers(objects)
-    assert len(found) == 2 * (3 + 2)  # per run: rollout, orchestrator, trainer + two validation jobs
+    assert len(found) == 2 * 2 * (3 + 2)  # per run: rollout, orchestrator, trainer + two validation jobs, each
+    # with its startup check
     for c in found:
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] >= 10000, c["name"]
@@ -197,7 +205,8 @@ def _allowed(policies: list[dict], pod_labels: dict, source: dict | str, port: i
     selecting policy's rule allows. `source` is a peer's labels, or an IP address string."""
     import ipaddress
 
-    selecting = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+    selecting = [p for p in policies if "Ingress" in p["spec"]["policyTypes"]
+                 and p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
     if not selecting:
         return True
     for policy in selecting:
@@ -227,12 +236,57 @@ def test_network_policy_admits_exactly_the_runs_edges(manifests):
                if _allowed(policies, pods[dst], stranger if src == "stranger" else pods[src], ports[dst])}
     assert allowed == {("orchestrator", "rollout"), ("trainer", "orchestrator"), ("orchestrator", "trainer"),
                        ("trainer", "trainer")}
-    scraper = "10.20.7.9"  # inside the dev VPC, where the managed scraper's interfaces live
+    scraper = "10.20.96.20"  # in the dev stack's scraper subnets (the ScraperSubnetCidrs output)
+    other_pod = "10.20.7.9"  # any other pod of the cluster: its IP is in the nodes' private subnets
     for role, metrics_port in (("rollout", cluster.ROLLOUT_PORT), ("orchestrator", cluster.ORCHESTRATOR_PORT),
                                ("trainer", cluster.TRAINER_METRICS_PORT)):
         assert _allowed(policies, pods[role], scraper, metrics_port)
+        assert not _allowed(policies, pods[role], other_pod, metrics_port)  # port 8000 also loads weights
         assert not _allowed(policies, pods[role], "192.168.1.1", metrics_port)
     assert not _allowed(policies, pods["trainer"], scraper, cluster.TRAINER_RENDEZVOUS_PORT)
+
+
+def test_run_pods_may_not_reach_the_instance_metadata_service(manifests):
+    import ipaddress
+
+    from moe_rl_eks.k8s.run_chart import role_labels
+
+    run = "qwen3-30b-a3b-p5"
+    (policy,) = [d for d in manifests[f"{run}/run.k8s.yaml"] if d["kind"] == "NetworkPolicy"
+                 and "Egress" in d["spec"]["policyTypes"]]
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    for role in ("rollout", "orchestrator", "trainer", "validation"):  # every pod of the run, validation jobs too
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= role_labels(run, role).items()
+    (rule,) = policy["spec"]["egress"]
+    (peer,) = rule["to"]
+
+    def reachable(ip: str) -> bool:
+        block = peer["ipBlock"]
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(block["cidr"]) and \
+            not any(ipaddress.ip_address(ip) in ipaddress.ip_network(c) for c in block["except"])
+
+    assert not reachable("169.254.169.254")  # instance metadata: the node role's credentials
+    assert reachable("169.254.170.23")  # the Pod Identity agent
+    assert reachable("10.20.7.9") and reachable("52.95.110.1") and "ports" not in rule
+
+
+@pytest.mark.parametrize("run", CLUSTER_RUNS)
+def test_every_pod_starts_only_after_moerl_doctor_passes_in_its_own_image(manifests, run):
+    docs = manifests[f"{run}/run.k8s.yaml"] + manifests[f"{run}/validation.k8s.yaml"]
+    checked = 0
+    for obj in docs:
+        for spec in pod_specs(obj):
+            (main,) = spec["containers"]
+            (doctor,) = spec["initContainers"]
+            role = obj["metadata"]["labels"]["moe-rl/role"]
+            expected_role = "trainer" if role == "validation" else role
+            efa = "vpc.amazonaws.com/efa" in main["resources"]["limits"]
+            assert doctor["command"] == ["moerl", "doctor", "--role", expected_role, *(["--efa"] if efa else [])]
+            # Same image, devices, limits, security and mounts: it checks what the main container will get.
+            for field in ("image", "resources", "securityContext", "volumeMounts"):
+                assert doctor[field] == main[field], (obj["metadata"]["name"], field)
+            checked += 1
+    assert checked == 5  # rollout, orchestrator, trainer, nccl-check, ep-bench
 
 
 def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manifests):
@@ -278,17 +332,44 @@ def test_a_pod_resolves_the_shipped_run_to_the_same_backend(manifests, run):
     from moe_rl_eks.core.schema import parse
 
     data = find(manifests[f"{run}/run.k8s.yaml"], "ConfigMap", f"{run}-config")["data"]
+    assert set(data) == {"run.yaml"}  # the typed, resolved run file alone: no cdk.json
     shipped = parse(RunConfig, yaml.safe_load(data["run.yaml"]), source="/etc/moerl/run.yaml")
-    envs = load_environments(json.loads(data["cdk.json"])["context"])
-    in_pod = resolve_run(shipped, envs[shipped.environment])
+    in_pod = resolve_run(shipped, None)  # what the trainer does in the pod, without any environment
     assert (in_pod.ep_backend, in_pod.topology) == (resolved(run).ep_backend, resolved(run).topology)
+    assert shipped.environment is None and shipped.resolved.environment == "dev"
+    assert shipped.resolved.trainer_instance_type == "p5.48xlarge"
+    # Everything else is the run as written (the orchestrator's endpoints filled in when the file has none).
+    original = load_run(run_file(run))
+    assert replace(shipped, environment=original.environment, resolved=None, rl=original.rl) == original
+    # Nothing of the environment's account, admin role or network reaches the cluster.
+    environment = load_environments(json.loads((ROOT / "cdk.json").read_text())["context"])["dev"]
+    for secret in (environment.admin_role_arn, environment.vpc_cidr, *environment.endpoint.public_cidrs):
+        assert secret not in data["run.yaml"]
+
+
+def test_a_resolved_run_file_takes_no_environment_and_refuses_a_backend_its_topology_cannot_run():
+    from moe_rl_eks.core.ep_backends import Topology
+    from moe_rl_eks.core.run import resolved_run_file
+    from moe_rl_eks.core.schema import ConfigError
+
+    ours = resolved("dev-small")
+    shipped = resolved_run_file(ours)
+    with pytest.raises(ConfigError, match="resolved by moerl manifests already; it takes no environment"):
+        resolve_run(shipped, ours.environment)
+    tampered = replace(shipped, resolved=replace(shipped.resolved, topology=Topology(2, 8, "cuda", 16)))
+    with pytest.raises(ConfigError, match=r"resolved.ep_backend: 'deepep' is not allowed; .*deepep_efa: true"):
+        resolve_run(tampered, None)
+    with pytest.raises(ConfigError, match="a resolved run file names no environment"):
+        from moe_rl_eks.core.run import RunConfig
+        from moe_rl_eks.core.schema import dump, parse
+        parse(RunConfig, {**dump(shipped), "environment": "dev"}, source="x")
 
 
 def test_a_rollout_pod_has_tmp_room_for_one_downloaded_version_when_weights_live_in_s3(tmp_path):
     from moe_rl_eks.k8s.manifests import main
 
     data = yaml.safe_load(run_file("qwen3-30b-a3b-p5").read_text())
-    data["rl"]["weights"] = {"kind": "s3", "bucket": "weights-bucket", "prefix": "qwen3/weights"}
+    data["rl"]["weights"] = {"kind": "s3", "bucket": "moe-rl-dev-artifacts-111111111111"}  # the stack bucket
     path = tmp_path / "qwen3-30b-a3b-p5.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["--run", str(path), "--outputs", str(EXAMPLE_OUTPUTS), "--out", str(tmp_path / "dist"),

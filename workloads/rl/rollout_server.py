@@ -606,10 +606,10 @@ def main(argv: list[str]) -> int:
 
 def _load_first_version(server: RolloutServer, store) -> None:
     while server.engine.version is None:
-        latest = store.latest()
+        latest = store.latest()  # a VersionRef (lineage, version), or None before the first publication
         if latest is not None:
             try:
-                server.load_version(latest)
+                server.load_version(latest.version, latest.lineage)
             except Exception as exc:  # noqa: BLE001 -- pruned meanwhile: try the newer one
                 log.warning("loading version %s failed: %s", latest, exc)
         time.sleep(0.2)
