@@ -25,7 +25,7 @@ def rollout(tmp_path):
     yield from serve_rollout(tmp_path)
 
 
-def serve_rollout(tmp_path, **rollout):
+def serve_rollout(tmp_path, tokenizer=None, **rollout):
     from moe_rl_eks.workloads.rl.engine import RolloutEngine
     from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
@@ -36,8 +36,9 @@ def serve_rollout(tmp_path, **rollout):
                    rollout=rollout)
     store = DirectoryStore(tmp_path / "weights")
     publish_initial(run, store)
-    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
-    server = RolloutServer(run, engine, CharTokenizer(), token="s3cret")
+    tokenizer = tokenizer or CharTokenizer()
+    engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
+    server = RolloutServer(run, engine, tokenizer, token="s3cret")
     server.load_version(0)
     http = BackgroundServer(make_app(server)).start()
     yield {"url": http.url, "engine": engine, "server": server, "store": store, "run": run}

@@ -48,3 +48,50 @@ def test_models_list_and_errors_raise_the_clients_exceptions(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="local", messages=[{"role": "user", "content": "3+4="}])
     assert err.value.body["param"] == "messages"  # the built-in vocabulary has no chat template
+
+
+# The built-in vocabulary as a Hugging Face model directory with a chat template: each turn's text, then "=".
+TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}={% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    from conftest import serve_rollout
+
+    from moe_rl_eks.workloads.rl.tokenizer import load_model_tokenizer, write_tokenizer_files
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer_files("builtin", directory)
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    for server in serve_rollout(tmp_path_factory.mktemp("chat"), tokenizer=load_model_tokenizer(directory)):
+        yield openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_chat_completions_render_the_template_and_reproduce_with_a_seed(chat):
+    messages = [{"role": "system", "content": "1+1"}, {"role": "user", "content": "+2"}]
+    kwargs = dict(model="local", messages=messages, max_tokens=6, n=2, seed=9, logprobs=True, top_logprobs=2,
+                  extra_body={"return_token_ids": True})
+    first = chat.chat.completions.create(**kwargs)
+    assert first.choices[0].model_extra["prompt_token_ids"] == [1, 4, 13, 4, 13, 5, 16]  # <bos>1+1+2=
+    assert first.usage.prompt_tokens == 7
+    assert [c.message.content for c in chat.chat.completions.create(**kwargs).choices] == \
+        [c.message.content for c in first.choices]
+    for choice in first.choices:
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+        content = choice.logprobs.content
+        assert len(content) == len(choice.model_extra["token_ids"])
+        assert all(1 <= len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in content)
+
+
+def test_streamed_chat_adds_up_to_the_whole_answer(chat):
+    kwargs = dict(model="local", messages=[{"role": "user", "content": "2*3"}], max_tokens=6, seed=3)
+    whole = chat.chat.completions.create(**kwargs).choices[0]
+    chunks = list(chat.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    text = whole.message.content
+    if text:
+        cut = chat.chat.completions.create(**kwargs, stop=[text[-1]]).choices[0]
+        assert cut.message.content == text[:text.index(text[-1])] and cut.finish_reason == "stop"
