@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch.distributed as dist
-from rl_helpers import publish_initial, tiny_run
+from rl_helpers import serve_rollout
 
 
 @pytest.fixture
@@ -23,27 +23,6 @@ def world_of_one():
 def rollout(tmp_path):
     """An in-process rollout server (FastAPI on loopback) serving version 0 of a tiny model."""
     yield from serve_rollout(tmp_path)
-
-
-def serve_rollout(tmp_path, tokenizer=None, **rollout):
-    from moe_rl_eks.workloads.rl.engine import RolloutEngine
-    from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
-    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
-    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
-    from moe_rl_eks.workloads.rl.weights import DirectoryStore
-
-    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4},
-                   rollout=rollout)
-    store = DirectoryStore(tmp_path / "weights")
-    publish_initial(run, store)
-    tokenizer = tokenizer or CharTokenizer()
-    engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
-    server = RolloutServer(run, engine, tokenizer, token="s3cret")
-    server.load_version(0)
-    http = BackgroundServer(make_app(server)).start()
-    yield {"url": http.url, "engine": engine, "server": server, "store": store, "run": run}
-    http.stop()
-    engine.stop()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 a user's script does, with nothing of ours on the client side."""
 import openai
 import pytest
+from rl_helpers import serve_rollout
 
 
 @pytest.fixture
@@ -57,8 +58,6 @@ TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from conftest import serve_rollout
-
     from moe_rl_eks.workloads.rl.tokenizer import load_model_tokenizer, write_tokenizer_files
 
     directory = tmp_path_factory.mktemp("tokenizer")

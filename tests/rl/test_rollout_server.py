@@ -12,7 +12,7 @@ import torch
 from moe_rl_eks.workloads.rl.engine_api import RowRequest, SamplingParams
 from moe_rl_eks.workloads.rl.protocol import decode_routing
 
-from rl_helpers import call, publish_initial
+from rl_helpers import call, publish_initial, serve_rollout
 
 AUTH = {"Authorization": "Bearer s3cret"}
 PROMPT_IDS = [1, 6, 13, 7, 16]  # <bos> 3 + 4 =
@@ -21,8 +21,6 @@ PROMPT_IDS = [1, 6, 13, 7, 16]  # <bos> 3 + 4 =
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """One server for the tests that only read from it (a fresh one per test costs more than the test)."""
-    from conftest import serve_rollout
-
     yield from serve_rollout(tmp_path_factory.mktemp("shared"))
 
 
@@ -211,8 +209,6 @@ def test_streamed_completions_add_up_to_the_unstreamed_answer(shared):
 
 
 def test_a_client_that_disconnects_mid_stream_has_its_rows_cancelled(tmp_path):
-    from conftest import serve_rollout
-
     for server in serve_rollout(tmp_path, max_new_tokens=48):
         engine = server["engine"]
         sampled = []
@@ -297,8 +293,6 @@ def test_without_weights_generation_answers_503_and_ready_says_so(tmp_path):
 
 
 def test_health_turns_503_while_the_engine_loop_is_stuck_in_a_step(tmp_path):
-    from conftest import serve_rollout
-
     for server in serve_rollout(tmp_path, hung_after_s=1.5):
         url, engine = server["url"], server["engine"]
         assert call("GET", f"{url}/health")[0] == 200

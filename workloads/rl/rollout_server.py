@@ -180,8 +180,11 @@ class ServedModel:
 
 
 class RolloutMetrics:
-    def __init__(self) -> None:
-        self.registry = Registry()
+    """The server's request metrics, in the engine's registry: one /metrics shows both (the engine counts its
+    busy seconds and sets the served version)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
         self.requests, self.errors = self.registry[M.ROLLOUT_REQUESTS], self.registry[M.ROLLOUT_REQUEST_ERRORS]
         self.prompt_tokens = self.registry[M.ROLLOUT_PROMPT_TOKENS]
         self.generation_tokens = self.registry[M.ROLLOUT_GENERATION_TOKENS]
@@ -189,8 +192,7 @@ class RolloutMetrics:
         self.e2e, self.ttft = self.registry[M.ROLLOUT_E2E_LATENCY], self.registry[M.ROLLOUT_TIME_TO_FIRST_TOKEN]
         self.itl = self.registry[M.ROLLOUT_INTER_TOKEN_LATENCY]
         self.running, self.waiting = self.registry[M.ROLLOUT_RUNNING], self.registry[M.ROLLOUT_WAITING]
-        self.version, self.lineage = self.registry[M.ROLLOUT_WEIGHT_VERSION], self.registry[M.ROLLOUT_WEIGHT_LINEAGE]
-        self.load_seconds = self.registry[M.WEIGHT_LOAD_SECONDS]
+        self.lineage = self.registry[M.ROLLOUT_WEIGHT_LINEAGE]
 
 
 class Row:
@@ -320,7 +322,7 @@ class RolloutServer:
     def __init__(self, run: RunConfig, engine, tokenizer: Tokenizer, *, token: str | None) -> None:
         self.run, self.engine, self.token = run, engine, token
         self.model = ServedModel(run, tokenizer)
-        self.metrics = RolloutMetrics()
+        self.metrics = RolloutMetrics(engine.metrics)
         self.created = int(time.time())
         self.lineages: dict[int, int] = {}  # version -> the lineage it was loaded as
         self.lineage = 0  # of the version served now (a push without a lineage keeps it)
@@ -331,9 +333,7 @@ class RolloutServer:
         seconds = self.engine.load_version(version)
         self.lineage = self.lineage if lineage is None else lineage
         self.lineages[version] = self.lineage
-        self.metrics.version.set(version)
         self.metrics.lineage.set(self.lineage)
-        self.metrics.load_seconds.set(seconds)
         log.info("serving weight version %d of lineage %d (loaded in %.2f s)", version, self.lineage, seconds)
         return seconds
 
