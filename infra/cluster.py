@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validations, aws_ec2 as ec2,
                      aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms, aws_lambda as lambda_)
@@ -35,6 +36,16 @@ CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
 CNI_POLICY = "AmazonEKS_CNI_Policy"
 POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
 _MANAGED = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
+
+
+@dataclass(frozen=True)
+class PodIdentityAccount:
+    """A service account of :meth:`MoeRlCluster.service_account`: its IAM ``role`` and what must exist before a pod
+    using it starts (``ready``: the ServiceAccount and its Pod Identity association; credentials are injected at
+    pod start)."""
+
+    role: iam.Role
+    ready: tuple[IDependable, ...]
 
 
 class MoeRlCluster(Construct):
@@ -205,9 +216,9 @@ class MoeRlCluster(Construct):
         return iam.Role(self, id, assumed_by=iam.SessionTagsPrincipal(principal), **role_props)
 
     def service_account(self, id: str, *, name: str, namespace: str, labels: Mapping[str, str] | None = None,
-                        depends_on: Sequence[IDependable] = ()) -> iam.Role:
-        """A Kubernetes service account bound by Pod Identity to a new IAM role (returned) that only this cluster
-        may assume. ``depends_on``: what the service account needs first (its namespace)."""
+                        depends_on: Sequence[IDependable] = ()) -> "PodIdentityAccount":
+        """A Kubernetes service account bound by Pod Identity to a new IAM role that only this cluster may assume.
+        ``depends_on``: what the service account needs first (its namespace)."""
         role = self.pod_identity_role(f"{id}Role")
         manifest = self.cluster.add_manifest(f"{id}Manifest", {
             "apiVersion": "v1", "kind": "ServiceAccount",
@@ -219,7 +230,7 @@ class MoeRlCluster(Construct):
         for dependency in depends_on:
             manifest.node.add_dependency(dependency)
             association.node.add_dependency(dependency)
-        return role
+        return PodIdentityAccount(role=role, ready=(manifest, association))
 
     def grant_admin(self, id: str, principal: iam.IRole) -> eks.AccessEntry:
         """Give ``principal`` cluster-wide admin through an EKS access entry."""

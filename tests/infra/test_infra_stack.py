@@ -210,6 +210,12 @@ def test_charts_install_with_wait_after_system_nodes_and_coredns_and_queues_afte
         assert chart["Properties"]["Timeout"] == f"{CHART_TIMEOUT.to_seconds()}s", name
         assert {nodegroup, coredns} <= set(chart["DependsOn"]), name
     assert CHART_TIMEOUT.to_minutes() < 15  # the kubectl handler Lambda's limit
+    # The autoscaler's pods start only once their service account and its Pod Identity association exist.
+    (association,) = [k for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
+                      if r["Properties"]["ServiceAccount"] == "cluster-autoscaler"]
+    (account,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
+                  if '"name":"cluster-autoscaler"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
+    assert {association, account} <= set(charts["cluster-autoscaler"][1]["DependsOn"])
     kueue_id = charts["kueue"][0]
     queues = [r for r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").values()
               if "ClusterQueue" in join_string(r["Properties"]["Manifest"])]
