@@ -158,6 +158,25 @@ def test_a_wrong_checksum_fails_the_load_naming_the_tensor(tmp_path, model_confi
         load_hf(directory)
 
 
+def test_an_ep_rank_reads_only_its_experts_bytes(tmp_path, model_config):
+    """Expert 0's bytes are damaged: the rank holding experts 2-3 never reads them, so it loads; a whole read fails."""
+    from moe_rl_eks.workloads.model.safetensors_io import read_header
+
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)
+    directory = store.fetch(0, tmp_path)
+    shard = directory / "model.safetensors"
+    head, pieces = read_header(shard)
+    piece = next(p for p in pieces if p.name == "model.layers.0.mlp.experts.0.up_proj.weight")
+    with open(shard, "r+b") as f:
+        f.seek(len(head) + piece.start)
+        f.write(b"\xff" * 8)
+    _, state = load_hf(directory, experts=range(2, 4))
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 2
+    with pytest.raises(IntegrityError, match="experts.0.up_proj.weight"):
+        load_hf(directory)
+
+
 def test_a_corrupted_header_fails_the_load(tmp_path, model_config):
     store = DirectoryStore(tmp_path / "store")
     store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)

@@ -78,6 +78,19 @@ def test_a_newer_version_supersedes_one_still_waiting(tmp_path):
     assert torch.equal(loaded["model.norm.weight"], trainer_state(13)["model.norm.weight"].to(torch.bfloat16))
 
 
+def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_the_writer_busy(tmp_path):
+    store = GatedStore(tmp_path / "store")
+    publisher = Publisher(store, CONFIG, lineage=0)
+    publisher.publish(0, trainer_state())
+    assert store.committing.wait(10)
+    publisher.publish(1, trainer_state())  # waits behind version 0: the writer is never idle until 1 is written
+    assert publisher.wait_published(None, timeout=0.2) is None
+    store.gate.set()
+    assert publisher.wait_published(None, timeout=30) in (0, 1)
+    publisher.close()
+    assert publisher.wait_published(0, timeout=30) == 1
+
+
 def test_a_failed_write_is_not_published_and_the_next_version_is(tmp_path):
     calls = []
 

@@ -111,10 +111,21 @@ class Publisher:
             self._cond.notify_all()
         self.snapshot_seconds = time.perf_counter() - start
 
+    def wait_published(self, seen: int | None, timeout: float | None = None) -> int | None:
+        """Block until a version other than `seen` has reached the store (or the timeout, or close());
+        returns `published`. Unlike flush(), this does not wait for a writer that a steady stream of newer
+        versions keeps busy."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._published != seen or self._closing and self._idle(), timeout)
+            return self._published
+
+    def _idle(self) -> bool:
+        return self._waiting is None and not self._writing
+
     def flush(self) -> None:
         """Wait until the waiting snapshot, if any, has been written (or failed)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._waiting is None and not self._writing)
+            self._cond.wait_for(self._idle)
 
     def close(self) -> None:
         """Write what is waiting, then stop the writer."""
@@ -136,7 +147,7 @@ class Publisher:
         if shapes == self._shapes:
             return
         with self._cond:  # a new shape (first publish): snapshots planned for the old one are useless
-            self._cond.wait_for(lambda: self._waiting is None and not self._writing)
+            self._cond.wait_for(self._idle)
             self._free.clear()
             self._snapshots = 0
             self._unpin()
@@ -223,4 +234,5 @@ class Publisher:
                 staging.facts.update(shards)
         with self._cond:
             self._published = snapshot.version
+            self._cond.notify_all()
         log.info("published weight version %d in %.2f s", snapshot.version, time.perf_counter() - start)
