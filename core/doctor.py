@@ -43,6 +43,8 @@ Status = Literal["ok", "warn", "blocker"]
 # `none`: no DeepEP (rollout image).
 DEEPEP_VARIANT_ENV = "MOERL_DEEPEP_VARIANT"
 DEEPEP_VARIANTS = ("efa-v1", "stock-v1", "none")
+# The trainer pods' manifests (k8s/trainer.py) pass the run's resolved EP backend.
+EP_BACKEND_ENV = "MOERL_EP_BACKEND"
 # The role's console entry point (core/cli.py SUBCOMMANDS) that the pod starts.
 ROLE_COMMANDS: dict[Role, str] = {"trainer": "train", "rollout": "serve-rollout", "orchestrator": "orchestrate"}
 FI_INFO_CANDIDATES = ("fi_info", "/opt/amazon/efa/bin/fi_info")
@@ -253,6 +255,9 @@ def check_deepep(ctx: Context) -> Check:
         return Check("ep backends", "blocker", f"{DEEPEP_VARIANT_ENV}={variant!r}; the image must record one of "
                      f"{', '.join(DEEPEP_VARIANTS)}")
     if variant == "none":
+        if ctx.env.get(EP_BACKEND_ENV) == "deepep":
+            return Check("ep backends", "blocker", f"the run resolved ep backend 'deepep' ({EP_BACKEND_ENV}) but this "
+                         "image has no DeepEP: use the trainer image or ep_backend: alltoall")
         return Check("ep backends", "ok", "alltoall (NCCL); no DeepEP in this image")
     try:
         import deep_ep

@@ -91,6 +91,26 @@ def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_
     assert publisher.wait_published(0, timeout=30) == 1
 
 
+def test_publishing_into_s3_uploads_the_snapshot_from_memory(tmp_path, s3_endpoint):
+    import uuid
+
+    import boto3
+
+    from moe_rl_eks.workloads.rl.weights import S3Store
+
+    bucket = f"pub-{uuid.uuid4().hex[:8]}"  # moto's state lives as long as the test process
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    store = S3Store(bucket, "run", endpoint_url=s3_endpoint)
+    publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)
+    publisher.publish(0, trainer_state())
+    publisher.close()
+    assert publisher.published == 0 and len(publisher.layouts) > 1
+    _, loaded = load_hf(store.fetch(0, tmp_path / "cache"))
+    for name, tensor in trainer_state().items():
+        want = tensor.float() if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+        assert torch.equal(loaded[name], want), name
+
+
 def test_a_failed_write_is_not_published_and_the_next_version_is(tmp_path):
     calls = []
 

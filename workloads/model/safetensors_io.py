@@ -152,14 +152,21 @@ def fill(image: torch.Tensor, layout: FileLayout, state: dict[str, torch.Tensor]
             tensor, non_blocking=non_blocking)
 
 
-def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
-    """Write one planned file from its image (header + data, e.g. a pinned buffer's bytes) and fsync it;
-    returns its manifest facts: size and the checksum of the header and of every tensor."""
+def seal(image: memoryview, layout: FileLayout) -> dict:
+    """Put the header into a planned file's image (header + data, e.g. a pinned buffer's bytes) and return its
+    manifest facts: size, and the checksum of the header and of every tensor (taken from the image, once)."""
     if len(image) != layout.size:
         raise ValueError(f"{layout.name}: image holds {len(image)} bytes, the layout {layout.size}")
     image[:len(layout.header)] = layout.header
     head = len(layout.header)
     sums = {p.name: xxh3(image[head + p.start:head + p.end]) for p in layout.pieces}
+    return {"bytes": layout.size, "data_bytes": layout.data_bytes, "header_" + CHECKSUM: xxh3(layout.header),
+            CHECKSUM: sums}
+
+
+def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
+    """Seal an image and write it to `path` in large writes, then fsync; returns its manifest facts."""
+    facts = seal(image, layout)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for start in range(0, layout.size, CHUNK_BYTES):
@@ -169,8 +176,7 @@ def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"bytes": layout.size, "data_bytes": layout.data_bytes, "header_" + CHECKSUM: xxh3(layout.header),
-            CHECKSUM: sums}
+    return facts
 
 
 def file_facts(path: Path) -> dict:
