@@ -371,6 +371,11 @@ def test_scraper_writes_to_the_cmk_workspace_through_a_role_pair_and_gets_no_acc
     assert source_trust["Condition"]["StringEquals"] == {"aws:SourceAccount": "222222222222"}
     (target_trust,) = template["Resources"][target]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert target_trust["Principal"] == {"AWS": {"Fn::GetAtt": [source, "Arn"]}}
+    # The scraper's ARN is its external id; only this account's scrapers (their ARN is known after creation).
+    assert join_string(target_trust["Condition"]["StringLike"]["sts:ExternalId"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
+    assert join_string(source_trust["Condition"]["ArnLike"]["aws:SourceArn"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
     (workspace_id, workspace), = resources_of(template, "AWS::APS::Workspace").items()
     target_actions = {(a, json.dumps(st["Resource"])) for p in resources_of(template, "AWS::IAM::Policy").values()
                       if {"Ref": target} in p["Properties"]["Roles"] for st in p["Properties"]["PolicyDocument"]["Statement"]
