@@ -508,8 +508,9 @@ class Decoder:
         eagerly first (kernel autotuning and compilation happen outside the capture)."""
         try:
             self._capture_buckets(buckets)
-        except Exception:  # noqa: BLE001 -- an op that cannot be captured: decode eagerly, slower but right
-            log.exception("capturing decode CUDA graphs failed; decoding without them")
+        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
+            # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
+            log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
             self.graphs = {}
 
     def _capture_buckets(self, buckets: list[int]) -> None:
