@@ -339,6 +339,9 @@ def test_storage_bucket_fsx_and_repositories(templates):
     assert join_string(dra["Properties"]["DataRepositoryPath"]) == "s3://TOKEN/"
     assert names.RUNS_DIR.removeprefix(names.FSX_MOUNT_PATH + "/") + "/" == "runs/"
     template.resource_count_is("AWS::ECR::Repository", 3)  # trainer, rollout, orchestrator
+    names_ = sorted(r["Properties"]["RepositoryName"] for r in resources_of(templates["prod"], "AWS::ECR::Repository").values())
+    # `make images REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com/moe-rl-prod` pushes to these
+    assert names_ == ["moe-rl-prod/orchestrator", "moe-rl-prod/rollout", "moe-rl-prod/trainer"]
     template.all_resources_properties("AWS::ECR::Repository", {
         "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
     fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]
