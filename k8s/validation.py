@@ -5,7 +5,9 @@ Two gang jobs through the trainer queue (Kueue runs them one after the other whe
 - `<run>-nccl-check`: NCCL all-reduce and all-to-all bus bandwidth across all trainer ranks, and which network
   NCCL picked on each rank (fails when EFA was expected and NCCL fell back to sockets);
 - `<run>-ep-bench`: `moerl bench-ep`, our expert-parallel dispatch/combine benchmark, with the run's EP backend.
-Results are in each job's pod 0 log (`kubectl logs`).
+Results are in each job's pod 0 log (`kubectl logs`). Like every pod of a run, each first runs `moerl doctor --role
+trainer [--efa]` as an init container with the same devices (GPUs, EFA, hugepages, locked-memory limit), so a node
+that cannot do the work stops the job at init with the reason.
 """
 from __future__ import annotations
 
