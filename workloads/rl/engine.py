@@ -270,8 +270,7 @@ class RolloutEngine:
         return self._decoder
 
     def _eos_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_ids", None)
-        return tuple(eos) if eos else (self.tokenizer.eos_id,)
+        return tuple(self.tokenizer.eos_ids)
 
     def _run_control(self, item: _Control) -> None:
         try:
