@@ -11,6 +11,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
 from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
@@ -154,6 +155,7 @@ def test_cluster_addons_and_admin_access_entry(templates):
     assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
                            "amazon-cloudwatch-observability"}
     assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
+    assert addons["vpc-cni"]["AddonVersion"] == VPC_CNI_VERSION  # pinned, and new enough for efa-only interfaces
     assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
     for env in ("dev", "prod"):
         admins = [join_string(r["Properties"]["PrincipalArn"]) for r in resources_of(templates[env], "AWS::EKS::AccessEntry").values()]
@@ -337,6 +339,9 @@ def test_storage_bucket_fsx_and_repositories(templates):
     assert join_string(dra["Properties"]["DataRepositoryPath"]) == "s3://TOKEN/"
     assert names.RUNS_DIR.removeprefix(names.FSX_MOUNT_PATH + "/") + "/" == "runs/"
     template.resource_count_is("AWS::ECR::Repository", 3)  # trainer, rollout, orchestrator
+    names_ = sorted(r["Properties"]["RepositoryName"] for r in resources_of(templates["prod"], "AWS::ECR::Repository").values())
+    # `make images REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com/moe-rl-prod` pushes to these
+    assert names_ == ["moe-rl-prod/orchestrator", "moe-rl-prod/rollout", "moe-rl-prod/trainer"]
     template.all_resources_properties("AWS::ECR::Repository", {
         "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
     fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]

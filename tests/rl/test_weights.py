@@ -195,6 +195,18 @@ def test_a_corrupted_header_fails_the_load(tmp_path, model_config):
         load_hf(shard.parent)
 
 
+def test_a_tensor_of_an_unsupported_dtype_is_refused_naming_it(tmp_path):
+    import struct
+
+    from moe_rl_eks.workloads.model.safetensors_io import CheckpointFormatError, read_header
+
+    header = json.dumps({"w": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(CheckpointFormatError, match="tensor w: dtype 'F8_E8M0' is not supported; expected one of"):
+        read_header(path)
+
+
 CRASH = """
 import os, sys
 from pathlib import Path

@@ -99,7 +99,9 @@ class WeightStore(ABC):
 
     def publish(self, version: int, source: Path, *, lineage: int = 0) -> None:
         """Make the files of `source` (a Hugging Face checkpoint directory) version (lineage, version). The files
-        are hard-linked into the staging area when they share its filesystem (no copy), else copied."""
+        are hard-linked into the staging area when they share its filesystem (no copy), else copied, and
+        checksummed at the commit (one read, from the page cache when they were just written). The trainer's
+        path, publisher.Publisher, stages through `stage` and checksums while writing instead."""
         with self.stage(VersionRef(lineage, version)) as staging:
             if staging is None:
                 return
