@@ -246,6 +246,12 @@ def test_network_policy_admits_exactly_the_runs_edges(manifests):
     assert not _allowed(policies, pods["trainer"], scraper, cluster.TRAINER_RENDEZVOUS_PORT)
 
 
+def test_every_container_knows_its_region_without_instance_metadata(objects):
+    for c in containers(objects):
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env["AWS_REGION"] == env["AWS_DEFAULT_REGION"] == "us-east-1", c["name"]
+
+
 def test_run_pods_may_not_reach_the_instance_metadata_service(manifests):
     import ipaddress
 
