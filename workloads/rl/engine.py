@@ -152,7 +152,7 @@ class RolloutEngine:
     # ---- callers' side -----------------------------------------------------------------------------------
     def _put(self, item: _Call | _Control) -> None:
         with self._lock:
-            if self._stopping:
+            if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the rollout engine is stopped")
             self._inbox.append(item)
             self._wake.notify()
@@ -189,7 +189,11 @@ class RolloutEngine:
             self._cancel(request_id, rows)
         if self._has_work():
             start = time.monotonic()
-            produced = self._step_sharded() if self.replica.size > 1 else self._step()
+            try:
+                produced = self._step_sharded() if self.replica.size > 1 else self._step()
+            except Exception as exc:  # noqa: BLE001 -- a failed step (out of memory, ...) fails its rows, not the server
+                log.exception("a decode step failed; its rows finish with an error")
+                produced = self._fail_running(f"decoding failed: {type(exc).__name__}: {exc}")
             elapsed = time.monotonic() - start
             self.busy_seconds += elapsed
             self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
@@ -200,6 +204,16 @@ class RolloutEngine:
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
+
+    def _fail_running(self, message: str) -> int:
+        """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
+        cache may hold half a step)."""
+        for seq, call, index in list(self._live.values()):
+            if seq is not None:
+                seq.finish_reason, seq.error, seq.slot = "error", message, None
+                self._deliver(call, index, output(seq, self.version))
+        self._decoder = None
+        return 0
 
     def _has_work(self) -> bool:
         return bool(self._batch or (self._decoder is not None and self._decoder.busy))
@@ -230,11 +244,14 @@ class RolloutEngine:
                 self._cancel_one(item.rows[index].request_id, item.rows[index].row)
 
     def _add(self, call: _Call, index: int, request: RowRequest) -> None:
-        decoder = self._decoder_for(self.model)
         try:
-            seq = decoder.add(request)
+            seq = self._decoder_for(self.model).add(request)
         except ValueError as exc:
             self._finish_error(call, index, request, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 -- no decoder (e.g. its KV cache does not fit): this row fails
+            log.exception("the decoder could not be built")
+            self._finish_error(call, index, request, f"the engine cannot decode: {type(exc).__name__}: {exc}")
             return
         self._live[(request.request_id, request.row)] = (seq, call, index)
 
@@ -253,8 +270,7 @@ class RolloutEngine:
         return self._decoder
 
     def _eos_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_ids", None)
-        return tuple(eos) if eos else (self.tokenizer.eos_id,)
+        return tuple(self.tokenizer.eos_ids)
 
     def _run_control(self, item: _Control) -> None:
         try:
