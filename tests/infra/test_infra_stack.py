@@ -229,6 +229,15 @@ def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_pr
     assert charts["keda"]["Values"]["priorityClassName"] == "system-cluster-critical"
     assert charts["kueue"]["Values"]["controllerManager"]["manager"]["priorityClassName"] == "system-cluster-critical"
     assert charts["cluster-autoscaler"]["Values"]["priorityClassName"] == "system-cluster-critical"
+    # The JobSet chart has no such value: its controller's Deployment is patched after the release is installed.
+    (patch,) = [r for r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-KubernetesPatch").values()
+                if r["Properties"]["ResourceName"] == "deployment/jobset-controller"]
+    assert patch["Properties"]["ResourceNamespace"] == CHARTS["jobset"].namespace
+    assert json.loads(join_string(patch["Properties"]["ApplyPatchJson"])) == {
+        "spec": {"template": {"spec": {"priorityClassName": "system-cluster-critical"}}}}
+    (jobset_chart,) = [k for k, r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-HelmChart").items()
+                       if r["Properties"]["Release"] == "jobset"]
+    assert jobset_chart in patch["DependsOn"]
     classes = {o["metadata"]["name"]: o for o in kubernetes_objects(templates["prod"]) if o["kind"] == "PriorityClass"}
     orchestrator = classes[names.ORCHESTRATOR_PRIORITY_CLASS]
     assert orchestrator["preemptionPolicy"] == "Never"
