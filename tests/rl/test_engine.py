@@ -3,6 +3,7 @@ it at once, stop tokens, top logprobs, compact routing, validated sampling param
 import threading
 
 import numpy as np
+import torch
 import pytest
 from rl_helpers import publish_initial, tiny_run
 
@@ -139,3 +140,21 @@ def test_rows_never_mix_weight_versions_across_a_swap(engine, tmp_path):
     (new,) = engine.submit(rows("after", 1, 30, 2, stop_token_ids=())).result(timeout=60)
     assert old.weight_version == 0 and new.weight_version == 1 and engine.version == 1
     assert old.token_ids != new.token_ids  # same seed and prompt, other weights
+
+
+def test_the_same_version_number_of_a_new_lineage_is_loaded_and_reported(engine, tmp_path):
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.rl.engine import VersionRef
+
+    (first,) = engine.submit(rows("a", 1, 4, 3, stop_token_ids=())).result(timeout=60)
+    assert (first.weight_version, first.weight_lineage, engine.health().lineage) == (0, 0, 0)
+    staging = tmp_path / "restarted"
+    torch.manual_seed(9)  # a trainer restarted from a checkpoint: lineage 1 publishes its own version 0
+    save_hf(MoETransformer(engine.run.model).state_dict(), engine.run.model, staging)
+    engine.store.publish(0, staging, lineage=1)
+    assert engine.load_version(0) > 0  # the number alone means the newest lineage: other weights, loaded
+    (second,) = engine.submit(rows("b", 1, 4, 3, stop_token_ids=())).result(timeout=60)
+    assert (second.weight_version, second.weight_lineage, engine.lineage) == (0, 1, 1)
+    assert second.token_ids != first.token_ids
+    assert engine.load_version(VersionRef(1, 0)) == 0.0  # already served

@@ -598,11 +598,11 @@ class Decoder:
         seq.slot = None
 
 
-def output(seq: Sequence, version: int) -> RowOutput:
+def output(seq: Sequence, version: int | None, lineage: int | None) -> RowOutput:
     """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
     routing = seq.routing.cpu().numpy() if seq.routing is not None else None
     return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
-                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version)
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0)
 
 
 # ---- one-shot decoding of a list of rows --------------------------------------------------------------------
