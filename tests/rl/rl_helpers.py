@@ -164,3 +164,26 @@ class SlowProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_rollout(tmp_path, tokenizer=None, **rollout):
+    """A generator fixture's body: a rollout server (FastAPI on loopback, token "s3cret") serving version 0 of a
+    tiny model, with the `rollout:` settings given."""
+    from moe_rl_eks.workloads.rl.engine import RolloutEngine
+    from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+    from moe_rl_eks.workloads.rl.weights import DirectoryStore
+
+    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4},
+                   rollout=rollout)
+    store = DirectoryStore(tmp_path / "weights")
+    publish_initial(run, store)
+    tokenizer = tokenizer or CharTokenizer()
+    engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
+    server = RolloutServer(run, engine, tokenizer, token="s3cret")
+    server.load_version(0)
+    http = BackgroundServer(make_app(server)).start()
+    yield {"url": http.url, "engine": engine, "server": server, "store": store, "run": run}
+    http.stop()
+    engine.stop()
