@@ -49,15 +49,15 @@ def rewarded_batch(step: int = 0):
     return Batch(step, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 2))
 
 
-def publish_initial(run, store, version: int = 0, seed: int = 0) -> dict:
+def publish_initial(run, store, version: int = 0, seed: int = 0, lineage: int = 0) -> dict:
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.workloads.model.checkpoint import save_hf
 
     torch.manual_seed(seed)
     state = MoETransformer(run.model).state_dict()
-    staging = Path(store.root).parent / f"src-{version}"
+    staging = Path(store.root).parent / f"src-{lineage}-{version}"
     save_hf(state, run.model, staging)
-    store.publish(version, staging)
+    store.publish(version, staging, lineage=lineage)
     return state
 
 

@@ -247,11 +247,17 @@ def test_weight_loading_needs_the_token_and_switches_version_and_lineage(rollout
     assert status == 400 and body["error"]["param"] == "version"
     status, body = call("POST", f"{url}/v1/weights/load", {"version": 7}, headers=AUTH)
     assert status == 409 and "version 7" in body["error"]["message"] and body["error"]["type"] == "conflict_error"
-    status, body = call("POST", f"{url}/v1/weights/load", {"version": 1, "lineage": 2}, headers=AUTH)
-    assert status == 200 and body["weight_version"] == 1 and body["weight_lineage"] == 2
+    status, body = call("POST", f"{url}/v1/weights/load", {"version": 1}, headers=AUTH)
+    assert status == 200 and (body["weight_version"], body["weight_lineage"]) == (1, 0)
+    # the trainer restarted from a checkpoint: lineage 1 publishes its own version 1, which is other weights
+    publish_initial(rollout["run"], store, version=1, seed=2, lineage=1)
+    status, body = call("POST", f"{url}/v1/weights/load", {"version": 1, "lineage": 1}, headers=AUTH)
+    assert status == 200 and (body["weight_version"], body["weight_lineage"]) == (1, 1)
     answer = complete(url, max_tokens=2)
-    assert (answer["weight_version"], answer["weight_lineage"]) == (1, 2)
-    assert call("GET", f"{url}/ready")[1] == {"ready": True, "weight_version": 1, "weight_lineage": 2}
+    assert (answer["weight_version"], answer["weight_lineage"]) == (1, 1)
+    assert call("GET", f"{url}/ready")[1] == {"ready": True, "weight_version": 1, "weight_lineage": 1}
+    status, body = call("POST", f"{url}/v1/weights/load", {"version": 1, "lineage": 5}, headers=AUTH)
+    assert status == 409 and call("GET", f"{url}/ready")[1]["weight_lineage"] == 1
     status, body = call("GET", f"{url}/nowhere")
     assert status == 404 and body["error"]["type"] == "not_found_error"
 

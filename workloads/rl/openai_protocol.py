@@ -242,7 +242,7 @@ class WeightLoadRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     version: integer(ge=0)
     lineage: integer(ge=0) | None = Field(
-        None, description="the trainer lineage the version belongs to (default: the lineage served now)")
+        None, description="the trainer lineage the version belongs to (default: the store's newest)")
 
 
 class WeightLoadResponse(BaseModel):

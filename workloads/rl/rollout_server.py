@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from . import openai_protocol as api
 from .detokenizer import CompletionText
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
-from .protocol import encode_routing
+from .protocol import VersionRef, encode_routing
 from .runtime import HttpError, Registry, json_api, load, output_dir, run_argparser, serve
 from .tokenizer import Tokenizer, UnknownText
 
@@ -324,21 +324,14 @@ class RolloutServer:
         self.model = ServedModel(run, tokenizer)
         self.metrics = RolloutMetrics(engine.metrics)
         self.created = int(time.time())
-        self.lineages: dict[int, int] = {}  # version -> the lineage it was loaded as
-        self.lineage = 0  # of the version served now (a push without a lineage keeps it)
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def load_version(self, version: int, lineage: int | None = None) -> float:
-        """Blocking: fetch and swap in `version` (the engine swaps between steps)."""
-        seconds = self.engine.load_version(version)
-        self.lineage = self.lineage if lineage is None else lineage
-        self.lineages[version] = self.lineage
-        self.metrics.lineage.set(self.lineage)
-        log.info("serving weight version %d of lineage %d (loaded in %.2f s)", version, self.lineage, seconds)
+        """Blocking: fetch and swap in `version` of `lineage` (default: the store's newest lineage); the engine
+        swaps between steps."""
+        seconds = self.engine.load_version(version if lineage is None else VersionRef(lineage, version))
+        self.metrics.lineage.set(self.engine.lineage)
         return seconds
-
-    def lineage_of(self, version: int | None) -> int | None:
-        return None if version is None else self.lineages.get(version, self.lineage)
 
     def health(self) -> tuple[bool, EngineHealth, float]:
         """Alive unless the engine loop has neither stepped nor idled for rollout.hung_after_s."""
@@ -354,7 +347,7 @@ class RolloutServer:
         gen = Generation(self, plan, f"{prefix}-{uuid.uuid4().hex}")
         gen.start()
         if plan.stream:
-            return StreamingResponse(self._stream(gen, version), media_type="text/event-stream",
+            return StreamingResponse(self._stream(gen, version, self.engine.lineage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
         try:
@@ -364,15 +357,16 @@ class RolloutServer:
         self.metrics.requests.inc()
         return self._respond(gen, outputs)
 
-    def _head(self, gen: Generation, version: int) -> dict:
+    def _head(self, gen: Generation, version: int, lineage: int) -> dict:
         return {"id": gen.request_id, "created": int(time.time()), "model": self.model.name,
-                "weight_version": version, "weight_lineage": self.lineage_of(version)}
+                "weight_version": version, "weight_lineage": lineage}
 
     def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Choice], dict, api.Usage]:
         choices = [choice_of(row, o, gen.plan.params[0].stop_token_ids) for row, o in zip(gen.rows, outputs)]
         # A request's rows are admitted together and the engine swaps weights between steps, so they share one
         # version; were they ever to differ, the oldest is reported, so staleness is never understated.
-        head = self._head(gen, min(o.weight_version for o in outputs))
+        oldest = min(outputs, key=lambda o: (o.weight_lineage, o.weight_version))
+        head = self._head(gen, oldest.weight_version, oldest.weight_lineage)
         prompt = sum(len(p) for p in gen.plan.prompts)
         completion = sum(len(c.token_ids) for c in choices)
         return choices, head, api.Usage(prompt_tokens=prompt, completion_tokens=completion,
@@ -401,12 +395,12 @@ class RolloutServer:
             for row, c in zip(gen.rows, choices)]
         return api.ChatCompletionResponse(**head, choices=out, usage=usage)
 
-    async def _stream(self, gen: Generation, version: int) -> AsyncIterator[str]:
+    async def _stream(self, gen: Generation, version: int, lineage: int) -> AsyncIterator[str]:
         """Server-sent events: a chunk per sampled token (its text once it is whole and cannot begin a stop
         string), then per choice a last chunk with its finish reason (and routed experts), usage if asked."""
         plan = gen.plan
         try:
-            head = self._head(gen, version)
+            head = self._head(gen, version, lineage)
             if plan.kind == "chat":
                 for i in range(len(gen.rows)):
                     yield _sse(api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
@@ -525,7 +519,7 @@ def make_app(server: RolloutServer) -> FastAPI:
         version = server.engine.version
         return api.ModelList(data=[api.ModelCard(
             id=server.model.name, created=server.created, max_model_len=server.model.context,
-            weight_version=version, weight_lineage=server.lineage_of(version))])
+            weight_version=version, weight_lineage=server.engine.lineage)])
 
     @app.get("/health", response_model=api.Health, responses={503: {"model": api.Health}})
     async def health():
@@ -538,7 +532,7 @@ def make_app(server: RolloutServer) -> FastAPI:
     async def ready():
         version = server.engine.version
         body = api.Readiness(ready=version is not None, weight_version=version,
-                             weight_lineage=server.lineage_of(version))
+                             weight_lineage=server.engine.lineage)
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -560,7 +554,7 @@ def make_app(server: RolloutServer) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 -- a bad version must not take the server down
             raise HttpError(409, f"version {body.version} could not be loaded: {exc}", "version",
                             "version_unavailable") from None
-        return api.WeightLoadResponse(weight_version=body.version, weight_lineage=server.lineage_of(body.version),
+        return api.WeightLoadResponse(weight_version=server.engine.version, weight_lineage=server.engine.lineage,
                                       load_seconds=seconds)
 
     return app
