@@ -12,7 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-ep": ("moe_rl_eks.workloads.bench_ep", "main", "EP dispatch + combine throughput per backend (DeepEP method)"),
     "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
     "serve-rollout": ("moe_rl_eks.workloads.rl.rollout_server", "main", "serve completions (rollout server role)"),
-    "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator", "main", "drive rollouts, score, batch (orchestrator role)"),
+    "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),

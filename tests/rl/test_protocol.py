@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, CompletionRequest, Group,
-                                              OrchestratorState, ProtocolError, Sample, TrainingSample, VersionRef,
+                                              OrchestratorState, PromptRecord, ProtocolError, Sample, TrainingSample, VersionRef,
                                               decode_routing, derive_seed, encode_routing, staleness_ok)
 
 
@@ -19,7 +19,7 @@ def sample(i, lineage=1, version=3):
 
 def batch():
     stats = BatchStats(reward_mean=0.5, accuracy=0.25, staleness_mean=1.0, dropped_stale_groups=0,
-                       filtered_groups=0, retries=1, rewards_failed=0, completed=2)
+                       filtered_groups=0, retries=1, reward_failures=0, completed=2)
     return Batch(step=4, lineage=1, samples=[sample(0), sample(1)], stats=stats)
 
 
@@ -27,8 +27,10 @@ def test_records_round_trip_through_json():
     b = batch()
     assert Batch.from_json(json.loads(json.dumps(b.to_json()))) == b
     group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, encode_routing(np.zeros((3, 2, 2), np.int64)))])
-    state = OrchestratorState(next_prompt=9, consumed=2, pending_prompts=[8], buffered=[group], batches={4: b},
-                              counts={"retries": 1}, trainer=VersionRef(1, 4))
+    pending = PromptRecord(8, [1, 2], "1+1=", "2", "arithmetic", {"level": [1]})
+    state = OrchestratorState(next_prompt=9, consumed=2, pending=[pending], buffered=[group], batches={4: b},
+                              counts={"retries": 1}, trainer=VersionRef(1, 4), forks={1: VersionRef(0, 2)},
+                              source={"cursor": 9})
     back = OrchestratorState.from_json(json.loads(json.dumps(state.to_json())))
     assert back == state and back.batches[4].samples[1].version == VersionRef(1, 3)
 
@@ -120,4 +122,12 @@ def test_the_staleness_rule_refuses_newer_weights_and_other_lineages():
     assert not staleness_ok(trainer, VersionRef(1, 7), 2)  # too old
     assert not staleness_ok(trainer, VersionRef(1, 15), 2)  # from the future: a restart's stale servers
     assert not staleness_ok(trainer, VersionRef(0, 10), 2)  # the dead lineage, same number
+    # lineage 1 resumed from lineage 0's checkpoint of step 8: versions <= 8 of lineage 0 are its history
+    forks = {1: VersionRef(0, 8)}
+    assert staleness_ok(trainer, VersionRef(0, 8), 2, forks) and not staleness_ok(trainer, VersionRef(0, 9), 2, forks)
+    # and lineage 2 resumed from lineage 1's step 9: lineage 0 up to 8 still counts, through both forks
+    forks[2] = VersionRef(1, 9)
+    assert staleness_ok(VersionRef(2, 10), VersionRef(0, 8), 2, forks)
+    assert staleness_ok(VersionRef(2, 10), VersionRef(1, 9), 2, forks)
+    assert not staleness_ok(VersionRef(2, 10), VersionRef(1, 10), 2, forks)
     assert VersionRef(0, 99) < VersionRef(1, 0) < VersionRef(1, 1)
