@@ -108,3 +108,17 @@ class FakeRollouts:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+def serve(count: int, conn, **defaults) -> None:
+    """Child-process entry: serve `count` endpoints, send their URLs, then answer 'stats' requests with each
+    endpoint's (completions, peak in flight, cancelled) until told 'stop'."""
+    fakes = FakeRollouts(count, **defaults)
+    conn.send(fakes.urls)
+    while (msg := conn.recv()) != "stop":
+        if msg == "in_flight":
+            conn.send(sum(e.in_flight for e in fakes.endpoints))
+        else:
+            conn.send([(e.completions, e.peak_in_flight, e.cancelled) for e in fakes.endpoints])
+    fakes.close()
+    conn.send("stopped")

@@ -100,7 +100,7 @@ def test_a_new_lineage_trains_its_shared_history_but_never_the_dead_lineages_lat
     new = GroupBuffer.restore(state, prompts_per_step=2, max_staleness=2, correct_reward=1.0)
     assert new.set_trainer(VersionRef(1, 3)) and new.forks == {1: VersionRef(0, 3)}
     assert new.revalidate(3, 1) == []  # batch 3 was sampled with versions <= 3: the shared history
-    assert new.batch(3, 1, 3, GRPO) == buf.batches[3]
+    assert new.batch(3, 1, 3, GRPO).samples == buf.batches[3].samples and new.batches[3].lineage == 1
     # batch 4 holds version-3 samples too (max_staleness 2): still in the shared history, so it is kept
     assert new.revalidate(4, 1) == []
     dropped = new.drop_stale(5, 1)  # versions 4 and 5 of lineage 0 never existed for lineage 1

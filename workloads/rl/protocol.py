@@ -239,10 +239,9 @@ class CompletionRequest(Record):
     seed: int
     model: str | None = None  # the served name (run.name) or None: a server refuses any other
     logprobs: int = 0  # no alternatives: only the sampled token's logprob
-    return_token_ids: bool = True
     return_routing: bool = False
     logprob_mode: Literal["processed", "raw"] = "processed"  # what the trainer scores: after temperature/top-p
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # besides the model's EOS ids, which servers add themselves
 
     def check(self) -> tuple[str, str] | None:
         if not self.prompt:
@@ -381,7 +380,9 @@ class BatchStats(Record):
 
 @dataclass(frozen=True)
 class Batch(Record):
-    """The samples of one optimizer step (trainer version `step` of `lineage`), in prompt order."""
+    """The samples of one optimizer step (trainer version `step` of `lineage`), in prompt order. A sample may
+    come from an older lineage's versions that are in `lineage`'s history (before the checkpoint it resumed
+    from)."""
 
     step: int
     lineage: int
@@ -391,8 +392,6 @@ class Batch(Record):
     def check(self) -> tuple[str, str] | None:
         if not self.samples:
             return "samples", "at least one sample"
-        if any(s.version.lineage != self.lineage for s in self.samples):
-            return "samples", f"every sample of lineage {self.lineage}"
         return None
 
 

@@ -34,6 +34,7 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
 from .generation import Row, RowResult
+from .protocol import derive_seed
 from .replica import Replica, follow
 from .runtime import HttpError, JsonHandler, Registry, HttpServer, load, output_dir, run_argparser
 from .tokenizer import Tokenizer, UnknownText, load_tokenizer
@@ -41,7 +42,7 @@ from .weights import WeightStore, open_store
 
 log = logging.getLogger(__name__)
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "logprobs",
-                     "return_routing"}
+                     "return_routing", "logprob_mode"}  # logprob_mode: accepted for the orchestrator until the FastAPI server (issue 13) replaces this one
 
 
 @dataclass
@@ -217,13 +218,15 @@ def parse_completion_request(body: Any, run: RunConfig, tokenizer: Tokenizer) ->
     if not 0 < top_p <= 1:
         raise HttpError(400, f"top_p: {top_p} is outside (0, 1]", "top_p")
     seed = typed("seed", (int,), None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise HttpError(400, f"seed: {seed} is outside [0, 2**63)", "seed")
     logprobs = typed("logprobs", (int,), None)
     if logprobs is not None and logprobs not in (0, 1):
         raise HttpError(400, f"logprobs: {logprobs}; only the sampled token's logprob is returned (0 or 1)", "logprobs")
     routing = typed("return_routing", (bool,), False)
     typed("model", (str,), None)
     # Choice i samples from seed (seed, i): a retried request reproduces its completions on any server.
-    rows = [Row(ids, max_tokens, temperature, top_p, None if seed is None else seed * 1_000_003 + i, routing)
+    rows = [Row(ids, max_tokens, temperature, top_p, None if seed is None else derive_seed(seed, i), routing)
             for i in range(n)]
     return rows, {"logprobs": logprobs is not None, "prompt_tokens": len(ids)}
 

@@ -14,6 +14,7 @@ what a checkpoint records (`snapshot`/`restore`).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,6 +138,8 @@ class GroupBuffer:
         for old in [s for s in self.batches if s < committed]:
             del self.batches[old]
         if step in self.batches:
+            if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
+                self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)
             return self.batches[step]
         if self.batches and step != max(self.batches) + 1:
             raise StepConflict(f"step {step}: batches exist up to {max(self.batches)}; ask for the next one")
@@ -159,7 +162,6 @@ class GroupBuffer:
                            dropped_stale_groups=self.counts["dropped_stale_groups"],
                            filtered_groups=self.counts["filtered_groups"], retries=self.counts["retries"],
                            reward_failures=self.counts["rewards_failed"], completed=self.counts["completed"])
-        # A batch re-used by a restarted trainer keeps the lineage it was formed in; its samples were checked.
         batch = Batch(step=step, lineage=lineage, samples=samples, stats=stats)
         self.batches[step] = batch
         return batch

@@ -24,7 +24,7 @@ from ..protocol import (Batch, Choice, Completion, CompletionRequest, Group, Orc
                         VersionRef, derive_seed)
 from ..runtime import Registry
 from .buffer import GroupBuffer
-from .client import RolloutBackend, RolloutFault, ServerFault
+from .client import RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
 IDLE_TICK_S = 0.5  # the dispatcher also looks again this often (servers may have become ready)
 HEDGE_RETRY_S = 0.1  # a straggler with no other server free looks again this often
+REFUSALS_BEFORE_PAUSE = 8  # requests refused (4xx) everywhere in a row: then new prompts wait, doubling up to
+MAX_PAUSE_S = 30.0  # this, instead of burning through the prompt stream while a setting is wrong
 
 
 class PromptSource(Protocol):
@@ -93,6 +95,8 @@ class Orchestrator:
         self.events = open(events_path, "a") if events_path else None
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task driving it
         self._background: set[asyncio.Task] = set()
+        self._refused_in_a_row = 0
+        self._paused_until = 0.0
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
         self.running = False
@@ -197,7 +201,7 @@ class Orchestrator:
         target = self.buffer.trainer
         if target is None:
             return
-        for _ in range(self.buffer.budget_left()):
+        for _ in range(self.buffer.budget_left() if time.monotonic() >= self._paused_until else 0):
             self.buffer.issue(prompt_record(self.source.next()))
         waiting = sorted((p.index, rid) for rid, p in self.buffer.in_flight.items() if rid not in self._tasks)
         for i, (_, request_id) in enumerate(waiting):
@@ -226,9 +230,11 @@ class Orchestrator:
                     if attempt == self.s.max_attempts:
                         self.buffer.abandon(request_id)
                         self._event("failed", request_id=request_id, error=str(fault))
+                        self._refused(fault)
                         return
                 self._count("retries")
                 url = await self._server_for_retry(exclude=url)
+            self._refused_in_a_row = 0
             await self._completed(request_id, prompt, completion)
         except Exception:
             # A bug after the reply (scoring, a malformed record): the request is lost, loudly; counts stay right.
@@ -238,6 +244,16 @@ class Orchestrator:
         finally:
             self._tasks.pop(request_id, None)
             self._wake.set()
+
+    def _refused(self, fault: RolloutFault) -> None:
+        """A request failed on every attempt; if many in a row were refused (4xx), pause new prompts."""
+        self._refused_in_a_row = self._refused_in_a_row + 1 if isinstance(fault, RequestFault) else 0
+        over = self._refused_in_a_row - REFUSALS_BEFORE_PAUSE
+        if over >= 0:
+            pause = min(MAX_PAUSE_S, 0.5 * 2 ** over)
+            self._paused_until = time.monotonic() + pause
+            log.error("%d requests in a row refused by every server they were sent to (last: %s); new prompts wait "
+                      "%.1f s", self._refused_in_a_row, fault, pause)
 
     async def _server_for_retry(self, exclude: str) -> str:
         """A server for the next attempt: another ready one if there is one, else whichever becomes ready."""
