@@ -98,6 +98,12 @@ bench-kernels: $(STAMP)
 local-run: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local.yaml
 
+# The local real-data example: word problems in Parquet through a chat template and a BPE tokenizer, made here.
+.PHONY: run-words
+run-words: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli example-data --out runs/word-problems
+	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local-words.yaml
+
 # Synchronous vs asynchronous RL, one rollout server and one trainer rank on their own cores; results go in
 # workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--steps 80 --async-staleness 2".
 .PHONY: bench-rl
@@ -109,5 +115,27 @@ bench-rl: $(STAMP)
 bench-generation: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-generation $(BENCH_GENERATION_ARGS)
 
+# Weight publication (snapshot, write, fetch, load to the GPU) against the disk's own bandwidth, on a GPU machine;
+# results go in workloads/BENCHMARKS.md. Arguments: make bench-weights BENCH_WEIGHTS_ARGS="--dir /nvme/x --layers 12".
+.PHONY: bench-weights
+BENCH_WEIGHTS_ARGS ?= --dir runs/bench-weights --out runs/bench-weights.json
+bench-weights: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-weights $(BENCH_WEIGHTS_ARGS)
+
 clean:
 	rm -rf cdk.out dist runs .pytest_cache
+
+# Build and push the trainer, rollout and orchestrator images (docker buildx, linux/amd64) and print their digests,
+# to the stack's repositories: make images OUTPUTS=<cdk deploy --outputs-file> ENV=<environment> TAG=<release tag>
+# or under a prefix:       make images REGISTRY=<registry>/<prefix> TAG=<release tag>      [IMAGES_ARGS=--dry-run]
+# Versions come from images/versions.env; base image digests are recorded in images/base-images.lock.
+.PHONY: images images-args
+REGISTRY ?=
+TAG ?=
+IMAGES_ARGS ?=
+images: images-args $(STAMP)
+	$(PY) images/build.py $(if $(OUTPUTS),--outputs $(OUTPUTS) --env $(ENV),--registry $(REGISTRY)) --tag $(TAG) $(IMAGES_ARGS)
+
+# Checked before the bootstrap so a call without them costs nothing.
+images-args:
+	@test -n "$(TAG)" -a \( -n "$(REGISTRY)" -o \( -n "$(OUTPUTS)" -a -n "$(ENV)" \) \) || { echo "usage: make images OUTPUTS=<cdk outputs file> ENV=<env> TAG=<release tag>, or make images REGISTRY=<registry>/<prefix> TAG=<release tag> [IMAGES_ARGS=--dry-run]"; exit 2; }

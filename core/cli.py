@@ -15,9 +15,17 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
+    "eval": ("moe_rl_eks.workloads.rl.evaluation", "main",
+             "evaluate a Hugging Face checkpoint on a dataset: reward, pass@1/pass@k, length, truncation"),
+    "example-data": ("moe_rl_eks.workloads.rl.example_data", "main",
+                     "write the local real-data example: a BPE tokenizer directory and word-problem Parquet files"),
     "bench-rl": ("moe_rl_eks.workloads.rl.bench", "main", "synchronous vs asynchronous RL, side by side"),
     "bench-generation": ("moe_rl_eks.workloads.rl.bench_generation", "main",
                          "rollout decoding with a group's prompt prefilled once vs per row"),
+    "bench-weights": ("moe_rl_eks.workloads.rl.bench_weights", "main",
+                      "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
+    "doctor": ("moe_rl_eks.core.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),
+    "preflight": ("moe_rl_eks.core.preflight", "main", "check an AWS account can hold an environment (boto3)"),
 }
 
 

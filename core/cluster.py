@@ -1,9 +1,27 @@
-"""Names of the in-cluster objects infra/ creates and the run manifests (k8s/) refer to.
+"""Cluster facts shared by infra/ and k8s/: supported Kubernetes versions, hugepage units, and the names of the
+in-cluster objects infra/ creates and the run manifests (k8s/) refer to.
 
 The infra stack installs them once per cluster; a run's manifests only reference them, so both sides import
 these names from here.
 """
 from __future__ import annotations
+
+# Kubernetes minor versions we ship: each needs a kubectl Lambda layer (aws-cdk.lambda-layer-kubectl-vXY, for Helm
+# charts and manifests), a cdk8s-plus-XY and a schema set for strict validation. 1.35 is in EKS standard support
+# (1.33 left it on 29 July 2026; 1.34 leaves it in December 2026).
+KUBERNETES_VERSIONS = ("1.35",)
+# efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
+# "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
+VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"
+# Hugepages: nodes reserve 2 MiB pages at boot (vm.nr_hugepages); pods and queues count them in this resource.
+HUGEPAGE_MIB = 2
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+
+
+def hugepages_mib(pages: int) -> int:
+    """MiB of ``pages`` 2 MiB hugepages (what a pod requests, what a node advertises)."""
+    return pages * HUGEPAGE_MIB
+
 
 # Service accounts in the run namespace, each bound to its own least-privilege IAM role by Pod Identity.
 TRAINER_SERVICE_ACCOUNT = "moe-rl-trainer"
@@ -21,15 +39,26 @@ def local_queue(role: str) -> str:
     return f"moe-rl-{role}"
 
 
-# PriorityClasses: trainers preempt rollout servers, never the reverse.
+# PriorityClasses: trainers preempt rollout servers, never the reverse. The orchestrator outranks rollout servers
+# but preempts nothing: it lands on the system nodes, next to the cluster's controllers (which run at
+# system-cluster-critical, far above every class here).
 TRAINER_PRIORITY_CLASS = "moe-rl-trainer"
+ORCHESTRATOR_PRIORITY_CLASS = "moe-rl-orchestrator"
 ROLLOUT_PRIORITY_CLASS = "moe-rl-rollout"
+CLUSTER_SERVICES_PRIORITY_CLASS = "system-cluster-critical"
 # Stack outputs (`cdk deploy --outputs-file`) the manifests read: output key -> meaning.
 OUTPUT_TRAINER_REPOSITORY_URI = "TrainerRepositoryUri"
 OUTPUT_ROLLOUT_REPOSITORY_URI = "RolloutRepositoryUri"
+OUTPUT_ORCHESTRATOR_REPOSITORY_URI = "OrchestratorRepositoryUri"
 OUTPUT_BUCKET_NAME = "ArtifactBucketName"
 OUTPUT_CLUSTER_NAME = "ClusterName"
 OUTPUT_PROMETHEUS_ENDPOINT = "PrometheusEndpoint"
+# Comma-separated CIDRs of the subnets the managed Prometheus scraper's interfaces live in (nothing else does): the
+# only sources run pods accept metrics scrapes from.
+OUTPUT_SCRAPER_CIDRS = "ScraperSubnetCidrs"
+# Where the run directories live on the shared file system; infra prepares it owned by the pods' UID.
+RUNS_DIR = f"{FSX_MOUNT_PATH}/runs"
+POD_UID = 10001  # every run pod's UID and GID: unprivileged, above host UIDs
 # Ports and commands the manifests (k8s/) start and the workloads (workloads/) serve.
 ROLLOUT_PORT = 8000  # OpenAI-style /v1/completions, /health, /metrics
 ORCHESTRATOR_PORT = 8080  # /health, /metrics (queue depth: the rollout autoscaler's signal)

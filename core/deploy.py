@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .schema import fail
+from .schema import Validated, fail
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -32,22 +32,30 @@ def image_reference(repository_uri: str, version: str) -> str:
     return f"{repository_uri}@{version}" if _DIGEST.fullmatch(version) else f"{repository_uri}:{version}"
 
 
+IMAGE_ROLES = ("trainer", "rollout", "orchestrator")
+
+
 @dataclass(frozen=True)
-class ImagesConfig:
-    # Versions in the stack's ECR repositories (tags are immutable there). The trainer image also runs the
-    # orchestrator and the cluster validation jobs: it holds moerl, torch, NCCL and aws-ofi-nccl.
+class ImagesConfig(Validated):
+    # Versions in the stack's ECR repositories (tags are immutable there). The trainer image also runs the cluster
+    # validation jobs (it holds torch, NCCL and aws-ofi-nccl); the orchestrator's is small and CPU-only.
     trainer: str
     rollout: str
+    orchestrator: str
+    # The trainer image carries a DeepEP that runs between nodes over EFA (AWS's patched V1 with NVSHMEM's
+    # libfabric transport, or V2 over NCCL GIN) and the validation job has shown it. Stock DeepEP needs
+    # InfiniBand GPU-initiated RDMA, which EFA lacks: without this, DeepEP runs only inside a node.
+    deepep_efa: bool = False
 
     def validate(self) -> None:
-        for name in ("trainer", "rollout"):
+        for name in IMAGE_ROLES:
             problem = image_version_problem(getattr(self, name))
             if problem:
                 fail(name, getattr(self, name), problem)
 
 
 @dataclass(frozen=True)
-class DeployConfig:
+class DeployConfig(Validated):
     images: ImagesConfig
     # JobSet restarts the whole trainer gang this many times (each restart resumes from the last checkpoint).
     trainer_max_restarts: int = 3

@@ -13,15 +13,23 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .catalog import CATALOG
-from .schema import ConfigError, fail, parse
+from .cluster import KUBERNETES_VERSIONS
+from .schema import ConfigError, Validated, fail, parse
 
-# Kubernetes versions we ship a kubectl Lambda layer for (infra/ needs one per version for Helm charts).
-KUBERNETES_VERSIONS = ("1.33",)
+# The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
 CapacityType = Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"]
+CAPACITY_TYPES = ("ON_DEMAND", "SPOT", "CAPACITY_BLOCK")
+
+
+def _enum_value(value: Any) -> Any:
+    # aws-cdk-lib's jsii enums are Python Enums whose value is the CloudFormation string; core/ imports no aws_cdk.
+    return getattr(value, "value", value)
 
 
 @dataclass(frozen=True)
-class NodePoolConfig:
+class NodePoolConfig(Validated):
+    """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once)."""
+
     instance_type: str
     min_size: int = 0
     desired_size: int = 0
@@ -32,7 +40,13 @@ class NodePoolConfig:
     root_volume_gib: int = 200
     hugepages_2mi: int = 5120  # 2 MiB pages reserved at boot (10 GiB), for libfabric/NVSHMEM buffers
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_type", _enum_value(self.capacity_type))
+        super().__post_init__()
+
     def validate(self) -> None:
+        if self.capacity_type not in CAPACITY_TYPES:
+            fail("capacity_type", self.capacity_type, "allowed: " + ", ".join(CAPACITY_TYPES))
         if self.instance_type not in CATALOG:
             fail("instance_type", self.instance_type, "supported: " + ", ".join(CATALOG))
         for name in ("min_size", "desired_size", "max_size"):
@@ -44,6 +58,12 @@ class NodePoolConfig:
             fail("desired_size", self.desired_size, f"must be between min_size ({self.min_size}) and max_size ({self.max_size})")
         if self.max_size < 1:
             fail("max_size", self.max_size, "must be >= 1")
+        if (self.min_size or self.desired_size) and not self.capacity_reservation_id:
+            fail("min_size" if self.min_size else "desired_size", self.min_size or self.desired_size,
+                 "a GPU pool starts at 0 nodes unless a capacity reservation backs it (capacity_reservation_id): "
+                 "creating a managed node group waits for every node it asks for, and on-demand GPU capacity in a "
+                 "cluster placement group is often not there, which rolls the whole deploy back; the cluster "
+                 "autoscaler adds nodes when pods ask for them")
         if self.efa and not CATALOG[self.instance_type].has_efa:
             with_efa = [n for n, t in CATALOG.items() if t.has_efa]
             fail("efa", self.efa, f"{self.instance_type} has no EFA; set efa: false or use one of {', '.join(with_efa)}")
@@ -65,9 +85,15 @@ class NodePoolConfig:
 
 
 @dataclass(frozen=True)
-class EndpointConfig:
+class EndpointConfig(Validated):
     public: bool = False  # private endpoint only unless opted in
     public_cidrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.public_cidrs, str):
+            fail("public_cidrs", self.public_cidrs, "expected a list of CIDRs, not one string")
+        object.__setattr__(self, "public_cidrs", tuple(self.public_cidrs))
+        super().__post_init__()
 
     def validate(self) -> None:
         if self.public and not self.public_cidrs:
@@ -77,14 +103,14 @@ class EndpointConfig:
         for i, cidr in enumerate(self.public_cidrs):
             try:
                 net = ipaddress.ip_network(cidr)
-            except ValueError:
-                fail(f"public_cidrs[{i}]", cidr, "expected a CIDR like 203.0.113.0/24")
+            except (TypeError, ValueError):
+                fail(f"public_cidrs[{i}]", cidr, "expected a CIDR like 203.0.113.0/24 (host bits zero)")
             if net.prefixlen == 0:
                 fail(f"public_cidrs[{i}]", cidr, "the whole internet is not an allow-list")
 
 
 @dataclass(frozen=True)
-class StorageConfig:
+class StorageConfig(Validated):
     fsx: bool = True  # FSx for Lustre in the GPU AZ, linked to the bucket
     fsx_storage_capacity_gib: int = 1200
     fsx_throughput_mbps_per_tib: Literal[125, 250, 500, 1000] = 250
@@ -102,7 +128,7 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
-class ObservabilityConfig:
+class ObservabilityConfig(Validated):
     alarm_email: str | None = None  # subscribed to the alarm topic when given
     prometheus: bool = True  # Amazon Managed Prometheus workspace, scraper and alert rules
 
@@ -111,8 +137,11 @@ class ObservabilityConfig:
             fail("alarm_email", self.alarm_email, "expected an email address")
 
 
+ADMIN_ROLE_ARN = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+")
+
+
 @dataclass(frozen=True)
-class EnvironmentConfig:
+class EnvironmentConfig(Validated):
     account: str
     region: str
     gpu_availability_zone: str  # where the GPU capacity (and every EFA pool) lives
@@ -122,11 +151,19 @@ class EnvironmentConfig:
     kubernetes_version: str = KUBERNETES_VERSIONS[-1]
     vpc_cidr: str = "10.0.0.0/16"
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
-    admin_role_arn: str | None = None  # granted cluster admin through an access entry
+    # Granted cluster admin through an access entry; required: without it only CloudFormation's deployment role can
+    # use the Kubernetes API, and a private endpoint is reachable only from inside the VPC.
+    admin_role_arn: str | None = None
     run_namespace: str = "moe-rl"
     storage: StorageConfig = field(default_factory=StorageConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     name: str = ""  # filled from the key in `environments`
+
+    def __post_init__(self) -> None:
+        if isinstance(self.availability_zones, str):
+            fail("availability_zones", self.availability_zones, "expected a list of zones, not one string")
+        object.__setattr__(self, "availability_zones", tuple(self.availability_zones))
+        super().__post_init__()
 
     def validate(self) -> None:
         if not re.fullmatch(r"\d{12}", self.account):
@@ -149,8 +186,12 @@ class EnvironmentConfig:
             fail("vpc_cidr", self.vpc_cidr, "expected a CIDR like 10.0.0.0/16")
         if not 16 <= net.prefixlen <= 20 or not net.is_private:
             fail("vpc_cidr", self.vpc_cidr, "expected a private CIDR from /16 to /20")
-        if self.admin_role_arn is not None and not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+", self.admin_role_arn):
-            fail("admin_role_arn", self.admin_role_arn, "expected an IAM role ARN")
+        if self.admin_role_arn is None:
+            fail("admin_role_arn", None, "required: the IAM role that administers the cluster (an access entry); "
+                 "reach a private endpoint from inside the VPC (VPN, SSM) or open a public one with "
+                 "endpoint.public_cidrs")
+        if not ADMIN_ROLE_ARN.fullmatch(self.admin_role_arn):
+            fail("admin_role_arn", self.admin_role_arn, "expected an IAM role ARN like arn:aws:iam::123456789012:role/Name")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.run_namespace):
             fail("run_namespace", self.run_namespace, "expected a Kubernetes namespace name")
         if self.trainer_pool.max_size > 1 and not self.trainer_pool.efa:

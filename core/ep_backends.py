@@ -24,6 +24,8 @@ class Topology:
     num_experts: int
     nvlink_domain: int | None = None  # GPUs of a node that share NVLink (catalog); None: not known (CPU)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # what the tokens travel in (the model's dtype)
+    # The image's DeepEP runs between nodes over EFA (run file: deploy.images.deepep_efa); stock DeepEP does not.
+    deepep_internode: bool = False
 
     @property
     def ep_size(self) -> int:
@@ -46,6 +48,10 @@ AUTO_RULES: tuple[AutoRule, ...] = (
     AutoRule(2, 15, "alltoall", "2-15 nodes over EFA: NCCL all-to-all matches or beats DeepEP (AWS, p5 4 and 8 nodes)"),
     AutoRule(16, 10**6, "deepep", ">= 16 nodes: DeepEP internode wins (AWS, Megatron-Bridge on 32 nodes)"),
 )
+DEEPEP_INTERNODE_REQUIREMENT = (
+    "DeepEP between nodes needs an EFA-capable build in the trainer image (AWS's patched V1 over NVSHMEM's "
+    "libfabric transport, or V2 over NCCL GIN; stock DeepEP needs InfiniBand GPU-initiated RDMA) and "
+    "deploy.images.deepep_efa: true once the validation job has shown it")
 
 
 class UnsupportedBackend(ValueError):
@@ -75,6 +81,8 @@ def check_backend(backend: EpBackend, topo: Topology) -> None:
         if topo.nodes == 1 and topo.ranks_per_node not in DEEPEP_INTRANODE_RANKS:
             raise UnsupportedBackend(
                 f"ep backend 'deepep' intranode needs {DEEPEP_INTRANODE_RANKS} ranks, not {topo.ranks_per_node}")
+        if topo.nodes > 1 and not topo.deepep_internode:
+            raise UnsupportedBackend(f"ep backend 'deepep' on {topo.nodes} nodes: {DEEPEP_INTERNODE_REQUIREMENT}")
         if topo.nodes > 1 and (topo.ranks_per_node != 8 or topo.ep_size not in DEEPEP_INTERNODE_RANKS):
             raise UnsupportedBackend(
                 f"ep backend 'deepep' internode needs 8 ranks per node and 16 to 160 ranks in multiples of 8, "

@@ -8,7 +8,7 @@ routed experts, which they do on request, so the orchestrator asks for them when
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .schema import fail
 
@@ -77,27 +77,112 @@ class TaskConfig:
             fail("operators", self.operators, "list at least one of '+', '-', '*'")
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
 @dataclass(frozen=True)
-class RewardConfig:
-    """reward = correct_weight * exact answer + format_weight * well-formed answer [+ custom] [+ remote].
+class DataColumns:
+    """Where a dataset row keeps each part; dotted names reach into nested columns. Defaults are verl's layout."""
 
-    A reward that raises, times out or returns a non-number counts as a failure (exported) and scores
-    `failure_reward`; it never stops the run."""
-
-    correct_weight: float = 1.0
-    format_weight: float = 0.1
-    custom: str | None = None  # "package.module:function" called as f(prompt, completion, answer) -> float
-    remote_url: str | None = None  # POST {"prompt","completion","answer"} -> {"reward": float}
-    remote_timeout_s: float = 2.0
-    failure_reward: float = 0.0
+    prompt: str = "prompt"  # chat messages ([{role, content}], rendered with the tokenizer's template) or text
+    ground_truth: str = "reward_model.ground_truth"
+    data_source: str = "data_source"  # optional column: missing = the file's name
+    extra_info: str = "extra_info"  # optional column: missing = {}
 
     def validate(self) -> None:
-        if self.custom is not None and (self.custom.count(":") != 1 or not all(self.custom.split(":"))):
-            fail("custom", self.custom, "expected 'package.module:function'")
+        for name in ("prompt", "ground_truth", "data_source", "extra_info"):
+            value = getattr(self, name)
+            if not value or not all(value.split(".")):
+                fail(name, value, "expected a column name, dotted for a field of a nested column (a.b)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The prompts: the built-in arithmetic task (`rl.task`) unless `train` names a dataset file: Parquet or JSONL
+    (one JSON object per line) on a local path, the FSx mount or `s3://bucket/key`."""
+
+    train: str | None = None
+    eval: str | None = None  # evaluation split; default: none for a dataset, fresh problems for the built-in task
+    columns: DataColumns = field(default_factory=DataColumns)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} (Qwen3)
+    shuffle: bool = True  # a seeded permutation per epoch (seed: rl.training.seed); false = file order
+    s3_endpoint_url: str | None = None  # a non-AWS endpoint (tests use moto's server on 127.0.0.1)
+
+    def validate(self) -> None:
+        for name in ("train", "eval"):
+            uri = getattr(self, name)
+            if uri is not None and not uri.endswith(DATA_SUFFIXES):
+                fail(name, uri, "expected a .parquet or .jsonl file (a local path, under the FSx mount, or s3://)")
+            if uri is not None and uri.startswith("s3://") and len(uri[5:].split("/", 1)) < 2:
+                fail(name, uri, "expected s3://bucket/key")
+        if self.eval is not None and self.train is None:
+            fail("eval", self.eval, "an evaluation split needs a training dataset (rl.data.train)")
+
+    @property
+    def builtin(self) -> bool:
+        return self.train is None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """One reward function, chosen once: `arithmetic` (exact integer answer; the built-in task), `math` (the answer
+    checked by math-verify against the ground truth, LaTeX and \\boxed{} included), or a custom function with verl's
+    signature `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float}` by
+    import path. Built-ins score `correct_weight * correct + format_weight * finished-and-answered`.
+    `remote_url`, when set, scores instead over HTTP (batches of `remote_batch_size`, `max_concurrency` at once).
+
+    Every call runs under `timeout_s`; a call that raises, times out or returns a non-number fails: its sample is
+    masked (dropped from its group) and counted, never given a made-up score. `math` and custom functions run in
+    `workers` separate processes, so a call that hangs is killed rather than left running."""
+
+    function: str = "arithmetic"  # "arithmetic", "math" or "package.module:function"
+    correct_weight: float = 1.0
+    format_weight: float = 0.1
+    remote_url: str | None = None  # POST {"items": [{data_source, solution_str, ground_truth, extra_info}]}
+    timeout_s: float = 10.0  # per call (per batch for remote)
+    workers: int = 2  # processes for math and custom functions
+    remote_batch_size: int = 32
+    max_concurrency: int = 8  # remote batches in flight
+    pass_threshold: float = 1.0  # a sample is correct (accuracy, pass@k) when its reward is >= this
+
+    def validate(self) -> None:
+        if self.function not in ("arithmetic", "math") and (
+                self.function.count(":") != 1 or not all(self.function.split(":"))):
+            fail("function", self.function, "expected 'arithmetic', 'math' or 'package.module:function'")
         if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
             fail("remote_url", self.remote_url, "expected an http:// or https:// URL")
-        if self.remote_timeout_s <= 0:
-            fail("remote_timeout_s", self.remote_timeout_s, "must be > 0")
+        if self.timeout_s <= 0:
+            fail("timeout_s", self.timeout_s, "must be > 0 seconds")
+        for name in ("workers", "remote_batch_size", "max_concurrency"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+
+    @property
+    def custom(self) -> str | None:
+        return None if self.function in ("arithmetic", "math") else self.function
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Evaluation on the evaluation split (or fresh built-in problems) every `every_steps` and at the end:
+    mean reward, pass@1 and pass@k (k = samples_per_prompt), response length and truncation rate."""
+
+    every_steps: int = 0  # 0 = only at the end
+    prompts: int = 128  # at most this many evaluation prompts (the first ones of the split)
+    samples_per_prompt: int = 4  # n of the unbiased pass@k estimator; pass@k is reported for k = this
+    temperature: float = 1.0
+    max_tokens: int | None = None  # default: rl.sampling.max_tokens
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            fail("every_steps", self.every_steps, "must be >= 0 (0 = only at the end)")
+        for name in ("prompts", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
+        if self.temperature < 0:
+            fail("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", self.max_tokens, "must be >= 1 or omitted")
 
 
 @dataclass(frozen=True)
@@ -109,7 +194,9 @@ class SamplingConfig:
     max_tokens: int = 4  # completion length cap per request (<= rollout.max_new_tokens)
     max_prompt_tokens: int = 512  # servers reject longer prompts with 400
     max_n: int = 64  # servers reject larger `n` with 400
-    tokenizer: str = "builtin"  # "builtin" (the tasks' character vocabulary) or a path to a tokenizer.json
+    # "builtin" (the built-in task's character vocabulary), a Hugging Face model directory (tokenizer.json,
+    # tokenizer_config.json with the chat template, generation_config.json with the stop ids), or a tokenizer.json
+    tokenizer: str = "builtin"
 
     def validate(self) -> None:
         if self.temperature <= 0:
@@ -197,7 +284,9 @@ class TrainingConfig:
 class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     weights: WeightStoreConfig = field(default_factory=WeightStoreConfig)
@@ -210,3 +299,6 @@ class RLConfig:
         if self.algorithm.mini_batches > samples:
             fail("algorithm.mini_batches", self.algorithm.mini_batches,
                  f"must be <= rl.training.prompts_per_step x rl.algorithm.group_size ({samples} samples per step)")
+        if not self.data.builtin and self.sampling.tokenizer == "builtin":
+            fail("sampling.tokenizer", self.sampling.tokenizer, "a dataset (rl.data.train) needs the model's "
+                 "tokenizer: a Hugging Face model directory or a tokenizer.json")

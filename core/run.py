@@ -221,7 +221,8 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         trainer = env.trainer_pool.spec
         ranks = run.parallelism.ranks_per_node or trainer.gpus
         topo = Topology(nodes=run.parallelism.trainer_nodes, ranks_per_node=ranks, device="cuda",
-                        num_experts=run.model.num_experts, nvlink_domain=trainer.nvlink_domain, dtype=run.model.dtype)
+                        num_experts=run.model.num_experts, nvlink_domain=trainer.nvlink_domain, dtype=run.model.dtype,
+                        deepep_internode=run.deploy is not None and run.deploy.images.deepep_efa)
     samples, ranks_total = run.rl.training.prompts_per_step * run.rl.algorithm.group_size, topo.ep_size
     if samples < ranks_total * run.rl.algorithm.mini_batches:
         raise ConfigError(src, "rl.training.prompts_per_step", run.rl.training.prompts_per_step,

@@ -110,20 +110,34 @@ def parse(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
             kwargs[name] = _convert(hints[name], data[name], source, _join(path, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(source, _join(path, name), None, f"required field missing ({_type_name(hints[name])})")
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        try:
+    try:
+        # A Validated dataclass checks itself on construction; the others are checked here.
+        obj = cls(**kwargs)
+        validate = getattr(obj, "validate", None)
+        if validate is not None and not isinstance(obj, Validated):
             validate()
-        except _FieldProblem as problem:
-            raise ConfigError(source, _join(path, problem.field), problem.value, problem.allowed) from None
+    except _FieldProblem as problem:
+        raise ConfigError(source, _join(path, problem.field), problem.value, problem.allowed) from None
     return obj
 
 
-class _FieldProblem(Exception):
+class _FieldProblem(ConfigError):
+    """A ConfigError without a source yet: `parse` adds the source and the path of the enclosing object."""
+
     def __init__(self, field: str, value: Any, allowed: str):
-        super().__init__(field)
-        self.field, self.value, self.allowed = field, value, allowed
+        self.source, self.field, self.value, self.allowed = "", field, value, allowed
+        ValueError.__init__(self, f"{field}: {value!r} is not allowed; {allowed}")
+
+
+class Validated:
+    """Mixin for config dataclasses built in code as well as parsed: ``__post_init__`` runs ``validate()``, so
+    constructing one directly (a construct's props) is checked exactly like one read from a file."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        pass
 
 
 def fail(field: str, value: Any, allowed: str) -> typing.NoReturn:

@@ -14,6 +14,7 @@ _EXPORTS = {
     "MoeRlStorage": ".storage",
     "MoeRlObservability": ".observability",
     "ClusterServices": ".services",
+    "DevicePlugins": ".services",
     "RunAccess": ".run_access",
     "MoeRlStack": ".stack",
     "add_checks": ".checks",

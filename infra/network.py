@@ -19,7 +19,8 @@ INTERFACE_ENDPOINTS = {
 class MoeRlNetwork(Construct):
     """A VPC with public subnets (NAT only) and private subnets for nodes in every zone given.
 
-    Attributes: ``vpc``, ``private_subnets`` (one per zone) and :meth:`private_subnet` (the one subnet of a zone,
+    Attributes: ``vpc``, ``private_subnets`` (one per zone), ``scraper_subnets`` (one small isolated subnet per
+    zone for the managed Prometheus scraper) and :meth:`private_subnet` (the one subnet of a zone,
     which is what an :class:`~moe_rl_eks.infra.EfaNodePool` takes). The enclosing stack must report the same
     zones from ``Stack.availability_zones`` so that synthesis needs no context lookup.
     """
@@ -60,6 +61,9 @@ class MoeRlNetwork(Construct):
                 ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24,
                                         map_public_ip_on_launch=False),
                 ec2.SubnetConfiguration(name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=19),
+                # The managed Prometheus scraper's interfaces alone: pods admit metrics scrapes from these CIDRs
+                # only (their ports also serve the weight-load endpoint). Isolated: the scraper needs no egress.
+                ec2.SubnetConfiguration(name="scraper", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=28),
             ],
             restrict_default_security_group=True,
         )
@@ -81,6 +85,7 @@ class MoeRlNetwork(Construct):
                 reason="The endpoint's security group admits HTTPS from the VPC's own CIDR only; cdk-nag cannot "
                        "evaluate that CIDR because it is a reference to the VPC resource."))
         self.private_subnets: list[ec2.ISubnet] = list(self.vpc.private_subnets)
+        self.scraper_subnets: list[ec2.ISubnet] = list(self.vpc.isolated_subnets)
 
     def private_subnet(self, availability_zone: str) -> ec2.ISubnet:
         """The private subnet of ``availability_zone``: the single subnet an EFA pool must use."""

@@ -3,20 +3,35 @@ group, user data and labels are all derived from the instance catalog (core.cata
 from __future__ import annotations
 
 import base64
+import re
 import textwrap
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from aws_cdk import Acknowledgment, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct
 
+from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
 from moe_rl_eks.core.environment import NodePoolConfig
 from moe_rl_eks.core.labels import EFA_PRESENT_LABEL, EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
-from moe_rl_eks.core.schema import parse
+
+if TYPE_CHECKING:
+    from .cluster import MoeRlCluster
 
 # aws_eks_v2's L2 Nodegroup rejects AL2023_X86_64_NVIDIA for p5/p5e/p5en (its GPU list is stale) and
 # ec2.InstanceType rejects p6-b200 names, so the pool is the L1 CfnNodegroup with the AMI type set as a string.
 NVIDIA_AMI_TYPE = "AL2023_x86_64_NVIDIA"
-NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly", "AmazonEKS_CNI_Policy")
+# No AmazonEKS_CNI_Policy: the VPC CNI (aws-node) gets it through Pod Identity (MoeRlCluster), so pods that reach
+# the instance metadata service find no network-changing credentials on the node.
+NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"  # what the NVIDIA device plugin's DaemonSet selects nodes by
+RESERVED_LABELS = (ROLE_LABEL, EFA_PRESENT_LABEL, GPU_PRESENT_LABEL)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+# Kubernetes spells taint effects differently from EKS (the Cluster Autoscaler's node-template tags use the former).
+_KUBERNETES_EFFECT = {eks.TaintEffect.NO_SCHEDULE: "NoSchedule", eks.TaintEffect.NO_EXECUTE: "NoExecute",
+                      eks.TaintEffect.PREFER_NO_SCHEDULE: "PreferNoSchedule"}
 _CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 _MIME_BOUNDARY = "==MOERL=="
 
@@ -39,10 +54,24 @@ def network_interfaces(efa_interfaces: int, security_group_ids: list[str]) -> li
     return [interface(0, "efa")] + [interface(card, "efa-only") for card in range(1, efa_interfaces)]
 
 
+# EFA registers (pins) buffers with the NIC, limited by RLIMIT_MEMLOCK. Pods run as UID 10001, and a non-root process
+# gets no effective capability from `capabilities.add: [IPC_LOCK]`, so the limit itself must be lifted where
+# containers inherit it: containerd's unit. Written before nodeadm starts containerd and the kubelet.
+MEMLOCK_DROP_IN = "/etc/systemd/system/containerd.service.d/90-moe-rl-memlock.conf"
+
+
 def user_data(*, hugepages_2mi: int, local_nvme: bool) -> str:
-    """nodeadm MIME user data: a NodeConfig (local NVMe as one RAID0 volume for containerd and the kubelet) and a
-    script reserving 2 MiB hugepages, which runs before nodeadm starts the kubelet so it advertises hugepages-2Mi."""
-    parts = []
+    """nodeadm MIME user data: a NodeConfig (local NVMe as one RAID0 volume for containerd and the kubelet), a
+    containerd drop-in with unlimited locked memory, and a script reserving 2 MiB hugepages; the scripts run
+    before nodeadm starts the kubelet, so it advertises hugepages-2Mi."""
+    parts = [('text/x-shellscript; charset="us-ascii"', textwrap.dedent(f"""\
+        #!/bin/bash
+        set -euo pipefail
+        mkdir -p {MEMLOCK_DROP_IN.rsplit("/", 1)[0]}
+        printf '[Service]\\nLimitMEMLOCK=infinity\\n' > {MEMLOCK_DROP_IN}
+        systemctl daemon-reload
+        systemctl try-restart containerd
+        """))]
     if local_nvme:
         parts.append(("application/node.eks.aws", textwrap.dedent("""\
             ---
@@ -70,10 +99,10 @@ def user_data(*, hugepages_2mi: int, local_nvme: bool) -> str:
 class EfaNodePool(Construct):
     """A GPU managed node group in one subnet, with every EFA interface its instance type has.
 
-    Attributes: ``efa_interfaces`` (per node), ``security_group`` (all traffic to and from itself: NCCL/libfabric
-    between the pool's nodes), ``placement_group`` (cluster strategy; None without EFA or with a reservation),
-    ``launch_template``, ``nodegroup`` (the CfnNodegroup), ``node_role``, ``spec`` (the catalog entry), ``labels``,
-    ``taints``.
+    Attributes: ``pool`` (the validated props), ``efa_interfaces`` (per node), ``security_group`` (all traffic to
+    and from itself: NCCL/libfabric between the pool's nodes), ``placement_group`` (cluster strategy; None without
+    EFA or with a reservation), ``launch_template``, ``nodegroup`` (the CfnNodegroup), ``node_role``, ``spec`` (the
+    catalog entry), ``labels``, ``taints``.
     """
 
     def __init__(
@@ -81,105 +110,115 @@ class EfaNodePool(Construct):
         scope: Construct,
         id: str,
         *,
-        cluster: eks.ICluster,
+        cluster: "eks.ICluster | MoeRlCluster",
         subnet: ec2.ISubnet,
         role: str,
-        instance_type: str,
-        min_size: int = 0,
-        desired_size: int = 0,
-        max_size: int = 1,
-        capacity_type: str = "ON_DEMAND",
-        capacity_reservation_id: str | None = None,
-        efa: bool = True,
-        root_volume_gib: int = 200,
-        hugepages_2mi: int = 5120,
-        extra_labels: Mapping[str, str] | None = None,
+        pool: NodePoolConfig,
         node_role: iam.IRole | None = None,
         cluster_placement: bool | None = None,
+        taint_effect: eks.TaintEffect = eks.TaintEffect.NO_SCHEDULE,
+        extra_labels: Mapping[str, str] | None = None,
     ) -> None:
         """
-        :param cluster: the EKS cluster; its cluster security group goes on every interface.
+        :param cluster: a :class:`MoeRlCluster` (the pool then waits for its VPC CNI add-on) or any ``eks.ICluster``;
+            an imported one needs ``vpc`` and ``cluster_security_group_id``, and its VPC CNI must be at least
+            core.cluster.VPC_CNI_MIN_VERSION_FOR_EFA_ONLY with permissions of its own (Pod Identity or IRSA): the
+            default node role carries no CNI policy.
         :param subnet: the one subnet (the zone of the GPU capacity). EFA traffic does not cross zones.
         :param role: value of the ``moe-rl/role`` node label, e.g. ``trainer`` or ``rollout``.
-        :param instance_type: a type of core.catalog.
-        :param min_size: default 0 (scale from zero). :param desired_size: default 0. :param max_size: default 1.
-        :param capacity_type: ON_DEMAND (default), SPOT or CAPACITY_BLOCK (needs ``capacity_reservation_id``).
-        :param capacity_reservation_id: a capacity block or on-demand reservation (cr-...); default none.
-        :param efa: default True: attach every EFA interface of the type and add the cluster placement group.
-            False (e.g. a rollout pool of single nodes) keeps one plain ENA interface.
-        :param root_volume_gib: encrypted gp3 root volume; default 200.
-        :param hugepages_2mi: 2 MiB hugepages reserved at boot (for libfabric/NVSHMEM); default 5120 (10 GiB).
-        :param extra_labels: more node labels; default none.
-        :param node_role: default: a new role with the three policies EKS documents for nodes.
+        :param pool: instance type, sizes, capacity (``capacity_type`` takes ``eks.CapacityType`` or its name), EFA,
+            root volume and hugepages: :class:`~moe_rl_eks.core.environment.NodePoolConfig`, validated when built.
+        :param node_role: default: a new role with the node policies EKS documents, less the CNI policy.
         :param cluster_placement: launch into a cluster placement group. Default: yes for EFA pools without a
             capacity reservation; a reservation (capacity block or ODCR) already fixes placement, and targeting one
             made outside the group would make launches fail.
+        :param taint_effect: effect of the ``nvidia.com/gpu`` taint that keeps other pods off; default NO_SCHEDULE.
+        :param extra_labels: more node labels; default none. The pool's own labels (role, EFA, GPU) cannot be set here.
         """
         super().__init__(scope, id)
-        self.config = parse(NodePoolConfig, {
-            "instance_type": instance_type, "min_size": min_size, "desired_size": desired_size, "max_size": max_size,
-            "capacity_type": capacity_type, "capacity_reservation_id": capacity_reservation_id, "efa": efa,
-            "root_volume_gib": root_volume_gib, "hugepages_2mi": hugepages_2mi,
-        }, source=f"EfaNodePool {id!r}")
-        self.spec = self.config.spec
+        from .cluster import MoeRlCluster  # the cluster module imports this one
+
+        if not isinstance(pool, NodePoolConfig):
+            raise TypeError(f"pool: {pool!r} is not allowed; a moe_rl_eks.core.environment.NodePoolConfig")
+        _check_label_value("role", role)
+        for key, value in (extra_labels or {}).items():
+            if key in RESERVED_LABELS:
+                raise ValueError(f"extra_labels: {key!r} is not allowed; the pool sets {', '.join(RESERVED_LABELS)}")
+            _check_label_key(key)
+            _check_label_value(f"extra_labels[{key!r}]", value)
+        if taint_effect not in _KUBERNETES_EFFECT:
+            raise ValueError(f"taint_effect: {taint_effect!r} is not allowed; an aws_eks_v2.TaintEffect")
+        network_ready = cluster.network_ready if isinstance(cluster, MoeRlCluster) else None
+        eks_cluster: eks.ICluster = cluster.cluster if isinstance(cluster, MoeRlCluster) else cluster
+        vpc, cluster_sg_id = _cluster_network(eks_cluster)
+        self.pool = pool
+        self.spec = pool.spec
         self.role = role
-        self.efa_interfaces = efa_interfaces = self.spec.efa_interfaces if efa else 0
+        self.efa_interfaces = efa_interfaces = self.spec.efa_interfaces if pool.efa else 0
 
         self.node_role = node_role or self._default_node_role()
         self.security_group = ec2.SecurityGroup(
-            self, "SecurityGroup", vpc=cluster.vpc, allow_all_outbound=False,
+            self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
             description=f"{role} pool: all traffic between its nodes (EFA requires it)")
         self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA/NCCL within the pool")
         self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA/NCCL within the pool")
 
+        reservation = pool.capacity_reservation_id
         if cluster_placement is None:
-            cluster_placement = bool(efa_interfaces) and not capacity_reservation_id
+            cluster_placement = bool(efa_interfaces) and not reservation
         if cluster_placement and not efa_interfaces:
             raise ValueError("cluster_placement: True is not allowed without EFA; set efa=True or leave it unset")
         self.placement_group = (ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
                                 if cluster_placement else None)
+        # EKS refuses a CAPACITY_BLOCK node group that names its instance type: it goes in the launch template.
+        capacity_block = pool.capacity_type == "CAPACITY_BLOCK"
         lt = ec2.CfnLaunchTemplate
-        sg_ids = [self.security_group.security_group_id, cluster.cluster_security_group_id]
+        sg_ids = [self.security_group.security_group_id, cluster_sg_id]
         data = lt.LaunchTemplateDataProperty(
+            instance_type=pool.instance_type if capacity_block else None,
             network_interfaces=[lt.NetworkInterfaceProperty(**i) for i in network_interfaces(efa_interfaces, sg_ids)],
-            # 2 hops: containers (one hop behind the node) may read instance metadata.
+            # 2 hops so host-network daemons' containers (CNI, device plugins, CloudWatch agent) read instance
+            # metadata; run pods are kept off it by their NetworkPolicy (k8s/), and the node role holds no CNI policy.
             metadata_options=lt.MetadataOptionsProperty(http_tokens="required", http_endpoint="enabled",
                                                         http_put_response_hop_limit=2),
             block_device_mappings=[lt.BlockDeviceMappingProperty(device_name="/dev/xvda", ebs=lt.EbsProperty(
-                volume_size=root_volume_gib, volume_type="gp3", encrypted=True, delete_on_termination=True))],
+                volume_size=pool.root_volume_gib, volume_type="gp3", encrypted=True, delete_on_termination=True))],
             user_data=base64.b64encode(
-                user_data(hugepages_2mi=hugepages_2mi, local_nvme=self.spec.local_nvme).encode()).decode(),
+                user_data(hugepages_2mi=pool.hugepages_2mi, local_nvme=self.spec.local_nvme).encode()).decode(),
             placement=(lt.PlacementProperty(group_name=self.placement_group.ref)
                        if self.placement_group is not None else None),
             capacity_reservation_specification=(lt.CapacityReservationSpecificationProperty(
                 capacity_reservation_target=lt.CapacityReservationTargetProperty(
-                    capacity_reservation_id=capacity_reservation_id)) if capacity_reservation_id else None),
-            instance_market_options=(lt.InstanceMarketOptionsProperty(market_type="capacity-block")
-                                     if capacity_type == "CAPACITY_BLOCK" else None),
+                    capacity_reservation_id=reservation)) if reservation else None),
+            instance_market_options=lt.InstanceMarketOptionsProperty(market_type="capacity-block")
+            if capacity_block else None,
         )
         self.launch_template = ec2.CfnLaunchTemplate(self, "LaunchTemplate", launch_template_data=data)
 
-        # nvidia.com/gpu.present is what the NVIDIA device plugin's DaemonSet selects nodes by.
-        self.labels = {ROLE_LABEL: role, "nvidia.com/gpu.present": "true", **(extra_labels or {})}
+        self.labels = {ROLE_LABEL: role, GPU_PRESENT_LABEL: "true", **(extra_labels or {})}
         if efa_interfaces:
             self.labels[EFA_PRESENT_LABEL] = "true"
-        self.taints = [{"key": GPU_TAINT_KEY, "value": "true", "effect": "NO_SCHEDULE"}]
+        self.taints = [eks.CfnNodegroup.TaintProperty(key=GPU_TAINT_KEY, value="true", effect=taint_effect.value)]
+        self._taint_effect = taint_effect
         self.nodegroup = eks.CfnNodegroup(
             self, "Nodegroup",
-            cluster_name=cluster.cluster_name,
+            cluster_name=eks_cluster.cluster_name,
             node_role=self.node_role.role_arn,
             subnets=[subnet.subnet_id],
-            instance_types=[instance_type],
+            instance_types=None if capacity_block else [pool.instance_type],
             ami_type=NVIDIA_AMI_TYPE,
-            capacity_type=capacity_type,
+            capacity_type=pool.capacity_type,
             launch_template=eks.CfnNodegroup.LaunchTemplateSpecificationProperty(
                 id=self.launch_template.ref, version=self.launch_template.attr_latest_version_number),
             scaling_config=eks.CfnNodegroup.ScalingConfigProperty(
-                min_size=min_size, desired_size=desired_size, max_size=max_size),
+                min_size=pool.min_size, desired_size=pool.desired_size, max_size=pool.max_size),
             labels=self.labels,
-            taints=[eks.CfnNodegroup.TaintProperty(**t) for t in self.taints],
+            taints=self.taints,
             tags=self.autoscaler_tags(),
         )
+        if network_ready is not None:
+            # A node joins only once the CNI can wire its interfaces.
+            self.nodegroup.node.add_dependency(network_ready)
 
     def autoscaler_tags(self) -> dict[str, str]:
         """Node-template tags: what a node of this group offers, so Cluster Autoscaler can scale it from zero
@@ -187,28 +226,49 @@ class EfaNodePool(Construct):
         resources = {GPU_RESOURCE: str(self.spec.gpus)}
         if self.efa_interfaces:
             resources[EFA_RESOURCE] = str(self.efa_interfaces)
-        if self.config.hugepages_2mi:
-            resources["hugepages-2Mi"] = f"{self.config.hugepages_2mi * 2}Mi"
+        if self.pool.hugepages_2mi:
+            resources[HUGEPAGES_RESOURCE] = f"{hugepages_mib(self.pool.hugepages_2mi)}Mi"
         tags = {f"{_CA_TEMPLATE}/resources/{k}": v for k, v in resources.items()}
         tags.update({f"{_CA_TEMPLATE}/label/{k}": v for k, v in self.labels.items()})
-        tags.update({f"{_CA_TEMPLATE}/taint/{t['key']}": f"{t['value']}:NoSchedule" for t in self.taints})
+        tags[f"{_CA_TEMPLATE}/taint/{GPU_TAINT_KEY}"] = f"true:{_KUBERNETES_EFFECT[self._taint_effect]}"
         return tags
 
     def _default_node_role(self) -> iam.Role:
         role = iam.Role(self, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
                         managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p) for p in NODE_POLICIES])
-        for policy in NODE_POLICIES:
-            Validations.of(role).acknowledge(Acknowledgment(
-                id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
-                reason=f"{policy} is the AWS managed policy EKS documents for node roles; AWS keeps it in step "
-                       "with what the kubelet, the VPC CNI and image pulls need."))
+        acknowledge_node_policies(role)
         return role
 
-    @classmethod
-    def from_config(cls, scope: Construct, id: str, *, cluster: eks.ICluster, subnet: ec2.ISubnet, role: str,
-                    config: NodePoolConfig) -> "EfaNodePool":
-        """A pool from an environment's validated :class:`~moe_rl_eks.core.environment.NodePoolConfig`."""
-        return cls(scope, id, cluster=cluster, subnet=subnet, role=role, instance_type=config.instance_type,
-                   min_size=config.min_size, desired_size=config.desired_size, max_size=config.max_size,
-                   capacity_type=config.capacity_type, capacity_reservation_id=config.capacity_reservation_id,
-                   efa=config.efa, root_volume_gib=config.root_volume_gib, hugepages_2mi=config.hugepages_2mi)
+
+def acknowledge_node_policies(role: iam.IRole) -> None:
+    """cdk-nag IAM4 for the AWS managed policies EKS documents for node roles."""
+    for policy in NODE_POLICIES:
+        Validations.of(role).acknowledge(Acknowledgment(
+            id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
+            reason=f"{policy} is the AWS managed policy EKS documents for node roles; AWS keeps it in step "
+                   "with what the kubelet and image pulls need."))
+
+
+def _cluster_network(cluster: eks.ICluster) -> tuple[ec2.IVpc, str]:
+    """The cluster's VPC and cluster security group (on every node interface); an imported cluster has them only
+    when it was imported with them."""
+    try:
+        return cluster.vpc, cluster.cluster_security_group_id
+    except Exception as exc:  # jsii raises its own error type for an attribute the import did not give
+        raise ValueError(
+            f"cluster: {cluster.node.path!r} is not allowed; an imported cluster needs vpc and "
+            "cluster_security_group_id (eks.Cluster.from_cluster_attributes(..., vpc=..., "
+            f"cluster_security_group_id=...)): every node interface carries the cluster security group ({exc})") from None
+
+
+def _check_label_value(field: str, value: object) -> None:
+    if not isinstance(value, str) or not value or not _LABEL_VALUE.fullmatch(value):
+        raise ValueError(f"{field}: {value!r} is not allowed; a Kubernetes label value: at most 63 letters, digits, "
+                         "'-', '_' or '.', beginning and ending with a letter or digit")
+
+
+def _check_label_key(key: object) -> None:
+    prefix, _, name = key.rpartition("/") if isinstance(key, str) else ("", "", "")
+    if not _LABEL_NAME.fullmatch(name) or (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        raise ValueError(f"extra_labels: {key!r} is not allowed; a Kubernetes label key ([prefix/]name, name at most "
+                         "63 characters)")

@@ -15,7 +15,6 @@ from constructs import Construct
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.labels import RUN_LABEL
 
-SCRAPER_USER = "aps-collector-user"  # the Kubernetes user AMP's scraper authenticates as
 _CONTAINER_INSIGHTS = "ContainerInsights"
 
 
@@ -72,7 +71,7 @@ class MoeRlObservability(Construct):
     """Alarms, dashboards and Prometheus for one cluster.
 
     Attributes: ``topic`` (SNS, KMS-encrypted), ``alarms``, ``dashboard``, ``workspace`` (AMP; None when off),
-    ``scraper``, ``rule_groups``.
+    ``scraper``, ``scraper_write_role``, ``rule_groups``.
     """
 
     def __init__(
@@ -80,7 +79,7 @@ class MoeRlObservability(Construct):
         scope: Construct,
         id: str,
         *,
-        cluster: eks.Cluster,
+        cluster: eks.ICluster,
         cluster_name: str,
         run_namespace: str,
         scraper_subnets: Sequence[ec2.ISubnet],
@@ -95,7 +94,8 @@ class MoeRlObservability(Construct):
         :param cluster: the cluster (dimensions of Container Insights metrics, source of the scraper).
         :param cluster_name: its name (CloudWatch dimension ``ClusterName``).
         :param run_namespace: namespace whose pods are scraped.
-        :param scraper_subnets: subnets of the managed scraper's interfaces (the nodes' private subnets).
+        :param scraper_subnets: subnets of the managed scraper's interfaces; give it subnets of its own (as
+            MoeRlNetwork does), so the run pods' NetworkPolicy can admit scrapes from exactly those CIDRs.
         :param alarm_email: subscribed to the alarm topic; default none (subscribe later).
         :param prometheus: default True: AMP workspace, scraper, rule group and alert manager.
         :param gpu_temperature_celsius: alarm above this GPU temperature (throttling starts near it); default 85.
@@ -117,7 +117,7 @@ class MoeRlObservability(Construct):
         self.alarms = self._node_alarms(cluster_name, gpu_temperature_celsius)
         self.dashboard = self._dashboard(cluster_name)
 
-        self.workspace = self.scraper = None
+        self.workspace = self.scraper = self.scraper_write_role = None
         self.rule_groups = None
         if prometheus:
             self._prometheus(cluster, key, run_namespace, scraper_subnets,
@@ -169,7 +169,7 @@ class MoeRlObservability(Construct):
         dashboard.add_widgets(cw.AlarmStatusWidget(title="Alarms", width=24, alarms=list(self.alarms.values())))
         return dashboard
 
-    def _prometheus(self, cluster: eks.Cluster, key: kms.IKey, namespace: str, subnets: Sequence[ec2.ISubnet],
+    def _prometheus(self, cluster: eks.ICluster, key: kms.IKey, namespace: str, subnets: Sequence[ec2.ISubnet],
                     rules: str, stack: Stack) -> None:
         alertmanager = textwrap.dedent(f"""\
             alertmanager_config: |
@@ -191,6 +191,23 @@ class MoeRlObservability(Construct):
             conditions={"ArnEquals": {"aws:SourceArn": self.workspace.attr_arn}}))
         self.rule_groups = aps.CfnRuleGroupsNamespace(self, "AlertRules", name="moe-rl",
                                                       workspace=self.workspace.attr_arn, data=rules)
+        # The workspace is encrypted with a customer managed key, which AMP's scraper service-linked role cannot use:
+        # the scraper writes through a role configuration (AMP's role pair for such workspaces), a source role
+        # only scrapers of this account may assume, and a write role that only the source role may assume, with
+        # remote write to this workspace and the key. AMP creates the scraper's EKS access entry (with its Kubernetes
+        # permissions) itself: one made here would clash with it.
+        scrapers = stack.format_arn(service="aps", resource="scraper", resource_name="*")
+        source_role = iam.Role(self, "ScraperSourceRole", assumed_by=iam.ServicePrincipal(
+            "scraper.aps.amazonaws.com").with_conditions({"StringEquals": {"aws:SourceAccount": stack.account},
+                                                          "ArnLike": {"aws:SourceArn": scrapers}}),
+                               description="AMP managed scraper: assumes the write role of a CMK workspace")
+        self.scraper_write_role = iam.Role(self, "ScraperWriteRole", assumed_by=source_role,
+                                           description="AMP managed scraper: remote write to the CMK workspace")
+        iam.Grant.add_to_principal(grantee=self.scraper_write_role, actions=["aps:RemoteWrite"],
+                                   resource_arns=[self.workspace.attr_arn])
+        key.grant(self.scraper_write_role, "kms:Decrypt", "kms:GenerateDataKey")
+        source_role.add_to_principal_policy(iam.PolicyStatement(actions=["sts:AssumeRole"],
+                                                                resources=[self.scraper_write_role.role_arn]))
         self.scraper = aps.CfnScraper(
             self, "Scraper",
             source=aps.CfnScraper.SourceProperty(eks_configuration=aps.CfnScraper.EksConfigurationProperty(
@@ -200,23 +217,6 @@ class MoeRlObservability(Construct):
                 workspace_arn=self.workspace.attr_arn)),
             scrape_configuration=aps.CfnScraper.ScrapeConfigurationProperty(
                 configuration_blob=scrape_configuration(namespace)),
+            role_configuration=aps.CfnScraper.RoleConfigurationProperty(
+                source_role_arn=source_role.role_arn, target_role_arn=self.scraper_write_role.role_arn),
         )
-        # The scraper's service-linked role reads the Kubernetes API as this user: an access entry plus the RBAC AMP
-        # documents for it.
-        access = eks.CfnAccessEntry(self, "ScraperAccess", cluster_name=cluster.cluster_name,
-                                    principal_arn=self.scraper.attr_role_arn, username=SCRAPER_USER)
-        rbac = cluster.add_manifest("ScraperRbac", {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "aps-collector-role"},
-            "rules": [{"apiGroups": [""], "verbs": ["describe", "get", "list", "watch"],
-                       "resources": ["nodes", "nodes/proxy", "nodes/metrics", "services", "endpoints", "pods",
-                                     "ingresses", "configmaps"]},
-                      {"apiGroups": ["extensions", "networking.k8s.io"], "resources": ["ingresses/status", "ingresses"],
-                       "verbs": ["describe", "get", "list", "watch"]},
-                      {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
-        }, {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": "aps-collector-user-role-binding"},
-            "subjects": [{"kind": "User", "name": SCRAPER_USER, "apiGroup": "rbac.authorization.k8s.io"}],
-            "roleRef": {"kind": "ClusterRole", "name": "aps-collector-role", "apiGroup": "rbac.authorization.k8s.io"},
-        })
-        rbac.node.add_dependency(access)

@@ -1,20 +1,27 @@
 """In-cluster services the run manifests rely on, installed through the kubectl provider with pinned Helm charts:
-KEDA, JobSet, Kueue (one ClusterQueue per GPU pool), Cluster Autoscaler (Pod Identity), the NVIDIA and EFA device
-plugins, and the PriorityClasses."""
+the NVIDIA and EFA device plugins (:class:`DevicePlugins`, usable on any cluster with a kubectl provider), and
+KEDA, JobSet, Kueue (one ClusterQueue per GPU pool), Cluster Autoscaler (Pod Identity) and the PriorityClasses
+(:class:`ClusterServices`).
+
+Every chart is installed with Helm's ``--wait`` after the system nodes and CoreDNS exist, and the custom resources
+a chart's webhooks guard (Kueue's queues) are applied only after it: the kubectl handler retries only timeouts, so a
+webhook that does not answer yet would fail the deploy."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from aws_cdk import Acknowledgment, Stack, Validations, aws_eks_v2 as eks, aws_iam as iam
-from constructs import Construct
+from aws_cdk import Acknowledgment, Duration, Stack, Validations, aws_eks_v2 as eks, aws_iam as iam
+from constructs import Construct, IDependable
 
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
 from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
 
 from ._ids import pascal
 from .checks import nag_partition
+from .cluster import MoeRlCluster
 from .node_pool import EfaNodePool
 
 
@@ -31,28 +38,70 @@ CHARTS = {
     "keda": Chart("https://kedacore.github.io/charts", "keda", "2.17.2", "keda"),
     "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.10.1", "jobset-system"),
     "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.13.4", "kueue-system"),
-    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.47.0", "kube-system"),
+    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0", "kube-system"),
     "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.0", "kube-system"),
     "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6", "kube-system"),
 }
-CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.33.0"  # matches the cluster's minor version
+CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"  # matches the cluster's minor version (core.cluster.KUBERNETES_VERSIONS)
+# Helm waits for the release's pods to be ready; the kubectl provider's Lambda runs at most 15 minutes.
+CHART_TIMEOUT = Duration.minutes(12)
 CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 _SYSTEM_NODES = {ROLE_LABEL: "system"}
 KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default operator service account
 _GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 TRAINER_PRIORITY = 100_000
+ORCHESTRATOR_PRIORITY = 50_000
 ROLLOUT_PRIORITY = 10_000
+# Controllers the run pods must never preempt (the orchestrator shares the system nodes with them).
+_CRITICAL = names.CLUSTER_SERVICES_PRIORITY_CLASS
+
+
+def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
+              depends_on: Sequence[IDependable] = ()) -> eks.HelmChart:
+    """One of CHARTS, pinned, installed with Helm's --wait (so what depends on it finds it running)."""
+    c = CHARTS[name]
+    chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=c.chart, repository=c.repository,
+                          version=c.version, namespace=c.namespace, release=name, values=values,
+                          create_namespace=True, wait=True, timeout=CHART_TIMEOUT)
+    for dependency in depends_on:
+        chart.node.add_dependency(dependency)
+    return chart
+
+
+class DevicePlugins(Construct):
+    """The NVIDIA and EFA device plugins configured for EFA GPU pools, on any cluster with a kubectl provider (an
+    imported one too). Attribute: ``charts`` (name -> HelmChart)."""
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster,
+                 depends_on: Sequence[IDependable] = ()) -> None:
+        """
+        :param cluster: the cluster; it needs a kubectl provider (aws_eks_v2 ``kubectl_provider_options``).
+        :param depends_on: what must exist first (a new cluster's nodes and CoreDNS); default nothing.
+        """
+        super().__init__(scope, id)
+        self.charts = {
+            # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
+            # EFA device plugin's allocation.
+            "nvidia-device-plugin": add_chart(self, cluster, "nvidia-device-plugin", {
+                "mofedEnabled": False, "tolerations": [_GPU_TOLERATION]}, depends_on),
+            # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
+            # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
+            "aws-efa-k8s-device-plugin": add_chart(self, cluster, "aws-efa-k8s-device-plugin", {
+                "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
+                                            "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
+                "tolerations": [_GPU_TOLERATION]}, depends_on),
+        }
 
 
 class ClusterServices(Construct):
-    """Cluster-wide services for runs. Attributes: ``charts`` (name -> HelmChart), ``cluster_queues`` (pool role ->
-    the ClusterQueue manifest), ``autoscaler_role``."""
+    """Cluster-wide services for runs. Attributes: ``charts`` (name -> HelmChart), ``device_plugins``,
+    ``cluster_queues`` (pool role -> the ClusterQueue manifest), ``autoscaler_role``."""
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.Cluster, pools: Mapping[str, EfaNodePool],
+    def __init__(self, scope: Construct, id: str, *, cluster: MoeRlCluster, pools: Mapping[str, EfaNodePool],
                  run_namespace: str, namespace_manifest: eks.KubernetesManifest,
                  keda_role: iam.IRole | None = None) -> None:
         """
-        :param cluster: the cluster (with a kubectl provider).
+        :param cluster: the cluster; charts wait for its ``services_ready``.
         :param keda_role: a Pod Identity role for the KEDA operator, whose scalers query Prometheus with the
             operator's own AWS identity; default: none (KEDA gets no AWS permissions).
         :param pools: GPU pools by role; each gets a Kueue ResourceFlavor, ClusterQueue and LocalQueue.
@@ -60,56 +109,51 @@ class ClusterServices(Construct):
         :param namespace_manifest: the run namespace's manifest; LocalQueues are created after it.
         """
         super().__init__(scope, id)
-        self.charts: dict[str, eks.HelmChart] = {}
-        self.autoscaler_role = self._cluster_autoscaler(cluster)
-        keda = self._chart(cluster, "keda", {"nodeSelector": _SYSTEM_NODES})
+        self._moe_cluster = cluster
+        eks_cluster = cluster.cluster
+        self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, depends_on=cluster.services_ready)
+        self.charts: dict[str, eks.HelmChart] = dict(self.device_plugins.charts)
+        self.autoscaler_role = self._cluster_autoscaler(eks_cluster)
+        keda = self._chart(eks_cluster, "keda", {"nodeSelector": _SYSTEM_NODES, "priorityClassName": _CRITICAL})
         if keda_role is not None:
             # The association must exist before the operator starts: Pod Identity injects credentials at pod start.
             association = eks.CfnPodIdentityAssociation(
-                self, "KedaOperatorPodIdentity", cluster_name=cluster.cluster_name, namespace=CHARTS["keda"].namespace,
-                service_account=KEDA_OPERATOR_SERVICE_ACCOUNT, role_arn=keda_role.role_arn)
+                self, "KedaOperatorPodIdentity", cluster_name=eks_cluster.cluster_name,
+                namespace=CHARTS["keda"].namespace, service_account=KEDA_OPERATOR_SERVICE_ACCOUNT,
+                role_arn=keda_role.role_arn)
             keda.node.add_dependency(association)
-        self._chart(cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
-        self._chart(cluster, "kueue", {"controllerManager": {"nodeSelector": _SYSTEM_NODES}})
-        # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
-        # EFA device plugin's allocation.
-        self._chart(cluster, "nvidia-device-plugin", {"mofedEnabled": False, "tolerations": [_GPU_TOLERATION]})
-        # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
-        # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
-        self._chart(cluster, "aws-efa-k8s-device-plugin", {
-            "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
-                                        "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
-            "tolerations": [_GPU_TOLERATION]})
-        self._priority_classes(cluster)
-        self.cluster_queues = {role: self._queues(cluster, role, pool, run_namespace, namespace_manifest)
+        # The JobSet chart has no priorityClassName value: the orchestrator's class never preempts, and trainer pods
+        # only fit GPU nodes, so nothing of a run can evict the controller.
+        self._chart(eks_cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
+        self._chart(eks_cluster, "kueue", {"controllerManager": {
+            "nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}}})
+        self._priority_classes(eks_cluster)
+        self.cluster_queues = {role: self._queues(eks_cluster, role, pool, run_namespace, namespace_manifest)
                                for role, pool in pools.items()}
 
-    def _chart(self, cluster: eks.Cluster, name: str, values: dict) -> eks.HelmChart:
-        c = CHARTS[name]
-        chart = cluster.add_helm_chart(pascal(name), chart=c.chart, repository=c.repository, version=c.version,
-                                       namespace=c.namespace, release=name, values=values, create_namespace=True)
+    def _chart(self, cluster: eks.ICluster, name: str, values: dict) -> eks.HelmChart:
+        chart = add_chart(self, cluster, name, values, self._moe_cluster.services_ready)
         self.charts[name] = chart
         return chart
 
     def _cluster_autoscaler(self, cluster: eks.Cluster) -> iam.IRole:
         stack = Stack.of(self)
-        sa = cluster.add_service_account(
-            "ClusterAutoscalerServiceAccount", name=CLUSTER_AUTOSCALER_SERVICE_ACCOUNT, namespace="kube-system",
-            identity_type=eks.IdentityType.POD_IDENTITY)
+        role = self._moe_cluster.service_account(
+            "ClusterAutoscalerServiceAccount", name=CLUSTER_AUTOSCALER_SERVICE_ACCOUNT, namespace="kube-system")
         # Describe calls take no resource; scaling is limited to this cluster's node groups by their EKS tag.
-        sa.role.add_to_principal_policy(iam.PolicyStatement(
+        role.add_to_principal_policy(iam.PolicyStatement(
             actions=["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
                      "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
                      "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
                      "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"],
             resources=["*"]))
-        sa.role.add_to_principal_policy(iam.PolicyStatement(
+        role.add_to_principal_policy(iam.PolicyStatement(
             actions=["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
             resources=["*"], conditions={"StringEquals": {"aws:ResourceTag/eks:cluster-name": cluster.cluster_name}}))
-        sa.role.add_to_principal_policy(iam.PolicyStatement(
+        role.add_to_principal_policy(iam.PolicyStatement(
             actions=["eks:DescribeNodegroup"],
             resources=[stack.format_arn(service="eks", resource="nodegroup", resource_name=f"{cluster.cluster_name}/*")]))
-        Validations.of(sa.role).acknowledge(
+        Validations.of(role).acknowledge(
             Acknowledgment(id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
                            reason="Cluster Autoscaler's Describe* calls have no resource-level permissions; scaling "
                                   "actions are limited to this cluster's node groups by tag condition."),
@@ -124,31 +168,34 @@ class ClusterServices(Construct):
             "image": {"tag": CLUSTER_AUTOSCALER_IMAGE_TAG},
             "rbac": {"serviceAccount": {"create": False, "name": CLUSTER_AUTOSCALER_SERVICE_ACCOUNT}},
             "nodeSelector": _SYSTEM_NODES,
+            "priorityClassName": _CRITICAL,
             "extraArgs": {"balance-similar-node-groups": True, "skip-nodes-with-system-pods": False,
                           "expander": "least-waste"},
         })
-        chart.node.add_dependency(sa)
-        return sa.role
+        chart.node.add_dependency(role)
+        return role
 
-    def _priority_classes(self, cluster: eks.Cluster) -> None:
+    def _priority_classes(self, cluster: eks.ICluster) -> None:
         cluster.add_manifest("PriorityClasses", *[{
             "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
             "value": value, "preemptionPolicy": policy, "globalDefault": False, "description": description,
         } for name, value, policy, description in (
             (names.TRAINER_PRIORITY_CLASS, TRAINER_PRIORITY, "PreemptLowerPriority", "moe-rl trainer gangs"),
+            (names.ORCHESTRATOR_PRIORITY_CLASS, ORCHESTRATOR_PRIORITY, "Never",
+             "moe-rl orchestrators: above rollout servers, never preempts (shares nodes with controllers)"),
             (names.ROLLOUT_PRIORITY_CLASS, ROLLOUT_PRIORITY, "Never", "moe-rl rollout servers: never preempt"),
         )])
 
-    def _queues(self, cluster: eks.Cluster, role: str, pool: EfaNodePool, namespace: str,
+    def _queues(self, cluster: eks.ICluster, role: str, pool: EfaNodePool, namespace: str,
                 namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
-        spec, n = pool.spec, pool.config.max_size
+        spec, n = pool.spec, pool.pool.max_size
         # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
         # request must be covered or Kueue refuses the workload.
         quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
         if pool.efa_interfaces:
             quota[EFA_RESOURCE] = pool.efa_interfaces * n
-        if pool.config.hugepages_2mi:
-            quota["hugepages-2Mi"] = f"{pool.config.hugepages_2mi * 2 * n}Mi"
+        if pool.pool.hugepages_2mi:
+            quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.pool.hugepages_2mi) * n}Mi"
         flavor = f"moe-rl-{role}"
         objects = [
             {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": flavor},

@@ -10,7 +10,10 @@ from constructs import Construct
 RUNS_PREFIX = "runs/"  # runs/<run>/...: checkpoints and outputs, the trainer's
 PROMPTS_PREFIX = "prompts/"  # prompt datasets the orchestrator reads
 ROLLOUT_LOGS_PREFIX = "rollout-logs/"  # generated samples and rewards the orchestrator writes
-FSX_MOUNT_NAME_PATH = "/data"  # file-system path the bucket is linked at (data repository association)
+# The bucket is linked at the file system's root (data repository association), so the file system mirrors the
+# bucket's layout: /fsx/runs/<run>/ (checkpoints the trainer writes) is s3://<bucket>/runs/<run>/, and what is put
+# under prompts/ or weights/ in the bucket appears under /fsx/prompts/ and /fsx/weights/.
+FSX_LINK_PATH = "/"
 LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
 
 
@@ -18,7 +21,7 @@ class MoeRlStorage(Construct):
     """Bucket, FSx for Lustre and image repositories.
 
     Attributes: ``bucket``, ``key`` (KMS key of the bucket and repositories), ``file_system`` (None when FSx is off),
-    ``trainer_repository``, ``rollout_repository``. Methods: ``grant_read_prefix`` / ``grant_read_write_prefix``
+    ``trainer_repository``, ``rollout_repository``, ``orchestrator_repository``. Methods: ``grant_read_prefix`` / ``grant_read_write_prefix``
     give a principal exactly Get/List (and Put/Delete) under a prefix, never a wildcard action.
     """
 
@@ -79,6 +82,8 @@ class MoeRlStorage(Construct):
                           lifecycle_rules=[ecr.LifecycleRule(max_image_count=200)])
         self.trainer_repository = ecr.Repository(self, "TrainerRepository", **repo_props)
         self.rollout_repository = ecr.Repository(self, "RolloutRepository", **repo_props)
+        # The orchestrator's image is CPU-only and small: it runs on the system nodes.
+        self.orchestrator_repository = ecr.Repository(self, "OrchestratorRepository", **repo_props)
 
         self.file_system = None
         if fsx_subnet is not None:
@@ -106,7 +111,7 @@ class MoeRlStorage(Construct):
         dra, sync_events = fsx.CfnDataRepositoryAssociation, ["NEW", "CHANGED", "DELETED"]
         dra(
             self, "BucketLink", file_system_id=file_system.file_system_id,
-            file_system_path=FSX_MOUNT_NAME_PATH, data_repository_path=f"s3://{self.bucket.bucket_name}",
+            file_system_path=FSX_LINK_PATH, data_repository_path=f"s3://{self.bucket.bucket_name}/",
             batch_import_meta_data_on_create=True,
             s3=dra.S3Property(auto_import_policy=dra.AutoImportPolicyProperty(events=sync_events),
                               auto_export_policy=dra.AutoExportPolicyProperty(events=sync_events)))

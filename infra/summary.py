@@ -37,7 +37,8 @@ def summarize_template(environment: str, stack: str, template: dict) -> list[Poo
         scaling = props.get("ScalingConfig", {})
         pools.append(PoolSummary(
             environment=environment, stack=stack, role=props.get("Labels", {}).get(ROLE_LABEL, logical_id),
-            instance_type=",".join(props.get("InstanceTypes", [])), capacity_type=props.get("CapacityType", "ON_DEMAND"),
+            # A capacity-block pool names its instance type in the launch template only.
+            instance_type=",".join(props.get("InstanceTypes", [data.get("InstanceType", "?")])), capacity_type=props.get("CapacityType", "ON_DEMAND"),
             min_size=scaling.get("MinSize", 0), max_size=scaling.get("MaxSize", 0), efa_interfaces=efa,
             placement=_placement(resources, data)))
     return pools

@@ -5,6 +5,7 @@ environment is the one whose ECR repositories live in that environment's account
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ class StackOutputs:
     stack: str
     trainer_repository_uri: str
     rollout_repository_uri: str
+    orchestrator_repository_uri: str
     prometheus_endpoint: str | None  # the workspace URL, no trailing slash; None when the stack has none
+    scraper_cidrs: tuple[str, ...]  # the managed scraper's subnets (with the workspace); () without one
 
 
 def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
@@ -47,7 +50,8 @@ def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
                           f"(environment {env.name!r}); found: {found}")
     (stack, outs), = ours.items()
     uris = {}
-    for key in (cluster.OUTPUT_TRAINER_REPOSITORY_URI, cluster.OUTPUT_ROLLOUT_REPOSITORY_URI):
+    for key in (cluster.OUTPUT_TRAINER_REPOSITORY_URI, cluster.OUTPUT_ROLLOUT_REPOSITORY_URI,
+                cluster.OUTPUT_ORCHESTRATOR_REPOSITORY_URI):
         value = outs.get(key)
         if _stack_home(value) != (env.account, env.region):
             raise ConfigError(source, f"{stack}.{key}", value,
@@ -60,8 +64,26 @@ def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
             raise ConfigError(source, f"{stack}.{cluster.OUTPUT_PROMETHEUS_ENDPOINT}", endpoint,
                               f"expected https://aps-workspaces.{env.region}.amazonaws.com/workspaces/ws-...")
         endpoint = endpoint.rstrip("/")
+    scraper_cidrs = _scraper_cidrs(source, stack, outs.get(cluster.OUTPUT_SCRAPER_CIDRS), env, scraped=endpoint is not None)
     return StackOutputs(stack, uris[cluster.OUTPUT_TRAINER_REPOSITORY_URI], uris[cluster.OUTPUT_ROLLOUT_REPOSITORY_URI],
-                        endpoint)
+                        uris[cluster.OUTPUT_ORCHESTRATOR_REPOSITORY_URI], endpoint, scraper_cidrs)
+
+
+def _scraper_cidrs(source: str, stack: str, value: object, env: EnvironmentConfig, *, scraped: bool) -> tuple[str, ...]:
+    """The scraper subnets' CIDRs: required with a Prometheus workspace, each inside the environment's VPC."""
+    field = f"{stack}.{cluster.OUTPUT_SCRAPER_CIDRS}"
+    if not scraped:
+        return ()
+    vpc = ipaddress.ip_network(env.vpc_cidr)
+    try:
+        cidrs = tuple(str(value).split(",")) if isinstance(value, str) and value else ()
+        nets = [ipaddress.ip_network(c) for c in cidrs]
+    except ValueError:
+        nets, cidrs = [], ()
+    if not cidrs or not all(n.subnet_of(vpc) for n in nets if n.version == 4):
+        raise ConfigError(source, field, value, f"expected the comma-separated CIDRs of the scraper's subnets inside "
+                          f"the VPC {env.vpc_cidr} (a stack with a Prometheus workspace writes them)")
+    return cidrs
 
 
 def _stack_home(uri: object) -> tuple[str, str] | None:

@@ -1,13 +1,13 @@
 """Pod building blocks shared by the run chart and the validation chart: sizes, security, volumes, placement.
 
-Typed L1 structs (`cdk8s_plus_33.k8s`) throughout: cdk8s-plus cannot express GPU, EFA or hugepages resources,
+Typed L1 structs (`cdk8s_plus_35.k8s`) throughout: cdk8s-plus cannot express GPU, EFA or hugepages resources,
 and the JobSet's pod template must be the same struct the Deployment uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cdk8s_plus_33 import k8s
+from cdk8s_plus_35 import k8s
 
 from moe_rl_eks.core import cluster, labels
 from moe_rl_eks.core.environment import NodePoolConfig
@@ -21,7 +21,7 @@ RUN_FILE = f"{RUN_CONFIG_DIR}/run.yaml"
 # Tags are immutable, so `Always` only costs a manifest lookup; it also makes every pull check the registry's
 # access control instead of trusting an image another pod left on the node.
 PULL_POLICY = "Always"
-UID = 10001  # unprivileged, above host UIDs; set here so a root USER in an image cannot slip through
+UID = cluster.POD_UID  # set here so a root USER in an image cannot slip through
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PodSize:
         if self.efa:
             amounts[labels.EFA_RESOURCE] = k8s.Quantity.from_number(self.efa)
         if self.hugepages_mib:
-            amounts["hugepages-2Mi"] = k8s.Quantity.from_string(f"{self.hugepages_mib}Mi")
+            amounts[cluster.HUGEPAGES_RESOURCE] = k8s.Quantity.from_string(f"{self.hugepages_mib}Mi")
         return k8s.ResourceRequirements(requests=amounts, limits=amounts)
 
 
@@ -55,7 +55,7 @@ def _node_share(pool: NodePoolConfig, fraction: float, hugepages_mib: int) -> tu
 
 def trainer_size(pool: NodePoolConfig) -> PodSize:
     """One trainer pod per node: every GPU and EFA interface, the node's hugepages, the rest of its CPU/memory."""
-    hugepages_mib = pool.hugepages_2mi * 2
+    hugepages_mib = cluster.hugepages_mib(pool.hugepages_2mi)
     cpu, memory = _node_share(pool, 1.0, hugepages_mib)
     return PodSize(cpu, memory, gpus=pool.spec.gpus, efa=pool.spec.efa_interfaces if pool.efa else 0,
                    hugepages_mib=hugepages_mib)
@@ -97,8 +97,25 @@ def container_security(extra_capabilities: tuple[str, ...] = ()) -> k8s.Security
 
 
 def efa_capabilities(size: PodSize) -> tuple[str, ...]:
-    # EFA registers (pins) memory for RDMA; IPC_LOCK is the one capability that allows it.
+    # EFA registers (pins) memory for RDMA. For a non-root container IPC_LOCK is only in the bounding set (Kubernetes
+    # sets no ambient capabilities): what lets UID 10001 pin memory is the node's unlimited RLIMIT_MEMLOCK
+    # (containerd's LimitMEMLOCK, infra/node_pool.py), which `moerl doctor --efa` checks before the run starts.
     return ("IPC_LOCK",) if size.efa else ()
+
+
+def startup_check(container: k8s.Container, role: str, *, efa: bool) -> k8s.Container:
+    """An init container that runs `moerl doctor` in ``container``'s image, with its resources, devices, security
+    and mounts: the pod starts only if its image, GPUs, EFA, hugepages and locked-memory limit are what the role
+    needs (Kubernetes ignores an image's HEALTHCHECK)."""
+    return k8s.Container(
+        name="doctor", image=container.image, image_pull_policy=container.image_pull_policy,
+        command=doctor_command(role, efa=efa), env=container.env, resources=container.resources,
+        security_context=container.security_context, volume_mounts=container.volume_mounts)
+
+
+def doctor_command(role: str, *, efa: bool) -> list[str]:
+    """`moerl doctor` (core/doctor.py, the images issue): exit 0 when the pod can do `role`'s work."""
+    return ["moerl", "doctor", "--role", role, *(["--efa"] if efa else [])]
 
 
 @dataclass(frozen=True)
@@ -132,11 +149,12 @@ def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: boo
 
 
 def pod_spec(container: k8s.Container, volumes: Volumes, *, service_account: str, priority_class: str,
-             **extra) -> k8s.PodSpec:
-    """Every pod of a run: one container, non-root under RuntimeDefault seccomp, and no Kubernetes API token
-    (Pod Identity injects its own AWS token; nothing here talks to the API server)."""
+             init_containers: list[k8s.Container] | None = None, **extra) -> k8s.PodSpec:
+    """Every pod of a run: one container (after its startup check), non-root under RuntimeDefault seccomp, and no
+    Kubernetes API token (Pod Identity injects its own AWS token; nothing here talks to the API server)."""
     return k8s.PodSpec(
-        containers=[container], volumes=volumes.volumes, service_account_name=service_account,
+        containers=[container], init_containers=init_containers, volumes=volumes.volumes,
+        service_account_name=service_account,
         automount_service_account_token=False, priority_class_name=priority_class,
         security_context=k8s.PodSecurityContext(
             run_as_non_root=True, run_as_user=UID, run_as_group=UID, fs_group=UID,

@@ -10,7 +10,7 @@ import math
 
 import cdk8s
 import yaml
-from cdk8s_plus_33 import k8s
+from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster, labels, metrics
@@ -20,11 +20,15 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_CONFIG_DIR, RUN_FILE, check_shm, container_security, \
-    TMP_GIB, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes
+    TMP_GIB, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes, \
+    startup_check
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
 ROLES = ("rollout", "orchestrator", "trainer")
+# The instance metadata service: its node credentials are not for run pods (they use Pod Identity, whose agent
+# listens on 169.254.170.23 and stays reachable).
+IMDS_CIDR = "169.254.169.254/32"
 
 
 def role_labels(run: str, role: str) -> dict[str, str]:
@@ -72,6 +76,7 @@ class RunChart(cdk8s.Chart):
         self.name = run.name
         self.trainer_image = image_reference(outputs.trainer_repository_uri, deploy.images.trainer)
         self.rollout_image = image_reference(outputs.rollout_repository_uri, deploy.images.rollout)
+        self.orchestrator_image = image_reference(outputs.orchestrator_repository_uri, deploy.images.orchestrator)
         # Only the orchestrator and the rollout servers use the weight-load token.
         self.secret_env = (run.rl.weight_token_env, weight_secret(run.name), "token")
         # Every pod resolves the run against the environment shipped beside it (same EP backend as here).
@@ -134,6 +139,7 @@ class RunChart(cdk8s.Chart):
         pod = pod_spec(
             container, volumes, service_account=cluster.ROLLOUT_SERVICE_ACCOUNT,
             priority_class=cluster.ROLLOUT_PRIORITY_CLASS,
+            init_containers=[startup_check(container, "rollout", efa=bool(size.efa))],
             termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
             # Spread servers over nodes: one lost node takes few of them.
             topology_spread_constraints=[k8s.TopologySpreadConstraint(
@@ -201,7 +207,7 @@ class RunChart(cdk8s.Chart):
         health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))
         container = k8s.Container(
             name="orchestrator",
-            image=self.trainer_image,
+            image=self.orchestrator_image,
             image_pull_policy=PULL_POLICY,
             # A restarted pod picks up where the trainers' newest checkpoint left the prompt cursor.
             command=["moerl", "orchestrate", "--run", RUN_FILE, "--resume", "latest"],
@@ -223,8 +229,10 @@ class RunChart(cdk8s.Chart):
                                                            annotations=scraped_on(cluster.ORCHESTRATOR_PORT)),
                                    spec=pod_spec(
                                        container, volumes, service_account=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
-                                       # It drives the whole run: it must not be preempted by rollout servers.
-                                       priority_class=cluster.TRAINER_PRIORITY_CLASS))))
+                                       # Above rollout servers, and it never preempts: it shares the system
+                                       # nodes with the cluster's controllers.
+                                       priority_class=cluster.ORCHESTRATOR_PRIORITY_CLASS,
+                                       init_containers=[startup_check(container, "orchestrator", efa=False)]))))
         k8s.KubeService(self, "orchestrator-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                         spec=k8s.ServiceSpec(selector=selector(self.name, "orchestrator"),
                                              ports=[k8s.ServicePort(name="http", port=cluster.ORCHESTRATOR_PORT,
@@ -232,11 +240,12 @@ class RunChart(cdk8s.Chart):
 
     def _network_policies(self) -> None:
         """Deny all ingress to the run's pods, then allow exactly: orchestrator -> rollout, orchestrator <->
-        trainers, trainer <-> trainer, and the metrics scraper -> every /metrics port.
+        trainers, trainer <-> trainer, and the managed Prometheus scraper -> the /metrics ports. Egress is open
+        except to the instance metadata service.
 
-        The Amazon Managed Prometheus scraper is agentless: it reaches pods from its network interfaces in the
-        cluster's subnets, so it is matched by the VPC CIDR (which also admits the kubelet's probes)."""
-        env = self.resolved.environment
+        The scraper is agentless: it reaches pods from network interfaces in subnets of its own (infra/network.py),
+        whose CIDRs are a stack output; nothing else lives there. Those ports also serve the weight-load endpoint,
+        so no wider source is admitted (the kubelet's probes come from the node, which the CNI always admits)."""
 
         def peers(*roles: str) -> list[k8s.NetworkPolicyPeer]:
             return [k8s.NetworkPolicyPeer(pod_selector=k8s.LabelSelector(match_labels=selector(self.name, r)))
@@ -254,10 +263,11 @@ class RunChart(cdk8s.Chart):
             # NCCL's bootstrap and torch.distributed use ephemeral ports between ranks: no port list.
             "trainer-from-trainer-and-orchestrator": ("trainer", [k8s.NetworkPolicyIngressRule(
                 from_=peers("trainer", "orchestrator"))]),
-            "metrics-from-scraper": (None, [k8s.NetworkPolicyIngressRule(
-                from_=[k8s.NetworkPolicyPeer(ip_block=k8s.IpBlock(cidr=env.vpc_cidr))],
-                ports=tcp(cluster.ROLLOUT_PORT, cluster.ORCHESTRATOR_PORT, cluster.TRAINER_METRICS_PORT))]),
         }
+        if self.outputs.scraper_cidrs:
+            rules["metrics-from-scraper"] = (None, [k8s.NetworkPolicyIngressRule(
+                from_=[k8s.NetworkPolicyPeer(ip_block=k8s.IpBlock(cidr=c)) for c in self.outputs.scraper_cidrs],
+                ports=tcp(cluster.ROLLOUT_PORT, cluster.ORCHESTRATOR_PORT, cluster.TRAINER_METRICS_PORT))])
         for policy, (role, ingress) in rules.items():
             k8s.KubeNetworkPolicy(self, f"netpol-{policy}",
                                   metadata=k8s.ObjectMeta(name=f"{self.name}-{policy}",
@@ -265,3 +275,16 @@ class RunChart(cdk8s.Chart):
                                   spec=k8s.NetworkPolicySpec(
                                       pod_selector=k8s.LabelSelector(match_labels=selector(self.name, role)),
                                       policy_types=["Ingress"], ingress=ingress))
+        no_metadata_egress(self, self.name)
+
+
+def no_metadata_egress(scope: Construct, run: str) -> k8s.KubeNetworkPolicy:
+    """Egress anywhere but the instance metadata service, for every pod of the run (its validation jobs too): the
+    node's credentials and user data stay out of reach (IMDSv2's hop limit of 2 admits containers)."""
+    return k8s.KubeNetworkPolicy(
+        scope, "netpol-no-instance-metadata",
+        metadata=k8s.ObjectMeta(name=f"{run}-no-instance-metadata", labels={labels.RUN_LABEL: run}),
+        spec=k8s.NetworkPolicySpec(
+            pod_selector=k8s.LabelSelector(match_labels=selector(run)), policy_types=["Egress"],
+            egress=[k8s.NetworkPolicyEgressRule(to=[k8s.NetworkPolicyPeer(
+                ip_block=k8s.IpBlock(cidr="0.0.0.0/0", except_=[IMDS_CIDR]))])]))

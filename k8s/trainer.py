@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cdk8s
-from cdk8s_plus_33 import k8s
+from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster
@@ -19,7 +19,7 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
 from .pods import CACHE_ENV, PULL_POLICY, container_security, efa_capabilities, env_vars, gpu_placement, \
-    pod_spec, standard_volumes, trainer_size
+    pod_spec, standard_volumes, startup_check, trainer_size
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -81,6 +81,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     )
     pod = pod_spec(container, volumes, service_account=cluster.TRAINER_SERVICE_ACCOUNT,
                    priority_class=cluster.TRAINER_PRIORITY_CLASS, restart_policy="Never",
+                   init_containers=[startup_check(container, "trainer", efa=bool(size.efa))],
                    termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
                    **gpu_placement("trainer"))
     job_spec = k8s.JobSpec(

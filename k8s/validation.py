@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import cdk8s
-from cdk8s_plus_33 import k8s
+from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import labels

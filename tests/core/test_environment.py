@@ -46,7 +46,7 @@ def _set(path: str, value):
     ("dev", "trainer_pool.efa", False, "a trainer pool of more than one node needs EFA"),
     ("dev", "endpoint", {"public": True}, "a public endpoint needs an allow-list"),
     ("dev", "endpoint", {"public": True, "public_cidrs": ["0.0.0.0/0"]}, "the whole internet is not an allow-list"),
-    ("dev", "kubernetes_version", "1.21", "supported: 1.33"),
+    ("dev", "kubernetes_version", "1.21", "supported: 1.35"),
     ("dev", "account", "12345", "12-digit"),
     ("dev", "vpc_cidr", "8.8.0.0/16", "private CIDR"),
     ("prod", "storage.fsx_storage_capacity_gib", 2000, "1200 or a multiple of 2400"),

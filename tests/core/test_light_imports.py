@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-HEAVY = ("aws_cdk", "cdk8s", "cdk8s_plus_33", "constructs", "jsii", "torch", "triton", "cdk_nag")
+HEAVY = ("aws_cdk", "cdk8s", "cdk8s_plus_35", "constructs", "jsii", "torch", "triton", "cdk_nag")
 
 
 def test_core_modules_import_no_heavy_libraries():

@@ -22,7 +22,7 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_atten
 
 # What any cluster run carries besides its shape: images, and checkpoints and weights on the shared FSx volume.
 CLUSTER_READY = dict(
-    deploy=DeployConfig(images=ImagesConfig(trainer="v1.0.0", rollout="v1.0.0")),
+    deploy=DeployConfig(images=ImagesConfig(trainer="v1.0.0", rollout="v1.0.0", orchestrator="v1.0.0")),
     rl=RLConfig(training=TrainingConfig(output_dir="/fsx/runs/q"), weights=WeightStoreConfig(kind="fs", path="/fsx/runs/q/weights")))
 
 
@@ -37,18 +37,29 @@ def test_parameter_count_matches_qwen3_30b_a3b():
     (1, 6, "cuda", "alltoall"),  # DeepEP intranode takes 2, 4 or 8 ranks: falls back
     (4, 8, "cuda", "alltoall"),
     (8, 8, "cuda", "alltoall"),
-    (16, 8, "cuda", "deepep"),
-    (20, 8, "cuda", "deepep"),
-    (32, 8, "cuda", "alltoall"),  # 256 ranks: past DeepEP's 160
+    (16, 8, "cuda", "alltoall"),  # stock DeepEP cannot run between nodes over EFA
+    (32, 8, "cuda", "alltoall"),
 ])
 def test_auto_picks_backend_by_topology(nodes, ranks, device, expected):
     topo = Topology(nodes=nodes, ranks_per_node=ranks, device=device, num_experts=nodes * ranks * 2)
     assert resolve_backend("auto", topo)[0] == expected
 
 
+@pytest.mark.parametrize("nodes, expected", [(8, "alltoall"), (16, "deepep"), (20, "deepep"),
+                                             (32, "alltoall")])  # 256 ranks: past DeepEP's 160
+def test_auto_picks_deepep_between_nodes_only_when_the_image_runs_it_over_efa(nodes, expected):
+    topo = Topology(nodes=nodes, ranks_per_node=8, device="cuda", num_experts=nodes * 16, deepep_internode=True)
+    assert resolve_backend("auto", topo)[0] == expected
+
+
+def test_explicit_deepep_between_nodes_without_an_efa_capable_image_says_what_it_needs():
+    with pytest.raises(UnsupportedBackend, match="deploy.images.deepep_efa: true"):
+        resolve_backend("deepep", Topology(16, 8, "cuda", 128))
+
+
 @pytest.mark.parametrize("topo, fragment", [
     (Topology(1, 6, "cuda", 12), "intranode needs (2, 4, 8) ranks, not 6"),
-    (Topology(2, 4, "cuda", 16), "internode needs 8 ranks per node and 16 to 160 ranks"),
+    (Topology(2, 4, "cuda", 16, deepep_internode=True), "internode needs 8 ranks per node and 16 to 160 ranks"),
     (Topology(1, 4, "cpu", 8), "needs CUDA GPUs"),
     (Topology(1, 4, "cuda", 6), "num_experts (6) must be divisible by the expert-parallel size (4)"),
     (Topology(1, 8, "cuda", 16, dtype="float32"), "moves bfloat16 tokens; the model's dtype is float32"),

@@ -9,7 +9,7 @@ from aws_cdk import aws_ec2 as ec2, aws_eks_v2 as eks, aws_s3 as s3
 from aws_cdk.assertions import Match, Template
 
 from infra_helpers import REPO
-from moe_rl_eks.core.environment import load_environments
+from moe_rl_eks.core.environment import EnvironmentConfig, NodePoolConfig, load_environments
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.infra import EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
 from moe_rl_eks.infra.checks import EksGuardrails
@@ -25,8 +25,8 @@ class PlatformStack(cdk.Stack):
         super().__init__(scope, id, env=ENV, **kwargs)
         vpc = ec2.Vpc(self, "TeamVpc", availability_zones=self.availability_zones, nat_gateways=1)
         self.cluster = MoeRlCluster(self, "Cluster", vpc=vpc, public_endpoint_cidrs=["198.51.100.0/24"])
-        self.pool = EfaNodePool(self, "P5", cluster=self.cluster.cluster, subnet=vpc.private_subnets[0],
-                                role="trainer", instance_type="p5.48xlarge", max_size=4)
+        self.pool = EfaNodePool(self, "P5", cluster=self.cluster, subnet=vpc.private_subnets[0], role="trainer",
+                                pool=NodePoolConfig(instance_type="p5.48xlarge", max_size=4))
 
     @property
     def availability_zones(self):
@@ -51,26 +51,98 @@ def test_platform_team_stack_imports_the_cluster_and_an_efa_pool(platform):
                                                                   "InterfaceType": "efa-only"})])})})
 
 
-def test_efa_pool_rejects_bad_props_at_construction():
+def test_efa_pool_waits_for_the_clusters_vpc_cni_without_the_app_wiring_it(platform):
+    stack, template = platform
+    (cni,) = [k for k, r in template.find_resources("AWS::EKS::Addon").items()
+              if r["Properties"]["AddonName"] == "vpc-cni"]
+    (nodegroup,) = [r for r in template.find_resources("AWS::EKS::Nodegroup").values()
+                    if r["Properties"]["Labels"]["moe-rl/role"] == "trainer"]
+    assert cni in nodegroup["DependsOn"]
+
+
+@pytest.mark.parametrize("props, fragment", [
+    (dict(instance_type="p9.48xlarge"), "instance_type: 'p9.48xlarge' is not allowed; supported: p4d"),
+    (dict(instance_type="g5.xlarge"), "efa: True is not allowed; g5.xlarge has no EFA"),
+    (dict(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK),
+     "capacity_reservation_id: None is not allowed; required when capacity_type is CAPACITY_BLOCK"),
+    (dict(instance_type="p5.48xlarge", capacity_type="RESERVED"), "capacity_type: 'RESERVED' is not allowed"),
+    (dict(instance_type="p5.48xlarge", min_size=1, desired_size=1, max_size=2),
+     "min_size: 1 is not allowed; a GPU pool starts at 0"),
+])
+def test_node_pool_props_are_validated_when_built_in_code(props, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        NodePoolConfig(**props)
+
+
+def test_node_pool_props_take_the_aws_cdk_lib_capacity_type():
+    pool = NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
+                          capacity_reservation_id="cr-0123456789abcdef0", desired_size=2, max_size=2)
+    assert pool.capacity_type == "CAPACITY_BLOCK"
+
+
+def test_efa_pool_rejects_bad_construct_props_at_construction():
     stack = PlatformStack(cdk.App(), "Bad")
-    cluster, subnet = stack.cluster.cluster, stack.cluster.cluster.vpc.private_subnets[0]
-    with pytest.raises(ConfigError, match=r"EfaNodePool 'X': instance_type: 'p9.48xlarge' is not allowed; supported: p4d"):
-        EfaNodePool(stack, "X", cluster=cluster, subnet=subnet, role="trainer", instance_type="p9.48xlarge")
-    with pytest.raises(ConfigError, match=r"efa: True is not allowed; g5.xlarge has no EFA"):
-        EfaNodePool(stack, "Y", cluster=cluster, subnet=subnet, role="rollout", instance_type="g5.xlarge")
-    with pytest.raises(ConfigError, match=r"capacity_reservation_id: None is not allowed; required when capacity_type is CAPACITY_BLOCK"):
-        EfaNodePool(stack, "Z", cluster=cluster, subnet=subnet, role="trainer", instance_type="p5en.48xlarge",
-                    capacity_type="CAPACITY_BLOCK")
+    subnet = stack.cluster.cluster.vpc.private_subnets[0]
+    p5 = NodePoolConfig(instance_type="p5.48xlarge")
     with pytest.raises(ValueError, match=r"cluster_placement: True is not allowed without EFA"):
-        EfaNodePool(stack, "W", cluster=cluster, subnet=subnet, role="rollout", instance_type="g6e.12xlarge",
-                    efa=False, cluster_placement=True)
+        EfaNodePool(stack, "W", cluster=stack.cluster, subnet=subnet, role="rollout", cluster_placement=True,
+                    pool=NodePoolConfig(instance_type="g6e.12xlarge", efa=False))
+    with pytest.raises(ValueError, match=r"role: 'GPU trainers!' is not allowed; a Kubernetes label value"):
+        EfaNodePool(stack, "L", cluster=stack.cluster, subnet=subnet, role="GPU trainers!", pool=p5)
+    with pytest.raises(ValueError, match=r"extra_labels: 'moe-rl/role' is not allowed; the pool sets moe-rl/role"):
+        EfaNodePool(stack, "R", cluster=stack.cluster, subnet=subnet, role="trainer", pool=p5,
+                    extra_labels={"moe-rl/role": "rollout"})
+    with pytest.raises(ValueError, match=r"extra_labels\['team'\]: 'a b' is not allowed"):
+        EfaNodePool(stack, "V", cluster=stack.cluster, subnet=subnet, role="trainer", pool=p5,
+                    extra_labels={"team": "a b"})
+    with pytest.raises(TypeError, match=r"pool: .* is not allowed; a moe_rl_eks.core.environment.NodePoolConfig"):
+        EfaNodePool(stack, "D", cluster=stack.cluster, subnet=subnet, role="trainer", pool={"instance_type": "p5"})
 
 
-def test_cluster_rejects_an_open_public_endpoint():
+def test_efa_pool_on_an_imported_cluster_without_its_network_says_what_the_import_needs():
+    stack = cdk.Stack(cdk.App(), "Imported", env=ENV)
+    vpc = ec2.Vpc.from_vpc_attributes(stack, "Vpc", vpc_id="vpc-1", availability_zones=["us-west-2a"],
+                                      private_subnet_ids=["subnet-1"])
+    bare = eks.Cluster.from_cluster_attributes(stack, "Bare", cluster_name="theirs")
+    with pytest.raises(ValueError, match=r"an imported cluster needs vpc and cluster_security_group_id"):
+        EfaNodePool(stack, "P", cluster=bare, subnet=vpc.private_subnets[0], role="trainer",
+                    pool=NodePoolConfig(instance_type="p5.48xlarge"))
+
+
+@pytest.mark.parametrize("cidrs, fragment", [
+    (["0.0.0.0/0"], r"public_cidrs\[0\]: '0.0.0.0/0' is not allowed; the whole internet is not an allow-list"),
+    ("203.0.113.0/24", r"public_cidrs: '203.0.113.0/24' is not allowed; expected a list of CIDRs, not one string"),
+    (["10.0.0.0/33"], r"public_cidrs\[0\]: '10.0.0.0/33' is not allowed; expected a CIDR"),
+])
+def test_cluster_rejects_bad_public_endpoint_cidrs(cidrs, fragment):
     stack = cdk.Stack(cdk.App(), "Open", env=ENV)
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
-    with pytest.raises(ValueError, match=r"public_endpoint_cidrs: '0.0.0.0/0' is not allowed"):
-        MoeRlCluster(stack, "Cluster", vpc=vpc, public_endpoint_cidrs=["0.0.0.0/0"])
+    with pytest.raises(ConfigError, match=fragment):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, public_endpoint_cidrs=cidrs)
+
+
+def _dev() -> EnvironmentConfig:
+    return load_environments(json.loads((REPO / "cdk.json").read_text())["context"])["dev"]
+
+
+def test_environment_built_in_code_is_validated_like_one_read_from_cdk_json():
+    from dataclasses import asdict, replace
+
+    dev = _dev()
+    with pytest.raises(ConfigError, match=r"admin_role_arn: 'PlatformAdmin' is not allowed; expected an IAM role ARN"):
+        replace(dev, admin_role_arn="PlatformAdmin")
+    with pytest.raises(ConfigError, match=r"admin_role_arn: None is not allowed; required"):
+        replace(dev, admin_role_arn=None)
+    fields = {k: v for k, v in asdict(dev).items() if k not in ("rollout_pool", "trainer_pool", "endpoint", "storage",
+                                                                "observability")}
+    with pytest.raises(ConfigError, match=r"availability_zones: 'us-east-1a' is not allowed; expected a list"):
+        EnvironmentConfig(**{**fields, "availability_zones": "us-east-1a"}, rollout_pool=dev.rollout_pool,
+                          trainer_pool=dev.trainer_pool)
+
+
+def test_stack_refuses_an_env_of_its_own_and_names_where_env_comes_from():
+    with pytest.raises(ValueError, match=r"env: .* is not allowed; MoeRlStack sets it from config \(account 111111111111"):
+        MoeRlStack(cdk.App(), "Dup", config=_dev(), env=ENV)
 
 
 def test_network_interfaces_layout_for_p5en_and_without_efa():
@@ -81,12 +153,13 @@ def test_network_interfaces_layout_for_p5en_and_without_efa():
     assert [(i["network_card_index"], i["interface_type"]) for i in network_interfaces(0, ["sg"])] == [(0, None)]
 
 
-def test_user_data_is_mime_with_nodeconfig_and_hugepages_only_when_asked():
+def test_user_data_is_mime_with_nodeconfig_and_hugepages_only_when_asked_and_memlock_always():
     text = user_data(hugepages_2mi=1024, local_nvme=True)
     assert text.startswith("MIME-Version: 1.0") and "application/node.eks.aws" in text
     assert "vm.nr_hugepages = 1024" in text and text.rstrip().endswith("--")
     plain = user_data(hugepages_2mi=0, local_nvme=False)
     assert "NodeConfig" not in plain and "hugepages" not in plain
+    assert "LimitMEMLOCK=infinity" in plain and "LimitMEMLOCK=infinity" in text
 
 
 def test_add_checks_makes_synth_fail_on_an_unacknowledged_nag_finding(tmp_path):
@@ -115,6 +188,7 @@ def test_stack_without_fsx_and_prometheus_and_with_an_allow_listed_public_endpoi
     dev = context["environments"]["dev"]
     dev.update(storage={"fsx": False}, observability={"prometheus": False},
                endpoint={"public": True, "public_cidrs": ["203.0.113.0/24"]})
+    assert dev["endpoint"]["public"]  # dev ships allow-listed; the variant keeps that
     app = cdk.App()
     add_checks(app)  # the variant is nag-clean and passes the guardrails too: synthesis would raise otherwise
     stack = MoeRlStack(app, "Lean", config=load_environments(context)["dev"])

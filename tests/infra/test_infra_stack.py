@@ -11,8 +11,8 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
-from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
-from moe_rl_eks.infra.services import CHARTS
+from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
+from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
 from infra_helpers import helm_charts, join_string, kubernetes_objects, pool, resources_of
 
@@ -24,7 +24,8 @@ from infra_helpers import helm_charts, join_string, kubernetes_objects, pool, re
 ])
 def test_efa_pool_has_every_efa_interface_card0_efa_then_efa_only(templates, env, role, instance_type, efa):
     props, data = pool(templates[env], role)
-    assert props["InstanceTypes"] == [instance_type] and CATALOG[instance_type].efa_interfaces == efa
+    assert props.get("InstanceTypes", [data.get("InstanceType")]) == [instance_type]
+    assert CATALOG[instance_type].efa_interfaces == efa
     layout = [(i["NetworkCardIndex"], i["DeviceIndex"], i["InterfaceType"]) for i in data["NetworkInterfaces"]]
     assert layout == [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, efa)]
     for interface in data["NetworkInterfaces"]:
@@ -76,10 +77,41 @@ def test_gpu_pools_require_imdsv2_encrypted_gp3_root_and_nodeadm_user_data(templ
             assert "vm.nr_hugepages = 5120" in user_data
 
 
+def test_gpu_node_user_data_lifts_the_locked_memory_limit_containers_inherit(templates):
+    # Pods run as UID 10001: IPC_LOCK gives them nothing, so containerd itself must run with unlimited memlock.
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            _, data = pool(templates[env], role)
+            script = base64.b64decode(data["UserData"]).decode()
+            assert f"printf '[Service]\\nLimitMEMLOCK=infinity\\n' > {MEMLOCK_DROP_IN}" in script
+            assert MEMLOCK_DROP_IN.startswith("/etc/systemd/system/containerd.service.d/")
+            # Reloaded before nodeadm starts containerd and the kubelet (a running containerd is restarted).
+            assert script.index(MEMLOCK_DROP_IN) < script.index("systemctl daemon-reload") < \
+                script.index("systemctl try-restart containerd")
+
+
+def test_capacity_block_pool_names_its_instance_type_in_the_launch_template_only(templates):
+    props, data = pool(templates["prod"], "trainer")
+    assert props["CapacityType"] == "CAPACITY_BLOCK"
+    assert "InstanceTypes" not in props  # EKS rejects a CAPACITY_BLOCK node group that names it
+    assert data["InstanceType"] == "p5en.48xlarge"
+    on_demand, on_demand_lt = pool(templates["prod"], "rollout")
+    assert on_demand["InstanceTypes"] == ["p5e.48xlarge"] and "InstanceType" not in on_demand_lt
+
+
+def test_pools_without_a_reservation_start_at_zero_nodes(templates):
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            props, data = pool(templates[env], role)
+            scaling = props["ScalingConfig"]
+            if "CapacityReservationSpecification" not in data:
+                assert (scaling["MinSize"], scaling["DesiredSize"]) == (0, 0), (env, role)
+
+
 def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templates):
     template = Template.from_json(templates["prod"])
     template.has_resource_properties("AWS::EKS::Nodegroup", {
-        "AmiType": "AL2023_x86_64_NVIDIA", "InstanceTypes": ["p5en.48xlarge"], "CapacityType": "CAPACITY_BLOCK",
+        "AmiType": "AL2023_x86_64_NVIDIA", "CapacityType": "CAPACITY_BLOCK",
         "Labels": {"moe-rl/role": "trainer", "vpc.amazonaws.com/efa.present": "true", "nvidia.com/gpu.present": "true"},
         "Taints": [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_SCHEDULE"}],
         "ScalingConfig": {"MinSize": 0, "DesiredSize": 4, "MaxSize": 16},
@@ -102,9 +134,14 @@ def test_gpu_pools_carry_cluster_autoscaler_node_template_tags(templates):
     assert props["Tags"][f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
 
 
-def test_cluster_is_private_logs_everything_and_encrypts_secrets(templates):
-    template = Template.from_json(templates["dev"])
+def test_cluster_runs_a_standard_support_version_and_is_private_logs_everything_and_encrypts_secrets(templates):
+    Template.from_json(templates["dev"]).has_resource_properties("AWS::EKS::Cluster", {"Version": "1.35"})
+    # dev's admin path: an allow-listed public endpoint (a documentation range to replace) and an admin role.
+    Template.from_json(templates["dev"]).has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig":
+        Match.object_like({"EndpointPublicAccess": True, "PublicAccessCidrs": ["203.0.113.0/24"]})})
+    template = Template.from_json(templates["prod"])
     template.has_resource_properties("AWS::EKS::Cluster", {
+        "Version": "1.35",
         "ResourcesVpcConfig": Match.object_like({"EndpointPublicAccess": False, "EndpointPrivateAccess": True}),
         "Logging": {"ClusterLogging": {"EnabledTypes": Match.array_with([
             {"Type": t} for t in ("api", "audit", "authenticator", "controllerManager", "scheduler")])}},
@@ -117,17 +154,90 @@ def test_cluster_addons_and_admin_access_entry(templates):
     assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
                            "amazon-cloudwatch-observability"}
     assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
-    assert addons["vpc-cni"]["AddonVersion"] == VPC_CNI_VERSION  # pinned: efa-only interfaces need a recent CNI
     assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
+    for env in ("dev", "prod"):
+        admins = [join_string(r["Properties"]["PrincipalArn"]) for r in resources_of(templates[env], "AWS::EKS::AccessEntry").values()]
+        assert [a for a in admins if ":role/" in a and "TOKEN" not in a], env  # every environment has an admin role
     admin = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::AccessEntry").values()
              if r["Properties"]["PrincipalArn"] == "arn:aws:iam::222222222222:role/PlatformAdmin"]
     assert [join_string(p["PolicyArn"]).rsplit("/", 1)[-1] for p in admin[0]["AccessPolicies"]] == ["AmazonEKSClusterAdminPolicy"]
     assert admin[0]["AccessPolicies"][0]["AccessScope"] == {"Type": "cluster"}
 
 
+def test_the_vpc_cni_gets_its_policy_by_pod_identity_and_no_node_role_carries_it(templates):
+    template = templates["prod"]
+    (cni,) = [r["Properties"] for r in resources_of(template, "AWS::EKS::Addon").values()
+              if r["Properties"]["AddonName"] == "vpc-cni"]
+    (association,) = cni["PodIdentityAssociations"]
+    assert association["ServiceAccount"] == "aws-node"
+    role = template["Resources"][association["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
+    assert [join_string(p).rsplit("/", 1)[-1] for p in role["ManagedPolicyArns"]] == ["AmazonEKS_CNI_Policy"]
+    node_roles = [r["Properties"] for r in resources_of(template, "AWS::IAM::Role").values()
+                  if "ec2.amazonaws.com" in json.dumps(r["Properties"]["AssumeRolePolicyDocument"])]
+    assert len(node_roles) == 3  # system, trainer, rollout
+    for node_role in node_roles:
+        policies = [join_string(p).rsplit("/", 1)[-1] for p in node_role["ManagedPolicyArns"]]
+        assert "AmazonEKS_CNI_Policy" not in policies and "AmazonEKSWorkerNodePolicy" in policies
+
+
+def test_pod_identity_roles_trust_only_this_cluster_in_this_account(templates):
+    template = templates["prod"]
+    (cluster_id,) = resources_of(template, "AWS::EKS::Cluster")
+    pod_roles = {k: r["Properties"]["AssumeRolePolicyDocument"] for k, r in resources_of(template, "AWS::IAM::Role").items()
+                 if "pods.eks.amazonaws.com" in json.dumps(r["Properties"]["AssumeRolePolicyDocument"])}
+    # run roles (3), cluster autoscaler, KEDA, CloudWatch agent, VPC CNI
+    assert len(pod_roles) == 7
+    for logical_id, document in pod_roles.items():
+        (statement,) = document["Statement"]
+        assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"], logical_id
+        assert statement["Condition"] == {"StringEquals": {"aws:SourceAccount": "222222222222"},
+                                          "ArnEquals": {"aws:SourceArn": {"Fn::GetAtt": [cluster_id, "Arn"]}}}, logical_id
+    associated = {r["Properties"]["RoleArn"]["Fn::GetAtt"][0]
+                  for r in resources_of(template, "AWS::EKS::PodIdentityAssociation").values()}
+    assert associated <= set(pod_roles)
+
+
+def test_charts_install_with_wait_after_system_nodes_and_coredns_and_queues_after_kueue(templates):
+    template = templates["prod"]
+    (nodegroup,) = [k for k, r in resources_of(template, "AWS::EKS::Nodegroup").items()
+                    if r["Properties"]["Labels"]["moe-rl/role"] == "system"]
+    (coredns,) = [k for k, r in resources_of(template, "AWS::EKS::Addon").items()
+                  if r["Properties"]["AddonName"] == "coredns"]
+    charts = {r["Properties"]["Release"]: (k, r) for k, r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").items()}
+    assert set(charts) == set(CHARTS)
+    for name, (_, chart) in charts.items():
+        assert chart["Properties"]["Wait"] is True, name
+        assert chart["Properties"]["Timeout"] == f"{CHART_TIMEOUT.to_seconds()}s", name
+        assert {nodegroup, coredns} <= set(chart["DependsOn"]), name
+    assert CHART_TIMEOUT.to_minutes() < 15  # the kubectl handler Lambda's limit
+    kueue_id = charts["kueue"][0]
+    queues = [r for r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").values()
+              if "ClusterQueue" in join_string(r["Properties"]["Manifest"])]
+    assert len(queues) == 2 and all(kueue_id in q["DependsOn"] for q in queues)
+
+
+def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_preempts_nothing(templates):
+    charts = helm_charts(templates["prod"])
+    assert charts["keda"]["Values"]["priorityClassName"] == "system-cluster-critical"
+    assert charts["kueue"]["Values"]["controllerManager"]["manager"]["priorityClassName"] == "system-cluster-critical"
+    assert charts["cluster-autoscaler"]["Values"]["priorityClassName"] == "system-cluster-critical"
+    classes = {o["metadata"]["name"]: o for o in kubernetes_objects(templates["prod"]) if o["kind"] == "PriorityClass"}
+    orchestrator = classes[names.ORCHESTRATOR_PRIORITY_CLASS]
+    assert orchestrator["preemptionPolicy"] == "Never"
+    assert classes[names.ROLLOUT_PRIORITY_CLASS]["value"] < orchestrator["value"] < classes[names.TRAINER_PRIORITY_CLASS]["value"]
+    assert max(c["value"] for c in classes.values()) < 2_000_000_000  # far below system-cluster-critical
+
+
+def test_system_nodes_have_room_for_controller_and_orchestrator_images(templates):
+    (system,) = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::Nodegroup").values()
+                 if r["Properties"]["Labels"]["moe-rl/role"] == "system"]
+    assert system["DiskSize"] == 100
+
+
 def test_cluster_services_are_pinned_and_configured_for_efa(templates):
     charts = helm_charts(templates["prod"])
     assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in CHARTS.items()}
+    assert charts["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.35.0"  # the cluster's minor version
     assert charts["nvidia-device-plugin"]["Values"]["mofedEnabled"] is False
     efa_types = charts["aws-efa-k8s-device-plugin"]["Values"]["supportedInstanceLabels"]["values"]
     assert set(efa_types) == {n for n, t in CATALOG.items() if t.has_efa}
@@ -152,6 +262,28 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
     assert claim["metadata"]["namespace"] == "moe-rl"
     assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"
+
+
+def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(templates):
+    template = templates["prod"]
+    (job_resource,) = [r for r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").values()
+                       if '"kind":"Job"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
+    (job,) = json.loads(join_string(job_resource["Properties"]["Manifest"]))
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    script = container["command"][-1]
+    uid = 10001
+    assert f"chown {uid}:{uid} {names.RUNS_DIR}" in script and f"mkdir -p {names.RUNS_DIR}" in script
+    assert script.index("chmod 2775") < script.index("chown")  # setgid survives chown on a directory
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", "FSETID"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["volumes"] == [{"name": "fsx", "persistentVolumeClaim": {"claimName": names.FSX_CLAIM_NAME}}]
+    assert container["volumeMounts"] == [{"name": "fsx", "mountPath": names.FSX_MOUNT_PATH}]
+    assert ":" in container["image"] and not container["image"].endswith(":latest")
+    # Applied after the claim it mounts.
+    (claim_id,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
+                   if "PersistentVolumeClaim" in join_string(r["Properties"]["Manifest"])]
+    assert claim_id in job_resource["DependsOn"]
 
 
 def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcard_actions(templates):
@@ -192,8 +324,13 @@ def test_storage_bucket_fsx_and_repositories(templates):
     template.has_resource_properties("AWS::FSx::FileSystem", {
         "FileSystemType": "LUSTRE", "StorageCapacity": 4800,
         "LustreConfiguration": Match.object_like({"DeploymentType": "PERSISTENT_2", "PerUnitStorageThroughput": 500})})
-    template.has_resource_properties("AWS::FSx::DataRepositoryAssociation", {"FileSystemPath": "/data"})
-    template.resource_count_is("AWS::ECR::Repository", 2)
+    # Linked at the root: /fsx/runs/<run>/ is s3://<bucket>/runs/<run>/, the prefix the trainer's role may write.
+    template.has_resource_properties("AWS::FSx::DataRepositoryAssociation", {
+        "FileSystemPath": "/", "DataRepositoryPath": Match.any_value()})
+    (dra,) = resources_of(templates["prod"], "AWS::FSx::DataRepositoryAssociation").values()
+    assert join_string(dra["Properties"]["DataRepositoryPath"]) == "s3://TOKEN/"
+    assert names.RUNS_DIR.removeprefix(names.FSX_MOUNT_PATH + "/") + "/" == "runs/"
+    template.resource_count_is("AWS::ECR::Repository", 3)  # trainer, rollout, orchestrator
     template.all_resources_properties("AWS::ECR::Repository", {
         "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
     fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]
@@ -218,6 +355,42 @@ def test_observability_alarms_dashboard_prometheus_rules_and_alert_routing(templ
     template.resource_count_is("AWS::APS::Scraper", 1)
 
 
+def test_scraper_writes_to_the_cmk_workspace_through_a_role_pair_and_gets_no_access_entry_from_us(templates):
+    template = templates["prod"]
+    (scraper,) = resources_of(template, "AWS::APS::Scraper").values()
+    roles = scraper["Properties"]["RoleConfiguration"]
+    source, target = roles["SourceRoleArn"]["Fn::GetAtt"][0], roles["TargetRoleArn"]["Fn::GetAtt"][0]
+    (source_trust,) = template["Resources"][source]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert source_trust["Principal"] == {"Service": "scraper.aps.amazonaws.com"}
+    assert source_trust["Condition"]["StringEquals"] == {"aws:SourceAccount": "222222222222"}
+    (target_trust,) = template["Resources"][target]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert target_trust["Principal"] == {"AWS": {"Fn::GetAtt": [source, "Arn"]}}
+    (workspace_id, workspace), = resources_of(template, "AWS::APS::Workspace").items()
+    target_actions = {(a, json.dumps(st["Resource"])) for p in resources_of(template, "AWS::IAM::Policy").values()
+                      if {"Ref": target} in p["Properties"]["Roles"] for st in p["Properties"]["PolicyDocument"]["Statement"]
+                      for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    assert ("aps:RemoteWrite", json.dumps({"Fn::GetAtt": [workspace_id, "Arn"]})) in target_actions
+    key = json.dumps(workspace["Properties"]["KmsKeyArn"])
+    assert {("kms:Decrypt", key), ("kms:GenerateDataKey", key)} <= target_actions
+    # AMP makes the scraper's access entry itself: none here, and no RBAC for its user.
+    entries = [json.dumps(r["Properties"]) for r in resources_of(template, "AWS::EKS::AccessEntry").values()]
+    assert not [e for e in entries if "Scraper" in e or "aps-collector" in e]
+    assert not [o for o in kubernetes_objects(template) if "aps-collector" in json.dumps(o)]
+
+
+def test_scraper_interfaces_live_in_subnets_of_their_own_whose_cidrs_are_an_output(templates):
+    template = templates["prod"]
+    (scraper,) = resources_of(template, "AWS::APS::Scraper").values()
+    subnet_ids = [s["Ref"] for s in scraper["Properties"]["Source"]["EksConfiguration"]["SubnetIds"]]
+    assert len(subnet_ids) == 3
+    cidrs = [template["Resources"][s]["Properties"]["CidrBlock"] for s in subnet_ids]
+    assert all(c.endswith("/28") for c in cidrs)
+    node_subnets = {s["Ref"] for ng in resources_of(template, "AWS::EKS::Nodegroup").values() for s in ng["Properties"]["Subnets"]}
+    assert not node_subnets & set(subnet_ids)
+    output = templates["prod"]["Outputs"][names.OUTPUT_SCRAPER_CIDRS]["Value"]
+    assert output == ",".join(cidrs)  # known at synthesis: the run manifests admit scrapes from these only
+
+
 def test_keda_operator_may_query_only_the_prometheus_workspace_before_it_starts(templates):
     template = templates["prod"]
     (logical_id, association), = [(k, r) for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
@@ -236,5 +409,6 @@ def test_keda_operator_may_query_only_the_prometheus_workspace_before_it_starts(
 def test_stack_outputs_use_the_shared_keys(templates):
     outputs = templates["prod"]["Outputs"]
     for key in (names.OUTPUT_CLUSTER_NAME, names.OUTPUT_BUCKET_NAME, names.OUTPUT_TRAINER_REPOSITORY_URI,
-                names.OUTPUT_ROLLOUT_REPOSITORY_URI, names.OUTPUT_PROMETHEUS_ENDPOINT):
+                names.OUTPUT_ROLLOUT_REPOSITORY_URI, names.OUTPUT_ORCHESTRATOR_REPOSITORY_URI,
+                names.OUTPUT_PROMETHEUS_ENDPOINT, names.OUTPUT_SCRAPER_CIDRS):
         assert key in outputs

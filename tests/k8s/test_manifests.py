@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from manifest_helpers import EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
+from manifest_helpers import CLUSTER_RUNS, EXAMPLE_OUTPUTS, ROOT, find, pod_specs, run_file
 
 from moe_rl_eks.core import cluster, labels, metrics
 from moe_rl_eks.core.environment import load_cdk_json
@@ -20,7 +20,8 @@ def resolved(name: str):
 
 
 def containers(objects):
-    return [c for obj in objects for spec in pod_specs(obj) for c in spec["containers"]]
+    """Every container, init containers (the startup check) included."""
+    return [c for obj in objects for spec in pod_specs(obj) for c in spec["containers"] + spec.get("initContainers", [])]
 
 
 def test_example_runs_resolve_to_the_backends_the_auto_rule_promises():
@@ -165,13 +166,19 @@ def test_orchestrator_is_pointed_at_the_rollout_service(manifests):
         f"dns+http://qwen3-30b-a3b-p5-rollout.moe-rl.svc.cluster.local:{cluster.ROLLOUT_PORT}"]
     orchestrator = find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator")
     assert orchestrator["spec"]["replicas"] == 1
+    spec = pod_specs(orchestrator)[0]
+    # Its own small CPU image from the stack's orchestrator repository, at a class that never preempts.
+    assert spec["containers"][0]["image"] == \
+        "111111111111.dkr.ecr.us-east-1.amazonaws.com/moe-rl-dev/orchestrator:v0.1.0"
+    assert spec["priorityClassName"] == cluster.ORCHESTRATOR_PRIORITY_CLASS
     assert pod_specs(orchestrator)[0]["containers"][0]["command"] == ["moerl", "orchestrate", "--run", "/etc/moerl/run.yaml",
                                                                       "--resume", "latest"]
 
 
 def test_every_container_is_locked_down_and_sized(objects):
     found = containers(objects)
-    assert len(found) == 2 * (3 + 2)  # per run: rollout, orchestrator, trainer + two validation jobs
+    assert len(found) == 2 * 2 * (3 + 2)  # per run: rollout, orchestrator, trainer + two validation jobs, each
+    # with its startup check
     for c in found:
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] >= 10000, c["name"]
@@ -197,7 +204,8 @@ def _allowed(policies: list[dict], pod_labels: dict, source: dict | str, port: i
     selecting policy's rule allows. `source` is a peer's labels, or an IP address string."""
     import ipaddress
 
-    selecting = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+    selecting = [p for p in policies if "Ingress" in p["spec"]["policyTypes"]
+                 and p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
     if not selecting:
         return True
     for policy in selecting:
@@ -227,12 +235,57 @@ def test_network_policy_admits_exactly_the_runs_edges(manifests):
                if _allowed(policies, pods[dst], stranger if src == "stranger" else pods[src], ports[dst])}
     assert allowed == {("orchestrator", "rollout"), ("trainer", "orchestrator"), ("orchestrator", "trainer"),
                        ("trainer", "trainer")}
-    scraper = "10.20.7.9"  # inside the dev VPC, where the managed scraper's interfaces live
+    scraper = "10.20.96.20"  # in the dev stack's scraper subnets (the ScraperSubnetCidrs output)
+    other_pod = "10.20.7.9"  # any other pod of the cluster: its IP is in the nodes' private subnets
     for role, metrics_port in (("rollout", cluster.ROLLOUT_PORT), ("orchestrator", cluster.ORCHESTRATOR_PORT),
                                ("trainer", cluster.TRAINER_METRICS_PORT)):
         assert _allowed(policies, pods[role], scraper, metrics_port)
+        assert not _allowed(policies, pods[role], other_pod, metrics_port)  # port 8000 also loads weights
         assert not _allowed(policies, pods[role], "192.168.1.1", metrics_port)
     assert not _allowed(policies, pods["trainer"], scraper, cluster.TRAINER_RENDEZVOUS_PORT)
+
+
+def test_run_pods_may_not_reach_the_instance_metadata_service(manifests):
+    import ipaddress
+
+    from moe_rl_eks.k8s.run_chart import role_labels
+
+    run = "qwen3-30b-a3b-p5"
+    (policy,) = [d for d in manifests[f"{run}/run.k8s.yaml"] if d["kind"] == "NetworkPolicy"
+                 and "Egress" in d["spec"]["policyTypes"]]
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    for role in ("rollout", "orchestrator", "trainer", "validation"):  # every pod of the run, validation jobs too
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= role_labels(run, role).items()
+    (rule,) = policy["spec"]["egress"]
+    (peer,) = rule["to"]
+
+    def reachable(ip: str) -> bool:
+        block = peer["ipBlock"]
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(block["cidr"]) and \
+            not any(ipaddress.ip_address(ip) in ipaddress.ip_network(c) for c in block["except"])
+
+    assert not reachable("169.254.169.254")  # instance metadata: the node role's credentials
+    assert reachable("169.254.170.23")  # the Pod Identity agent
+    assert reachable("10.20.7.9") and reachable("52.95.110.1") and "ports" not in rule
+
+
+@pytest.mark.parametrize("run", CLUSTER_RUNS)
+def test_every_pod_starts_only_after_moerl_doctor_passes_in_its_own_image(manifests, run):
+    docs = manifests[f"{run}/run.k8s.yaml"] + manifests[f"{run}/validation.k8s.yaml"]
+    checked = 0
+    for obj in docs:
+        for spec in pod_specs(obj):
+            (main,) = spec["containers"]
+            (doctor,) = spec["initContainers"]
+            role = obj["metadata"]["labels"]["moe-rl/role"]
+            expected_role = "trainer" if role == "validation" else role
+            efa = "vpc.amazonaws.com/efa" in main["resources"]["limits"]
+            assert doctor["command"] == ["moerl", "doctor", "--role", expected_role, *(["--efa"] if efa else [])]
+            # Same image, devices, limits, security and mounts: it checks what the main container will get.
+            for field in ("image", "resources", "securityContext", "volumeMounts"):
+                assert doctor[field] == main[field], (obj["metadata"]["name"], field)
+            checked += 1
+    assert checked == 5  # rollout, orchestrator, trainer, nccl-check, ep-bench
 
 
 def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manifests):

@@ -11,7 +11,8 @@ import kubernetes_validate
 import pytest
 from manifest_helpers import DATA, ROOT
 
-from moe_rl_eks.core.environment import KUBERNETES_VERSIONS, load_cdk_json
+from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+from moe_rl_eks.core.environment import load_cdk_json
 
 CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.x-k8s.io_v1alpha2_JobSet.json",

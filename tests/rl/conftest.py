@@ -36,3 +36,18 @@ def rollout(tmp_path):
     yield {"url": f"http://127.0.0.1:{server.server_address[1]}", "engine": engine, "store": store, "run": run}
     server.shutdown()
     engine.stop()
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch):
+    """moto's S3 server on 127.0.0.1 with test credentials; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

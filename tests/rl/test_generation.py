@@ -1,37 +1,146 @@
-"""Batched sampling: a group's rows share one prefill of their prompt and still sample as if each ran alone."""
+"""Continuous-batching decoding: a group's rows share one prefill, rows join and leave at every step, and every
+row samples exactly as it would alone; the sampler's filters, logprob modes and counter-based seeds."""
 import pytest
 import torch
 from rl_helpers import tiny_run
 
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.rl.generation import Row, generate
+from moe_rl_eks.workloads.rl import generation
+from moe_rl_eks.workloads.rl.engine_api import RowRequest, SamplingParams
+from moe_rl_eks.workloads.rl.generation import Decoder, Row, SamplingRows, generate, philox4x32, sample
 
 EOS = 2
 # The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_it_would_alone(tmp_path, device):
+@pytest.fixture
+def model(tmp_path):
     run = tiny_run(tmp_path)
     torch.manual_seed(0)
-    model = MoETransformer(run.model).eval().to(device)
+    return MoETransformer(run.model).eval()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_it_would_alone(model, device,
+                                                                                                 monkeypatch):
+    model = model.to(device)
     # one prompt's group with uneven lengths (rows stop early as at end-of-sequence), and another prompt
     group = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 1, 2])]
     other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
-    batches = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batches.append(args[0].shape),
-                                           with_kwargs=True)
+    fed = []
+    forward = generation.forward_slots
+    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a: fed.append(tokens.shape) or
+                        forward(m, c, slot, tokens, *a))
     together = generate(model, group + other, EOS)
-    hook.remove()
-    assert batches[0] == (2, 6)  # two distinct prompts prefilled, the longer 6 tokens
-    decode = [shape[0] for shape in batches[1:]]
-    assert decode[0] == 5 and decode == sorted(decode, reverse=True) and decode[-1] < 5, decode  # rows left
+    assert fed[0] == (2, 6)  # two distinct prompts prefilled once each, the longer 6 tokens
+    decode = [shape[0] for shape in fed[1:]]
+    assert decode[0] == 3 and decode == sorted(decode, reverse=True) and decode[-1] == 1, decode  # rows left
     for row, got in zip(group + other, together):
         (alone,) = generate(model, [row], EOS)
         assert got.tokens == alone.tokens and got.routing == alone.routing
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert len(got.routing[0]) == len(row.prompt) + len(got.tokens) - 1
     assert len({tuple(r.tokens[:1]) for r in together[:4]}) > 1  # the group's seeds still give different samples
+
+
+def request(prompt, max_tokens, seed, row=0, **params):
+    return RowRequest(tuple(prompt), SamplingParams(max_tokens, seed=seed, **params), "r", row)
+
+
+def run_to_end(decoder: Decoder, seqs, joining=()):
+    """Step until every row finished; `joining` = (step, request) pairs added while others run."""
+    joining, step = list(joining), 0
+    while decoder.busy or joining:
+        while joining and joining[0][0] == step:
+            seqs.append(decoder.add(joining.pop(0)[1]))
+        decoder.step()
+        step += 1
+    return seqs
+
+
+def test_rows_joining_mid_decode_and_chunked_prefills_sample_as_they_would_alone(model):
+    # two slots for three rows: the third waits for a free slot; a long prompt prefills 3 tokens per step
+    # while the other row decodes
+    rows = [request([1, 5, 6], 6, 1, return_routing=True),
+            request([1, 7, 8, 9, 10, 11, 12, 13], 3, 2, return_routing=True, top_k=5),
+            request([1, 4], 2, 3, return_routing=True, temperature=0.0)]
+    decoder = Decoder(model, slots=2, max_len=16, eos_ids=[EOS], prefill_tokens=3)
+    seqs = run_to_end(decoder, [decoder.add(rows[0])], joining=[(2, rows[1]), (3, rows[2])])
+    assert decoder.free and sorted(decoder.free) == [0, 1]  # every slot came back
+    for seq, row in zip(seqs, rows):
+        alone = Decoder(model, slots=1, max_len=16, eos_ids=[EOS])
+        (ref,) = run_to_end(alone, [alone.add(row)])
+        assert seq.tokens == ref.tokens and torch.equal(seq.routing, ref.routing)
+        assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_does(model):
+    row = request([1, 6, 13, 7, 16], 6, 5, return_routing=True, logprob_mode="raw")
+    decoder = Decoder(model, slots=2, max_len=16, eos_ids=[99])
+    (seq,) = run_to_end(decoder, [decoder.add(row)])
+    ids = torch.tensor([list(row.prompt_ids) + seq.tokens])
+    with torch.no_grad():
+        out = model(ids, return_routing=True)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1)
+    want = logp[len(row.prompt_ids) - 1:].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
+    assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
+    routing = torch.stack(out.routing, 2)[0, :-1]  # [positions fed, layers, k]
+    assert torch.equal(seq.routing.long(), routing) and seq.routing.dtype == torch.uint8
+
+
+def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_seed_row_and_step():
+    zero, ones = torch.zeros(1, dtype=torch.long), torch.full((1,), 0xFFFFFFFF)
+    assert [int(w) for w in philox4x32((zero,) * 4, (zero, zero))] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C,
+                                                                        0x9B00DBD8]
+    assert [int(w) for w in philox4x32((ones,) * 4, (ones, ones))] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6,
+                                                                        0x6D5451FD]
+    u = generation.row_uniform(torch.tensor([7, 7, 7, 8]), torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 0, 0]),
+                               torch.tensor([0, 0, 1, 0]))
+    assert len(set(u.tolist())) == 4 and all(0 <= x < 1 for x in u.tolist())
+    again = generation.row_uniform(torch.tensor([7]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
+    assert again.item() == u[1].item()
+
+
+def rows_of(params: list[SamplingParams], seeds) -> SamplingRows:
+    def col(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype)
+    return SamplingRows(col([p.temperature for p in params]), col([p.top_p for p in params]),
+                        col([p.top_k for p in params], torch.long), col([p.min_p for p in params]),
+                        col([p.logprob_mode == "raw" for p in params], torch.bool), col(seeds, torch.long),
+                        col([0] * len(params), torch.long), col([0] * len(params), torch.long),
+                        col([0] * len(params), torch.long), filtered=True, any_raw=True, top_n=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_follows_the_processed_distribution_and_reports_processed_or_raw_logprobs(device):
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    params = [SamplingParams(1), SamplingParams(1, top_p=0.7), SamplingParams(1, top_k=1),
+              SamplingParams(1, min_p=0.5, logprob_mode="raw"), SamplingParams(1, temperature=0.0),
+              SamplingParams(1, temperature=0.5, top_k=3)]
+    logits = torch.log(probs).repeat(len(params), 1).to(device)
+    counts = torch.zeros(len(params), 4)
+    for draw in range(3000):
+        rows = rows_of(params, [0] * len(params))
+        rows.step = torch.full((len(params),), draw, dtype=torch.long)
+        out = sample(logits, rows.__class__(**{k: v.to(device) if torch.is_tensor(v) else v
+                                             for k, v in vars(rows).items()}))
+        counts[torch.arange(len(params)), out.tokens.cpu()] += 1
+        if draw == 0:
+            lp = out.logprobs.cpu()
+            assert lp[1].item() == pytest.approx(float(torch.log(probs[0] / 0.8)), abs=1e-5) or \
+                lp[1].item() == pytest.approx(float(torch.log(probs[1] / 0.8)), abs=1e-5)
+            assert lp[2].item() == pytest.approx(0.0, abs=1e-6)  # top-1 keeps one token: probability 1
+            assert lp[3].item() == pytest.approx(float(torch.log(probs[out.tokens[3].item()])), abs=1e-5)  # raw
+            assert out.top_ids[4].tolist() == [0, 1] and out.top_logprobs[2, 1].item() == float("-inf")
+    freq = (counts / counts.sum(1, keepdim=True)).tolist()
+    sharp = torch.tensor([0.5, 0.3, 0.15]) ** 2
+    assert freq[0] == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.03)
+    assert freq[1] == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.03)  # top-p 0.7 keeps 0.5 + 0.3
+    assert freq[2] == [1.0, 0.0, 0.0, 0.0]
+    assert freq[3] == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.03)  # min-p 0.5: p >= 0.25
+    assert freq[4] == [1.0, 0.0, 0.0, 0.0]  # greedy
+    assert freq[5] == pytest.approx((sharp / sharp.sum()).tolist() + [0.0], abs=0.03)  # temperature 0.5, top-3
 
 
 def test_the_generation_benchmark_prints_its_table(capsys):
@@ -40,25 +149,3 @@ def test_the_generation_benchmark_prints_its_table(capsys):
     assert main(["--group", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["2 distinct", "1 shared"]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_sampling_follows_the_scaled_distribution_cut_to_top_p_and_reports_the_uncut_logprob(device):
-    from moe_rl_eks.workloads.rl.generation import sample
-
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], device=device)).repeat(3, 1)
-    rows = [Row([1], 1, 1.0, 1.0, None), Row([1], 1, 1.0, 0.7, None), Row([1], 1, 0.0, 1.0, None)]
-    gens = [torch.Generator().manual_seed(s) for s in range(3)]
-    counts = torch.zeros(3, 4)
-    for _ in range(4000):
-        tokens, logprobs = sample(logits, rows, gens)
-        for row, token in enumerate(tokens):
-            counts[row, token] += 1
-        assert logprobs == pytest.approx([float(logits[0, t]) for t in tokens], abs=1e-6)  # temperature 1: log p
-    freq = counts / counts.sum(1, keepdim=True)
-    assert freq[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.03)
-    assert freq[1].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.03)  # top-p 0.7 keeps 0.5 + 0.3
-    assert freq[2].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy
-    hot, _ = sample(logits[:1] * 0 + torch.tensor([[0.0, 1.0, 0.0, 0.0]], device=device), [Row([1], 1, 0.25, 1.0, 0)],
-                    [torch.Generator().manual_seed(0)])
-    assert hot == [1]  # a low temperature sharpens towards the largest logit

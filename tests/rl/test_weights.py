@@ -1,149 +1,345 @@
-"""Weight store: atomic publication, manifest verification, directory and S3 (moto's server on loopback)."""
+"""Weight store: lineage and LATEST, atomic publication without copies, integrity (truncated file, missing shard,
+wrong checksum, corrupted header, crash mid-publish), expert-parallel parts all or none; directory and S3 (moto's
+server on loopback)."""
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from moe_rl_eks.workloads.rl.weights import MANIFEST, DirectoryStore, IncompleteVersion, S3Store, version_name
+from moe_rl_eks.workloads.model.checkpoint import MANIFEST, load_hf, save_hf
+from moe_rl_eks.workloads.model.safetensors_io import IntegrityError
+from moe_rl_eks.workloads.rl.protocol import VersionRef
+from moe_rl_eks.workloads.rl.weights import (
+    AbandonedVersion,
+    DirectoryStore,
+    IncompleteVersion,
+    S3Store,
+    StaleVersion,
+    version_name,
+)
+from moe_rl_eks.workloads.model import MoETransformer
+
+V = VersionRef
 
 
-def hf_dir(tmp_path, version, size=1000):
-    d = tmp_path / f"src{version}"
-    d.mkdir()
-    save_file({"w": torch.full((size,), float(version))}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
-    return d
+@pytest.fixture(scope="module")
+def model_config():
+    from moe_rl_eks.core.run import ModelConfig
+
+    return ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                       num_experts_per_tok=2, max_position_embeddings=64, dtype="float32")
 
 
-def publish_three_and_fetch_the_newest(store, tmp_path):
+def checkpoint(tmp_path, config, tag, value=None, **kwargs):
+    """A Hugging Face checkpoint directory; every weight equal to `value` when given (to tell versions apart)."""
+    torch.manual_seed(0)
+    state = MoETransformer(config).state_dict()
+    if value is not None:
+        state = {k: torch.full_like(v, value) for k, v in state.items()}
+    directory = tmp_path / f"src-{tag}"
+    save_hf(state, config, directory, **kwargs)
+    return directory
+
+
+def weight(directory) -> float:
+    return load_hf(directory)[1]["model.norm.weight"][0].item()
+
+
+def test_publish_fetch_and_keep_the_newest_versions_of_the_lineage(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store", keep_versions=2)
     assert store.latest() is None
     for v in range(3):
-        store.publish(v, hf_dir(tmp_path, v))
-    assert store.latest() == 2
-    got = store.fetch(2, tmp_path / "cache")
-    assert load_file(str(got / "model.safetensors"))["w"][0].item() == 2.0
-    return got
+        store.publish(v, checkpoint(tmp_path, model_config, v, value=v), lineage=0)
+    assert store.latest() == V(0, 2)
+    assert weight(store.fetch(V(0, 2), tmp_path)) == 2.0
+    assert weight(store.fetch(2, tmp_path)) == 2.0  # a plain number: that version of LATEST's lineage
+    assert sorted(p.name for p in store.root.iterdir()) == ["LATEST", version_name(V(0, 1)), version_name(V(0, 2))]
+    with pytest.raises(IncompleteVersion, match="not published"):
+        store.fetch(V(0, 0), tmp_path)
 
 
-def test_directory_store_publishes_verifies_and_keeps_the_newest_versions(tmp_path):
+def test_republishing_an_existing_version_is_a_no_op(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(1, checkpoint(tmp_path, model_config, "a", value=1.0), lineage=0)
+    store.publish(1, checkpoint(tmp_path, model_config, "b", value=7.0), lineage=0)
+    assert weight(store.fetch(V(0, 1), tmp_path)) == 1.0 and store.latest() == V(0, 1)
+
+
+def test_latest_moves_forward_only_and_an_older_version_is_refused(tmp_path, model_config):
     store = DirectoryStore(tmp_path / "store", keep_versions=2)
-    got = publish_three_and_fetch_the_newest(store, tmp_path)
-    assert set(json.loads((got / MANIFEST).read_text())["files"]) == {"model.safetensors", "config.json"}
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["LATEST", version_name(1), version_name(2)]
-    with pytest.raises(IncompleteVersion, match="version 0"):
-        store.fetch(0, tmp_path / "cache")
+    source = checkpoint(tmp_path, model_config, "a")
+    for v in (3, 4, 5):
+        store.publish(v, source, lineage=0)
+    with pytest.raises(StaleVersion, match=r"older than LATEST VersionRef\(lineage=0, version=5\)"):
+        store.publish(2, source, lineage=0)  # pruned long ago: must not come back, LATEST must not move back
+    store.publish(3, source, lineage=1)  # a restart from checkpoint 3: a new lineage
+    with pytest.raises(StaleVersion):
+        store.publish(6, source, lineage=0)  # the dead lineage's trainer, still running
+    assert store.latest() == V(1, 3)
 
 
-def test_directory_store_republishing_a_version_is_a_no_op(tmp_path):
-    store = DirectoryStore(tmp_path / "store")
-    store.publish(1, hf_dir(tmp_path, 1))
-    store.publish(1, hf_dir(tmp_path, 7))
-    assert load_file(str(store.fetch(1, tmp_path) / "model.safetensors"))["w"][0].item() == 1.0
-
-
-def test_a_failed_publication_leaves_no_version_and_no_staging_files(tmp_path):
-    store = DirectoryStore(tmp_path / "store")
-    store.publish(1, hf_dir(tmp_path, 1))
-    with pytest.raises(FileNotFoundError):
-        store.publish(2, tmp_path / "missing")
-    assert store.latest() == 1 and [p.name for p in (tmp_path / "store").iterdir() if p.name.startswith(".")] == []
-
-
-def test_a_corrupted_file_fails_verification(tmp_path):
-    store = DirectoryStore(tmp_path / "store")
-    store.publish(1, hf_dir(tmp_path, 1))
-    (tmp_path / "store" / version_name(1) / "config.json").write_text("{}")
-    with pytest.raises(IncompleteVersion, match="config.json"):
-        store.fetch(1, tmp_path)
-
-
-def test_concurrent_reader_never_sees_a_half_written_version(tmp_path):
+def test_a_new_lineage_replaces_the_dead_lineages_version_of_the_same_number(tmp_path, model_config):
     store = DirectoryStore(tmp_path / "store", keep_versions=3)
-    store.publish(0, hf_dir(tmp_path, 0, size=200_000))
-    sources = [hf_dir(tmp_path, v, size=200_000) for v in range(1, 13)]
+    for v in range(6):
+        store.publish(v, checkpoint(tmp_path, model_config, f"0-{v}", value=float(v)), lineage=0)
+    store.publish(3, checkpoint(tmp_path, model_config, "1-3", value=30.0), lineage=1)
+    assert store.latest() == V(1, 3)
+    assert weight(store.fetch(3, tmp_path)) == 30.0
+    with pytest.raises(IncompleteVersion):  # the dead lineage's versions are gone, even the newer numbers
+        store.fetch(V(0, 5), tmp_path)
+    assert sorted(p.name for p in store.root.iterdir()) == ["LATEST", version_name(V(1, 3))]
+
+
+def test_publishing_a_directory_on_the_stores_filesystem_copies_nothing(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    source = checkpoint(tmp_path, model_config, "a")
+    store.publish(0, source, lineage=0)
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(source / name).st_ino == os.stat(store.fetch(0, tmp_path) / name).st_ino  # hard links
+
+
+def test_the_manifest_holds_the_checksums_the_writer_computed(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    staged = checkpoint(tmp_path, model_config, "a")
+    with store.stage(V(0, 0)) as staging:
+        staging.facts.update(save_hf(MoETransformer(model_config).state_dict(), model_config, staging.directory))
+    files = json.loads((store.fetch(0, tmp_path) / MANIFEST).read_text())["files"]
+    assert set(files) == {"model.safetensors", "config.json"} and staged.exists()
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in files["model.safetensors"]["xxh3_64"]
+
+
+def test_a_failed_publication_leaves_no_version_and_no_staging_files(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(1, checkpoint(tmp_path, model_config, "a"), lineage=0)
+    with pytest.raises(FileNotFoundError):
+        store.publish(2, tmp_path / "missing", lineage=0)
+    assert store.latest() == V(0, 1) and [p.name for p in store.root.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_truncated_file_fails_the_fetch(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(0, checkpoint(tmp_path, model_config, "a", max_shard_bytes=20_000), lineage=0)
+    shard = sorted((store.root / version_name(V(0, 0))).glob("*.safetensors"))[1]
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(IncompleteVersion, match=f"{shard.name}: .* bytes; version .* says"):
+        store.fetch(0, tmp_path)
+
+
+def test_a_missing_shard_fails_the_fetch_and_the_load(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(0, checkpoint(tmp_path, model_config, "a", max_shard_bytes=20_000), lineage=0)
+    directory = store.root / version_name(V(0, 0))
+    shard = sorted(directory.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(IncompleteVersion, match=f"{shard.name}: missing"):
+        store.fetch(0, tmp_path)
+    with pytest.raises(ValueError, match=f"missing weights file {shard.name}"):
+        load_hf(directory)
+
+
+def test_a_wrong_checksum_fails_the_load_naming_the_tensor(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)
+    directory = store.fetch(0, tmp_path)
+    shard = directory / "model.safetensors"
+    facts = json.loads((directory / MANIFEST).read_text())["files"]["model.safetensors"]
+    with open(shard, "r+b") as f:  # flip one byte of the last tensor: same size, so only a checksum sees it
+        f.seek(facts["bytes"] - 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    store.fetch(0, tmp_path)  # sizes only: no hashing pass
+    with pytest.raises(IntegrityError, match=r"model.safetensors: tensor lm_head.weight does not match the manifest's checksum"):
+        load_hf(directory)
+
+
+def test_a_corrupted_header_fails_the_load(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)
+    shard = store.root / version_name(V(0, 0)) / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[20] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="header"):
+        load_hf(shard.parent)
+
+
+CRASH = """
+import os, sys
+from pathlib import Path
+from moe_rl_eks.workloads.rl.weights import DirectoryStore
+from moe_rl_eks.workloads.rl.protocol import VersionRef
+store = DirectoryStore(sys.argv[1])
+with store.stage(VersionRef(0, 2)) as staging:
+    for path in Path(sys.argv[2]).iterdir():
+        data = path.read_bytes()
+        (staging.directory / path.name).write_bytes(data[: len(data) // 2])
+        os.kill(os.getpid(), 9)  # killed mid-publish: half a file written, nothing committed
+"""
+
+
+def test_a_trainer_killed_mid_publish_leaves_no_readable_version(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    store.publish(1, checkpoint(tmp_path, model_config, "a"), lineage=0)
+    source = checkpoint(tmp_path, model_config, "b", value=2.0)
+    crashed = subprocess.run([sys.executable, "-c", CRASH, str(store.root), str(source)], env=os.environ)
+    assert crashed.returncode == -9
+    assert store.latest() == V(0, 1)
+    with pytest.raises(IncompleteVersion):
+        store.fetch(2, tmp_path)
+    store.publish(2, source, lineage=0)  # the next trainer publishes the same version cleanly
+    assert weight(store.fetch(2, tmp_path)) == 2.0
+    assert not [p for p in store.root.iterdir() if p.name.startswith(".staging")]  # the crash's leftovers went
+
+
+def test_a_concurrent_reader_never_sees_a_half_written_version(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store", keep_versions=3)
+    sources = [checkpoint(tmp_path, model_config, v, value=float(v)) for v in range(10)]
+    store.publish(0, sources[0], lineage=0)
     seen, errors, done = [], [], threading.Event()
 
     def reader():
         while not done.is_set():
-            v = store.latest()
+            ref = store.latest()
             try:
-                w = load_file(str(store.fetch(v, tmp_path) / "model.safetensors"))["w"]
-                seen.append(v)
-                assert torch.all(w == float(v))
+                state = load_hf(store.fetch(ref, tmp_path))[1]
             except IncompleteVersion as exc:  # pruned between latest() and fetch: only possible for old versions
-                if store.latest() - v < 2:
+                if store.latest().version - ref.version < 2:
                     errors.append(exc)
+                continue
+            seen.append(ref.version)
+            if not all(torch.all(t == float(ref.version)) for t in state.values()):
+                errors.append(f"version {ref} read with other weights")
 
     t = threading.Thread(target=reader)
     t.start()
-    for v, src in enumerate(sources, start=1):
-        store.publish(v, src)
+    for v, source in enumerate(sources[1:], start=1):
+        store.publish(v, source, lineage=0)
     done.set()
     t.join(timeout=30)
     assert not errors and seen and seen == sorted(seen)
 
 
+def stage_part(store, ref, part, parts, source, files):
+    with store.stage(ref, part=part, parts=parts) as staging:
+        for name in files:
+            (staging.directory / name).write_bytes((source / name).read_bytes())
+
+
+@pytest.fixture(params=["directory", "s3"])
+def any_store(request, tmp_path):
+    if request.param == "directory":
+        return DirectoryStore(tmp_path / "store")
+    url = request.getfixturevalue("s3_url")
+    return S3Store("weights", "run1/weights", endpoint_url=url, chunk_mib=5)
+
+
+def test_expert_parallel_parts_publish_all_together(tmp_path, model_config, any_store):
+    source = checkpoint(tmp_path, model_config, "a", value=4.0, max_shard_bytes=20_000)
+    shards = sorted(p.name for p in source.glob("*.safetensors"))
+    other = threading.Thread(target=stage_part, args=(any_store, V(0, 0), 1, 2, source, shards[1:]))
+    other.start()
+    with any_store.stage(V(0, 0), part=0, parts=2) as staging:
+        stage_part_files = [n for n in os.listdir(source) if n not in shards[1:]]
+        for name in stage_part_files:
+            (staging.directory / name).write_bytes((source / name).read_bytes())
+        staging.facts.update(staging.collect_parts(timeout_s=30))
+    other.join()
+    assert any_store.latest() == V(0, 0)
+    assert weight(any_store.fetch(0, tmp_path / "cache")) == 4.0
+
+
+def test_an_expert_parallel_version_some_rank_skipped_is_published_by_none(tmp_path, model_config, any_store):
+    source = checkpoint(tmp_path, model_config, "a")
+    any_store.publish(0, source, lineage=0)
+    any_store.skip(V(0, 1), part=1)
+    with pytest.raises(AbandonedVersion, match="rank 1 skipped"):
+        with any_store.stage(V(0, 1), part=0, parts=2) as staging:
+            (staging.directory / "config.json").write_bytes((source / "config.json").read_bytes())
+            staging.collect_parts(timeout_s=30)
+    assert any_store.latest() == V(0, 0)
+    with pytest.raises(IncompleteVersion):
+        any_store.fetch(1, tmp_path / "cache")
+
+
 @pytest.fixture
-def s3_endpoint(monkeypatch):
-    from moto.server import ThreadedMotoServer
+def s3_url(s3_endpoint):
+    """conftest's moto server, emptied (its state is per process) and with the bucket `weights`."""
+    import urllib.request
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
     import boto3
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket="weights")
-    yield url
-    server.stop()
+
+    urllib.request.urlopen(urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST"))
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="weights")
+    return s3_endpoint
 
 
-def test_s3_store_publishes_manifest_last_and_verifies_on_fetch(tmp_path, s3_endpoint):
-    store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint, keep_versions=2)
-    publish_three_and_fetch_the_newest(store, tmp_path)
-    keys = [o["Key"] for o in store.s3.list_objects_v2(Bucket="weights")["Contents"]]
-    assert not [k for k in keys if "/v00000000/" in k]  # pruned
+def test_s3_store_publishes_manifest_last_keeps_the_newest_and_verifies(tmp_path, s3_url, model_config):
+    store = S3Store("weights", "run1/weights", endpoint_url=s3_url, keep_versions=2)
+    for v in range(3):
+        store.publish(v, checkpoint(tmp_path, model_config, v, value=float(v)), lineage=0)
+    assert store.latest() == V(0, 2) and weight(store.fetch(2, tmp_path / "cache")) == 2.0
+    keys = [o["Key"] for o in store.s3.list_objects_v2(Bucket="weights", Prefix="run1/")["Contents"]]
+    assert not [k for k in keys if version_name(V(0, 0)) in k]  # pruned
     with pytest.raises(IncompleteVersion):
         store.fetch(0, tmp_path / "cache")
+    with pytest.raises(StaleVersion):  # pruned: it must not come back
+        store.publish(0, checkpoint(tmp_path, model_config, "old"), lineage=0)
 
 
-def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_endpoint, monkeypatch):
-    store = S3Store("weights", "w", endpoint_url=s3_endpoint)
-    store.publish(1, hf_dir(tmp_path, 1))
+def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path, s3_url, model_config):
+    store = S3Store("weights", "w", endpoint_url=s3_url, chunk_mib=5)
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "big.bin").write_bytes(os.urandom(12 << 20))  # 3 parts of 5 MiB
+    store.publish(0, source, lineage=0)
+    key = f"w/{version_name(V(0, 0))}/big.bin"
+    head = store.s3.head_object(Bucket="weights", Key=key, ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32") and head["ETag"].strip('"').endswith("-3")
+    fetched = store.fetch(0, tmp_path / "cache")
+    assert (fetched / "big.bin").read_bytes() == (source / "big.bin").read_bytes()
+
+
+def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_url, model_config, monkeypatch):
+    store = S3Store("weights", "w", endpoint_url=s3_url)
+    store.publish(1, checkpoint(tmp_path, model_config, "a"), lineage=0)
     calls = []
+    original = store.s3.upload_file
 
-    def dying_upload(filename, bucket, key):
+    def dying_upload(filename, bucket, key, **kwargs):
         calls.append(key)
         if len(calls) == 2:
             raise ConnectionError("network dropped mid-upload")
-        return original(filename, bucket, key)
+        return original(filename, bucket, key, **kwargs)
 
-    original = store.s3.upload_file
     monkeypatch.setattr(store.s3, "upload_file", dying_upload)
+    monkeypatch.setattr(store, "files_in_parallel", 1)
     with pytest.raises(ConnectionError):
-        store.publish(2, hf_dir(tmp_path, 2))
-    assert store.latest() == 1
-    with pytest.raises(IncompleteVersion, match="version 2"):
+        store.publish(2, checkpoint(tmp_path, model_config, "b"), lineage=0)
+    assert store.latest() == V(0, 1)
+    with pytest.raises(IncompleteVersion, match="version"):
         store.fetch(2, tmp_path / "cache")
+    keys = [o["Key"] for o in store.s3.list_objects_v2(Bucket="weights", Prefix="w/")["Contents"]]
+    assert not [k for k in keys if version_name(V(0, 2)) in k]  # the uploaded half was removed
 
 
-def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_endpoint):
+def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_url):
     from rl_helpers import tiny_run
 
-    from moe_rl_eks.workloads.model import MoETransformer
-    from moe_rl_eks.workloads.model.checkpoint import save_hf
     from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
     run = tiny_run(tmp_path)
     state = MoETransformer(run.model).state_dict()
     save_hf(state, run.model, tmp_path / "src")
-    store = S3Store("weights", "run1/weights", endpoint_url=s3_endpoint)
-    store.publish(0, tmp_path / "src")
+    store = S3Store("weights", "run1/weights", endpoint_url=s3_url)
+    store.publish(0, tmp_path / "src", lineage=0)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
     try:
         engine.load_version(0)

@@ -14,6 +14,8 @@ from torch import nn
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
+from .safetensors_io import CHECKSUM, IntegrityError, Source, fill, plan_files, read_files, write_file
+
 # Our router options beyond Qwen3-MoE go under this key of config.json (Hugging Face keeps unknown keys).
 EXTRA_KEY = "moe_rl_eks"
 EXTRA_FIELDS = ("router", "n_group", "topk_group", "routed_scaling_factor", "max_nodes_per_token",
@@ -30,6 +32,27 @@ class CheckpointError(ValueError):
     pass
 
 
+# A variant that a Qwen3-MoE loader would run wrongly (it would route with a softmax and ignore the rest) is
+# written under its own model_type and architecture, so transformers, vLLM and SGLang refuse it ("unrecognized
+# model type / architecture") instead of silently loading it as qwen3_moe. Our loader reads both.
+VARIANT_MODEL_TYPE = "moe_rl_eks_moe"
+VARIANT_ARCHITECTURE = "MoeRlEksForCausalLM"
+
+
+def qwen3_incompatibilities(config: ModelConfig) -> list[str]:
+    """What of `config` a Qwen3-MoE implementation does not compute; empty for a plain Qwen3-MoE."""
+    found = []
+    if config.router != "softmax":
+        found.append(f"router: {config.router} (scores, selection bias, group-limited top-k)")
+    if config.n_shared_experts:
+        found.append(f"n_shared_experts: {config.n_shared_experts}")
+    if config.max_nodes_per_token is not None:
+        found.append(f"max_nodes_per_token: {config.max_nodes_per_token} (node-limited routing)")
+    if config.routed_scaling_factor != 1.0:
+        found.append(f"routed_scaling_factor: {config.routed_scaling_factor}")
+    return found
+
+
 def hf_config(config: ModelConfig) -> dict:
     out = {name: getattr(config, name) for name in QWEN3_FIELDS}
     out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
@@ -38,6 +61,10 @@ def hf_config(config: ModelConfig) -> dict:
                rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
                rope_theta=config.rope_theta)
     out[EXTRA_KEY] = {name: getattr(config, name) for name in EXTRA_FIELDS}
+    variant = qwen3_incompatibilities(config)
+    if variant:
+        out.update(architectures=[VARIANT_ARCHITECTURE], model_type=VARIANT_MODEL_TYPE)
+        out[EXTRA_KEY]["not_qwen3_moe"] = variant  # says to a reader why the file is not labelled qwen3_moe
     return out
 
 
@@ -47,7 +74,8 @@ def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
         if not cond:
             raise CheckpointError(f"{source}: {field}: {hf.get(field)!r} is not supported; {allowed}")
 
-    need(hf.get("model_type") == "qwen3_moe", "model_type", "expected 'qwen3_moe'")
+    need(hf.get("model_type") in ("qwen3_moe", VARIANT_MODEL_TYPE), "model_type",
+         f"expected 'qwen3_moe' or {VARIANT_MODEL_TYPE!r} (our variants of it)")
     need(hf.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step", "every layer must be MoE (1)")
     need(not hf.get("mlp_only_layers"), "mlp_only_layers", "dense layers are not supported (expected [])")
     need(not hf.get("attention_bias", False), "attention_bias", "expected false")
@@ -62,7 +90,7 @@ def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
     fields.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     if hf.get("dtype", hf.get("torch_dtype")) in ("float32", "bfloat16"):
         fields["dtype"] = hf.get("dtype", hf.get("torch_dtype"))
-    fields.update(hf.get(EXTRA_KEY, {}))
+    fields.update({k: v for k, v in hf.get(EXTRA_KEY, {}).items() if k in EXTRA_FIELDS})
     return parse(ModelConfig, fields, source=source)
 
 
@@ -109,58 +137,128 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, exper
                    for kind in ("gate_proj", "up_proj", "down_proj") if (j, kind) not in parts]
         if missing:
             raise CheckpointError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[0]}")
-        state[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[(j, "gate_proj")], parts[(j, "up_proj")]]) for j in experts])
-        state[f"{prefix}.down_proj"] = torch.stack([parts[(j, "down_proj")] for j in experts])
+        state[f"{prefix}.gate_up_proj"] = fuse([t for j in experts for t in (parts[(j, "gate_proj")],
+                                                                               parts[(j, "up_proj")])], 2)
+        state[f"{prefix}.down_proj"] = fuse([parts[(j, "down_proj")] for j in experts], 1)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
-def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: ModelConfig, directory: str | Path,
-            *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json and safetensors shards (with an index when there is more than one) into `directory`.
-    A module is saved through its state_dict(): pass `model.gather_state()` (a collective) from EP ranks.
-    Files are written under temporary names and renamed, so a crash leaves no half-written checkpoint."""
-    from safetensors.torch import save_file
+# Kept in float32 whatever the model's dtype, as transformers keeps them: a sigmoid router's correction bias moves
+# by ~1e-3 per update, which bf16 (8 bits of mantissa) would round away.
+FLOAT32_TENSORS = ("e_score_correction_bias",)
+# The store's manifest (workloads/rl/weights.py writes it): when a checkpoint directory holds one, load_hf checks
+# every byte it reads against it.
+MANIFEST = "manifest.json"
 
+
+def published_dtype(name: str, dtype: torch.dtype, serving: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` (now `dtype`) is published and served in, for a model served in `serving`."""
+    if not dtype.is_floating_point:
+        return dtype
+    return torch.float32 if name.endswith(FLOAT32_TENSORS) else serving
+
+
+def cast_for_serving(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)`, except the FLOAT32_TENSORS (buffers), which keep their float32 values."""
+    kept = {(module, name): buf.float() for module in model.modules()
+            for name, buf in module.named_buffers(recurse=False) if name.endswith(FLOAT32_TENSORS)}
+    model.to(dtype=dtype)
+    for (module, name), value in kept.items():
+        module._buffers[name] = value.to(module._buffers[name].device)
+    return model
+
+
+def hf_sources(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], config: ModelConfig,
+               experts: range | None = None) -> list[Source]:
+    """How our state (name -> (published dtype, shape); fused experts [E_local, ...]) is laid out as Hugging Face
+    tensors: one Source per tensor we hold, its pieces the per-expert tensors (global expert numbers from
+    `experts`, default 0..). A fused gate_up_proj [E, 2I, h] is, byte for byte, expert 0's gate_proj [I, h] and
+    up_proj [I, h], then expert 1's ..., so it needs no re-layout. A tied lm_head is not written."""
+    width = config.moe_intermediate_size
+    first = experts.start if experts is not None else 0
+    sources = []
+    for name, (dtype, shape) in shapes.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        match = FUSED.match(name)
+        if match is None:
+            sources.append(Source(name, dtype, tuple(shape), ((name, tuple(shape)),)))
+            continue
+        prefix, kind = match.groups()
+        pieces = []
+        for j in range(shape[0]):
+            g = first + j
+            if kind == "gate_up_proj":
+                pieces += [(f"{prefix}.{g}.gate_proj.weight", (width, shape[2])),
+                           (f"{prefix}.{g}.up_proj.weight", (width, shape[2]))]
+            else:
+                pieces.append((f"{prefix}.{g}.down_proj.weight", tuple(shape[1:])))
+        sources.append(Source(name, dtype, tuple(shape), tuple(pieces)))
+    return sources
+
+
+def shard_name(index: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def index_json(facts: dict[str, dict]) -> str:
+    """model.safetensors.index.json from the written files' facts (transformers and vLLM find shards by it)."""
+    shards = {name: f for name, f in facts.items() if name.endswith(".safetensors")}
+    weight_map = {tensor: name for name, f in sorted(shards.items()) for tensor in f[CHECKSUM]}
+    total = sum(f["data_bytes"] for f in shards.values())
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+
+
+def fuse(pieces: list[torch.Tensor], per_expert: int) -> torch.Tensor:
+    """Stack per-expert tensors ([n, ...] each, `per_expert` of them an expert, stacked along dim 0 of the
+    expert's [per_expert * n, ...] block) into [E, per_expert * n, ...]: a view when they already lie back to
+    back in one buffer (files we wrote), else a copy."""
+    first = pieces[0]
+    shape = (len(pieces) // per_expert, per_expert * first.shape[0], *first.shape[1:])
+    step = first.numel() * first.element_size()
+    base = first.data_ptr()
+    if all(p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
+           and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and p.data_ptr() == base + i * step for i, p in enumerate(pieces)):
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    return torch.cat(pieces).view(shape)
+
+
+def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: ModelConfig, directory: str | Path,
+            *, max_shard_bytes: int = 5 * 2**30) -> dict[str, dict]:
+    """Write config.json and safetensors shards (with an index when there is more than one) into `directory`;
+    returns each file's manifest facts (size, checksums), computed while writing. A module is saved through its
+    state_dict(): pass `model.gather_state()` (a collective) from EP ranks. Files are written under temporary
+    names and renamed, so a crash leaves no half-written checkpoint."""
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
-    tensors = to_hf_tensors(state, config)
+    state = {name: t.detach() for name, t in state.items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name].cpu()
-        size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1
-             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    written = []
-    for name, shard in zip(names, shards):
-        save_file(shard, directory / f".{name}.tmp", metadata={"format": "pt"})
-        written.append(name)
+    sources = hf_sources({name: (t.dtype, tuple(t.shape)) for name, t in state.items()}, config)
+    layouts = plan_files(sources, shard_name, max_file_bytes=max_shard_bytes)
+    facts = {}
+    for layout in layouts:
+        image = torch.empty(layout.size, dtype=torch.uint8)
+        fill(image, layout, state)
+        facts[layout.name] = write_file(directory / f".{layout.name}.tmp", memoryview(image.numpy()), layout)
     files = {"config.json": json.dumps(hf_config(config), indent=2)}
-    if len(shards) > 1:
-        weight_map = {t: name for name, shard in zip(names, shards) for t in shard}
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        files[INDEX_FILE] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    if len(layouts) > 1:
+        files[INDEX_FILE] = index_json(facts)
     for name, text in files.items():
         (directory / f".{name}.tmp").write_text(text)
-        written.append(name)
-    for name in written:
+    for name in [layout.name for layout in layouts] + list(files):
         os.replace(directory / f".{name}.tmp", directory / name)
+    return facts
 
 
-def load_hf(directory: str | Path, *, experts: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, state dict with fused experts). With `experts`
-    (an EP rank's contiguous slice) only those experts' tensors are read from disk: a rank's host memory holds
-    its share of the experts, not the whole model."""
-    from safetensors import safe_open
-
+def load_hf(directory: str | Path, *, experts: range | None = None, device: str | torch.device = "cpu",
+            drop_cache: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, state dict with fused experts), straight onto
+    `device` (files in parallel, through pinned buffers; no host copy of the whole model). With `experts` (an EP
+    rank's contiguous slice) only those experts' bytes are read. When the directory holds the store's manifest,
+    every byte read is checked against it (IntegrityError otherwise). Dtypes are kept as stored."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -169,18 +267,25 @@ def load_hf(directory: str | Path, *, experts: range | None = None) -> tuple[Mod
     index = directory / INDEX_FILE
     shard_names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
                    else ["model.safetensors"])
-    wanted = range(config.num_experts) if experts is None else experts
-    tensors: dict[str, torch.Tensor] = {}
     for name in shard_names:
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory}: missing weights file {name}")
-        with safe_open(directory / name, framework="pt") as f:
-            for key in f.keys():
-                match = PER_EXPERT.match(key)
-                if experts is not None and FUSED.match(key):
-                    tensors[key] = f.get_slice(key)[experts.start:experts.stop]
-                elif match is None or int(match.group(2)) in wanted:
-                    tensors[key] = f.get_tensor(key)
+    manifest = directory / MANIFEST
+    facts = json.loads(manifest.read_text())["files"] if manifest.is_file() else None
+    if facts is not None:
+        missing = [name for name in shard_names if name not in facts]
+        if missing:
+            raise IntegrityError(f"{directory}: {missing[0]} is not in the manifest")
+    wanted_experts = range(config.num_experts) if experts is None else experts
+
+    def wanted(key: str) -> bool:
+        match = PER_EXPERT.match(key)
+        return match is None or int(match.group(2)) in wanted_experts
+
+    tensors = read_files([directory / name for name in shard_names], wanted, torch.device(device), facts,
+                         drop_cache)
+    if experts is not None:  # transformers 5's fused layout: read whole, then cut to this rank's slice
+        tensors = {k: t[experts.start:experts.stop] if FUSED.match(k) else t for k, t in tensors.items()}
     return config, from_hf_tensors(tensors, config, experts)
 
 

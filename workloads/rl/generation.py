@@ -1,18 +1,468 @@
-"""Batched sampling with a KV cache: several requests' rows decode together (left-padded prompts, one forward per
-token for the whole batch). Each row samples from its own seeded generator, so a row's tokens depend on its seed
-and the weights, not on which other rows shared its batch (up to floating-point reduction order)."""
+"""Continuous-batching decoding over a KV cache of per-row slots, and the sampler.
+
+A `Decoder` owns a cache of `slots` rows, each `max_len` positions long, and per-slot device state (length, last
+token, sampling parameters, seed words). Rows join at any step: a row waits until a slot is free, its prompt is
+prefilled (in chunks of at most `prefill_tokens` tokens, interleaved with the running rows' decode steps), and it
+then decodes one token per step until it samples a stop token or reaches its max_tokens; finished and cancelled
+rows free their slot at once. A group's rows (GRPO's n samples of one prompt, admitted together) share one
+prefill: the prompt's keys, values and routing are copied to the other rows' slots.
+
+Every row computes only on its own slot, and its randomness is a counter-based function of (seed, row, step)
+computed on the device (Philox4x32-10), so a row's tokens, logprobs and routing do not depend on which rows
+shared its steps (up to floating-point reduction order).
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import secrets
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from ..model import KVCache, MoETransformer
+from ..model import MoETransformer
+from ..model.transformer import _rotate, rotary
+from .engine_api import RowOutput, RowRequest, SamplingParams
+
+# ---- counter-based randomness ----------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor], rounds: int = 10
+               ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors holding 32-bit words. The 32 x 32-bit products
+    wrap modulo 2**64 in int64, which keeps both of their 32-bit halves exact."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
+        c0, c1, c2, c3 = ((p1 >> 32) & _MASK32) ^ c1 ^ k0, p1 & _MASK32, ((p0 >> 32) & _MASK32) ^ c3 ^ k1, p0 & _MASK32
+    return c0, c1, c2, c3
+
+
+def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key."""
+    zero = torch.zeros_like(row)
+    word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
+    return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+    top_ids: torch.Tensor | None  # [B, K] int64
+    top_logprobs: torch.Tensor | None  # [B, K] float32
 
 
 @dataclass
+class SamplingRows:
+    """Per-row sampling parameters as device tensors [B], plus host flags that let the sampler skip work no row
+    asked for."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # int64, 0 = off
+    min_p: torch.Tensor
+    raw: torch.Tensor  # bool: logprob_mode == "raw"
+    key_lo: torch.Tensor  # int64 words of the seed
+    key_hi: torch.Tensor
+    row: torch.Tensor  # int64
+    step: torch.Tensor  # int64: index of the token being sampled in the completion
+    filtered: bool  # some row has top-k, top-p < 1 or min-p > 0
+    any_raw: bool
+    top_n: int  # the largest top_logprobs asked for
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> Sampled:
+    """logits [B, V] -> a token per row and its logprob, with no host synchronisation. A row samples from
+    softmax(logits / temperature) cut by top-k, then top-p (of what top-k kept), then min-p, renormalised
+    (inverse CDF of its own counter-based uniform); temperature 0 takes the argmax. Its logprob is under that
+    processed distribution (temperature 0 counting as 1), or under softmax(logits) for logprob_mode "raw"."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    greedy = rows.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
+    logp = torch.log_softmax(scaled, -1)
+    if rows.filtered:
+        sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=logits.device)
+        keep = rank[None, :] < torch.where(rows.top_k > 0, rows.top_k, vocab)[:, None]
+        p = sorted_logp.exp() * keep
+        p = p / p.sum(-1, keepdim=True)
+        keep &= (p.cumsum(-1) - p < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1)
+        keep &= sorted_logp >= sorted_logp[:, :1] + torch.log(rows.min_p)[:, None]  # p >= min_p * p_max
+        kept = torch.zeros_like(keep).scatter(-1, order, keep)  # back to vocabulary order
+        logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), -1)
+    cdf = logp.exp().cumsum(-1)
+    u = row_uniform(rows.key_lo, rows.key_hi, rows.row, rows.step)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)[:, 0]
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    reported = logp
+    if rows.any_raw:
+        reported = torch.where(rows.raw[:, None], torch.log_softmax(logits, -1), logp)
+    logprobs = reported.gather(-1, tokens[:, None])[:, 0]
+    top_ids = top_lps = None
+    if rows.top_n:
+        top_lps, top_ids = reported.topk(rows.top_n, -1)
+    return Sampled(tokens, logprobs, top_ids, top_lps)
+
+
+# ---- the slot cache and its forward ----------------------------------------------------------------------
+@dataclass
+class SlotCache:
+    """Keys/values [L, slots + 1, max_len, H_kv, D] and the routed expert ids [slots + 1, max_len, L, k] of every
+    fed position. The extra last slot is scratch: padding positions of a forward write there."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    routing: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config, slots: int, max_len: int, device, dtype) -> "SlotCache":
+        shape = (config.num_hidden_layers, slots + 1, max_len, config.num_key_value_heads, config.head_dim)
+        ids = torch.uint8 if config.num_experts <= 256 else torch.int16
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(slots + 1, max_len, config.num_hidden_layers, config.num_experts_per_tok,
+                               dtype=ids, device=device))
+
+    @property
+    def scratch(self) -> int:
+        return self.keys.shape[1] - 1
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    def copy_prefix(self, source: int, targets: list[int], length: int) -> None:
+        """Slots `targets` start from `source`'s first `length` positions (a group's shared prompt)."""
+        idx = torch.tensor(targets, device=self.keys.device)
+        self.keys[:, idx, :length] = self.keys[:, source, :length].unsqueeze(1)
+        self.values[:, idx, :length] = self.values[:, source, :length].unsqueeze(1)
+        self.routing[idx, :length] = self.routing[source, :length]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
+           key_len: int) -> torch.Tensor:
+    """q [B, H, S, D] at `positions` [B, S] of slots `slot` [B] -> [B, H, S, D], causal over each slot's cache
+    (keys/values [slots + 1, max_len, H_kv, D]); only the first `key_len` positions are read."""
+    k = keys[slot, :key_len].transpose(1, 2)
+    v = values[slot, :key_len].transpose(1, 2)
+    mask = torch.arange(key_len, device=q.device)[None, None, :] <= positions[:, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
+                  start: torch.Tensor, count: torch.Tensor, key_len: int) -> torch.Tensor:
+    """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
+    their keys, values and routed experts go into the cache. Returns the logits [B, V] after each row's last
+    real token. The layers are the model's own modules, so the numerics are the trainer's."""
+    c = model.config
+    b, s = tokens.shape
+    device = tokens.device
+    offsets = torch.arange(s, device=device)
+    positions = start[:, None] + offsets
+    real = offsets[None, :] < count[:, None]
+    write_slot = torch.where(real, slot[:, None], cache.scratch)
+    write_pos = torch.where(real, positions, 0)
+    h = model.model.embed_tokens(tokens)
+    cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
+    routed = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).view(b, s, attn.heads, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim)).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
+        cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
+        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len)
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
+        moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size))
+        h = h + moe.out.view(b, s, c.hidden_size)
+        routed.append(moe.ids)
+    cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
+    last = h[torch.arange(b, device=device), count - 1]
+    return model.lm_head(model.model.norm(last))
+
+
+# ---- rows and the decoder ----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Sequence:
+    """One row in the decoder: its request, where it lives, what it produced."""
+
+    request: RowRequest
+    seed: int  # the resolved seed (fresh entropy when the request had none)
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    slot: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    routing: torch.Tensor | None = None  # [positions, layers, k] on the device, kept when the row finishes
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+
+@dataclass(eq=False)
+class Group:
+    """Rows admitted together with one prompt: the leader's slot is prefilled, the others copy it."""
+
+    rows: list[Sequence]
+    prefilled: int = 0  # prompt tokens in the leader's cache so far
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.rows[0].prompt
+
+
+@dataclass
+class StepEvents:
+    """What one step produced: per row that sampled, (row, token, logprob, top alternatives); rows that
+    finished (finish_reason set, slot freed)."""
+
+    sampled: list[tuple[Sequence, int, float, list[tuple[int, float]] | None]]
+    finished: list[Sequence]
+
+
+class Decoder:
+    """Continuous batching over a slot cache. Not thread-safe: one thread (the engine's loop) calls it."""
+
+    def __init__(self, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int],
+                 prefill_tokens: int = 4096) -> None:
+        self.model, self.eos_ids = model, frozenset(eos_ids)
+        self.prefill_tokens = prefill_tokens
+        param = next(model.parameters())
+        self.device = param.device
+        self.cache = SlotCache.allocate(model.config, slots, max_len, self.device, param.dtype)
+        self.free = list(range(slots - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Group] = []
+        self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
+        self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
+        self.last_token = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.cache.scratch
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def running(self) -> int:
+        return sum(len(g.rows) for g in self.prefilling) + len(self.decoding)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def add(self, request: RowRequest) -> Sequence:
+        """Queue a row; it is admitted when a slot is free. Raises ValueError if it can never fit."""
+        need = len(request.prompt_ids) + 1
+        if need > self.max_len:
+            raise ValueError(f"prompt_ids: {len(request.prompt_ids)} tokens; this engine holds at most "
+                             f"{self.max_len - 1} prompt tokens per row")
+        vocab = self.model.config.vocab_size
+        if max(request.prompt_ids) >= vocab:
+            raise ValueError(f"prompt_ids: token id {max(request.prompt_ids)} is outside [0, {vocab})")
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(64)
+        seq = Sequence(request, seed, self.eos_ids | frozenset(request.params.stop_token_ids),
+                       top_logprobs=[] if request.params.top_logprobs else None)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> bool:
+        """Finish `seq` with "abort" if it has not finished; True if it was still going. A cancelled row in a
+        group's shared prefill keeps its slot until that prefill ends (the others still need it)."""
+        if seq.finish_reason is not None:
+            return False
+        seq.finish_reason = "abort"
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.decoding:
+            self.decoding.remove(seq)
+            self._release(seq)
+        else:
+            for group in self.prefilling:
+                if all(r.finish_reason is not None for r in group.rows):
+                    self.prefilling.remove(group)
+                    for r in group.rows:
+                        self._release(r, keep_routing=False)
+                    break
+        return True
+
+    @torch.no_grad()
+    def step(self, *, forward_when_idle: bool = False) -> StepEvents:
+        """One step: admit waiting rows into free slots, run one prefill chunk if any prompt is being prefilled,
+        then one decode forward for every row with a token to feed. `forward_when_idle` runs a decode forward on
+        the scratch slot even with no rows (expert-parallel ranks must all join every forward)."""
+        events = StepEvents([], [])
+        self._admit()
+        if self.prefilling:
+            self._prefill_chunk(events)
+        if self.decoding or forward_when_idle:
+            self._decode(events)
+        return events
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Move waiting rows into free slots, a prompt's consecutive rows as one group (one prefill)."""
+        while self.waiting and self.free:
+            first = self.waiting[0]
+            group = Group([])
+            while self.waiting and self.free and self.waiting[0].prompt == first.prompt:
+                seq = self.waiting.popleft()
+                seq.slot = self.free.pop()
+                self.length[seq.slot] = 0
+                group.rows.append(seq)
+            self.prefilling.append(group)
+
+    def _prefill_chunk(self, events: StepEvents) -> None:
+        """Prefill up to `prefill_tokens` prompt tokens of the groups in order (at least one token of the
+        first), as one forward with each group's chunk right-padded."""
+        budget, chunks = self.prefill_tokens, []
+        for group in self.prefilling:
+            take = min(len(group.prompt) - group.prefilled, budget)
+            if take <= 0:
+                break
+            chunks.append((group, take))
+            budget -= take
+        width = max(take for _, take in chunks)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, (group, take) in enumerate(chunks):
+            tokens[i, :take] = torch.tensor(group.prompt[group.prefilled:group.prefilled + take])
+        dev = self.device
+        slot = torch.tensor([g.rows[0].slot for g, _ in chunks], device=dev)
+        start = torch.tensor([g.prefilled for g, _ in chunks], device=dev)
+        count = torch.tensor([take for _, take in chunks], device=dev)
+        key_len = max(g.prefilled + take for g, take in chunks)
+        logits = forward_slots(self.model, self.cache, slot, tokens.to(dev), start, count, key_len)
+        done, done_logits = [], []
+        for i, (group, take) in enumerate(chunks):
+            group.prefilled += take
+            self.length[group.rows[0].slot] = group.prefilled
+            if group.prefilled == len(group.prompt):
+                done.append(group)
+                done_logits.append(i)
+        if not done:
+            return
+        rows, which = [], []
+        for group, i in zip(done, done_logits):
+            self.prefilling.remove(group)
+            leader, length = group.rows[0].slot, group.prefilled
+            others = [r.slot for r in group.rows[1:]]
+            if others:
+                self.cache.copy_prefix(leader, others, length)
+            for r in group.rows:
+                self.length[r.slot] = length
+                if r.finish_reason is None:
+                    rows.append(r)
+                    which.append(i)
+                else:  # cancelled while its group prefilled
+                    self._release(r, keep_routing=False)
+        if rows:
+            self._sample(rows, logits[torch.tensor(which, device=dev)], events)
+
+    def _decode(self, events: StepEvents) -> None:
+        rows = list(self.decoding)
+        dev = self.device
+        if rows:
+            slot = torch.tensor([r.slot for r in rows], device=dev)
+            start = torch.tensor([self.length[r.slot] for r in rows], device=dev)
+            key_len = max(self.length[r.slot] for r in rows) + 1
+        else:  # an idle expert-parallel rank: one scratch row keeps it in step with the others
+            slot = torch.tensor([self.slots], device=dev)
+            start = torch.zeros(1, dtype=torch.long, device=dev)
+            key_len = 1
+        tokens = self.last_token[slot][:, None]
+        logits = forward_slots(self.model, self.cache, slot, tokens, start, torch.ones_like(start), key_len)
+        for r in rows:
+            self.length[r.slot] += 1
+        self.decoding = []
+        if rows:
+            self._sample(rows, logits, events)
+
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor, events: StepEvents) -> None:
+        dev = self.device
+        params = [r.params for r in rows]
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = SamplingRows(
+            temperature=col([p.temperature for p in params]), top_p=col([p.top_p for p in params]),
+            top_k=col([p.top_k for p in params], torch.long), min_p=col([p.min_p for p in params]),
+            raw=col([p.logprob_mode == "raw" for p in params], torch.bool),
+            key_lo=col([r.seed & 0xFFFFFFFF for r in rows], torch.long),
+            key_hi=col([r.seed >> 32 for r in rows], torch.long),
+            row=col([r.request.row for r in rows], torch.long), step=col([len(r.tokens) for r in rows], torch.long),
+            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+            any_raw=any(p.logprob_mode == "raw" for p in params), top_n=max(p.top_logprobs for p in params))
+        out = sample(logits, batch)
+        self.last_token[torch.tensor([r.slot for r in rows], device=dev)] = out.tokens
+        # One transfer to the host per step: tokens (exact in float64), logprobs and any alternatives.
+        packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
+        if out.top_ids is not None:
+            packed += [out.top_ids.double(), out.top_logprobs.double()]
+        host = torch.cat(packed, 1).cpu().tolist()
+        for r, values in zip(rows, host):
+            token, logprob = int(values[0]), values[1]
+            top = None
+            if r.params.top_logprobs:
+                n, k = r.params.top_logprobs, batch.top_n
+                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + k:2 + k + n])]
+                r.top_logprobs.append(top)
+            r.tokens.append(token)
+            r.logprobs.append(logprob)
+            events.sampled.append((r, token, logprob, top))
+            if token in r.stop_ids:
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= r.params.max_tokens or self.length[r.slot] >= self.max_len:
+                r.finish_reason = "length"
+            if r.finish_reason is None:
+                self.decoding.append(r)
+            else:
+                events.finished.append(r)
+                self._release(r)
+
+    def _release(self, seq: Sequence, keep_routing: bool = True) -> None:
+        """Free a finished row's slot; first keep (on the device) the expert ids of its fed positions, prompt +
+        completion[:-1], if it asked for them."""
+        if seq.slot is None:
+            return
+        if keep_routing and seq.params.return_routing:
+            seq.routing = self.cache.routing[seq.slot, :self.length[seq.slot]].clone()
+        self.free.append(seq.slot)
+        seq.slot = None
+
+
+def output(seq: Sequence, version: int) -> RowOutput:
+    """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
+    routing = seq.routing.cpu().numpy() if seq.routing is not None else None
+    return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version)
+
+
+# ---- one-shot decoding of a list of rows --------------------------------------------------------------------
+@dataclass
 class Row:
+    """A row for `generate`, the one-shot API (local evaluation, tests): plain sampling fields."""
+
     prompt: list[int]
     max_tokens: int
     temperature: float
@@ -30,117 +480,28 @@ class RowResult:
     routing: list[list[list[int]]] | None = None
 
 
-def sample(logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
-    """logits [B, V] -> per row (token, its log-probability under the temperature-scaled distribution before
-    top-p); the trainer scores tokens under that same distribution. temperature 0 = greedy (logprob at
-    temperature 1). One pass over the batch on the logits' device; a row's only randomness is one uniform from
-    its own seeded generator (inverse-CDF sampling), so its draw does not depend on the other rows."""
-    logits = logits.float()
-    device = logits.device
-    temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=device)[:, None]
-    logp = torch.log_softmax(logits / temperature, -1)
-    probs = logp.exp()
-    if any(r.top_p < 1 for r in rows):  # keep the smallest prefix of the sorted distribution whose mass reaches top_p
-        top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
-        sorted_p, order = probs.sort(-1, descending=True)
-        kept = (sorted_p.cumsum(-1) - sorted_p < top_p) | (top_p >= 1)
-        # The cut is applied in vocabulary order, so a row's draw does not depend on whether others needed one.
-        probs = probs * torch.zeros_like(kept).scatter(-1, order, kept)
-    cdf = probs.cumsum(-1)
-    u = torch.tensor([float(torch.rand(1, generator=g)) for g in generators], device=device)[:, None]
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=logits.shape[-1] - 1)
-    greedy = torch.tensor([r.temperature == 0 for r in rows], device=device)[:, None]
-    tokens = torch.where(greedy, logits.argmax(-1, keepdim=True), tokens)
-    return tokens[:, 0].tolist(), logp.gather(-1, tokens)[:, 0].tolist()
-
-
 @torch.no_grad()
-def generate(model: MoETransformer, rows: list[Row], eos_id: int, pad_id: int = 0, *, steps: int | None = None,
-             any_active: Callable[[bool], bool] = bool) -> list[RowResult]:
-    """Decode `rows` together. On an expert-parallel server each rank decodes its own rows and every forward
-    exchanges tokens with the other ranks, so they must run the same number of forwards: `steps` is then the
-    largest max_tokens over every rank's rows and `any_active` says whether any rank still has a row decoding."""
-    b = len(rows)
-    prompt_len = max(len(r.prompt) for r in rows)
-    steps = max(r.max_tokens for r in rows) if steps is None else steps
-    device = next(model.parameters()).device
-    # A group's rows (GRPO samples n completions of one prompt) share their prompt: each distinct prompt is
-    # prefilled once and every row starts from a copy of its prompt's cache.
-    distinct: dict[tuple[int, ...], int] = {}
-    source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows], device=device)
-    ids = torch.full((len(distinct), prompt_len), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(len(distinct), prompt_len, dtype=torch.bool, device=device)
-    for i, prompt in enumerate(distinct):
-        ids[i, prompt_len - len(prompt):] = torch.tensor(prompt)
-        mask[i, prompt_len - len(prompt):] = True
-    positions = (mask.long().cumsum(1) - 1).clamp(min=0)
-    dtype = next(model.parameters()).dtype
-    prefill = KVCache.allocate(model.config, len(distinct), prompt_len, device, dtype)
-    want_routing = any(r.want_routing for r in rows)
-    out = model(ids, positions=positions, kv_cache=prefill, attention_mask=mask, return_routing=want_routing)
-    cache = KVCache.allocate(model.config, b, prompt_len + steps, device, dtype)
-    cache.take_prefix(prefill, source)
-    del prefill
-    mask, positions = mask[source], positions[source]
-    generators = []
-    for r in rows:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(r.seed) if r.seed is not None else g.seed()
-        generators.append(g)
-    results = [RowResult(routing=[[] for _ in range(model.config.num_hidden_layers)] if r.want_routing else None)
-               for r in rows]
-    # Decoding feeds only the rows in `live` (indices into `rows`); routing_steps keeps which rows each step had.
-    live = list(range(b))
-    routing_steps = [([layer[source] for layer in out.routing], mask, live)] if want_routing else []
-    logits = out.logits[:, -1][source]
-    next_pos = positions[:, -1] + 1
-
-    def decoding(i: int) -> bool:
-        return not results[i].finished and len(results[i].tokens) < rows[i].max_tokens
-
-    for step in range(steps):
-        # The live rows still decoding sample together on the device; their tokens and logprobs come down once.
-        fed = [pad_id] * len(live)
-        todo = [j for j, i in enumerate(live) if decoding(i)]
-        if todo:
-            picked = logits if len(todo) == len(live) else logits[torch.tensor(todo, device=device)]
-            tokens, logprobs = sample(picked, [rows[live[j]] for j in todo], [generators[live[j]] for j in todo])
-            for j, token, logprob in zip(todo, tokens, logprobs):
-                res = results[live[j]]
-                res.tokens.append(token)
-                res.logprobs.append(logprob)
-                res.finished = token == eos_id
-                fed[j] = token
-        active = [j for j in todo if decoding(live[j])]
-        if not any_active(bool(active)) or step == steps - 1:
+def decode_all(model: MoETransformer, requests: list[RowRequest], eos_ids: Iterable[int], *,
+               any_active: Callable[[bool], bool] | None = None) -> list[Sequence]:
+    """Decode `requests` to the end in one decoder sized for them. On an expert-parallel server each rank decodes
+    its own rows and every forward exchanges tokens with the other ranks, so there every rank runs one prefill
+    forward (all its prompts) and then decode forwards while `any_active` says some rank still has a row
+    decoding."""
+    decoder = Decoder(model, slots=len(requests), max_len=max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
+                      eos_ids=eos_ids, prefill_tokens=sum(len(r.prompt_ids) for r in requests))
+    seqs = [decoder.add(r) for r in requests]
+    while decoder.busy or any_active is not None:
+        decoder.step(forward_when_idle=any_active is not None)
+        if any_active is not None and not any_active(decoder.busy):
             break
-        if len(active) <= len(live) // 2:
-            # Drop the finished rows once they are half the batch: each copy of the cache is at most half the
-            # last, so the copies cost less than one more cache, while every later step computes only live rows.
-            keep = torch.tensor(active, dtype=torch.long, device=device)
-            cache, next_pos = cache.keep_rows(keep), next_pos[keep]
-            live, fed = [live[j] for j in active], [fed[j] for j in active]
-        out = model(torch.tensor(fed, dtype=torch.long, device=device)[:, None], positions=next_pos[:, None],
-                    kv_cache=cache, return_routing=want_routing)
-        if want_routing:
-            routing_steps.append((out.routing, torch.ones(len(live), 1, dtype=torch.bool), live))
-        logits = out.logits[:, -1]
-        next_pos = next_pos + 1
-    if want_routing:
-        _collect_routing(rows, results, routing_steps)
-    return results
+    return seqs
 
 
-def _collect_routing(rows: list[Row], results: list[RowResult], steps) -> None:
-    """Keep, per row, the routing of the positions the trainer will feed: its prompt and completion[:-1]. Each
-    step's ids come to the host once, as one tensor."""
-    for routing, valid, live in steps:
-        ids, valid = torch.stack(routing).cpu(), valid.cpu()  # [layers, live rows, positions, k]
-        for j, i in enumerate(live):
-            if rows[i].want_routing:
-                for layer, kept in enumerate(ids[:, j][:, valid[j]].tolist()):
-                    results[i].routing[layer].extend(kept)
-    for r, res in zip(rows, results):
-        if r.want_routing:
-            wanted = len(r.prompt) + len(res.tokens) - 1
-            res.routing = [layer[:wanted] for layer in res.routing]
+def generate(model: MoETransformer, rows: list[Row], eos_id: int) -> list[RowResult]:
+    """`decode_all` for plain rows; routing per layer as nested lists (what the trainer's batch holds)."""
+    requests = [RowRequest(tuple(r.prompt), SamplingParams(r.max_tokens, r.temperature, r.top_p, seed=r.seed,
+                                                           return_routing=r.want_routing), str(i), 0)
+                for i, r in enumerate(rows)]
+    return [RowResult(s.tokens, s.logprobs, s.finish_reason == "stop",
+                      s.routing.transpose(0, 1).tolist() if s.routing is not None else None)
+            for s in decode_all(model, requests, [eos_id])]

@@ -23,7 +23,8 @@ from ..model import MoETransformer
 from ..model.transformer import weights_dtype
 from ..model.checkpoint import load_hf
 from ..moe.parallel import ExpertParallel, local_experts
-from .generation import Row, RowResult, generate
+from .engine_api import RowRequest, SamplingParams
+from .generation import Sequence, decode_all
 
 log = logging.getLogger(__name__)
 # The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
@@ -89,29 +90,30 @@ class Replica:
         self.model = model.to(device=self.device, dtype=weights_dtype(config)).eval()
         self.version = version
 
-    def generate(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
-        """Sample `rows`; on rank 0 the results in order, on the other ranks None."""
-        self._tell("generate", rows, eos_id)
+    def generate(self, rows: list[RowRequest], eos_ids: tuple[int, ...]) -> list[Sequence] | None:
+        """Decode `rows` to the end; on rank 0 the finished rows in order, on the other ranks None."""
+        self._tell("generate", rows, eos_ids)
         if self.size == 1:
-            return generate(self.model, rows, eos_id)
+            return decode_all(self.model, rows, eos_ids)
         try:
-            return self._generate_share(rows, eos_id)
+            return self._generate_share(rows, eos_ids)
         except Exception:
             # The other ranks are inside a collective this rank will never join: end the whole server (torchrun
             # stops every rank, Kubernetes restarts the pod) rather than leave it hung.
             log.exception("rank %d failed in a sharded batch; stopping the server", self.rank)
             os._exit(1)
 
-    def _generate_share(self, rows: list[Row], eos_id: int) -> list[RowResult] | None:
+    def _generate_share(self, rows: list[RowRequest], eos_ids: tuple[int, ...]) -> list[Sequence] | None:
         bounds = [len(rows) * r // self.size for r in range(self.size + 1)]
         mine = rows[bounds[self.rank]:bounds[self.rank + 1]]
         # A rank with no rows still runs every forward: a one-token placeholder row keeps its shapes valid.
-        placeholder = [Row([eos_id], 1, 0.0, 1.0, 0)]
-        results = generate(self.model, mine or placeholder, eos_id, steps=max(r.max_tokens for r in rows),
-                           any_active=self._any)
+        placeholder = [RowRequest((eos_ids[0],), SamplingParams(1, temperature=0.0), "placeholder", 0)]
+        seqs = decode_all(self.model, mine or placeholder, eos_ids, any_active=self._any)
+        for seq in seqs:  # routing travels to rank 0 through host memory
+            seq.routing = seq.routing.cpu() if seq.routing is not None else None
         parts = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(results if mine else [], parts, dst=0, group=self.control)
-        return [r for part in parts for r in part] if self.rank == 0 else None
+        dist.gather_object(seqs if mine else [], parts, dst=0, group=self.control)
+        return [s for part in parts for s in part] if self.rank == 0 else None
 
     def stop(self) -> None:
         self._tell("stop")

@@ -1,59 +1,53 @@
-"""Tasks and rewards. The built-in task is verifiable arithmetic; rewards combine exact-answer checking, a format
-reward, an optional custom function (by import path) and an optional remote reward service over HTTP.
+"""Rewards: one function per run (`rl.reward.function`), scored for many completions at once.
 
-A reward that raises, times out or returns a non-number is counted and scores `failure_reward`: one bad scorer
-must not stop a run that costs GPUs by the hour."""
+- `arithmetic`: the built-in task's exact integer answer plus a format reward; pure and bounded by the
+  completion's length, so it runs inline.
+- `math`: the completion's answer checked against the ground truth by math-verify (LaTeX, \\boxed{}, fractions,
+  expressions), plus the format reward.
+- a custom function with verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`,
+  returning a number or a mapping with a "score" (verl's reward functions return either).
+- `remote_url`: an HTTP scorer, called with batches of items, several batches at once.
+
+`math` and custom functions run in worker processes: every call has `timeout_s`, and a call that runs past it
+has its process killed and replaced (a thread could not be stopped, and a hung sympy call would hold a core for
+the rest of the run). A call that raises, times out or returns something other than a finite number yields
+RewardResult(score=None, error=...): the orchestrator masks that sample; no made-up score enters a group.
+
+Torch-free: the orchestrator and the reward worker processes import it."""
 from __future__ import annotations
 
 import importlib
 import json
 import logging
 import math
-import random
+import multiprocessing
+import queue
 import re
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from moe_rl_eks.core.rl_config import RewardConfig, TaskConfig
+from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.core.schema import ConfigError
 
+from .data import ArithmeticTask, Prompt  # noqa: F401 -- ArithmeticTask: trainer/orchestrator import it from here
+
 log = logging.getLogger(__name__)
-RewardFn = Callable[[str, str, str], float]
 INTEGER = re.compile(r"-?\d+")
+Item = tuple[Prompt, str, bool]  # (prompt, completion text, finished: ended with a stop token, not max_tokens)
+WORKER_START_TIMEOUT_S = 120  # importing a reward module (sympy for math) is not part of any call's timeout
 
 
 @dataclass(frozen=True)
-class Problem:
-    index: int
-    prompt: str
-    answer: str
-
-
-class ArithmeticTask:
-    """Problem i is a pure function of (seed, i), so a resumed run draws the same prompts from its cursor."""
-
-    def __init__(self, cfg: TaskConfig, seed: int) -> None:
-        self.cfg, self.seed = cfg, seed
-
-    def problem(self, index: int) -> Problem:
-        rng = random.Random(self.seed * 1_000_003 + index)
-        a, b = rng.randint(0, self.cfg.max_operand), rng.randint(0, self.cfg.max_operand)
-        op = rng.choice(self.cfg.operators)
-        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return Problem(index, f"{a}{op}{b}=", str(answer))
-
-    def well_formed_example(self, index: int) -> str:
-        """A completion of the right shape but a random value: the supervised warm-up teaches the format only,
-        so the reward that RL adds is measured separately from what warm-up taught."""
-        rng = random.Random(self.seed * 7_919 + index)
-        answers = sorted({int(self.problem(i).answer) for i in range(64)})
-        return str(rng.randint(min(answers), max(answers)))
+class RewardResult:
+    score: float | None  # None = the reward failed (timeout, exception, not a number): mask the sample
+    error: str | None = None
 
 
 def exact_answer(completion: str, answer: str) -> float:
-    return 1.0 if completion.strip() == answer else 0.0
+    return 1.0 if completion.strip() == str(answer) else 0.0
 
 
 def well_formed(completion: str, finished: bool) -> float:
@@ -61,49 +55,213 @@ def well_formed(completion: str, finished: bool) -> float:
     return 1.0 if finished and INTEGER.fullmatch(completion) else 0.0
 
 
-def import_reward(path: str) -> RewardFn:
+def arithmetic_score(cfg: RewardConfig, prompt: Prompt, completion: str, finished: bool) -> float:
+    return (cfg.correct_weight * exact_answer(completion, prompt.ground_truth)
+            + cfg.format_weight * well_formed(completion, finished))
+
+
+def math_answer_score(completion: str, ground_truth: Any) -> tuple[bool, bool]:
+    """(correct, answered): whether math-verify finds an answer in the completion, and whether it equals the
+    ground truth. A bare ground truth is read as the content of \\boxed{} (datasets store "1/2", "\\frac{1}{2}")."""
+    from math_verify import parse, verify
+
+    # Its own signal-based timeouts are off: the worker's timeout is the one limit, and it reports failure.
+    gold = parse(str(ground_truth) if "\\boxed" in str(ground_truth) or "$" in str(ground_truth)
+                 else f"\\boxed{{{ground_truth}}}", parsing_timeout=None)
+    answer = parse(completion, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math-verify cannot read the ground truth {ground_truth!r}")
+    return bool(answer) and verify(gold, answer, timeout_seconds=None), bool(answer)
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, dict) and "score" in value:
+        value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"returned {value!r}; expected a finite number or a mapping with a finite 'score'")
+    return float(value)
+
+
+def import_function(path: str) -> Callable:
     module, _, name = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError("rl.reward", "custom", path, f"cannot import it ({exc})") from None
+        raise ConfigError("rl.reward", "function", path, f"cannot import it ({exc})") from None
     if not callable(fn):
-        raise ConfigError("rl.reward", "custom", path, "is not callable")
+        raise ConfigError("rl.reward", "function", path, "is not callable")
     return fn
 
 
-def remote_reward(url: str, timeout_s: float) -> RewardFn:
-    def score(prompt: str, completion: str, answer: str) -> float:
-        body = json.dumps({"prompt": prompt, "completion": completion, "answer": answer}).encode()
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.load(resp)["reward"]
-    return score
+# --- worker processes --------------------------------------------------------------------------------------------
 
+def _scorer_in_worker(function: str, correct_weight: float, format_weight: float) -> Callable[..., float]:
+    if function == "math":
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call with timeouts off
+
+        def score(data_source, solution_str, ground_truth, extra_info, finished):
+            correct, answered = math_answer_score(solution_str, ground_truth)
+            return correct_weight * correct + format_weight * (answered and finished)
+        return score
+    fn = import_function(function)
+    return lambda data_source, solution_str, ground_truth, extra_info, finished: \
+        _finite(fn(data_source, solution_str, ground_truth, extra_info))
+
+
+def _worker_main(conn, function: str, correct_weight: float, format_weight: float) -> None:
+    """Say "ready", then score one item per message, forever: (data_source, solution_str, ground_truth,
+    extra_info, finished) -> ("ok", score) or ("error", message)."""
+    score = _scorer_in_worker(function, correct_weight, format_weight)
+    conn.send(("ready", None))
+    while True:
+        try:
+            item = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", _finite(score(*item))))
+        except Exception as exc:  # noqa: BLE001 -- user code: any failure is reported, the worker lives on
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    def __init__(self, ctx, cfg: RewardConfig) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, cfg.function, cfg.correct_weight,
+                                                           cfg.format_weight), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if not self.ready:
+            if not self.conn.poll(WORKER_START_TIMEOUT_S):
+                raise TimeoutError(f"the reward worker did not start within {WORKER_START_TIMEOUT_S} s")
+            self.conn.recv()
+            self.ready = True
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class WorkerPool:
+    """`size` scoring processes. A call checks a worker out of the idle queue, so each worker serves one call at
+    a time; a worker whose call times out (or dies) is killed and replaced by a fresh one."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        # spawn, not fork: the orchestrator has threads (HTTP, health checks) that a forked child would inherit
+        # in whatever state they were.
+        self.cfg, self.ctx = cfg, multiprocessing.get_context("spawn")
+        self.idle: queue.Queue[_Worker] = queue.Queue()
+        for _ in range(cfg.workers):
+            self.idle.put(_Worker(self.ctx, cfg))
+        self.threads = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reward")
+
+    def call(self, item: tuple) -> RewardResult:
+        worker = self.idle.get()
+        try:
+            worker.wait_ready()
+            worker.conn.send(item)
+            if not worker.conn.poll(self.cfg.timeout_s):
+                raise TimeoutError(f"no score within rl.reward.timeout_s ({self.cfg.timeout_s:g} s)")
+            status, value = worker.conn.recv()
+        except (TimeoutError, EOFError, OSError) as exc:
+            worker.kill()
+            worker = _Worker(self.ctx, self.cfg)
+            why = str(exc) if isinstance(exc, TimeoutError) else f"the reward worker died ({type(exc).__name__})"
+            return RewardResult(None, why)
+        finally:
+            self.idle.put(worker)
+        return RewardResult(value, None) if status == "ok" else RewardResult(None, value)
+
+    def map(self, items: list[tuple]) -> list[RewardResult]:
+        return list(self.threads.map(self.call, items))
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=True)
+        while not self.idle.empty():
+            self.idle.get().kill()
+
+
+# --- remote ------------------------------------------------------------------------------------------------------
+
+def _remote_batch(url: str, timeout_s: float, batch: list[dict]) -> list[RewardResult]:
+    """POST {"items": [...]} -> {"scores": [number | null, ...]} in the same order; a failed request fails every
+    item of its batch, a null fails its item."""
+    req = urllib.request.Request(url, data=json.dumps({"items": batch}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            scores = json.load(resp)["scores"]
+        if not isinstance(scores, list) or len(scores) != len(batch):
+            raise ValueError(f"expected {len(batch)} scores, got {scores!r:.200}")
+    except Exception as exc:  # noqa: BLE001 -- network, HTTP status, malformed answers: all fail the batch
+        return [RewardResult(None, f"remote reward {url}: {type(exc).__name__}: {exc}")] * len(batch)
+    out = []
+    for s in scores:
+        try:
+            out.append(RewardResult(_finite(s), None))
+        except TypeError as exc:
+            out.append(RewardResult(None, f"remote reward {url}: {exc}"))
+    return out
+
+
+# --- the scorer --------------------------------------------------------------------------------------------------
 
 class RewardScorer:
+    """Scores (prompt, completion, finished) items with the run's reward function. `score_many` is thread-safe;
+    `failures` and `calls` are counted under one lock."""
+
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
-        self.extra: list[tuple[str, RewardFn]] = []
-        if cfg.custom:
-            self.extra.append(("custom", import_reward(cfg.custom)))
-        if cfg.remote_url:
-            self.extra.append(("remote", remote_reward(cfg.remote_url, cfg.remote_timeout_s)))
-        self.failures = 0
+        self.failures = self.calls = 0
         self._lock = threading.Lock()
+        self._pool: WorkerPool | None = None
+        self._remote: ThreadPoolExecutor | None = None
+        if cfg.remote_url:
+            self._remote = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="remote-reward")
+        elif cfg.custom:
+            import_function(cfg.custom)  # a wrong path is a config error now, not a failure per sample later
+
+    def score_many(self, items: list[Item]) -> list[RewardResult]:
+        if self.cfg.remote_url:
+            results = self._score_remote(items)
+        elif self.cfg.function == "arithmetic":
+            results = [RewardResult(arithmetic_score(self.cfg, p, text, finished), None) for p, text, finished in items]
+        else:
+            if self._pool is None:
+                with self._lock:
+                    self._pool = self._pool or WorkerPool(self.cfg)
+            results = self._pool.map([(p.data_source, text, p.ground_truth, p.extra_info, finished)
+                                      for p, text, finished in items])
+        failed = [r for r in results if r.score is None]
+        with self._lock:
+            self.calls += len(results)
+            self.failures += len(failed)
+        for r in failed[:1]:
+            log.warning("%d of %d rewards failed, e.g. %s", len(failed), len(results), r.error)
+        return results
+
+    def _score_remote(self, items: list[Item]) -> list[RewardResult]:
+        payload = [{"data_source": p.data_source, "solution_str": text, "ground_truth": p.ground_truth,
+                    "extra_info": p.extra_info, "prompt": p.text, "finished": finished} for p, text, finished in items]
+        size = self.cfg.remote_batch_size
+        batches = [payload[i:i + size] for i in range(0, len(payload), size)]
+        done = self._remote.map(lambda b: _remote_batch(self.cfg.remote_url, self.cfg.timeout_s, b), batches)
+        return [r for batch in done for r in batch]
 
     def score(self, prompt: str, completion: str, answer: str, finished: bool) -> float:
-        total = (self.cfg.correct_weight * exact_answer(completion, answer)
-                 + self.cfg.format_weight * well_formed(completion, finished))
-        for name, fn in self.extra:
-            try:
-                value = fn(prompt, completion, answer)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise TypeError(f"returned {value!r}, expected a finite number")
-                total += float(value)
-            except Exception as exc:  # noqa: BLE001 -- any failure of user code is counted, never fatal
-                with self._lock:
-                    self.failures += 1
-                log.warning("%s reward failed (%s); scoring %s", name, exc, self.cfg.failure_reward)
-                total += self.cfg.failure_reward
-        return total
+        """One built-in-task completion; kept for the orchestrator until it calls score_many (raises on a failed
+        reward rather than inventing a score)."""
+        result = self.score_many([(Prompt(-1, (), prompt, "arithmetic", answer, {}), completion, finished)])[0]
+        if result.score is None:
+            raise RuntimeError(f"reward failed: {result.error}")
+        return result.score
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._remote is not None:
+            self._remote.shutdown(wait=False)

@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import secrets
-import shutil
 import tempfile
 import threading
 import time
@@ -32,11 +31,10 @@ from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.cluster import ROLLOUT_PORT
 from moe_rl_eks.core.run import RunConfig
 
-from ..model import MoETransformer
-from .generation import Row, RowResult
-from .protocol import derive_seed
+from .engine import RolloutEngine, RowOutput, RowRequest, SamplingParams
+from .generation import Row
 from .replica import Replica, follow
-from .runtime import HttpError, JsonHandler, Registry, HttpServer, load, output_dir, run_argparser
+from .runtime import HttpError, JsonHandler, HttpServer, load, output_dir, run_argparser
 from .tokenizer import Tokenizer, UnknownText, load_tokenizer
 from .weights import WeightStore, open_store
 
@@ -76,102 +74,7 @@ def take_batch(first: Work, waiting: queue.Queue, max_rows: int) -> tuple[list[W
     return batch, None
 
 
-class RolloutEngine:
-    """The replica, its weight version, and the batching worker. HTTP-free, so tests can drive it directly."""
-
-    def __init__(self, run: RunConfig, store: WeightStore, cache_dir: Path, tokenizer: Tokenizer,
-                 replica: Replica | None = None) -> None:
-        self.run, self.store, self.cache_dir, self.tokenizer = run, store, cache_dir, tokenizer
-        self.replica = replica or Replica(run)
-        self.queue: queue.Queue[Work | Control | None] = queue.Queue()
-        self.metrics = Registry()
-        self.busy_seconds = 0.0
-        self.started = time.monotonic()
-        self._load_lock = threading.Lock()
-        self._worker = threading.Thread(target=self._serve, name="batcher", daemon=True)
-        self._worker.start()
-
-    @property
-    def model(self) -> MoETransformer | None:
-        return self.replica.model
-
-    @property
-    def version(self) -> int | None:
-        """The weight version the next batch samples from (set by the batcher as it swaps)."""
-        return self.replica.version
-
-    def submit(self, rows: list[Row]) -> Future:
-        work = Work(rows, Future())
-        self.queue.put(work)
-        return work.done
-
-    def _control(self, op: str, *args):
-        item = Control(op, args, Future())
-        self.queue.put(item)
-        return item.done.result()
-
-    def load_version(self, version: int) -> float:
-        """Fetch version `version` and have every shard read it while serving goes on, then swap it in
-        between batches."""
-        with self._load_lock:
-            if version == self.version:
-                return 0.0
-            start = time.monotonic()
-            fetched = self.store.fetch(version, self.cache_dir)
-            try:
-                self._control("begin_read", version, str(fetched)).result()  # this rank's share is read
-                self._control("swap", version)
-            finally:
-                if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
-                    shutil.rmtree(fetched, ignore_errors=True)
-            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
-            seconds = time.monotonic() - start
-            self.metrics[M.WEIGHT_LOAD_SECONDS].set(seconds)
-            log.info("loaded weight version %d in %.2f s", version, seconds)
-            return seconds
-
-    def _serve(self) -> None:
-        held = None
-        while True:
-            item = held if held is not None else self.queue.get()
-            held = None
-            if item is None:
-                self.replica.stop()
-                return
-            if isinstance(item, Control):
-                try:
-                    item.done.set_result(getattr(self.replica, item.op)(*item.args))
-                except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
-                    item.done.set_exception(exc)
-                continue
-            batch, held = take_batch(item, self.queue, self.run.rollout.max_batch_size)
-            self._run_batch(batch)
-
-    def _run_batch(self, batch: list[Work]) -> None:
-        start = time.monotonic()
-        try:
-            if self.model is None:
-                raise HttpError(503, "no weights loaded yet")
-            results = self.replica.generate([r for w in batch for r in w.rows], self.tokenizer.eos_id)
-        except Exception as exc:  # noqa: BLE001 -- fail these requests, not the server
-            for w in batch:
-                w.done.set_exception(exc)
-            return
-        elapsed = time.monotonic() - start
-        self.busy_seconds += elapsed
-        tokens = sum(len(r.tokens) for r in results)
-        self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(tokens / max(elapsed, 1e-9))
-        self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
-        i = 0
-        for w in batch:
-            w.done.set_result((self.version, results[i:i + len(w.rows)]))
-            i += len(w.rows)
-
-    def stop(self) -> None:
-        self.queue.put(None)
-
-
-def parse_completion_request(body: Any, run: RunConfig, tokenizer: Tokenizer) -> tuple[list[Row], dict]:
+def parse_completion_request(body: Any, run: RunConfig, tokenizer: Tokenizer) -> tuple[list[RowRequest], dict]:
     """Validate an OpenAI-style completion request -> rows to generate (n per prompt) and echo options."""
     s = run.rl.sampling
     if not isinstance(body, dict):
@@ -225,26 +128,32 @@ def parse_completion_request(body: Any, run: RunConfig, tokenizer: Tokenizer) ->
         raise HttpError(400, f"logprobs: {logprobs}; only the sampled token's logprob is returned (0 or 1)", "logprobs")
     routing = typed("return_routing", (bool,), False)
     typed("model", (str,), None)
-    # Choice i samples from seed (seed, i): a retried request reproduces its completions on any server.
-    rows = [Row(ids, max_tokens, temperature, top_p, None if seed is None else derive_seed(seed, i), routing)
-            for i in range(n)]
+    try:
+        params = SamplingParams(max_tokens, temperature, top_p, seed=seed, return_routing=routing)
+    except ValueError as exc:
+        raise HttpError(400, str(exc), str(exc).split(":")[0]) from None
+    # Choice i samples from the counter (seed, i, step): a retried request reproduces its completions anywhere.
+    request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
+    rows = [RowRequest(tuple(ids), params, request_id, i) for i in range(n)]
     return rows, {"logprobs": logprobs is not None, "prompt_tokens": len(ids)}
 
 
-def completion_response(run: RunConfig, tokenizer: Tokenizer, version: int, results: list[RowResult],
+def completion_response(run: RunConfig, tokenizer: Tokenizer, version: int, results: list[RowOutput],
                         options: dict) -> dict:
     choices = []
     for i, r in enumerate(results):
-        text_ids = r.tokens[:-1] if r.finished else r.tokens
-        choice = {"index": i, "text": tokenizer.decode(text_ids), "token_ids": r.tokens,
-                  "finish_reason": "stop" if r.finished else "length"}
+        finished = r.finish_reason == "stop"
+        text_ids = r.token_ids[:-1] if finished else r.token_ids
+        choice = {"index": i, "text": tokenizer.decode(text_ids), "token_ids": r.token_ids,
+                  "finish_reason": r.finish_reason}
         if options["logprobs"]:
-            choice["logprobs"] = {"tokens": [tokenizer.decode([t]) for t in r.tokens], "token_logprobs": r.logprobs}
-        if r.routing is not None:
-            choice["routed_experts"] = r.routing
+            choice["logprobs"] = {"tokens": [tokenizer.decode([t]) for t in r.token_ids],
+                                  "token_logprobs": r.logprobs}
+        if r.routing is not None:  # per layer, per fed position, the expert ids (the orchestrator's layout today)
+            choice["routed_experts"] = r.routing.transpose(1, 0, 2).tolist()
         choices.append(choice)
-    completion_tokens = sum(len(r.tokens) for r in results)
-    return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    return {"id": results[0].request_id, "object": "text_completion", "created": int(time.time()),
             "model": run.name, "weight_version": version, "choices": choices,
             "usage": {"prompt_tokens": options["prompt_tokens"], "completion_tokens": completion_tokens,
                       "total_tokens": options["prompt_tokens"] * len(results) + completion_tokens}}
@@ -273,9 +182,16 @@ def make_server(run: RunConfig, engine: RolloutEngine, host: str, port: int, tok
             try:
                 if self.path == "/v1/completions":
                     rows, options = parse_completion_request(self.read_json(), run, tokenizer)
-                    version, results = engine.submit(rows).result()
+                    try:
+                        results = engine.submit(rows).result()
+                    except RuntimeError as exc:  # no weights yet, or stopping
+                        raise HttpError(503, str(exc)) from None
+                    failed = [r.error for r in results if r.finish_reason == "error"]
+                    if failed:
+                        raise HttpError(400, failed[0])
                     engine.metrics[M.ROLLOUT_REQUESTS].inc()
-                    self.send_json(200, completion_response(run, tokenizer, version, results, options))
+                    self.send_json(200, completion_response(run, tokenizer, results[0].weight_version, results,
+                                                            options))
                 elif self.path == "/v1/weights/load":
                     self._load_weights()
                 else:
@@ -339,7 +255,7 @@ def _load_first_version(engine: RolloutEngine, store: WeightStore) -> None:
         latest = store.latest()
         if latest is not None:
             try:
-                engine.load_version(latest)
+                engine.load_version(latest.version)  # store.latest() is a VersionRef (lineage, version)
             except Exception as exc:  # noqa: BLE001 -- pruned meanwhile: try the newer one
                 log.warning("loading version %s failed: %s", latest, exc)
         time.sleep(0.2)

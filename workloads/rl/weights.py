@@ -1,125 +1,244 @@
 """Weight store: where trainers publish each weight version (Hugging Face format: safetensors + config.json, plus
-our manifest) and rollout servers load it. Publication is atomic, so a reader never sees a half-written version:
+our manifest) and rollout servers load it.
 
-- directory store (`local`, and `fs` on a shared filesystem such as FSx for Lustre): files are written into a
-  staging directory beside the versions, fsynced, and the directory is renamed into place (rename is atomic
-  within one filesystem); the LATEST pointer is replaced the same way.
-- S3: shards are uploaded first, `manifest.json` last (one PUT is atomic), then LATEST. A version without its
-  manifest does not exist for readers; readers verify every file's size and SHA-256 against the manifest.
+A version is named by `VersionRef(lineage, version)`: every trainer start from a checkpoint begins a new lineage
+whose numbers may repeat a dead lineage's, so the store keeps them apart (`l00001-v00000010`). LATEST moves
+forward only (a newer lineage, or the same lineage and a higher version); publishing an existing version is a
+no-op; publishing one older than LATEST is refused (a trainer of a dead lineage must not publish).
 
-A version, once published, is immutable: publishing it again (a resumed trainer re-publishing the version its
-checkpoint holds) is a no-op.
+No copies inside the store: a writer stages a version's files on the store's own filesystem (`stage`) and the
+commit renames the whole directory into place (directory store; atomic within one filesystem), after fsync of
+every file, the manifest and the directory. S3 has no rename: a version's objects are uploaded (multipart, in
+parallel, with S3's additional CRC32 checksums, which S3 verifies on receipt), its manifest last; a version
+without its manifest does not exist for readers.
+
+Integrity is computed once: the writer records each file's size and each tensor's XXH3 as it writes
+(workloads/model/safetensors_io.py); `fetch` checks presence and sizes (a stat, no read), and the loader
+(`load_hf`) checks every tensor's checksum while it reads the bytes anyway. Never a separate hashing pass.
+
+Expert-parallel trainers stage one version together: each rank (`part`) writes its own experts' files into the
+same staging area and leaves a part record (written, skipped or failed); part 0 waits for every record, and
+commits only if every part was written, else abandons the version (all or none).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
+import tempfile
+import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from moe_rl_eks.core.rl_config import WeightStoreConfig
 
-MANIFEST = "manifest.json"
+from ..model.checkpoint import MANIFEST
+from ..model.safetensors_io import IntegrityError, file_facts
+from .protocol import VersionRef
+
 LATEST = "LATEST"
+NAME = re.compile(r"^l(\d{5})-v(\d{9})$")
+PART_WAIT_S = 900.0  # how long part 0 waits for the other ranks' files of a version
 
 
-class IncompleteVersion(RuntimeError):
+class IncompleteVersion(IntegrityError):
     """A version is missing, or its files do not match its manifest."""
 
 
-def version_name(version: int) -> str:
-    return f"v{version:08d}"
+class StaleVersion(ValueError):
+    """A publication older than LATEST (a dead lineage's trainer, or a version that already went by)."""
 
 
-def build_manifest(version: int, directory: Path) -> dict:
-    files = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST):
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    if not files:
-        raise IncompleteVersion(f"nothing to publish in {directory}")
-    return {"version": version, "format": "huggingface-safetensors", "files": files}
+class AbandonedVersion(RuntimeError):
+    """An expert-parallel publication some rank skipped or failed: nothing was published."""
 
 
-def verify(directory: Path, manifest: dict) -> None:
-    for name, facts in manifest["files"].items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != facts["bytes"] or _sha256(path) != facts["sha256"]:
-            raise IncompleteVersion(f"{path} does not match version {manifest['version']}'s manifest")
+def version_name(ref: VersionRef) -> str:
+    return f"l{ref.lineage:05d}-v{ref.version:09d}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def parse_name(name: str) -> VersionRef | None:
+    match = NAME.match(name)
+    return VersionRef(int(match.group(1)), int(match.group(2))) if match else None
+
+
+@dataclass
+class Staging:
+    """Where a writer puts a version's files (`directory`), and the manifest facts of those it already
+    checksummed while writing (`facts`; any other file is checksummed at commit, which reads it)."""
+
+    ref: VersionRef
+    directory: Path
+    part: int
+    parts: int
+    store: "WeightStore"
+    facts: dict[str, dict] = field(default_factory=dict)
+
+    def collect_parts(self, timeout_s: float = PART_WAIT_S) -> dict[str, dict]:
+        """Part 0: wait for every other part's record; their files' facts (raises AbandonedVersion if a part
+        was skipped or failed, TimeoutError if one never came)."""
+        return self.store._collect_parts(self, timeout_s)
 
 
 class WeightStore(ABC):
-    @abstractmethod
-    def publish(self, version: int, source: Path) -> None:
-        """Make the files of `source` (a Hugging Face checkpoint directory) version `version`, atomically."""
+    keep_versions: int
 
-    @abstractmethod
-    def latest(self) -> int | None:
-        """The newest completely published version, or None."""
+    def publish(self, version: int, source: Path, *, lineage: int = 0) -> None:
+        """Make the files of `source` (a Hugging Face checkpoint directory) version (lineage, version). The files
+        are hard-linked into the staging area when they share its filesystem (no copy), else copied."""
+        with self.stage(VersionRef(lineage, version)) as staging:
+            if staging is None:
+                return
+            for path in Path(source).iterdir():
+                if path.is_file():
+                    _link_or_copy(path, staging.directory / path.name)
 
-    @abstractmethod
-    def fetch(self, version: int, cache: Path) -> Path:
-        """A local directory holding version `version`, verified against its manifest (may download to `cache`)."""
-
-
-class DirectoryStore(WeightStore):
-    def __init__(self, root: str | Path, keep_versions: int = 3) -> None:
-        self.root, self.keep_versions = Path(root), keep_versions
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def publish(self, version: int, source: Path) -> None:
-        target = self.root / version_name(version)
-        if (target / MANIFEST).is_file():
+    @contextmanager
+    def stage(self, ref: VersionRef, *, part: int = 0, parts: int = 1) -> Iterator[Staging | None]:
+        """Stage version `ref`: write its files into the yielded Staging's directory; leaving the block commits
+        (part 0) or records this part (others). None is yielded when `ref` is already published (a no-op).
+        An exception inside the block publishes nothing and removes what was staged."""
+        if not 0 <= part < parts:
+            raise ValueError(f"part: {part} is not in [0, {parts})")
+        if self._exists(ref):
+            yield None
             return
-        staging = self.root / f".staging-{version_name(version)}-{uuid.uuid4().hex[:8]}"
+        latest = self.latest()
+        if latest is not None and ref < latest:
+            raise StaleVersion(f"version {ref} is older than LATEST {latest}: a dead lineage, or a version that "
+                               "already went by, cannot be published")
+        staging = self._open_staging(ref, part, parts)
         try:
-            shutil.copytree(source, staging)
-            manifest = build_manifest(version, staging)
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            for path in staging.iterdir():
-                fsync(path)
-            os.rename(staging, target)
-            fsync(self.root)
-            self._write_latest(version)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            yield staging
+        except BaseException:
+            self._discard(staging)
+            if part > 0:
+                self._record_part(ref, part, "failed", {})
+            raise
+        for path in sorted(staging.directory.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.name not in staging.facts:
+                staging.facts[path.name] = file_facts(path)
+        if part > 0:
+            try:
+                self._ship(staging)
+            except BaseException:
+                self._record_part(ref, part, "failed", {})
+                raise
+            self._record_part(ref, part, "written", staging.facts)
+            return
+        manifest = {"lineage": ref.lineage, "version": ref.version, "format": "huggingface-safetensors",
+                    "files": staging.facts}
+        try:
+            self._commit(staging, manifest)
+        except BaseException:
+            self._discard(staging)
+            raise
         self._prune()
 
-    def _write_latest(self, version: int) -> None:
-        tmp = self.root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
-        tmp.write_text(str(version))
-        fsync(tmp)
-        os.replace(tmp, self.root / LATEST)
+    def skip(self, ref: VersionRef, part: int) -> None:
+        """Tell part 0 that this rank will not write version `ref` (a newer one superseded it)."""
+        self._record_part(ref, part, "skipped", {})
 
-    def latest(self) -> int | None:
-        try:
-            return int((self.root / LATEST).read_text())
-        except FileNotFoundError:
-            return None
+    @abstractmethod
+    def latest(self) -> VersionRef | None:
+        """The newest completely published version, or None."""
 
-    def fetch(self, version: int, cache: Path) -> Path:
-        directory = self.root / version_name(version)
-        try:
-            manifest = json.loads((directory / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise IncompleteVersion(f"version {version} is not published in {self.root}") from None
-        verify(directory, manifest)
+    def fetch(self, ref: VersionRef | int, cache: Path) -> Path:
+        """A local directory holding version `ref` with its manifest (a plain number means that version of
+        LATEST's lineage). Presence and sizes are checked here; every tensor's checksum as load_hf reads it."""
+        if isinstance(ref, int):
+            latest = self.latest()
+            ref = VersionRef(latest.lineage if latest is not None else 0, ref)
+        directory = self._fetch(ref, Path(cache))
+        manifest = json.loads((directory / MANIFEST).read_text())
+        for name, facts in manifest["files"].items():
+            path = directory / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != facts["bytes"]:
+                raise IncompleteVersion(f"{path}: {'missing' if size is None else f'{size} bytes'}; version "
+                                        f"{ref}'s manifest says {facts['bytes']} bytes")
         return directory
 
+    # ---- what each store implements ------------------------------------------------------------------------
+    @abstractmethod
+    def _exists(self, ref: VersionRef) -> bool: ...
+
+    @abstractmethod
+    def _open_staging(self, ref: VersionRef, part: int, parts: int) -> Staging: ...
+
+    def _ship(self, staging: Staging) -> None:
+        """Parts > 0: make this part's staged files visible to part 0 (nothing to do on a shared filesystem)."""
+
+    @abstractmethod
+    def _record_part(self, ref: VersionRef, part: int, status: str, files: dict) -> None:
+        """Parts > 0: leave this part's record (written, skipped or failed; its files' facts) for part 0."""
+
+    @abstractmethod
+    def _part_record(self, ref: VersionRef, part: int) -> dict | None: ...
+
+    @abstractmethod
+    def _commit(self, staging: Staging, manifest: dict) -> None: ...
+
+    @abstractmethod
+    def _discard(self, staging: Staging) -> None: ...
+
+    @abstractmethod
+    def _fetch(self, ref: VersionRef, cache: Path) -> Path: ...
+
+    @abstractmethod
+    def _versions(self) -> list[VersionRef]: ...
+
+    @abstractmethod
+    def _delete(self, ref: VersionRef) -> None: ...
+
+    def _collect_parts(self, staging: Staging, timeout_s: float) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(1, staging.parts))
+        facts: dict[str, dict] = {}
+        while pending:
+            for part in sorted(pending):
+                record = self._part_record(staging.ref, part)
+                if record is None:
+                    continue
+                if record["status"] != "written":
+                    raise AbandonedVersion(f"version {staging.ref}: rank {part} {record['status']} its part")
+                facts.update(record["files"])
+                pending.discard(part)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"version {staging.ref}: no part from ranks {sorted(pending)} "
+                                   f"after {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.05)
+        return facts
+
     def _prune(self) -> None:
-        versions = sorted(p for p in self.root.glob("v*") if p.is_dir())
-        for old in versions[:-self.keep_versions]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest `keep_versions` of LATEST's lineage; older lineages are dead: delete theirs."""
+        latest = self.latest()
+        if latest is None:
+            return
+        mine = sorted(r for r in self._versions() if r.lineage == latest.lineage and r <= latest)
+        doomed = [r for r in self._versions() if r.lineage < latest.lineage] + mine[:-self.keep_versions]
+        for ref in doomed:
+            self._delete(ref)
+        self._clear_leftovers(latest)
+
+    @abstractmethod
+    def _clear_leftovers(self, latest: VersionRef) -> None:
+        """Remove what crashed or abandoned publications of versions up to `latest` left behind."""
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem (or one without hard links): a kernel-side copy
+        shutil.copyfile(source, target)
 
 
 def fsync(path: Path) -> None:
@@ -131,59 +250,248 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-class S3Store(WeightStore):
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None, keep_versions: int = 3) -> None:
-        import boto3
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(text)
+    fsync(tmp)
+    os.replace(tmp, path)
 
-        self.s3 = boto3.client("s3", endpoint_url=endpoint_url)
+
+class DirectoryStore(WeightStore):
+    """`local`, and `fs` on a shared filesystem (FSx for Lustre): rename is atomic within it. Its lock
+    serialises publications from one process (a trainer's background writer and a direct call)."""
+
+    def __init__(self, root: str | Path, keep_versions: int = 3) -> None:
+        self.root, self.keep_versions = Path(root), keep_versions
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def latest(self) -> VersionRef | None:
+        try:
+            facts = json.loads((self.root / LATEST).read_text())
+        except FileNotFoundError:
+            return None
+        return VersionRef(facts["lineage"], facts["version"])
+
+    def _exists(self, ref: VersionRef) -> bool:
+        return (self.root / version_name(ref) / MANIFEST).is_file()
+
+    def _staging_dir(self, ref: VersionRef) -> Path:
+        return self.root / f".staging-{version_name(ref)}"
+
+    def _open_staging(self, ref: VersionRef, part: int, parts: int) -> Staging:
+        # One process writes alone into a fresh directory. Expert-parallel ranks meet in one named after the
+        # version: part 0 writes at its top, each other part in a folder of its own, moved up at the commit.
+        if parts == 1:
+            directory = self.root / f".staging-{version_name(ref)}-{uuid.uuid4().hex[:8]}"
+            directory.mkdir()
+        else:
+            directory = self._staging_dir(ref)
+            directory.mkdir(exist_ok=True)
+            if part > 0:
+                directory = directory / f".files-{part:05d}"
+                directory.mkdir(exist_ok=True)
+        return Staging(ref, directory, part, parts, self)
+
+    def _part_path(self, ref: VersionRef, part: int) -> Path:
+        return self._staging_dir(ref) / f".part-{part:05d}.json"
+
+    def _record_part(self, ref: VersionRef, part: int, status: str, files: dict) -> None:
+        self._staging_dir(ref).mkdir(exist_ok=True)
+        _write_atomic(self._part_path(ref, part), json.dumps({"status": status, "files": files}))
+
+    def _part_record(self, ref: VersionRef, part: int) -> dict | None:
+        try:
+            return json.loads(self._part_path(ref, part).read_text())
+        except FileNotFoundError:
+            return None
+
+    def _commit(self, staging: Staging, manifest: dict) -> None:
+        directory = staging.directory
+        for folder in directory.glob(".files-*"):
+            for path in folder.iterdir():
+                os.rename(path, directory / path.name)
+            folder.rmdir()
+        for path in directory.glob(".part-*.json"):
+            path.unlink()
+        _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1))
+        for path in directory.iterdir():
+            fsync(path)
+        fsync(directory)
+        with self._lock:
+            latest = self.latest()
+            if latest is not None and staging.ref < latest:
+                raise StaleVersion(f"version {staging.ref} is older than LATEST {latest}")
+            os.rename(directory, self.root / version_name(staging.ref))
+            fsync(self.root)
+            _write_atomic(self.root / LATEST, json.dumps({"lineage": staging.ref.lineage,
+                                                          "version": staging.ref.version}))
+            fsync(self.root)
+
+    def _discard(self, staging: Staging) -> None:
+        if staging.part == 0:  # other parts' files go with it: the version is abandoned
+            shutil.rmtree(staging.directory, ignore_errors=True)
+
+    def _fetch(self, ref: VersionRef, cache: Path) -> Path:
+        directory = self.root / version_name(ref)
+        if not (directory / MANIFEST).is_file():
+            raise IncompleteVersion(f"version {ref} is not published in {self.root}")
+        return directory
+
+    def _versions(self) -> list[VersionRef]:
+        return [r for r in (parse_name(p.name) for p in self.root.iterdir()) if r is not None]
+
+    def _clear_leftovers(self, latest: VersionRef) -> None:
+        for path in self.root.glob(".staging-*"):
+            ref = parse_name(path.name.split("-", 1)[1][:len("l00000-v000000000")])
+            if ref is not None and ref <= latest:
+                shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(".deleting-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _delete(self, ref: VersionRef) -> None:
+        # Renamed out of the namespace first, so a reader sees the version whole or not at all.
+        doomed = self.root / f".deleting-{version_name(ref)}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.root / version_name(ref), doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+class S3Store(WeightStore):
+    """Objects under `s3://bucket/prefix/<version name>/`, the manifest last, then LATEST. Uploads and downloads
+    are multipart and parallel (s3transfer's TransferConfig: `chunk_mib` parts, `concurrency` threads per file,
+    files in parallel); every upload carries a CRC32 additional checksum that S3 verifies."""
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None, keep_versions: int = 3, *,
+                 chunk_mib: int = 64, concurrency: int = 16) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.s3 = boto3.client("s3", endpoint_url=endpoint_url,
+                               config=Config(max_pool_connections=4 * concurrency,
+                                             request_checksum_calculation="when_supported",
+                                             response_checksum_validation="when_supported"))
         self.bucket, self.prefix, self.keep_versions = bucket, prefix.strip("/"), keep_versions
+        self.transfer = TransferConfig(multipart_threshold=chunk_mib << 20, multipart_chunksize=chunk_mib << 20,
+                                       max_concurrency=concurrency, use_threads=True)
+        self.files_in_parallel = 4
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
 
-    def _manifest(self, version: int) -> dict | None:
+    def _get_json(self, key: str) -> dict | None:
         try:
-            body = self.s3.get_object(Bucket=self.bucket, Key=self._key(version_name(version), MANIFEST))["Body"]
-        except self.s3.exceptions.NoSuchKey:
-            return None
-        return json.loads(body.read())
-
-    def publish(self, version: int, source: Path) -> None:
-        if self._manifest(version) is not None:
-            return
-        manifest = build_manifest(version, source)
-        for name in manifest["files"]:
-            self.s3.upload_file(str(source / name), self.bucket, self._key(version_name(version), name))
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(version_name(version), MANIFEST),
-                           Body=json.dumps(manifest, indent=1).encode())
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(LATEST), Body=str(version).encode())
-        self._prune(version)
-
-    def latest(self) -> int | None:
-        try:
-            return int(self.s3.get_object(Bucket=self.bucket, Key=self._key(LATEST))["Body"].read())
+            return json.loads(self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
         except self.s3.exceptions.NoSuchKey:
             return None
 
-    def fetch(self, version: int, cache: Path) -> Path:
-        manifest = self._manifest(version)
+    def _put_json(self, key: str, value: dict) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(value, indent=1).encode(),
+                           ChecksumAlgorithm="CRC32")
+
+    def latest(self) -> VersionRef | None:
+        facts = self._get_json(self._key(LATEST))
+        return None if facts is None else VersionRef(facts["lineage"], facts["version"])
+
+    def _exists(self, ref: VersionRef) -> bool:
+        return self._get_json(self._key(version_name(ref), MANIFEST)) is not None
+
+    def _open_staging(self, ref: VersionRef, part: int, parts: int) -> Staging:
+        # Files are written to local scratch (the node's NVMe), then uploaded straight to their final keys.
+        return Staging(ref, Path(tempfile.mkdtemp(prefix=f"moerl-{version_name(ref)}-")), part, parts, self)
+
+    def _upload(self, staging: Staging) -> None:
+        paths = [p for p in staging.directory.iterdir() if p.is_file()]
+
+        def one(path: Path) -> None:
+            self.s3.upload_file(str(path), self.bucket, self._key(version_name(staging.ref), path.name),
+                                ExtraArgs={"ChecksumAlgorithm": "CRC32"}, Config=self.transfer)
+
+        with ThreadPoolExecutor(self.files_in_parallel) as pool:
+            list(pool.map(one, paths))
+
+    def _part_key(self, ref: VersionRef, part: int) -> str:
+        return self._key(".parts", version_name(ref), f"part-{part:05d}.json")
+
+    def _ship(self, staging: Staging) -> None:
+        try:
+            self._upload(staging)
+        finally:
+            shutil.rmtree(staging.directory, ignore_errors=True)
+
+    def _record_part(self, ref: VersionRef, part: int, status: str, files: dict) -> None:
+        self._put_json(self._part_key(ref, part), {"status": status, "files": files})
+
+    def _part_record(self, ref: VersionRef, part: int) -> dict | None:
+        return self._get_json(self._part_key(ref, part))
+
+    def _commit(self, staging: Staging, manifest: dict) -> None:
+        self._ship(staging)
+        latest = self.latest()
+        if latest is not None and staging.ref < latest:
+            raise StaleVersion(f"version {staging.ref} is older than LATEST {latest}")
+        self._put_json(self._key(version_name(staging.ref), MANIFEST), manifest)
+        self._put_json(self._key(LATEST), {"lineage": staging.ref.lineage, "version": staging.ref.version})
+        self._delete_keys(self._key(".parts", version_name(staging.ref)) + "/")
+
+    def _discard(self, staging: Staging) -> None:
+        shutil.rmtree(staging.directory, ignore_errors=True)
+        if staging.part == 0:  # objects some rank uploaded for a version that will never have a manifest
+            self._delete_keys(self._key(version_name(staging.ref)) + "/")
+            self._delete_keys(self._key(".parts", version_name(staging.ref)) + "/")
+
+    def _fetch(self, ref: VersionRef, cache: Path) -> Path:
+        manifest = self._get_json(self._key(version_name(ref), MANIFEST))
         if manifest is None:
-            raise IncompleteVersion(f"version {version} is not published in s3://{self.bucket}/{self.prefix}")
-        directory = Path(cache) / version_name(version)
+            raise IncompleteVersion(f"version {ref} is not published in s3://{self.bucket}/{self.prefix}")
+        directory = cache / version_name(ref)
         directory.mkdir(parents=True, exist_ok=True)
-        for name in manifest["files"]:
-            self.s3.download_file(self.bucket, self._key(version_name(version), name), str(directory / name))
-        verify(directory, manifest)
+
+        def one(name: str) -> None:
+            self.s3.download_file(self.bucket, self._key(version_name(ref), name), str(directory / name),
+                                  Config=self.transfer)
+
+        try:
+            with ThreadPoolExecutor(self.files_in_parallel) as pool:
+                list(pool.map(one, manifest["files"]))
+        except self.s3.exceptions.ClientError as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise IncompleteVersion(f"version {ref}: {exc}") from None
+        _write_atomic(directory / MANIFEST, json.dumps(manifest))
         return directory
 
-    def _prune(self, newest: int) -> None:
-        oldest_kept = newest - self.keep_versions + 1
+    def _versions(self) -> list[VersionRef]:
         paginator = self.s3.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + "/v"):
-            stale = [{"Key": o["Key"]} for o in page.get("Contents", [])
-                     if int(o["Key"][len(self.prefix) + 2:].split("/")[0]) < oldest_kept]
-            if stale:
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": stale})
+        refs = set()
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + "/", Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                ref = parse_name(common["Prefix"][len(self.prefix) + 1:].rstrip("/"))
+                if ref is not None:
+                    refs.add(ref)
+        return sorted(refs)
+
+    def _clear_leftovers(self, latest: VersionRef) -> None:
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(".parts") + "/", Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                ref = parse_name(common["Prefix"].rstrip("/").rsplit("/", 1)[1])
+                if ref is not None and ref <= latest:
+                    self._delete_keys(common["Prefix"])
+
+    def _delete(self, ref: VersionRef) -> None:
+        # The manifest goes first: from then on the version does not exist for readers.
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(version_name(ref), MANIFEST))
+        self._delete_keys(self._key(version_name(ref)) + "/")
+
+    def _delete_keys(self, prefix: str) -> None:
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
 
 def open_store(cfg: WeightStoreConfig, default_path: Path) -> WeightStore:

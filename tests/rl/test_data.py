@@ -1,0 +1,209 @@
+"""Prompt datasets: Parquet and JSONL in verl's layout from a local path and from S3 (moto's server on 127.0.0.1),
+column mapping, chat rendering, a seeded per-epoch permutation whose cursor resumes exactly, the built-in task
+behind the same interface, and errors that name the file and column."""
+import dataclasses
+import json
+
+import pytest
+
+from moe_rl_eks.core.rl_config import DataConfig, TaskConfig
+from moe_rl_eks.core.schema import ConfigError, parse
+from moe_rl_eks.workloads.rl.data import (ArithmeticSource, ArithmeticTask, DataError, DatasetSource, Rows,
+                                          evaluation_prompts, load_split, make_prompt_source, permutation)
+from moe_rl_eks.workloads.rl.example_data import problems, write_example, write_parquet
+from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer, load_model_tokenizer
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    out = tmp_path_factory.mktemp("example")
+    write_example(out, train=12, eval_=5, max_operand=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(example):
+    return load_model_tokenizer(example / "tokenizer")
+
+
+def data_cfg(**fields) -> DataConfig:
+    return parse(DataConfig, fields, source="test")
+
+
+def test_parquet_rows_in_verl_layout_become_chat_prompts(example, tok):
+    cfg = data_cfg(train=str(example / "train.parquet"), chat_template_kwargs={"enable_thinking": False})
+    dataset = load_split(cfg, "train", tok)
+    row = problems(12, 0, 4, "train")[3]
+    p = dataset.prompt(3, index=40)
+    assert p.index == 40 and p.data_source == "word_problems" and p.ground_truth == row["reward_model"]["ground_truth"]
+    assert p.extra_info == {"split": "train", "index": 3, "kind": row["extra_info"]["kind"]}
+    assert p.text == tok.apply_chat_template(row["prompt"], enable_thinking=False)
+    assert p.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and row["prompt"][1]["content"] in p.text
+    assert list(p.prompt_ids) == tok.encode(p.text)
+
+
+def test_jsonl_reads_the_same_prompts_as_parquet(example, tok, tmp_path):
+    rows = problems(12, 0, 4, "train")
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    parquet = load_split(data_cfg(train=str(example / "train.parquet")), "train", tok)
+    jsonl = load_split(data_cfg(train=str(tmp_path / "train.jsonl")), "train", tok)
+    assert len(jsonl) == len(parquet) == 12
+    assert [jsonl.prompt(i, i) for i in range(12)] == [parquet.prompt(i, i) for i in range(12)]
+
+
+def test_parquet_and_jsonl_from_s3_read_as_from_disk(example, tok, s3_endpoint, tmp_path):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="datasets")
+    s3.upload_file(str(example / "train.parquet"), "datasets", "math/train.parquet")
+    s3.put_object(Bucket="datasets", Key="math/eval.jsonl",
+                  Body="\n".join(json.dumps(r) for r in problems(5, 0, 4, "eval")).encode())
+    cfg = data_cfg(train="s3://datasets/math/train.parquet", eval="s3://datasets/math/eval.jsonl",
+                   s3_endpoint_url=s3_endpoint)
+    local = load_split(data_cfg(train=str(example / "train.parquet"), eval=str(example / "eval.parquet")), "train", tok)
+    remote = load_split(cfg, "train", tok)
+    assert [remote.prompt(i, i) for i in range(12)] == [local.prompt(i, i) for i in range(12)]
+    assert [p.ground_truth for p in (load_split(cfg, "eval", tok).prompt(i, i) for i in range(5))] == \
+        [r["reward_model"]["ground_truth"] for r in problems(5, 0, 4, "eval")]
+    with pytest.raises(DataError, match="s3://datasets/math/missing.parquet: cannot read it from S3"):
+        Rows("s3://datasets/math/missing.parquet", s3_endpoint_url=s3_endpoint)
+
+
+def test_column_mapping_reaches_nested_fields_and_optional_columns_default(tok, tmp_path):
+    write_parquet([{"question": "Ann has 3 apples.", "answer": {"value": "3", "unit": "apples"}},
+                   {"question": "Ben has 2 coins.", "answer": {"value": "2", "unit": "coins"}}], tmp_path / "qa.parquet")
+    cfg = data_cfg(train=str(tmp_path / "qa.parquet"), columns={"prompt": "question", "ground_truth": "answer.value"})
+    p = load_split(cfg, "train", tok).prompt(1, 1)
+    assert (p.text, p.ground_truth, p.data_source, p.extra_info) == ("Ben has 2 coins.", "2", "qa", {})
+    bad = data_cfg(train=str(tmp_path / "qa.parquet"), columns={"prompt": "question", "ground_truth": "answer.nope"})
+    with pytest.raises(DataError, match=r"qa.parquet: no column 'answer.nope' \(rl.data.columns.ground_truth\); "
+                                        r"columns: question, answer"):
+        load_split(bad, "train", tok)
+
+
+def test_bad_rows_and_files_name_the_file_and_row(tok, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n[1, 2]\n')
+    dataset = load_split(data_cfg(train=str(tmp_path / "bad.jsonl")), "train", tok)
+    with pytest.raises(DataError, match="bad.jsonl: line 2: expected a JSON object per line"):
+        dataset.prompt(1, 1)
+    write_parquet([{"prompt": 7, "reward_model": {"ground_truth": "1"}}], tmp_path / "num.parquet")
+    with pytest.raises(DataError, match=r"num.parquet: row 0: 'prompt' is 7; expected text or chat messages"):
+        load_split(data_cfg(train=str(tmp_path / "num.parquet")), "train", tok).prompt(0, 0)
+    with pytest.raises(DataError, match="nothing.parquet: no such file"):
+        load_split(data_cfg(train=str(tmp_path / "nothing.parquet")), "train", tok)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="junk.parquet: not a readable Parquet file"):
+        load_split(data_cfg(train=str(tmp_path / "junk.parquet")), "train", tok)
+
+
+def test_each_epoch_is_a_seeded_permutation_of_every_row():
+    first, second = permutation(50, seed=7, epoch=0), permutation(50, seed=7, epoch=1)
+    assert sorted(first) == sorted(second) == list(range(50))
+    assert first != second and first != list(range(50))
+    assert first == permutation(50, seed=7, epoch=0) and first != permutation(50, seed=8, epoch=0)
+
+
+def test_cursor_checkpoints_and_resumes_at_exactly_the_next_prompt_across_epochs(example, tok):
+    dataset = load_split(data_cfg(train=str(example / "train.parquet")), "train", tok)
+    source = DatasetSource(dataset, seed=3)
+    drawn = [source.next() for _ in range(17)]  # 12 rows: into the second epoch
+    assert [p.index for p in drawn] == list(range(17))
+    assert sorted(p.extra_info["index"] for p in drawn[:12]) == list(range(12))
+    state = json.loads(json.dumps(source.state()))  # what a checkpoint holds
+    expected = [source.next() for _ in range(20)]
+    resumed = DatasetSource(dataset, seed=3)
+    resumed.restore(state)
+    assert [resumed.next() for _ in range(20)] == expected
+    with pytest.raises(DataError, match="rl.training.seed changed"):
+        DatasetSource(dataset, seed=4).restore(state)
+    with pytest.raises(DataError, match="kind 'dataset' cannot be restored into a 'arithmetic' source"):
+        ArithmeticSource(ArithmeticTask(TaskConfig(), 0), CharTokenizer()).restore(state)
+    in_order = DatasetSource(dataset, seed=3, shuffle=False)
+    assert [in_order.next().extra_info["index"] for _ in range(13)] == [*range(12), 0]
+
+
+def test_overlong_prompts_are_skipped_and_counted(example, tok):
+    lengths = [len(load_split(data_cfg(train=str(example / "train.parquet")), "train", tok).prompt(i, i).prompt_ids)
+               for i in range(12)]
+    limit = sorted(lengths)[6]
+    source = DatasetSource(load_split(data_cfg(train=str(example / "train.parquet")), "train", tok, limit), seed=0)
+    short = {i for i, n in enumerate(lengths) if n <= limit}
+    drawn = [source.next() for _ in range(len(short))]  # one epoch's worth
+    assert {p.extra_info["index"] for p in drawn} == short and all(len(p.prompt_ids) <= limit for p in drawn)
+    assert 0 < source.skipped <= 12 - len(short)
+    with pytest.raises(DataError, match="every prompt is longer than rl.sampling.max_prompt_tokens"):
+        DatasetSource(load_split(data_cfg(train=str(example / "train.parquet")), "train", tok, 3), seed=0).next()
+
+
+def test_builtin_arithmetic_is_a_prompt_source_with_a_resumable_cursor():
+    source = ArithmeticSource(ArithmeticTask(TaskConfig(), seed=5), CharTokenizer())
+    first = [source.next() for _ in range(4)]
+    assert [p.index for p in first] == [0, 1, 2, 3] and first[0].data_source == "arithmetic"
+    assert first[2].text.endswith("=") and list(first[2].prompt_ids) == CharTokenizer().encode(first[2].text)
+    resumed = ArithmeticSource(ArithmeticTask(TaskConfig(), seed=5), CharTokenizer())
+    resumed.restore(source.state())
+    assert resumed.next() == source.next()
+
+
+def test_a_run_picks_its_sources_from_rl_data(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    builtin = tiny_run(tmp_path)
+    assert isinstance(make_prompt_source(builtin, CharTokenizer()), ArithmeticSource)
+    assert len(evaluation_prompts(builtin, CharTokenizer(), limit=6)) == 6
+    run = tiny_run(tmp_path, data={"train": str(example / "train.parquet"), "eval": str(example / "eval.parquet")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    tok = load_model_tokenizer(example / "tokenizer")
+    wide = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=tok.vocab_size))
+    assert isinstance(make_prompt_source(wide, tok), DatasetSource)
+    evals = evaluation_prompts(run, tok, limit=3)
+    assert [p.extra_info["index"] for p in evals] == [0, 1, 2] and evals[0].extra_info["split"] == "eval"
+
+
+def test_data_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"test: train: 'data.csv' is not allowed; expected a .parquet or .jsonl"):
+        data_cfg(train="data.csv")
+    with pytest.raises(ConfigError, match=r"train: 's3://bucket.parquet' is not allowed; expected s3://bucket/key"):
+        data_cfg(train="s3://bucket.parquet")
+    with pytest.raises(ConfigError, match=r"eval: .* needs a training dataset"):
+        data_cfg(eval="e.parquet")
+    with pytest.raises(ConfigError, match=r"columns.prompt: 'a..b' is not allowed"):
+        data_cfg(train="t.parquet", columns={"prompt": "a..b"})
+
+
+def test_a_dataset_with_the_builtin_tokenizer_is_refused(tmp_path):
+    from rl_helpers import tiny_run
+
+    with pytest.raises(ConfigError, match=r"rl.sampling.tokenizer: 'builtin' is not allowed; a dataset"):
+        tiny_run(tmp_path, data={"train": "t.parquet"})
+
+
+def test_warmup_pairs_have_an_answers_shape_but_not_the_prompts_answer(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.rl.data import format_examples
+
+    builtin = tiny_run(tmp_path)
+    char = CharTokenizer()
+    pairs = format_examples(builtin, char, 0, 20)
+    assert pairs == format_examples(builtin, char, 0, 20) and len(pairs) == 20
+    assert all(c[-1] == char.eos_id and char.decode(c[:-1]).lstrip("-").isdigit() for _, c in pairs)
+    assert all(char.decode(list(p)).endswith("=") for p, _ in pairs)
+    run = tiny_run(tmp_path, data={"train": str(example / "train.parquet")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    tok = load_model_tokenizer(example / "tokenizer")
+    truths = {r["reward_model"]["ground_truth"] for r in problems(12, 0, 4, "train")}
+    pairs = format_examples(run, tok, 5, 30)
+    assert all(c[-1] == tok.eos_id and tok.decode(c[:-1]) in truths for _, c in pairs)
+    assert all(tok.decode(list(p)).endswith("assistant\n") for p, _ in pairs)
+    assert pairs[:3] == format_examples(run, tok, 5, 3)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    run = tiny_run(tmp_path, data={"train": str(example / "train.parquet")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    with pytest.raises(DataError, match=r"has \d+ tokens, more than model.vocab_size \(32\)"):
+        make_prompt_source(run, load_model_tokenizer(example / "tokenizer"))

@@ -1,0 +1,56 @@
+"""A Hugging Face checkpoint directory without a run: the run derived from its files, and a rollout engine that
+serves the directory in place (what `moerl serve-rollout --model DIR` builds)."""
+import pytest
+import torch
+
+from moe_rl_eks.core.run import ModelConfig
+from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.checkpoint import CheckpointError, save_hf
+from moe_rl_eks.workloads.rl.model_dir import MODEL_VERSION, ModelDirectoryStore, model_run
+from moe_rl_eks.workloads.rl.tokenizer import load_tokenizer, write_tokenizer_files
+from moe_rl_eks.workloads.rl.weights import IncompleteVersion
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=18, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=64, dtype="float32")
+    save_hf(MoETransformer(config), config, tmp_path / "ckpt")
+    write_tokenizer_files("builtin", tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_run_is_derived_from_the_checkpoint_files(checkpoint):
+    run = model_run(checkpoint, max_new_tokens=8)
+    assert run.name == "ckpt" and run.model.vocab_size == 18 and run.model.max_position_embeddings == 64
+    assert run.rl.sampling.tokenizer == str(checkpoint) and run.rollout.max_new_tokens == run.rl.sampling.max_tokens == 8
+    assert run.rl.sampling.max_prompt_tokens == 56 and model_run(checkpoint).rollout.max_new_tokens == 16
+    with pytest.raises(CheckpointError, match="no config.json"):
+        model_run(checkpoint / "nothing")
+
+
+def test_engine_serves_the_directory_in_place_and_stops_on_its_eos_ids(checkpoint, tmp_path):
+    from moe_rl_eks.workloads.rl.engine import RolloutEngine, RowRequest, SamplingParams
+
+    run = model_run(checkpoint, max_new_tokens=6)
+    store = ModelDirectoryStore(checkpoint)
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
+    try:
+        engine.load_version(store.latest().version)
+        rows = [RowRequest(tuple(tokenizer.encode("1+2=")) or (1,), SamplingParams(6, seed=s), f"r{s}", 0)
+                for s in range(8)]
+        outputs = engine.submit(rows).result(timeout=120)
+    finally:
+        engine.stop()
+    assert engine.version == MODEL_VERSION and len(outputs) == 8
+    for out in outputs:
+        assert out.finish_reason in ("stop", "length") and 1 <= len(out.token_ids) <= 6
+        assert (out.finish_reason == "stop") == (out.token_ids[-1] in tokenizer.eos_ids)
+    assert (checkpoint / "model.safetensors").is_file()  # read in place, never removed
+    with pytest.raises(IncompleteVersion, match="only version 0"):
+        store.fetch(1, tmp_path)
+    with pytest.raises(RuntimeError, match="served as it is"):
+        store.publish(1, checkpoint)

@@ -1,0 +1,107 @@
+"""The rollout engine's contract: rows join a running batch and sample as they would alone, cancelled rows leave
+it at once, stop tokens, top logprobs, compact routing, validated sampling parameters."""
+import threading
+
+import numpy as np
+import pytest
+from rl_helpers import publish_initial, tiny_run
+
+from moe_rl_eks.workloads.rl.engine import RolloutEngine, RowRequest, SamplingParams
+from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+from moe_rl_eks.workloads.rl.weights import DirectoryStore
+
+
+@pytest.fixture
+def engine(tmp_path):
+    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40},
+                   sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
+    store = DirectoryStore(tmp_path / "weights")
+    publish_initial(run, store)
+    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
+    engine.load_version(0)
+    yield engine
+    engine.stop()
+
+
+def rows(request_id, n, max_tokens, seed, prompt=(1, 6, 13, 7, 16), **params):
+    return [RowRequest(tuple(prompt), SamplingParams(max_tokens, seed=seed, **params), request_id, i)
+            for i in range(n)]
+
+
+def test_a_request_joins_a_running_batch_and_each_row_samples_as_it_would_alone(engine):
+    seen = []
+    second_started = threading.Event()
+
+    def on_token(event):
+        seen.append((event.request_id, event.row, event.token_id))
+        if event.request_id == "long" and len(seen) == 3:
+            later.append(engine.submit(rows("short", 2, 3, 9, prompt=(1, 4, 13, 5, 16)), on_token))
+            second_started.set()
+    later = []
+    first = engine.submit(rows("long", 1, 40, 1, stop_token_ids=()), on_token).result(timeout=60)
+    second = later[0].result(timeout=60)
+    assert second_started.is_set()
+    long_tokens = [i for i, s in enumerate(seen) if s[0] == "long"]
+    short_tokens = [i for i, s in enumerate(seen) if s[0] == "short"]
+    assert long_tokens[0] < short_tokens[0] and short_tokens[-1] < long_tokens[-1]  # joined mid-decode
+    alone_first = engine.submit(rows("long", 1, 40, 1)).result(timeout=60)
+    alone_second = engine.submit(rows("short", 2, 3, 9, prompt=(1, 4, 13, 5, 16))).result(timeout=60)
+    for got, alone in zip(first + second, alone_first + alone_second):
+        assert got.token_ids == alone.token_ids and got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got.finish_reason == alone.finish_reason and got.weight_version == 0
+    for o in first + second:  # the streamed tokens are the row's tokens, in order
+        assert [t for rid, row, t in seen if (rid, row) == (o.request_id, o.row)] == o.token_ids
+
+
+def test_a_cancelled_row_leaves_the_batch_and_its_slot_serves_the_next_request(engine):
+    started = threading.Event()
+
+    def on_token(event):
+        if event.row == 0:
+            started.set()
+    future = engine.submit(rows("gone", 4, 40, 3, temperature=0.0, stop_token_ids=()), on_token)
+    started.wait(timeout=60)
+    engine.cancel("gone", rows=[0, 1, 2])
+    engine.cancel("gone", rows=[0])  # idempotent
+    out = future.result(timeout=60)
+    assert [o.finish_reason for o in out[:3]] == ["abort"] * 3 and len(out[0].token_ids) < 40
+    assert out[3].finish_reason in ("stop", "length")
+    # four slots: a request of four rows runs once the cancelled rows freed theirs
+    again = engine.submit(rows("next", 4, 2, 4)).result(timeout=60)
+    assert all(o.finish_reason in ("stop", "length") for o in again)
+    health = engine.health()
+    assert health.running_rows == 0 and health.waiting_rows == 0 and health.version == 0
+
+
+def test_stop_tokens_top_logprobs_and_routing_come_back_compact(engine):
+    (greedy,) = engine.submit(rows("g", 1, 6, 0, temperature=0.0)).result(timeout=60)
+    stop = greedy.token_ids[1]
+    (stopped,) = engine.submit(rows("s", 1, 6, 0, temperature=0.0, stop_token_ids=(stop,), top_logprobs=3,
+                                    return_routing=True)).result(timeout=60)
+    cut = greedy.token_ids.index(stop) + 1
+    assert stopped.token_ids == greedy.token_ids[:cut] and stopped.finish_reason == "stop"  # the stop token is kept
+    assert len(stopped.top_logprobs) == cut
+    for token, logprob, top in zip(stopped.token_ids, stopped.logprobs, stopped.top_logprobs):
+        assert [t for t, _ in top][0] == token and top[0][1] == pytest.approx(logprob)  # greedy: the best one
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    config = engine.run.model
+    assert isinstance(stopped.routing, np.ndarray) and stopped.routing.dtype == np.uint8
+    assert stopped.routing.shape == (5 + cut - 1, config.num_hidden_layers, config.num_experts_per_tok)
+    assert greedy.routing is None
+
+
+def test_rows_that_cannot_run_fail_alone_and_sampling_params_name_the_bad_field(engine):
+    good, = rows("ok", 1, 2, 1)
+    too_long = RowRequest(tuple([1] * 60), SamplingParams(2), "long", 0)  # a slot holds 16 + 40 positions
+    outside = RowRequest((1, 99), SamplingParams(2), "vocab", 0)
+    out = engine.submit([good, too_long, outside]).result(timeout=60)
+    assert out[0].finish_reason in ("stop", "length")
+    assert out[1].finish_reason == "error" and "60 tokens" in out[1].error
+    assert out[2].finish_reason == "error" and "token id 99" in out[2].error
+    for field, value, kwargs in [("seed", 2 ** 64, {"seed": 2 ** 64}), ("seed", -1, {"seed": -1}),
+                                 ("top_p", 0, {"top_p": 0}), ("top_k", -1, {"top_k": -1}),
+                                 ("min_p", 1.5, {"min_p": 1.5}), ("logprob_mode", "x", {"logprob_mode": "x"}),
+                                 ("top_logprobs", 21, {"top_logprobs": 21}), ("max_tokens", 0, {"max_tokens": 0})]:
+        with pytest.raises(ValueError, match=f"^{field}: {value!r}"):
+            SamplingParams(**{"max_tokens": 1, **kwargs})
+    assert SamplingParams(1, seed=2 ** 64 - 1).seed == 2 ** 64 - 1

@@ -1,0 +1,340 @@
+"""The rollout engine: rows in, tokens streamed out, continuous batching over one model replica.
+
+`RolloutEngine.submit(rows, on_token)` queues rows and returns a Future of their `RowOutput`s; one engine thread
+owns the replica and its `Decoder` and loops: take what was submitted or cancelled, admit rows into free KV-cache
+slots, run one step (a prefill chunk and/or one decode forward for every running row), report each sampled
+token and each finished row. Rows join and leave the batch at every step.
+
+Locking rule: callers only append to the inbox under `_lock` (and wake the loop); everything else (the decoder,
+the replica, the rows' state) belongs to the engine thread alone.
+
+Weight swaps: `load_version` reads a version in the background while serving goes on, then asks the loop to swap
+it in. Rows admitted before the swap finish on the old weights, and rows submitted after it wait until the swap,
+so every token of a row (and its `weight_version`) comes from one version. On an expert-parallel replica
+(`rollout.gpus_per_server` > 1) every rank must join every forward, so rows decode there in batches (each rank
+its share) between which rows join and swaps happen.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.run import RunConfig
+
+from ..model import MoETransformer
+from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
+from .generation import Decoder, Sequence, output
+from .replica import Replica
+from .runtime import Registry
+from .tokenizer import Tokenizer
+from .weights import WeightStore
+
+__all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent"]
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One submit(): its rows, where their outputs go, and the Future that resolves when all have finished."""
+
+    rows: list[RowRequest]
+    on_token: Callable[[TokenEvent], None] | None
+    future: Future = field(default_factory=Future)
+    outputs: list[RowOutput | None] = field(default_factory=list)
+    cancelled: set[int] = field(default_factory=set)  # rows cancelled before they were admitted
+    left: int = 0
+
+
+@dataclass(eq=False)
+class _Control:
+    """A replica operation for the loop to run; `swap` waits until no row is running."""
+
+    op: str
+    args: tuple
+    done: Future = field(default_factory=Future)
+
+
+class RolloutEngine:
+    def __init__(self, run: RunConfig, store: WeightStore, cache_dir: Path, tokenizer: Tokenizer,
+                 replica: Replica | None = None) -> None:
+        self.run, self.store, self.cache_dir, self.tokenizer = run, store, cache_dir, tokenizer
+        self.replica = replica or Replica(run)
+        self.metrics = Registry()
+        self.busy_seconds = 0.0
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[_Call | _Control] = []
+        self._cancels: list[tuple[str, frozenset[int] | None]] = []
+        self._stopping = False
+        self._load_lock = threading.Lock()
+        # engine-thread state
+        self._pending: deque[_Call | _Control] = deque()
+        self._live: dict[tuple[str, int], tuple[Sequence, _Call, int]] = {}
+        self._decoder: Decoder | None = None
+        self._batch: list[tuple[_Call, int]] = []  # expert-parallel replica: rows waiting for the next batch
+        self._counts = (0, 0)  # (running, waiting) rows, for health()
+        self._last_step = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the contract ------------------------------------------------------------------------------------
+    @property
+    def model(self) -> MoETransformer | None:
+        return self.replica.model
+
+    @property
+    def version(self) -> int | None:
+        """The weight version rows admitted now sample from (set by the engine thread as it swaps)."""
+        return self.replica.version
+
+    def submit(self, rows: list[RowRequest], on_token: Callable[[TokenEvent], None] | None = None
+               ) -> Future[list[RowOutput]]:
+        """Queue `rows`; they join the running batch at the next step. `on_token` is called from the engine
+        thread for every sampled token. The Future resolves with one RowOutput per row, in order, once all have
+        finished (cancelled rows with finish_reason "abort"); it fails only if the engine cannot serve at all
+        (no weights loaded yet, stopped)."""
+        if not rows:
+            raise ValueError("rows: an empty list; submit at least one row")
+        call = _Call(list(rows), on_token, outputs=[None] * len(rows), left=len(rows))
+        self._put(call)
+        return call.future
+
+    def cancel(self, request_id: str, rows: Iterable[int] | None = None) -> None:
+        """Finish the request's rows (all, or those listed) with "abort" at the next step; their slots are
+        freed. Idempotent, thread-safe; rows already finished are left as they are."""
+        with self._lock:
+            self._cancels.append((request_id, None if rows is None else frozenset(rows)))
+            self._wake.notify()
+
+    def load_version(self, version: int) -> float:
+        """Fetch `version`, read it while serving goes on, swap it in between steps; returns seconds."""
+        with self._load_lock:
+            if version == self.version:
+                return 0.0
+            start = time.monotonic()
+            fetched = self.store.fetch(version, self.cache_dir)
+            try:
+                self._control("begin_read", version, str(fetched)).result()  # this rank's share is read
+                self._control("swap", version)
+            finally:
+                if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
+                    shutil.rmtree(fetched, ignore_errors=True)
+            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
+            seconds = time.monotonic() - start
+            self.metrics[M.WEIGHT_LOAD_SECONDS].set(seconds)
+            log.info("loaded weight version %d in %.2f s", version, seconds)
+            return seconds
+
+    def health(self) -> EngineHealth:
+        running, waiting = self._counts
+        with self._lock:
+            waiting += sum(len(item.rows) for item in self._inbox if isinstance(item, _Call))
+        return EngineHealth(self.version, running, waiting, self._last_step)
+
+    def stop(self) -> None:
+        """End the loop: rows still running finish with "abort"; the replica stops (and its other ranks)."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+
+    # ---- callers' side -----------------------------------------------------------------------------------
+    def _put(self, item: _Call | _Control) -> None:
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the rollout engine is stopped")
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _control(self, op: str, *args):
+        item = _Control(op, args)
+        self._put(item)
+        return item.done.result()
+
+    # ---- the engine thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except Exception:  # noqa: BLE001 -- a bug in the loop: fail what is queued rather than hang callers
+            log.exception("rollout engine loop failed")
+            self._abort_all("the rollout engine failed; see its log")
+        finally:
+            self.replica.stop()
+
+    def _iterate(self) -> bool:
+        with self._lock:
+            while not (self._inbox or self._cancels or self._stopping or self._has_work()):
+                self._last_step = time.monotonic()
+                self._wake.wait(timeout=1.0)
+            self._pending.extend(self._inbox)
+            cancels, stopping = self._cancels, self._stopping
+            self._inbox, self._cancels = [], []
+        if stopping:
+            self._abort_all("the rollout engine stopped")
+            return False
+        self._admit_pending()
+        for request_id, rows in cancels:
+            self._cancel(request_id, rows)
+        if self._has_work():
+            start = time.monotonic()
+            produced = self._step_sharded() if self.replica.size > 1 else self._step()
+            elapsed = time.monotonic() - start
+            self.busy_seconds += elapsed
+            self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
+            self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
+        self._last_step = time.monotonic()
+        decoder = self._decoder
+        self._counts = ((decoder.running if decoder else 0) + len(self._batch),
+                        (len(decoder.waiting) if decoder else 0)
+                        + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
+        return True
+
+    def _has_work(self) -> bool:
+        return bool(self._batch or (self._decoder is not None and self._decoder.busy))
+
+    def _admit_pending(self) -> None:
+        """Hand queued calls to the decoder in order; a swap waits until no row runs, and holds what follows."""
+        while self._pending:
+            item = self._pending[0]
+            if isinstance(item, _Control):
+                if item.op == "swap" and self._has_work():
+                    return
+                self._pending.popleft()
+                self._run_control(item)
+                continue
+            self._pending.popleft()
+            if self.model is None:
+                item.future.set_exception(RuntimeError("no weights loaded yet"))
+                continue
+            for index, request in enumerate(item.rows):
+                if (request.request_id, request.row) in self._live:
+                    self._finish_error(item, index, request, "a row with this request_id and row is already running")
+                elif self.replica.size > 1:
+                    self._live[(request.request_id, request.row)] = (None, item, index)
+                    self._batch.append((item, index))
+                else:
+                    self._add(item, index, request)
+            for index in sorted(item.cancelled):
+                self._cancel_one(item.rows[index].request_id, item.rows[index].row)
+
+    def _add(self, call: _Call, index: int, request: RowRequest) -> None:
+        decoder = self._decoder_for(self.model)
+        try:
+            seq = decoder.add(request)
+        except ValueError as exc:
+            self._finish_error(call, index, request, str(exc))
+            return
+        self._live[(request.request_id, request.row)] = (seq, call, index)
+
+    def _decoder_for(self, model: MoETransformer) -> Decoder:
+        if self._decoder is None or self._decoder.model is not model:
+            s = self.run.rl.sampling
+            max_len = min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
+            self._decoder = Decoder(model, slots=self.run.rollout.max_batch_size, max_len=max_len,
+                                    eos_ids=self._eos_ids())
+        return self._decoder
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_ids", None)
+        return tuple(eos) if eos else (self.tokenizer.eos_id,)
+
+    def _run_control(self, item: _Control) -> None:
+        try:
+            item.done.set_result(getattr(self.replica, item.op)(*item.args))
+        except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
+            item.done.set_exception(exc)
+
+    def _cancel(self, request_id: str, rows: frozenset[int] | None) -> None:
+        for key in [k for k in self._live if k[0] == request_id and (rows is None or k[1] in rows)]:
+            self._cancel_one(*key)
+        for item in self._pending:  # not admitted yet (held behind a swap): cancelled on admission
+            if isinstance(item, _Call):
+                item.cancelled.update(i for i, r in enumerate(item.rows)
+                                      if r.request_id == request_id and (rows is None or r.row in rows))
+
+    def _cancel_one(self, request_id: str, row: int) -> None:
+        seq, call, index = self._live.get((request_id, row), (None, None, None))
+        if call is None:
+            return
+        if seq is None:  # an expert-parallel row that has not started its batch
+            self._batch.remove((call, index))
+            self._deliver(call, index, RowOutput(request_id, row, [], [], None, "abort", None, None,
+                                                 self.version))
+        elif self._decoder.cancel(seq):
+            self._deliver(call, index, output(seq, self.version))
+
+    def _step(self) -> int:
+        events = self._decoder.step()
+        for seq, token, logprob, top in events.sampled:
+            _, call, _ = self._live[(seq.request.request_id, seq.request.row)]
+            if call.on_token is not None:
+                try:
+                    call.on_token(TokenEvent(seq.request.request_id, seq.request.row, token, logprob, top))
+                except Exception:  # noqa: BLE001 -- a listener's bug must not stop other rows
+                    log.exception("on_token failed for request %s", seq.request.request_id)
+        for seq in events.finished:
+            _, call, index = self._live[(seq.request.request_id, seq.request.row)]
+            self._deliver(call, index, output(seq, self.version))
+        return len(events.sampled)
+
+    def _step_sharded(self) -> int:
+        """One batch on the expert-parallel replica: every rank decodes its share to the end."""
+        batch = self._batch[:self.run.rollout.max_batch_size]
+        del self._batch[:len(batch)]
+        requests = [call.rows[index] for call, index in batch]
+        try:
+            seqs = self.replica.generate(requests, self._eos_ids())
+        except Exception as exc:  # noqa: BLE001 -- fail these rows, not the server
+            for call, index in batch:
+                self._finish_error(call, index, call.rows[index], str(exc))
+            return 0
+        for (call, index), seq in zip(batch, seqs):
+            if call.on_token is not None:
+                for i, token in enumerate(seq.tokens):
+                    top = seq.top_logprobs[i] if seq.top_logprobs is not None else None
+                    call.on_token(TokenEvent(seq.request.request_id, seq.request.row, token, seq.logprobs[i], top))
+            self._deliver(call, index, output(seq, self.version))
+        return sum(len(s.tokens) for s in seqs)
+
+    def _finish_error(self, call: _Call, index: int, request: RowRequest, message: str) -> None:
+        self._deliver(call, index, RowOutput(request.request_id, request.row, [], [], None, "error", message, None,
+                                             self.version))
+
+    def _deliver(self, call: _Call, index: int, out: RowOutput) -> None:
+        self._live.pop((out.request_id, out.row), None)
+        if call.outputs[index] is not None:
+            return
+        call.outputs[index] = out
+        call.left -= 1
+        if call.left == 0:
+            call.future.set_result(call.outputs)
+
+    def _abort_all(self, reason: str) -> None:
+        for seq, call, index in list(self._live.values()):
+            if seq is not None and self._decoder is not None:
+                self._decoder.cancel(seq)
+                self._deliver(call, index, output(seq, self.version))
+            else:
+                self._deliver(call, index, RowOutput(call.rows[index].request_id, call.rows[index].row, [], [],
+                                                     None, "abort", None, None, self.version))
+        self._batch.clear()
+        with self._lock:
+            self._pending.extend(self._inbox)
+            self._inbox = []
+        for item in self._pending:
+            target = item.future if isinstance(item, _Call) else item.done
+            if not target.done():
+                target.set_exception(RuntimeError(reason))
+        self._pending.clear()

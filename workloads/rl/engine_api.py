@@ -1,0 +1,114 @@
+"""The rollout engine's request and result types (CONTRACTS.md, "Engine <-> server"). Torch-free, so the HTTP
+protocol modules can import them; `engine.py` re-exports them next to the RolloutEngine that consumes them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy
+
+LOGPROB_MODES = ("processed", "raw")
+SEED_LIMIT = 2 ** 64  # seeds are two 32-bit words of the device's counter-based generator
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+
+
+def _bad(name: str, value, allowed: str) -> ValueError:
+    return ValueError(f"{name}: {value!r} is not allowed; {allowed}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one row samples. Validated on construction: a ValueError names the field, the value and what is
+    allowed. The filters apply in vLLM's order: temperature, top-k, top-p (of what top-k kept), min-p."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # 0 <= seed < 2**64; None = fresh entropy, drawn when the row is submitted
+    stop_token_ids: tuple[int, ...] = ()  # the model's EOS ids are added by the engine
+    logprob_mode: Literal["processed", "raw"] = "processed"  # processed = of the distribution sampled from
+    top_logprobs: int = 0  # alternatives per token (0 = only the sampled token's logprob)
+    return_routing: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
+            raise _bad("temperature", self.temperature, "a number in [0, 100] (0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "a number in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise _bad("seed", self.seed, "an integer in [0, 2**64) or None")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a tuple of non-negative token ids")
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise _bad("logprob_mode", self.logprob_mode, f"one of {', '.join(LOGPROB_MODES)}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if not isinstance(self.return_routing, bool):
+            raise _bad("return_routing", self.return_routing, "true or false")
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One completion (choice `row` of request `request_id`) of a prompt."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str
+    row: int  # choice index within the request (0..n-1): part of the row's seed counter
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_ids, tuple) or not self.prompt_ids or not all(
+                _is_int(t) and t >= 0 for t in self.prompt_ids):
+            raise _bad("prompt_ids", self.prompt_ids, "a non-empty tuple of non-negative token ids")
+        if not _is_int(self.row) or not 0 <= self.row < 2 ** 32:
+            raise _bad("row", self.row, "an integer in [0, 2**32)")
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token, streamed from the engine thread as it is sampled."""
+
+    request_id: str
+    row: int
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class RowOutput:
+    request_id: str
+    row: int
+    token_ids: list[int]  # includes the EOS/stop token that ended the row
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: Literal["stop", "length", "abort", "error"]
+    error: str | None  # set when finish_reason == "error" (this row alone failed)
+    # expert ids [prompt + completion - 1, layers, k] (vLLM's layout): uint8 when experts <= 256, else int16
+    routing: "numpy.ndarray | None"
+    weight_version: int
+
+
+@dataclass
+class EngineHealth:
+    version: int | None
+    running_rows: int  # rows holding a KV-cache slot (prefilling or decoding)
+    waiting_rows: int  # rows submitted but not yet admitted
+    last_step_monotonic: float  # time.monotonic() when the engine loop last finished a step or idled

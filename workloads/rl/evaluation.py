@@ -1,0 +1,272 @@
+"""Evaluation of a policy on the evaluation split (or fresh built-in problems): mean reward, pass@1 and pass@k
+(the unbiased estimator of Chen et al. 2021 over n samples per prompt), mean response length, truncation rate and
+failed rewards; optionally per data source.
+
+`evaluate` takes a `Complete` function (prompts, n, params -> n samples per prompt), so the same code scores a run's
+rollout servers over HTTP (`http_completer`), a model in this process (`model_completer`, what `moerl eval` and the
+local run's final evaluation use), or anything else that samples. Metrics are plain floats named `eval/...`;
+`record` appends them to `eval.jsonl` and TensorBoard, which the reward plot reads.
+
+A failed reward is masked here as in training: the sample is left out of the reward mean and of its prompt's
+pass@k (a prompt with fewer than k scored samples is left out of pass@k), and counted in `eval/rewards_failed`.
+
+Torch-free at import: the orchestrator imports it; `model_completer` imports torch when called."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .data import Prompt
+from .rewards import RewardScorer
+
+PREFIX = "eval/"
+PROMPTS_PER_CALL = 16  # prompts handed to `complete` at once: bounds memory of a local model's batch
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str  # decoded completion without its stop token
+    tokens: int  # completion length in tokens, stop token included
+    finished: bool  # ended with a stop token (False: cut at max_tokens)
+
+
+@dataclass(frozen=True)
+class EvalParams:
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int  # the run's seed: sample j of prompt i draws from derive_seed(seed, EVAL_STREAM, i) row j
+
+
+Complete = Callable[[list[Prompt], EvalParams], list[list[Sample]]]
+EVAL_STREAM = 0x6576616C  # "eval": keeps evaluation seeds apart from the training prompts' derive_seed(seed, i)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct:
+    1 - C(n-c, k) / C(n, k), as a product so large n does not overflow."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, params: EvalParams, *,
+             pass_threshold: float, by_source: bool = True) -> dict[str, float]:
+    """Sample `params.n` completions per prompt, score them, and summarise (see the module docstring)."""
+    if not prompts:
+        raise ValueError("no evaluation prompts (rl.data.eval is unset or every prompt is too long)")
+    k = params.n
+    per_prompt: list[tuple[Prompt, list[Sample], list[float | None]]] = []
+    for start in range(0, len(prompts), PROMPTS_PER_CALL):
+        chunk = prompts[start:start + PROMPTS_PER_CALL]
+        samples = complete(chunk, params)
+        if len(samples) != len(chunk) or any(len(s) != k for s in samples):
+            raise ValueError(f"the completer returned {[len(s) for s in samples]} samples for {len(chunk)} prompts "
+                             f"x n={k}")
+        results = scorer.score_many([(p, s.text, s.finished) for p, group in zip(chunk, samples) for s in group])
+        for i, (p, group) in enumerate(zip(chunk, samples)):
+            per_prompt.append((p, group, [r.score for r in results[i * k:(i + 1) * k]]))
+    metrics = _summary(per_prompt, k, pass_threshold)
+    sources = sorted({p.data_source for p, _, _ in per_prompt})
+    if by_source and len(sources) > 1:
+        for source in sources:
+            part = _summary([x for x in per_prompt if x[0].data_source == source], k, pass_threshold)
+            metrics.update({f"{PREFIX}{source}/{name[len(PREFIX):]}": v for name, v in part.items()})
+    return metrics
+
+
+def _summary(per_prompt, k: int, threshold: float) -> dict[str, float]:
+    scores = [s for _, _, group in per_prompt for s in group if s is not None]
+    samples = [s for _, group, _ in per_prompt for s in group]
+    pass1, passk = [], []
+    for _, _, group in per_prompt:
+        scored = [s for s in group if s is not None]
+        correct = sum(s >= threshold for s in scored)
+        if scored:
+            pass1.append(pass_at_k(len(scored), correct, 1))
+        if len(scored) >= k:
+            passk.append(pass_at_k(len(scored), correct, k))
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {f"{PREFIX}reward_mean": mean(scores), f"{PREFIX}pass@1": mean(pass1), f"{PREFIX}pass@{k}": mean(passk),
+            f"{PREFIX}response_tokens_mean": mean([s.tokens for s in samples]),
+            f"{PREFIX}truncation_rate": mean([0.0 if s.finished else 1.0 for s in samples]),
+            f"{PREFIX}rewards_failed": float(len(samples) - len(scores)), f"{PREFIX}prompts": float(len(per_prompt))}
+
+
+def params_for(run, n: int | None = None) -> EvalParams:
+    e = run.rl.evaluation
+    return EvalParams(n=n or e.samples_per_prompt, max_tokens=e.max_tokens or run.rl.sampling.max_tokens,
+                      temperature=e.temperature, top_p=run.rl.sampling.top_p, seed=run.rl.training.seed)
+
+
+def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None = None,
+                 prompts: list[Prompt] | None = None) -> dict[str, float]:
+    """A run's evaluation (rl.evaluation) on its evaluation prompts; what the orchestrator calls every N steps.
+    Pass `prompts` (data.evaluation_prompts, computed once) so a dataset in S3 is not read again each time."""
+    from .data import evaluation_prompts
+
+    own = scorer is None
+    scorer = scorer or RewardScorer(run.rl.reward)
+    try:
+        return evaluate(evaluation_prompts(run, tokenizer) if prompts is None else prompts, complete, scorer,
+                        params_for(run), pass_threshold=run.rl.reward.pass_threshold)
+    finally:
+        if own:
+            scorer.close()
+
+
+def evaluate_checkpoint(run, directory: str | Path) -> dict[str, float]:
+    """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
+    the local run's evaluation of its initial, post-warm-up and final weights."""
+    from ..model.checkpoint import load_model
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer)
+
+
+def _text(tokenizer, tokens: list[int], finished: bool) -> str:
+    return tokenizer.decode(tokens[:-1] if finished else tokens)
+
+
+def model_completer(model, tokenizer) -> Complete:
+    """Samples from a MoETransformer in this process (the rollout engine's decoder), stopping on every EOS id."""
+    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[Sample]]:
+        import torch
+
+        from .engine_api import RowRequest, SamplingParams
+        from .generation import decode_all
+        from .protocol import derive_seed
+
+        requests = [RowRequest(p.prompt_ids, SamplingParams(params.max_tokens, params.temperature, params.top_p,
+                                                            seed=derive_seed(params.seed, EVAL_STREAM, p.index)),
+                               str(p.index), j)
+                    for p in prompts for j in range(params.n)]
+        with torch.no_grad():
+            seqs = decode_all(model, requests, tokenizer.eos_ids)
+        out = [Sample(_text(tokenizer, s.tokens, s.finish_reason == "stop"), len(s.tokens), s.finish_reason == "stop")
+               for s in seqs]
+        return [out[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+    return complete
+
+
+def http_completer(url: str, tokenizer, *, model: str | None = None, timeout_s: float = 600,
+                   concurrency: int = 8) -> Complete:
+    """Samples from a rollout server (POST {url}/v1/completions with token ids), one request per prompt with
+    n = params.n, `concurrency` requests at once."""
+    import urllib.request
+
+    from .protocol import Completion, CompletionRequest, derive_seed
+
+    def one(prompt: Prompt, params: EvalParams) -> list[Sample]:
+        body = CompletionRequest(prompt=list(prompt.prompt_ids), n=params.n, max_tokens=params.max_tokens,
+                                 temperature=params.temperature, top_p=params.top_p, model=model,
+                                 seed=derive_seed(params.seed, EVAL_STREAM, prompt.index)).to_json()
+        req = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            completion = Completion.from_response(json.load(resp))
+        choices = sorted(completion.choices, key=lambda c: c.index)
+        return [Sample(_text(tokenizer, c.token_ids, c.finish_reason == "stop"), len(c.token_ids),
+                       c.finish_reason == "stop") for c in choices]
+
+    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[Sample]]:
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda p: one(p, params), prompts))
+    return complete
+
+
+def record(out_dir: str | Path, step: int, metrics: dict[str, float], writer=None) -> None:
+    """Append {"step", metrics...} to <out_dir>/eval.jsonl; with a TensorBoard SummaryWriter, add each scalar."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    if writer is not None:
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)
+        writer.flush()
+
+
+def read_records(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / "eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main(argv: list[str]) -> int:
+    """`moerl eval --model DIR --data FILE`: evaluate a Hugging Face checkpoint outside a run."""
+    parser = argparse.ArgumentParser(prog="moerl eval", description=main.__doc__.split(": ", 1)[1])
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory (weights, config.json, "
+                        "tokenizer files, generation_config.json)")
+    parser.add_argument("--data", help="evaluation Parquet/JSONL file in verl's layout (path or s3://); default: "
+                        "the --run's evaluation prompts")
+    parser.add_argument("--run", help="a run file whose rl.data/rl.reward/rl.evaluation settings to use")
+    parser.add_argument("--reward", default=None, help="arithmetic, math or package.module:function (default: the "
+                        "run's, else math)")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    parser.add_argument("--prompts", type=int, default=None, help="evaluate at most this many prompts")
+    parser.add_argument("-n", "--samples", type=int, default=None, help="samples per prompt (k of pass@k)")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. {"enable_thinking": false}')
+    parser.add_argument("--s3-endpoint-url", default=None)
+    parser.add_argument("--out", help="append the metrics to OUT/eval.jsonl")
+    args = parser.parse_args(argv)
+    run = eval_run(args)
+    from ..model.checkpoint import load_model
+    from .data import evaluation_prompts
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or run.rl.sampling.tokenizer)
+    model = load_model(args.model).eval()
+    scorer = RewardScorer(run.rl.reward)
+    try:
+        metrics = evaluate(evaluation_prompts(run, tokenizer), model_completer(model, tokenizer), scorer,
+                           params_for(run), pass_threshold=run.rl.reward.pass_threshold)
+    finally:
+        scorer.close()
+    if args.out:
+        record(args.out, 0, metrics)
+    json.dump(metrics, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def eval_run(args):
+    """A RunConfig for `moerl eval`: the --run file (or one derived from --model's directory) with the flags
+    applied, parsed and validated like any run file."""
+    import yaml
+
+    from moe_rl_eks.core.run import RunConfig
+    from moe_rl_eks.core.schema import parse
+
+    from .model_dir import model_run_data
+
+    if args.run:
+        data = yaml.safe_load(Path(args.run).read_text())
+    else:
+        data = model_run_data(args.model, max_new_tokens=args.max_tokens)
+    rl = data.setdefault("rl", {})
+    rl.setdefault("sampling", {})["tokenizer"] = args.tokenizer or args.model
+    if args.data:
+        rl["data"] = {**rl.get("data", {}), "train": args.data, "eval": args.data,
+                      "chat_template_kwargs": json.loads(args.chat_template_kwargs),
+                      "s3_endpoint_url": args.s3_endpoint_url}
+    if args.reward or not args.run:
+        rl.setdefault("reward", {})["function"] = args.reward or "math"
+    evaluation = rl.setdefault("evaluation", {})
+    for key, value in (("prompts", args.prompts), ("samples_per_prompt", args.samples),
+                       ("max_tokens", args.max_tokens), ("temperature", args.temperature)):
+        if value is not None:
+            evaluation[key] = value
+    return parse(RunConfig, data, source=args.run or f"moerl eval --model {args.model}")
