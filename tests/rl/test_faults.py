@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl import checkpoint as ckpt
 from moe_rl_eks.workloads.rl.local_run import LocalCluster, read_metrics
+from moe_rl_eks.workloads.rl.protocol import VersionRef
 from moe_rl_eks.workloads.rl.weights import version_name
 
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
@@ -63,7 +64,7 @@ def test_a_straggling_and_a_killed_rollout_server_lose_or_duplicate_no_sample(tm
 
 
 def final_weights(out, version):
-    return load_file(str(out / "weights" / version_name(version) / "model.safetensors"))
+    return load_file(str(out / "weights" / version_name(VersionRef(0, version)) / "model.safetensors"))
 
 
 def kill_trainer_after_first_checkpoint(cluster, steps):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .local_run import LocalCluster, evaluate, read_metrics
+from .local_run import LocalCluster, evaluate, final_weights, read_metrics
 from .runtime import http_json, load
 
 ROLLOUT_CPU, TRAINER_CPU = 0, 1
@@ -49,7 +49,7 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, root: Path)
     last = rows[-1]
     wall = last["wall_seconds"] - first["wall_seconds"]
     waited = (last["trainer_idle_fraction"] * last["wall_seconds"] - first["trainer_idle_fraction"] * first["wall_seconds"])
-    final = evaluate(run, sorted((cluster.out / "weights").glob("v*"))[-1])
+    final = evaluate(run, final_weights(run, cluster.out))
     return {"mode": mode, "max_staleness": max_staleness, "steps": len(rows),
             "samples_per_second": sum(r["samples"] for r in rows[1:]) / wall,
             "trainer_idle_fraction": waited / wall, "rollout_idle_fraction": 1 - (busy1 - busy0) / (t1 - t0),
