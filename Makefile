@@ -93,6 +93,12 @@ bench-ep: $(STAMP)
 bench-kernels: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-kernels $(BENCH_KERNELS_ARGS)
 
+# Trainer micro-batch tokens/s, MFU and peak memory on one GPU; results go in workloads/BENCHMARKS.md.
+# Arguments: make bench-train BENCH_TRAIN_ARGS="--shapes 8x8192 --compute triton" (see moerl bench-train --help).
+.PHONY: bench-train
+bench-train: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-train $(BENCH_TRAIN_ARGS)
+
 # The whole RL loop on this machine (two rollout servers, trainer EP=2 over gloo, orchestrator; ~2-5 min).
 .PHONY: local-run
 local-run: $(STAMP)

@@ -11,6 +11,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "manifests": ("moe_rl_eks.k8s.manifests", "main", "write a run's Kubernetes manifests to dist/<env>/<run>/"),
     "bench-ep": ("moe_rl_eks.workloads.bench_ep", "main", "EP dispatch + combine throughput per backend (DeepEP method)"),
     "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
+    "bench-train": ("moe_rl_eks.workloads.bench_train", "main",
+                    "trainer micro-batch tokens/s, MFU and memory on one GPU (Qwen3-30B-A3B layers)"),
     "serve-rollout": ("moe_rl_eks.workloads.rl.rollout_server", "main", "serve completions (rollout server role)"),
     "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),

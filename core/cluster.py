@@ -56,6 +56,12 @@ OUTPUT_PROMETHEUS_ENDPOINT = "PrometheusEndpoint"
 # Comma-separated CIDRs of the subnets the managed Prometheus scraper's interfaces live in (nothing else does): the
 # only sources run pods accept metrics scrapes from.
 OUTPUT_SCRAPER_CIDRS = "ScraperSubnetCidrs"
+# The artifact bucket's layout; each Pod Identity role is granted exactly its prefixes (infra/run_access.py), and a
+# run's S3 locations are checked against them before manifests are written (k8s/outputs.py).
+RUNS_PREFIX = "runs/"  # runs/<run>/...: checkpoints and outputs; the trainer reads and writes
+WEIGHTS_PREFIX = "weights/"  # published weight versions (the S3 weight store's default prefix): trainer writes, rollout reads
+PROMPTS_PREFIX = "prompts/"  # prompt datasets the orchestrator reads
+ROLLOUT_LOGS_PREFIX = "rollout-logs/"  # generated samples and rewards the orchestrator writes
 # Where the run directories live on the shared file system; infra prepares it owned by the pods' UID.
 RUNS_DIR = f"{FSX_MOUNT_PATH}/runs"
 POD_UID = 10001  # every run pod's UID and GID: unprivileged, above host UIDs

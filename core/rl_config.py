@@ -266,11 +266,25 @@ class TrainingConfig:
     router_bias_update_rate: float = 1e-3  # sigmoid router: aux-loss-free balancing step per RL step; 0 = frozen
     init_from: str | None = None  # a Hugging Face Qwen3-MoE checkpoint directory to start from; default: seeded init
     output_dir: str = "runs/{name}"  # metrics, TensorBoard, checkpoints, plots; {name} = run name
+    # Tokens (prompt + completion - 1 per sample) one forward/backward holds; a rank's share of a mini-batch is
+    # packed into micro-batches of at most this many tokens and their gradients accumulated.
+    max_tokens_per_microbatch: int = 16384
+    activation_checkpointing: bool = True  # recompute decoder layers in the backward (activations ~ layer inputs)
+    # Learning rate per optimizer step (steps x epochs x mini-batches of them): linear warm-up from 0 over
+    # lr_warmup_steps, then constant or cosine down to min_learning_rate at the last optimizer step.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = 0
+    min_learning_rate: float = 0.0
 
     def validate(self) -> None:
-        for name in ("steps", "prompts_per_step", "checkpoint_every"):
+        for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
+        if self.lr_warmup_steps < 0:
+            fail("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0 (optimizer steps)")
+        if not 0 <= self.min_learning_rate <= self.learning_rate:
+            fail("min_learning_rate", self.min_learning_rate,
+                 f"must be between 0 and learning_rate ({self.learning_rate})")
         for name in ("learning_rate", "warmup_learning_rate"):
             if getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "must be > 0")
@@ -295,6 +309,15 @@ class RLConfig:
     weight_token_env: str = "MOERL_WEIGHT_TOKEN"
 
     def validate(self) -> None:
+        longest = self.sampling.max_prompt_tokens + self.sampling.max_tokens - 1
+        if self.training.max_tokens_per_microbatch < longest:
+            fail("training.max_tokens_per_microbatch", self.training.max_tokens_per_microbatch,
+                 f"must be >= the longest sample, rl.sampling.max_prompt_tokens + max_tokens - 1 ({longest}): a "
+                 "sequence is never split across micro-batches")
+        optimizer_steps = self.training.steps * self.algorithm.epochs_per_batch * self.algorithm.mini_batches
+        if self.training.lr_warmup_steps > optimizer_steps:
+            fail("training.lr_warmup_steps", self.training.lr_warmup_steps,
+                 f"must be <= the run's optimizer steps (steps x epochs_per_batch x mini_batches = {optimizer_steps})")
         samples = self.training.prompts_per_step * self.algorithm.group_size
         if self.algorithm.mini_batches > samples:
             fail("algorithm.mini_batches", self.algorithm.mini_batches,

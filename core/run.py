@@ -5,13 +5,13 @@ fixes the EP backend once, so manifests and trainer logs carry the same resolved
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from .cluster import FSX_MOUNT_PATH
 from .deploy import DeployConfig
-from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, resolve_backend
+from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, check_backend, resolve_backend
 from .environment import EnvironmentConfig
 from .rl_config import RLConfig
 from .schema import ConfigError, fail, parse
@@ -145,6 +145,20 @@ TRITON_ROW_MULTIPLE = TMA_ROW_BYTES // 2
 
 
 @dataclass(frozen=True)
+class ResolvedPlacement:
+    """Where `moerl manifests` resolved a cluster run: the run file it ships to pods carries this instead of the
+    environment (whose account, admin role and network stay out of the cluster), so every pod resolves the same EP
+    backend without reading cdk.json."""
+
+    environment: str
+    trainer_instance_type: str
+    rollout_instance_type: str
+    topology: Topology
+    ep_backend: EpBackend
+    ep_backend_reason: str
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str
     model: ModelConfig
@@ -156,8 +170,14 @@ class RunConfig:
     # The MoE layer's hot path (routing, permutation, grouped SwiGLU GEMMs): `torch` (torch._grouped_mm) runs
     # anywhere; `triton` (moe_rl_eks.kernels) needs CUDA GPUs.
     moe_compute: Literal["torch", "triton"] = "torch"
+    # Written by `moerl manifests` into the run file pods read (never by hand): the run already resolved against
+    # its environment, which the file then omits (environment: null).
+    resolved: ResolvedPlacement | None = None
 
     def validate(self) -> None:
+        if self.resolved is not None and self.environment is not None:
+            fail("resolved", self.resolved.environment, "a resolved run file names no environment (moerl manifests "
+                 "writes it); resolve the original run file instead")
         # Invariants between roles: what the orchestrator asks of rollout servers must be what they accept.
         s = self.rl.sampling
         if s.max_tokens > self.rollout.max_new_tokens:
@@ -206,6 +226,8 @@ def load_run(path: str | Path) -> RunConfig:
 def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = "run") -> ResolvedRun:
     """Check `run` against `env` (None for a local run) and resolve its EP backend."""
     src = f"{source} {run.name!r}"
+    if run.resolved is not None:
+        return _resolved_on_the_cluster(run, env, src)
     if (run.environment is None) != (env is None):
         raise ConfigError(src, "environment", run.environment,
                           "a run with an environment needs that environment's config; a local run takes none")
@@ -237,6 +259,31 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
     if env is not None:
         _check_cluster_run(run, env, src)
     return ResolvedRun(run, env, topo, backend, why)
+
+
+def _resolved_on_the_cluster(run: RunConfig, env: EnvironmentConfig | None, src: str) -> ResolvedRun:
+    placement = run.resolved
+    if env is not None:
+        raise ConfigError(src, "resolved", placement.environment, "this run file was resolved by moerl manifests "
+                          "already; it takes no environment")
+    try:  # the image's code may know limits the manifests' did not: say so before any rank starts
+        check_backend(placement.ep_backend, placement.topology)
+    except UnsupportedBackend as exc:
+        raise ConfigError(src, "resolved.ep_backend", placement.ep_backend, str(exc)) from None
+    return ResolvedRun(run, None, placement.topology, placement.ep_backend, placement.ep_backend_reason)
+
+
+def resolved_run_file(resolved: ResolvedRun, run: RunConfig | None = None) -> RunConfig:
+    """The run file `moerl manifests` ships to a cluster run's pods: ``run`` (default: the resolved run) with the
+    placement it was resolved to instead of its environment."""
+    env = resolved.environment
+    if env is None:
+        raise ValueError("resolved_run_file: a cluster run resolved against its environment is needed")
+    placement = ResolvedPlacement(
+        environment=env.name, trainer_instance_type=env.trainer_pool.instance_type,
+        rollout_instance_type=env.rollout_pool.instance_type, topology=resolved.topology,
+        ep_backend=resolved.ep_backend, ep_backend_reason=resolved.ep_backend_reason)
+    return replace(run or resolved.run, environment=None, resolved=placement)
 
 
 def _check_fits(run: RunConfig, env: EnvironmentConfig, src: str) -> None:

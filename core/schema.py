@@ -121,6 +121,17 @@ def parse(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
     return obj
 
 
+def dump(obj: Any) -> Any:
+    """Plain YAML/JSON data from a parsed config: the inverse of :func:`parse` (``parse(type(x), dump(x)) == x``)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: dump(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [dump(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: dump(v) for k, v in obj.items()}
+    return obj
+
+
 class _FieldProblem(ConfigError):
     """A ConfigError without a source yet: `parse` adds the source and the path of the enclosing object."""
 

@@ -10,12 +10,9 @@ from .cluster import MoeRlCluster
 
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.labels import PART_OF, PART_OF_LABEL
-from moe_rl_eks.core.rl_config import WeightStoreConfig
+from moe_rl_eks.core.cluster import PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX, RUNS_PREFIX, WEIGHTS_PREFIX
 
-from .storage import PROMPTS_PREFIX, ROLLOUT_LOGS_PREFIX, RUNS_PREFIX, MoeRlStorage
-
-# Published weight versions (the S3 weight store's default prefix): the trainer writes, rollout servers read.
-WEIGHTS_PREFIX = f"{WeightStoreConfig.prefix.strip('/')}/"
+from .storage import MoeRlStorage
 METRICS_NAMESPACE = "MoeRl"  # CloudWatch namespace the trainer may put metrics into
 
 

@@ -6,10 +6,8 @@ from aws_cdk import (Acknowledgment, Duration, RemovalPolicy, Stack, Validations
                      aws_fsx as fsx, aws_iam as iam, aws_kms as kms, aws_s3 as s3)
 from constructs import Construct
 
-# Bucket layout the Pod Identity roles are scoped to (workloads write and read these prefixes).
-RUNS_PREFIX = "runs/"  # runs/<run>/...: checkpoints and outputs, the trainer's
-PROMPTS_PREFIX = "prompts/"  # prompt datasets the orchestrator reads
-ROLLOUT_LOGS_PREFIX = "rollout-logs/"  # generated samples and rewards the orchestrator writes
+from moe_rl_eks.core.cluster import ROLLOUT_LOGS_PREFIX
+
 # The bucket is linked at the file system's root (data repository association), so the file system mirrors the
 # bucket's layout: /fsx/runs/<run>/ (checkpoints the trainer writes) is s3://<bucket>/runs/<run>/, and what is put
 # under prompts/ or weights/ in the bucket appears under /fsx/prompts/ and /fsx/weights/.

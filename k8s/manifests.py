@@ -6,7 +6,6 @@ the target and moved into place at the end, so a failed run leaves the previous 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -14,14 +13,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
 from moe_rl_eks.core import cluster
 from moe_rl_eks.core.environment import load_cdk_json, select_environment
 from moe_rl_eks.core.run import ResolvedRun, load_run, resolve_run
 from moe_rl_eks.core.schema import ConfigError
 
-from .outputs import StackOutputs, load_outputs
+from .outputs import StackOutputs, check_run_storage, load_outputs
 
 # Object names derive from the run name (the longest: JobSet pod host names `<run>-nccl-check-node-0-<i>`,
 # at most 63 characters).
@@ -56,13 +54,11 @@ def build(run_path: Path, env_name: str | None, outputs_path: Path | None, cdk_j
     if run.rollout.autoscaled and outputs.prometheus_endpoint is None:
         raise ConfigError(str(outputs_path), f"{outputs.stack}.{cluster.OUTPUT_PROMETHEUS_ENDPOINT}", None,
                           "the rollout autoscaler reads the queue depth from Amazon Managed Prometheus")
-    run_data = yaml.safe_load(run_path.read_text())
-    environment_data = json.loads(cdk_json.read_text())["context"]["environments"][env_name]
-    return _write(resolved, outputs, run_data, environment_data, source, out_dir / env_name / run.name)
+    check_run_storage(run, outputs, source)
+    return _write(resolved, outputs, source, out_dir / env_name / run.name)
 
 
-def _write(resolved: ResolvedRun, outputs: StackOutputs, run_data: dict, environment_data: dict, source: str,
-           target: Path) -> Path:
+def _write(resolved: ResolvedRun, outputs: StackOutputs, source: str, target: Path) -> Path:
     import cdk8s  # the slow imports (a Node process): only once every check has passed
 
     from .run_chart import RunChart
@@ -73,8 +69,7 @@ def _write(resolved: ResolvedRun, outputs: StackOutputs, run_data: dict, environ
     try:
         app = cdk8s.App(outdir=str(staging), output_file_extension=".k8s.yaml",
                         yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
-        RunChart(app, "run", resolved=resolved, outputs=outputs, run_data=run_data,
-                 environment_data=environment_data, source=source)
+        RunChart(app, "run", resolved=resolved, outputs=outputs, source=source)
         ValidationChart(app, "validation", resolved=resolved, outputs=outputs)
         app.synth()
         if target.exists():

@@ -13,15 +13,18 @@ from pathlib import Path
 
 from moe_rl_eks.core import cluster
 from moe_rl_eks.core.environment import EnvironmentConfig
+from moe_rl_eks.core.run import RunConfig
 from moe_rl_eks.core.schema import ConfigError
 
 _ECR_URI = re.compile(r"(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com/[a-z0-9]+(?:[._/-][a-z0-9]+)*")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _AMP_ENDPOINT = re.compile(r"https://aps-workspaces\.([a-z0-9-]+)\.amazonaws\.com/workspaces/ws-[0-9a-f-]+/?")
 
 
 @dataclass(frozen=True)
 class StackOutputs:
     stack: str
+    bucket_name: str  # the artifact bucket: the only one the run's Pod Identity roles may use
     trainer_repository_uri: str
     rollout_repository_uri: str
     orchestrator_repository_uri: str
@@ -65,7 +68,10 @@ def load_outputs(path: str | Path, env: EnvironmentConfig) -> StackOutputs:
                               f"expected https://aps-workspaces.{env.region}.amazonaws.com/workspaces/ws-...")
         endpoint = endpoint.rstrip("/")
     scraper_cidrs = _scraper_cidrs(source, stack, outs.get(cluster.OUTPUT_SCRAPER_CIDRS), env, scraped=endpoint is not None)
-    return StackOutputs(stack, uris[cluster.OUTPUT_TRAINER_REPOSITORY_URI], uris[cluster.OUTPUT_ROLLOUT_REPOSITORY_URI],
+    bucket = outs.get(cluster.OUTPUT_BUCKET_NAME)
+    if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
+        raise ConfigError(source, f"{stack}.{cluster.OUTPUT_BUCKET_NAME}", bucket, "expected the artifact bucket's name")
+    return StackOutputs(stack, bucket, uris[cluster.OUTPUT_TRAINER_REPOSITORY_URI], uris[cluster.OUTPUT_ROLLOUT_REPOSITORY_URI],
                         uris[cluster.OUTPUT_ORCHESTRATOR_REPOSITORY_URI], endpoint, scraper_cidrs)
 
 
@@ -89,3 +95,29 @@ def _scraper_cidrs(source: str, stack: str, value: object, env: EnvironmentConfi
 def _stack_home(uri: object) -> tuple[str, str] | None:
     match = _ECR_URI.fullmatch(uri) if isinstance(uri, str) else None
     return (match.group(1), match.group(2)) if match else None
+
+
+def check_run_storage(run: RunConfig, outputs: StackOutputs, source: str) -> None:
+    """Every S3 location of ``run`` is one its pods' roles may use: the stack's bucket, under the prefix granted to
+    the role that reads or writes it. Anything else would pass every other check and fail at run time with
+    AccessDenied."""
+    weights = run.rl.weights
+    if weights.kind == "s3":
+        if weights.bucket != outputs.bucket_name:
+            raise ConfigError(source, "rl.weights.bucket", weights.bucket,
+                              f"the trainer and rollout roles may use only the stack's bucket "
+                              f"{outputs.bucket_name!r} ({outputs.stack}.{cluster.OUTPUT_BUCKET_NAME})")
+        if f"{weights.prefix.strip('/')}/" != cluster.WEIGHTS_PREFIX:
+            raise ConfigError(source, "rl.weights.prefix", weights.prefix,
+                              f"the trainer may write and rollout servers read only {cluster.WEIGHTS_PREFIX!r}")
+    for field in ("train", "eval"):
+        uri = getattr(run.rl.data, field)
+        if uri is None or not uri.startswith("s3://"):
+            continue
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        if bucket != outputs.bucket_name or not key.startswith(cluster.PROMPTS_PREFIX):
+            raise ConfigError(source, f"rl.data.{field}", uri,
+                              f"the orchestrator's role may read only s3://{outputs.bucket_name}/"
+                              f"{cluster.PROMPTS_PREFIX}... ({outputs.stack}.{cluster.OUTPUT_BUCKET_NAME}); the "
+                              f"bucket is also linked at {cluster.FSX_MOUNT_PATH}/, so "
+                              f"{cluster.FSX_MOUNT_PATH}/{cluster.PROMPTS_PREFIX}... reads the same files")

@@ -5,8 +5,8 @@ PriorityClasses) are named in core.cluster; values known only after `cdk deploy`
 """
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import replace
 
 import cdk8s
 import yaml
@@ -16,10 +16,11 @@ from constructs import Construct
 from moe_rl_eks.core import cluster, labels, metrics
 from moe_rl_eks.core.cli import launch
 from moe_rl_eks.core.deploy import image_reference
-from moe_rl_eks.core.run import ResolvedRun
+from moe_rl_eks.core.run import ResolvedRun, resolved_run_file
+from moe_rl_eks.core.schema import dump
 
 from .outputs import StackOutputs
-from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_CONFIG_DIR, RUN_FILE, check_shm, container_security, \
+from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
     TMP_GIB, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes, \
     startup_check
 from .trainer import GangJob, add_gang_job
@@ -66,8 +67,7 @@ def weight_secret(run: str) -> str:
 
 
 class RunChart(cdk8s.Chart):
-    def __init__(self, scope: Construct, id: str, *, resolved: ResolvedRun, outputs: StackOutputs,
-                 run_data: dict, environment_data: dict, source: str):
+    def __init__(self, scope: Construct, id: str, *, resolved: ResolvedRun, outputs: StackOutputs, source: str):
         env = resolved.environment
         assert env is not None and resolved.run.deploy is not None, "resolve_run checked this is a cluster run"
         super().__init__(scope, id, namespace=env.run_namespace, disable_resource_name_hashes=True)
@@ -79,10 +79,9 @@ class RunChart(cdk8s.Chart):
         self.orchestrator_image = image_reference(outputs.orchestrator_repository_uri, deploy.images.orchestrator)
         # Only the orchestrator and the rollout servers use the weight-load token.
         self.secret_env = (run.rl.weight_token_env, weight_secret(run.name), "token")
-        # Every pod resolves the run against the environment shipped beside it (same EP backend as here).
-        self.run_env = {**CACHE_ENV, "MOERL_CDK_JSON": f"{RUN_CONFIG_DIR}/cdk.json"}
+        self.run_env = dict(CACHE_ENV)
 
-        self._config_map(run_data, environment_data)
+        self._config_map()
         self._rollout()
         self._orchestrator()
         add_gang_job(self, resolved, GangJob(
@@ -93,17 +92,18 @@ class RunChart(cdk8s.Chart):
             pod_annotations=scraped_on(cluster.TRAINER_METRICS_PORT)))
         self._network_policies()
 
-    def _config_map(self, run_data: dict, environment_data: dict) -> None:
-        """The run file the pods read, with the orchestrator pointed at the rollout Service, and the environment
-        it was resolved against (so a pod resolves the same EP backend)."""
-        data = json.loads(json.dumps(run_data))  # a deep copy of plain YAML data
-        orchestrator = data.setdefault("rl", {}).setdefault("orchestrator", {})
-        orchestrator.setdefault("endpoints", [rollout_url(self.name, self.namespace)])
-        env = self.resolved.environment
-        cdk_json = {"context": {"env": env.name, "environments": {env.name: environment_data}}}
+    def _config_map(self) -> None:
+        """The run file the pods read: the run as resolved here (EP backend, topology, instance types) with the
+        orchestrator pointed at the rollout Service. It carries no environment: the account, admin role and
+        network of cdk.json stay out of the cluster, and every pod resolves the EP backend chosen here."""
+        run = self.resolved.run
+        orchestrator = run.rl.orchestrator
+        if not orchestrator.endpoints:
+            run = replace(run, rl=replace(run.rl, orchestrator=replace(
+                orchestrator, endpoints=(rollout_url(self.name, self.namespace),))))
+        shipped = dump(resolved_run_file(self.resolved, run))
         k8s.KubeConfigMap(self, "config", metadata=k8s.ObjectMeta(name=config_map_name(self.name)),
-                          data={"run.yaml": yaml.safe_dump(data, sort_keys=False),
-                                "cdk.json": json.dumps(cdk_json, indent=2)})
+                          data={"run.yaml": yaml.safe_dump(shipped, sort_keys=False)})
 
     def _rollout(self) -> None:
         run, env = self.resolved.run, self.resolved.environment

@@ -58,6 +58,18 @@ def manifests(tmp_path, run: dict, *extra: str, outputs=EXAMPLE_OUTPUTS) -> tupl
     ({"name": "a-run-name-that-is-far-too-long-for-k8s"}, "name", "at most 30 characters"),
     ({"environment": None}, "environment", "declares no environment (a local run)"),
     ({"environment": "staging"}, "env", "known environments: dev, prod"),
+    # S3 outside what the run's roles may use passes every other check and fails at run time with AccessDenied
+    ({"rl.weights": {"kind": "s3", "bucket": "someone-elses-bucket"}}, "rl.weights.bucket",
+     "the trainer and rollout roles may use only the stack's bucket 'moe-rl-dev-artifacts-111111111111'"),
+    ({"rl.weights": {"kind": "s3", "bucket": "moe-rl-dev-artifacts-111111111111", "prefix": "models"}},
+     "rl.weights.prefix", "only 'weights/'"),
+    ({"rl.data.train": "s3://example-rl-datasets/math/train.parquet"}, "rl.data.train",
+     "the orchestrator's role may read only s3://moe-rl-dev-artifacts-111111111111/prompts/"),
+    ({"rl.data.eval": "s3://moe-rl-dev-artifacts-111111111111/runs/x/test.parquet"}, "rl.data.eval",
+     "/fsx/prompts/... reads the same files"),
+    ({"deploy.images.orchestrator": "latest"}, "deploy.images.orchestrator", "floating tags"),
+    ({"parallelism.trainer_nodes": 2, "parallelism.ep_backend": "deepep"}, "parallelism.ep_backend",
+     "deploy.images.deepep_efa: true"),
 ])
 def test_bad_run_fails_clearly_and_writes_nothing(tmp_path, capsys, patches, field, fragment):
     run = QWEN
@@ -80,6 +92,10 @@ def test_bad_run_fails_clearly_and_writes_nothing(tmp_path, capsys, patches, fie
      "RolloutRepositoryUri: '222222222222.dkr.ecr.us-east-2.amazonaws.com/x' is not allowed"),
     (lambda o: o["MoeRlEks-dev"].update(PrometheusEndpoint="http://prometheus:9090"),
      "expected https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-..."),
+    (lambda o: o["MoeRlEks-dev"].pop("OrchestratorRepositoryUri"), "OrchestratorRepositoryUri: None is not allowed"),
+    (lambda o: o["MoeRlEks-dev"].update(ScraperSubnetCidrs="192.168.0.0/28"),
+     "expected the comma-separated CIDRs of the scraper's subnets inside the VPC 10.20.0.0/16"),
+    (lambda o: o["MoeRlEks-dev"].pop("ArtifactBucketName"), "ArtifactBucketName: None is not allowed"),
 ])
 def test_bad_stack_outputs_fail_clearly(tmp_path, capsys, edit, fragment):
     outputs = json.loads(EXAMPLE_OUTPUTS.read_text())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -100,9 +101,9 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     # torchrun must leave the workers' SIGTERM checkpoint time before it SIGKILLs them, inside the pod's grace
     spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
     assert 60 <= int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < spec["terminationGracePeriodSeconds"]
-    # the trainer finds the orchestrator and the environment its run resolves against
+    # the trainer finds the orchestrator; its run file is resolved already (no cdk.json in the pod)
     assert env["MOERL_ORCHESTRATOR"] == f"http://{run}-orchestrator.moe-rl.svc.cluster.local:{cluster.ORCHESTRATOR_PORT}"
-    assert env["MOERL_CDK_JSON"] == "/etc/moerl/cdk.json"
+    assert "MOERL_CDK_JSON" not in env
     assert "MOERL_WEIGHT_TOKEN" not in env  # only the orchestrator and rollout servers hold the token
 
 
@@ -331,17 +332,44 @@ def test_a_pod_resolves_the_shipped_run_to_the_same_backend(manifests, run):
     from moe_rl_eks.core.schema import parse
 
     data = find(manifests[f"{run}/run.k8s.yaml"], "ConfigMap", f"{run}-config")["data"]
+    assert set(data) == {"run.yaml"}  # the typed, resolved run file alone: no cdk.json
     shipped = parse(RunConfig, yaml.safe_load(data["run.yaml"]), source="/etc/moerl/run.yaml")
-    envs = load_environments(json.loads(data["cdk.json"])["context"])
-    in_pod = resolve_run(shipped, envs[shipped.environment])
+    in_pod = resolve_run(shipped, None)  # what the trainer does in the pod, without any environment
     assert (in_pod.ep_backend, in_pod.topology) == (resolved(run).ep_backend, resolved(run).topology)
+    assert shipped.environment is None and shipped.resolved.environment == "dev"
+    assert shipped.resolved.trainer_instance_type == "p5.48xlarge"
+    # Everything else is the run as written (the orchestrator's endpoints filled in when the file has none).
+    original = load_run(run_file(run))
+    assert replace(shipped, environment=original.environment, resolved=None, rl=original.rl) == original
+    # Nothing of the environment's account, admin role or network reaches the cluster.
+    environment = load_environments(json.loads((ROOT / "cdk.json").read_text())["context"])["dev"]
+    for secret in (environment.admin_role_arn, environment.vpc_cidr, *environment.endpoint.public_cidrs):
+        assert secret not in data["run.yaml"]
+
+
+def test_a_resolved_run_file_takes_no_environment_and_refuses_a_backend_its_topology_cannot_run():
+    from moe_rl_eks.core.ep_backends import Topology
+    from moe_rl_eks.core.run import resolved_run_file
+    from moe_rl_eks.core.schema import ConfigError
+
+    ours = resolved("dev-small")
+    shipped = resolved_run_file(ours)
+    with pytest.raises(ConfigError, match="resolved by moerl manifests already; it takes no environment"):
+        resolve_run(shipped, ours.environment)
+    tampered = replace(shipped, resolved=replace(shipped.resolved, topology=Topology(2, 8, "cuda", 16)))
+    with pytest.raises(ConfigError, match=r"resolved.ep_backend: 'deepep' is not allowed; .*deepep_efa: true"):
+        resolve_run(tampered, None)
+    with pytest.raises(ConfigError, match="a resolved run file names no environment"):
+        from moe_rl_eks.core.run import RunConfig
+        from moe_rl_eks.core.schema import dump, parse
+        parse(RunConfig, {**dump(shipped), "environment": "dev"}, source="x")
 
 
 def test_a_rollout_pod_has_tmp_room_for_one_downloaded_version_when_weights_live_in_s3(tmp_path):
     from moe_rl_eks.k8s.manifests import main
 
     data = yaml.safe_load(run_file("qwen3-30b-a3b-p5").read_text())
-    data["rl"]["weights"] = {"kind": "s3", "bucket": "weights-bucket", "prefix": "qwen3/weights"}
+    data["rl"]["weights"] = {"kind": "s3", "bucket": "moe-rl-dev-artifacts-111111111111"}  # the stack bucket
     path = tmp_path / "qwen3-30b-a3b-p5.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["--run", str(path), "--outputs", str(EXAMPLE_OUTPUTS), "--out", str(tmp_path / "dist"),

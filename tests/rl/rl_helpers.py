@@ -38,13 +38,15 @@ def tiny_run(tmp_path: Path, **rl_sections):
     return load_run(write_run(tmp_path, **rl_sections))
 
 
-def rewarded_batch() -> dict:
-    """One trainer batch of a prompt's two completions: token 9 rewarded (+1), token 10 penalised (-1)."""
-    samples = []
-    for i, (completion, reward, adv) in enumerate([([9, 2], 1.0, 1.0), ([10, 2], -1.0, -1.0)]):
-        samples.append({"id": f"p0/{i}", "prompt_ids": [1, 6, 13, 6, 16], "completion_ids": completion,
-                        "logprobs": [-2.0] * len(completion), "reward": reward, "advantage": adv, "version": 0})
-    return {"step": 0, "samples": samples, "stats": {}}
+def rewarded_batch(step: int = 0):
+    """One trainer batch (protocol.Batch) of a prompt's two completions: token 9 rewarded (+1), token 10
+    penalised (-1)."""
+    from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef
+
+    samples = [TrainingSample(f"p0/{i}", [1, 6, 13, 6, 16], completion, [-2.0] * len(completion), reward, adv, True,
+                              VersionRef(0, 0))
+               for i, (completion, reward, adv) in enumerate([([9, 2], 1.0, 1.0), ([10, 2], -1.0, -1.0)])]
+    return Batch(step, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 2))
 
 
 def publish_initial(run, store, version: int = 0, seed: int = 0) -> dict:

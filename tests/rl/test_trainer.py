@@ -1,33 +1,75 @@
-"""Trainer pieces in one process (world of 1): training tensors aligned by hand, a GRPO step and a PPO step
-(value head + GAE) that change the weights, checkpoint round trip. They run on the trainer's device: the CPU
-here, the GPU where there is one (the H200 through the device tool)."""
+"""Trainer pieces in one process (world of 1) and in gloo ranks: training tensors aligned by hand, micro-batch
+plans, RL steps that change the weights, gradients independent of how the batch is split (micro-batches,
+checkpointing, ranks, a rank with no samples), mini-batches that make the clip bite, the learning-rate schedule,
+SIGTERM on one rank, checkpoint round trip. They run on the trainer's device: the CPU here, the GPU where there is
+one (the H200 through the device tool)."""
 from dataclasses import replace
 
 import pytest
 import torch
-from rl_helpers import rewarded_batch, tiny_run
+from rl_helpers import rewarded_batch, tiny_run, write_run
+from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
+                           run_ranks, step_gradients, train_and_checkpoint)
 
-from moe_rl_eks.workloads.rl.trainer import (Trainer, expert_load_imbalance, resolved_backend, straggler_ratio,
-                                             to_tensors)
+from moe_rl_eks.core.schema import ConfigError
+from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
+from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from moe_rl_eks.workloads.rl.train_step import learning_rate
+from moe_rl_eks.workloads.rl.trainer import Trainer, expert_load_imbalance, resolved_backend, straggler_ratio
+
+FAST = {"kl_coef": 0.0, "entropy_coef": 0.0}
 
 
-def test_training_tensors_align_completion_tokens_logprobs_and_advantages():
-    t = to_tensors([{"prompt_ids": [1, 6, 13], "completion_ids": [9, 2], "logprobs": [-0.5, -0.1], "advantage": 2.0},
-                    {"prompt_ids": [1, 7], "completion_ids": [2], "logprobs": [-0.3], "advantage": -1.0}])
+def sample(i, prompt, completion, advantage=0.0, reward=0.0, logprobs=None, routing=None):
+    return TrainingSample(f"p{i}/0", prompt, completion, logprobs or [-1.0] * len(completion), reward, advantage,
+                          True, VersionRef(0, 0), routing)
+
+
+def varied_batch(step: int = 0) -> Batch:
+    """Four samples of different lengths and signs of advantage."""
+    samples = [sample(0, [1, 6, 13, 6, 16], [9, 2], 1.0, 1.0), sample(1, [1, 6, 13, 6, 16], [10, 11, 2], -1.0),
+               sample(2, [1, 7, 13], [5, 6, 7, 8, 2], 0.5, 1.0), sample(3, [1, 8, 13, 9], [2], -0.5)]
+    return Batch(step, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 4))
+
+
+def test_training_sequences_align_completion_tokens_logprobs_and_advantages():
+    t = Sequences.of([sample(0, [1, 6, 13], [9, 2], 2.0, logprobs=[-0.5, -0.1]),
+                      sample(1, [1, 7], [2], -1.0, logprobs=[-0.3])])
     # inputs = sequence[:-1], targets = sequence[1:], right-padded; completion targets start at len(prompt) - 1
     assert t.inputs.tolist() == [[1, 6, 13, 9], [1, 7, 0, 0]]
     assert t.targets.tolist() == [[6, 13, 9, 2], [7, 2, 0, 0]]
     assert t.mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
     assert torch.allclose(t.behaviour, torch.tensor([[0, 0, -0.5, -0.1], [0, -0.3, 0, 0]]))
-    assert t.advantages.tolist() == [[0, 0, 2, 2], [0, -1, 0, 0]]
+    assert t.advantages.tolist() == [2.0, -1.0] and t.lengths == [4, 2]
+    # the model's packed row is the real tokens back to back; unpack puts per-token values back in place
+    assert t.packed_inputs().tolist() == [[1, 6, 13, 9, 1, 7]]
+    assert t.unpack(torch.arange(1.0, 7.0)).tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    assert t.select([1]).inputs.tolist() == [[1, 7]]  # trimmed to its longest row
+
+
+def test_routing_replay_ids_land_on_their_positions_in_the_packed_row():
+    ids = torch.arange(4 * 2 * 2).view(4, 2, 2) % 4  # [prompt + completion - 1 positions, layers, k]
+    t = Sequences.of([sample(0, [1, 6, 13], [9, 2], routing=encode_routing(ids.numpy()))])
+    packed = t.packed_routing()
+    assert len(packed) == 2 and all(torch.equal(packed[layer][0], ids[:, layer]) for layer in range(2))
+    with pytest.raises(ValueError, match="routing covers 4 positions; prompt \\+ completion - 1 is 3"):
+        Sequences.of([sample(0, [1, 6], [9, 2], routing=encode_routing(ids.numpy()))])
+
+
+def test_micro_batch_plans_fill_the_token_budget_longest_first_and_refuse_longer_samples():
+    plan = plan_microbatches([5, 3, 8, 2, 6], 10)
+    assert plan == [[2, 3], [1, 4], [0]]  # 8+2, 6+3, 5: each within 10, three instead of five
+    assert sorted(i for mb in plan for i in mb) == [0, 1, 2, 3, 4]
+    assert plan_microbatches([], 10) == []
+    with pytest.raises(ValueError, match="a sample of 11 tokens exceeds rl.training.max_tokens_per_microbatch \\(10\\)"):
+        plan_microbatches([3, 11], 10)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, world_of_one, algorithm):
-    run = tiny_run(tmp_path, algorithm={"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.0},
-                   training={"learning_rate": 0.01})
+    run = tiny_run(tmp_path, algorithm={"name": algorithm, **FAST}, training={"learning_rate": 0.01})
     trainer = Trainer(run, None, rank=0, world=1)
-    t = to_tensors(rewarded_batch()["samples"]).to(trainer.device)
+    t = Sequences.of(rewarded_batch().samples).to(trainer.device)
 
     def logp_of_rewarded():
         with torch.no_grad():
@@ -36,10 +78,101 @@ def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, wo
     before = logp_of_rewarded()
     metrics = trainer.rl_step(rewarded_batch())
     assert logp_of_rewarded() > before
-    assert metrics["tokens"] == 4 and metrics["grad_norm"] > 0
+    assert metrics["tokens"] == 4 and metrics["grad_norm"] > 0 and metrics["optimizer_steps"] == 1
     if algorithm == "ppo":
         assert metrics["value_loss"] > 0 and trainer.value_head.weight.grad is None  # stepped and cleared
         assert "value_head.weight" in trainer._trained_state()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "gspo", "ppo"])
+def test_micro_batches_and_checkpointing_give_the_gradient_of_one_big_batch(tmp_path, world_of_one, algorithm):
+    results = []
+    for budget, checkpointing in ((4096, False), (9, True)):  # one micro-batch vs three (4-token budget units)
+        run = tiny_run(tmp_path, algorithm={"name": algorithm, "kl_coef": 0.05, "entropy_coef": 0.01},
+                       training={"max_tokens_per_microbatch": budget, "activation_checkpointing": checkpointing},
+                       sampling={"max_prompt_tokens": 4, "max_tokens": 6})
+        trainer = Trainer(run, None, rank=0, world=1)
+        trainer.reference = Trainer(run, None, rank=0, world=1).model.requires_grad_(False)
+        with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
+            for p in trainer.reference.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        counted = []
+        forward = trainer.train_step.forward
+        trainer.train_step.forward = lambda *a, **k: counted.append(1) or forward(*a, **k)
+        results.append((*step_gradients(trainer, varied_batch()), len(counted)))
+    (want, want_metrics, one), (got, got_metrics, split) = results
+    assert split > one  # more forwards: the budget split the batch
+    assert want.keys() == got.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    for key in ("loss", "kl", "entropy", "clip_fraction"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_ep_ranks_with_one_rank_empty_give_the_gradient_of_one_rank(tmp_path):
+    # Two samples on two ranks, and one sample on two ranks (rank 1 has none: it runs empty micro-batches so the
+    # EP collectives still pair up); each must equal one process training the same batch.
+    path = write_run(tmp_path, algorithm=FAST, training={"max_tokens_per_microbatch": 600})
+    run = tiny_run(tmp_path, algorithm=FAST, training={"max_tokens_per_microbatch": 600})
+    for batch in (varied_batch(), Batch(0, 0, varied_batch().samples[2:3], varied_batch().stats)):
+        want, want_metrics = step_gradients(Trainer(run, None, rank=0, world=1), batch)
+        ranks = run_ranks(2, ep_step_gradients, str(path), batch.to_json())
+        assert [r["samples"] for r in ranks] == [len(batch.samples[0::2]), len(batch.samples[1::2])]
+        for r in ranks:
+            assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5)
+            for name, grad in want.items():
+                torch.testing.assert_close(r["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_mini_batches_step_several_times_per_batch_and_make_the_clip_bite(tmp_path, world_of_one):
+    clip = {}
+    for mini_batches in (1, 2):
+        run = tiny_run(tmp_path, algorithm={"name": "ppo", "mini_batches": mini_batches, **FAST},
+                       training={"learning_rate": 0.05})
+        metrics = Trainer(run, None, rank=0, world=1).rl_step(rewarded_batch())
+        assert metrics["optimizer_steps"] == mini_batches
+        clip[mini_batches] = metrics["clip_fraction"]
+    # one step per batch: the ratio to the batch's starting policy is 1 and nothing is clipped; with two, the
+    # second mini-batch is scored against the policy before the first step and its ratio leaves the trust region
+    assert clip[1] == 0.0 and clip[2] > 0.0
+
+
+def test_learning_rate_warms_up_linearly_then_stays_or_follows_a_cosine(tmp_path):
+    constant = tiny_run(tmp_path, training={"learning_rate": 0.1, "lr_warmup_steps": 4}).rl.training
+    assert [learning_rate(constant, i, 10) for i in range(6)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+    cosine = replace(constant, lr_schedule="cosine", min_learning_rate=0.01)
+    rates = [learning_rate(cosine, i, 10) for i in range(10)]
+    assert rates[3] == pytest.approx(0.1) and rates[-1] == pytest.approx(0.01)
+    assert rates[6] == pytest.approx(0.01 + 0.09 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 5)).item()))
+    assert all(a >= b for a, b in zip(rates[3:], rates[4:]))
+
+
+@pytest.mark.parametrize("training, sampling, message", [
+    ({"lr_warmup_steps": 300}, {}, "rl.training.lr_warmup_steps.*must be <= the run's optimizer steps"),
+    ({"min_learning_rate": 0.5}, {}, "min_learning_rate.*must be between 0 and learning_rate"),
+    ({"lr_schedule": "linear"}, {}, "lr_schedule"),
+    ({"max_tokens_per_microbatch": 100}, {"max_prompt_tokens": 512, "max_tokens": 3},
+     "max_tokens_per_microbatch.*must be >= the longest sample.*\\(514\\)"),
+])
+def test_training_config_errors_name_the_field_and_what_is_allowed(tmp_path, training, sampling, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_run(tmp_path, training=training, sampling=sampling)
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step_and_exits_cleanly(tmp_path):
+    path = write_run(tmp_path, algorithm=FAST, training={"steps": 6, "checkpoint_every": 10, "warmup_sft_steps": 0})
+    ranks = run_ranks(2, loop_stopped_on_rank_1, str(path), rewarded_batch, 1)
+    assert [r["stop_requested"] for r in ranks] == [False, True]  # only rank 1 got the signal
+    assert [r["code"] for r in ranks] == [0, 0] and [r["step"] for r in ranks] == [2, 2]
+    assert ranks[0]["latest"] == "step-00000002"  # committed: both ranks' shards and the metadata are in place
+    # the weights went out in the background and were announced once in the store; the last one for sure
+    assert ranks[0]["lineage"] == 0 and ranks[0]["announced"][-1] == (0, 2)
+    assert ranks[0]["store_latest"] == VersionRef(0, 2)
+    # started again, the trainer resumes at step 2 in a new lineage: its versions cannot be confused with the
+    # dead lineage's
+    again = run_ranks(2, loop_resumed, str(path), rewarded_batch)
+    assert [r["step"] for r in again] == [6, 6] and [r["lineage"] for r in again] == [1, 1]
+    assert again[0]["announced"][0] == (1, 2) and again[0]["store_latest"] == VersionRef(1, 6)
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, world_of_one):
@@ -47,15 +180,61 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, wor
     trainer = Trainer(run, None, rank=0, world=1)
     trainer.rl_step(rewarded_batch())
     trainer.step = 1
+    saved = {k: v.detach().clone() for k, v in trainer._trained_state().items()}
+    params = lambda t: [p for group in t.optimizer.param_groups for p in group["params"]]  # noqa: E731
+    moments = [trainer.optimizer.state[p]["exp_avg"].clone() for p in params(trainer)]
     trainer.save_checkpoint()
+    trainer.rl_step(rewarded_batch())  # the write runs in the background from a copy: training goes on
+    trainer.finish_checkpoint()
+    assert (tmp_path / "out" / "checkpoints" / "LATEST").read_text() == "step-00000001"
     other = Trainer(run, None, rank=0, world=1)
     assert other.try_resume() and other.step == 1
-    for a, b in zip(trainer._trained_state().values(), other._trained_state().values()):
-        assert torch.equal(a, b)
-    assert other.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+    for name, tensor in other._trained_state().items():
+        assert torch.equal(tensor, saved[name]), name
+    assert all(torch.equal(other.optimizer.state[p]["exp_avg"], m) for p, m in zip(params(other), moments))
+    assert all(float(other.optimizer.state[p]["step"]) == 1.0 for p in params(other))
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weights_and_moments(tmp_path):
+    path = write_run(tmp_path, algorithm={"name": "ppo", **FAST})  # PPO: the value head is checkpointed too
+    saved = run_ranks(2, train_and_checkpoint, str(path), varied_batch().to_json())[0]
+    assert any(".mlp.experts." in name for name in saved) and "value_head.weight.exp_avg" in saved
+    on_four = run_ranks(4, resumed_state, str(path))
+    on_one = full_state(Trainer(tiny_run(tmp_path, algorithm={"name": "ppo", **FAST}), None, rank=0, world=1))
+    assert not any(torch.equal(t, saved[n]) for n, t in on_one.items() if ".mlp.experts." in n)  # before resuming
+    resumed = resumed_state(0, 1, str(path))
+    for state in (*on_four, resumed):
+        assert state.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(state[name], tensor), name
+
+
+def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moe_rl_eks.workloads.rl import checkpoint as ckpt
+
+    state = {"w": torch.randn(3, 2)}
+    ckpt.save(state, tmp_path, asynchronous=False)
+    loaded = {"w": torch.zeros(3, 2)}
+    ckpt.load(loaded, tmp_path)
+    assert torch.equal(loaded["w"], state["w"])
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    # DCP wraps the refusal in its CheckpointException, with our message
+    with pytest.raises(CheckpointException, match="refers to builtins.print, which a DCP metadata file never holds"):
+        ckpt.load(loaded, tmp_path)
 
 
 def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, world_of_one):
+    import numpy as np
+
     from moe_rl_eks.workloads.rl.generation import Row, generate
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
@@ -65,25 +244,28 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
     prompts = [tok.encode("3+4="), tok.encode("12+3=")]  # different lengths: left-padded together at rollout
     results = generate(trainer.model.eval(), [Row(p, 3, 1.0, 1.0, seed, want_routing=True)
                                               for seed, p in enumerate(prompts * 2)], tok.eos_id)
-    samples = [{"prompt_ids": p, "completion_ids": r.tokens, "logprobs": r.logprobs, "routing": r.routing}
-                for p, r in zip(prompts * 2, results)]
-    t = to_tensors(samples).to(trainer.device)
-    with torch.no_grad():
-        logp = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
+    samples = [sample(i, p, r.tokens, logprobs=r.logprobs,
+                      routing=encode_routing(np.asarray(r.routing).transpose(1, 0, 2)))
+               for i, (p, r) in enumerate(zip(prompts * 2, results))]
+    t = Sequences.of(samples).to(trainer.device)
+    step = trainer.train_step
+
+    def logprobs(replay):
+        with torch.no_grad():
+            return step.forward(trainer.model, t, temperature=1.0, replay=replay).logprobs
+
     # the trainer scores each completion token exactly as the rollout sampled it, on the same experts
-    assert torch.allclose(logp * t.mask, t.behaviour, atol=1e-5)
+    assert torch.allclose(logprobs(True) * t.mask, t.behaviour, atol=1e-5)
     # once the trainer's routers drift from the rollout's, replay still uses the rollout's experts; re-routing not
     with torch.no_grad():
         for layer in trainer.model.model.layers:
             layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
-        replayed = trainer.model(t.inputs, routing_replay=t.routing, return_routing=True, attention_mask=t.valid)
-        rerouted = trainer.model(t.inputs, return_routing=True, attention_mask=t.valid)
-        with_replay = trainer._logprobs(trainer.model, t, 1.0, replay=True)[0]
-        without = trainer._logprobs(trainer.model, t, 1.0, replay=False)[0]
-    valid = t.valid
-    assert all(torch.equal(got[valid], want[valid]) for got, want in zip(replayed.routing, t.routing))
-    assert any(not torch.equal(got[valid], want[valid]) for got, want in zip(rerouted.routing, t.routing))
-    assert not torch.allclose(with_replay * t.mask, without * t.mask)  # the training path follows the replay
+        replayed = trainer.model(t.packed_inputs(), sequence_lengths=t.lengths, routing_replay=t.packed_routing(),
+                                 return_routing=True)
+        rerouted = trainer.model(t.packed_inputs(), sequence_lengths=t.lengths, return_routing=True)
+    assert all(torch.equal(got, want) for got, want in zip(replayed.routing, t.packed_routing()))
+    assert any(not torch.equal(got, want) for got, want in zip(rerouted.routing, t.packed_routing()))
+    assert not torch.allclose(logprobs(True) * t.mask, logprobs(False) * t.mask)  # training follows the replay
 
 
 def test_straggler_ratio_is_the_slowest_arrival_over_the_median():
@@ -104,10 +286,10 @@ def test_a_sigmoid_router_rl_step_moves_selection_biases_toward_balance(tmp_path
     gates = [layer.mlp.gate for layer in trainer.model.model.layers]
     before = [g.e_score_correction_bias.clone() for g in gates]
     step = rewarded_batch()
-    step["samples"][1]["completion_ids"], step["samples"][1]["logprobs"] = [2], [-2.0]  # one padded position
-    t = to_tensors(step["samples"]).to(trainer.device)
+    step.samples[1] = replace(step.samples[1], completion_ids=[2], logprobs=[-2.0])  # one padded position
+    t = Sequences.of(step.samples).to(trainer.device)
     with torch.no_grad():
-        load = trainer.model(t.inputs, attention_mask=t.valid).expert_load.float()
+        load = trainer.model(t.packed_inputs(), sequence_lengths=t.lengths).expert_load.float()
     # padding is routed but not counted: every layer counts k slots of each real token
     assert load.sum(dim=1).tolist() == [float(t.valid.sum() * run.model.num_experts_per_tok)] * len(gates)
     metrics = trainer.rl_step(step)

@@ -8,7 +8,8 @@ import torch
 
 from rl_helpers import rewarded_batch, tiny_run
 
-from moe_rl_eks.workloads.rl.trainer import Trainer, to_tensors
+from moe_rl_eks.workloads.rl.microbatch import Sequences
+from moe_rl_eks.workloads.rl.trainer import Trainer
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -21,8 +22,9 @@ def test_a_gpu_rl_step_computes_in_bf16_and_steps_float32_master_weights(tmp_pat
     trainer = Trainer(run, None, rank=0, world=1)
     assert trainer.device.type == "cuda"
     computed = []
-    trainer.model.lm_head.register_forward_hook(lambda mod, args, out: computed.append(out.dtype))
-    t = to_tensors(rewarded_batch()["samples"]).to(trainer.device)
+    # the trainer scores tokens from the hidden states (chunked log-probs): an attention projection shows the dtype
+    trainer.model.model.layers[-1].self_attn.o_proj.register_forward_hook(lambda mod, args, out: computed.append(out.dtype))
+    t = Sequences.of(rewarded_batch().samples).to(trainer.device)
 
     def logp_of_rewarded():
         with torch.no_grad():

@@ -55,7 +55,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "
 
 def _batch(rank: int, scenario: str, world: int, device, config: ModelConfig):
     gen = torch.Generator().manual_seed(100 + rank)
-    sequences = 0 if scenario == "rank_sends_none" and rank == world - 1 else 2
+    sequences = 0 if scenario in ("rank_sends_none", "packed_recomputed") and rank == world - 1 else 2
     ids = torch.randint(0, config.vocab_size, (sequences, 8), generator=gen)
     replay = None
     if scenario == "skewed":
@@ -107,7 +107,14 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
             model.load_full_state_dict(full)
             ids, replay = batches[rank]
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                out = model(ids, routing_replay=replay)
+                if scenario == "packed_recomputed":
+                    # The trainer's micro-batch: this rank's sequences packed into one row, layers recomputed in
+                    # the backward (their all-to-alls replayed); the local reference runs them unpacked, whole.
+                    model.activation_checkpointing = True
+                    out = model(ids.reshape(1, -1), sequence_lengths=[ids.shape[1]] * ids.shape[0])
+                    out.logits = out.logits.view(*ids.shape, config.vocab_size)
+                else:
+                    out = model(ids, routing_replay=replay)
             loss = _loss(out)
             loss.backward()
             ep.sum_replicated_grads(model)

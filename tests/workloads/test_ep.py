@@ -8,7 +8,7 @@ from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import load_hf
 from moe_rl_eks.workloads.moe.dispatch import source_major_to_expert_major
 
-SCENARIOS = ("random", "skewed", "rank_sends_none")
+SCENARIOS = ("random", "skewed", "rank_sends_none", "packed_recomputed")
 
 
 def assert_same(results, scenario, backend, reference="local", atol=1e-5):

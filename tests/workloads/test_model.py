@@ -200,3 +200,60 @@ def test_under_bf16_autocast_tokens_reach_the_experts_in_bf16_and_float32_master
     for name, grad in want.items():
         got = dict(model.named_parameters())[name].grad
         assert got.dtype == torch.float32 and torch.cosine_similarity(got.flatten(), grad.flatten(), 0) > 0.99, name
+
+
+def test_packed_sequences_equal_each_sequence_alone_forward_and_backward(tiny_config):
+    model = MoETransformer(tiny_config())
+    lengths = [5, 1, 9, 3]
+    seqs = [torch.randint(0, 96, (1, n)) for n in lengths]
+    alone = [model(ids, return_routing=True) for ids in seqs]
+    sum(o.logits.square().sum() for o in alone).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    packed = model(torch.cat(seqs, 1), sequence_lengths=lengths, return_routing=True)
+    packed.logits.square().sum().backward()
+    torch.testing.assert_close(packed.logits, torch.cat([o.logits for o in alone], 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.hidden, torch.cat([o.hidden for o in alone], 1), atol=1e-5, rtol=1e-5)
+    for layer, got in enumerate(packed.routing):  # same experts chosen: positions restart, no cross-attention
+        assert torch.equal(got, torch.cat([o.routing[layer] for o in alone], 1))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    # replaying the packed routing reproduces the packed forward
+    replayed = model(torch.cat(seqs, 1), sequence_lengths=lengths, routing_replay=packed.routing)
+    assert torch.equal(replayed.logits, packed.logits)
+
+
+def test_packing_refuses_lengths_that_do_not_cover_the_row(tiny_config):
+    model = MoETransformer(tiny_config())
+    with pytest.raises(ValueError, match=r"sequence_lengths \[3, 3\] \(sum 6\) need one packed row of that many "
+                                         r"tokens \(got \[1, 7\]\)"):
+        model(torch.zeros(1, 7, dtype=torch.long), sequence_lengths=[3, 3])
+
+
+def test_an_empty_packed_row_runs_and_returns_empty_outputs(tiny_config):
+    model = MoETransformer(tiny_config())
+    out = model(torch.zeros(1, 0, dtype=torch.long), sequence_lengths=[], logits=False)
+    assert out.logits is None and out.hidden.shape == (1, 0, 32)
+    assert out.expert_load.sum() == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config, packed):
+    model = MoETransformer(tiny_config(router_aux_loss_coef=0.01))
+    ids = torch.randint(0, 96, (1, 12) if packed else (2, 6))
+    kwargs = {"sequence_lengths": [7, 5]} if packed else {}
+    results = []
+    for on in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = on
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = model(ids, **kwargs)
+        loss = out.logits.square().mean() + out.aux_loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)))
+    (loss_off, grads_off, saved_off), (loss_on, grads_on, saved_on) = results
+    assert torch.equal(loss_on, loss_off)
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert saved_on < saved_off / 2  # the layers keep their inputs, not their activations

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as recomputed, set_checkpoint_early_stop
 from torch import nn
 
 from moe_rl_eks.core.run import ModelConfig
@@ -21,7 +22,8 @@ from ..moe.router import balance_bias_step
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, S, V]
+    logits: torch.Tensor | None  # [B, S, V]; None when the forward was asked for hidden states only
+    hidden: torch.Tensor  # [B, S, h] the final normed hidden states (what the lm_head and a value head read)
     routing: list[torch.Tensor] | None  # per MoE layer: expert ids [B, S, k] (int64), when return_routing
     aux_loss: torch.Tensor  # router_aux_loss_coef x mean per-layer balance loss (0 when the coefficient is 0)
     expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's real tokens; detached
@@ -98,7 +100,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, segments: list[int] | None = None):
+        """segments: packed sequences (B = 1, no cache): each attends causally within itself only."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
@@ -109,10 +112,16 @@ class Attention(nn.Module):
             cache.keys[layer, :, :, cache.length:end] = k
             cache.values[layer, :, :, cache.length:end] = v
             k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
-        if b == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
+        gqa = self.heads != self.kv_heads
+        if b == 0 or s == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
             out = q.new_zeros(q.shape)
+        elif segments is not None:
+            # Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs):
+            # no [S, S] mask over the packed row, and no token attends across a sequence boundary.
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                             for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], 2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -123,6 +132,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+
+    def forward(self, h, cos, sin, mask, cache, index: int, replay, token_mask, segments):
+        """h [B, S, h] -> (h, expert ids [B*S, k], balance loss, expert load [E])."""
+        b, s, hidden = h.shape
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, index, segments)
+        moe = self.mlp(self.post_attention_layernorm(h).reshape(b * s, hidden), replay, token_mask)
+        return h + moe.out.view(b, s, hidden), moe.ids, moe.aux_loss, moe.load
 
 
 class Backbone(nn.Module):
@@ -148,6 +164,9 @@ class MoETransformer(nn.Module):
             layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute)))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Recompute each decoder layer's activations in the backward instead of keeping them (training only):
+        # a layer then keeps only its input. Set by the trainer from rl.training.activation_checkpointing.
+        self.activation_checkpointing = False
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -167,19 +186,32 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, routing_replay: list[torch.Tensor] | None = None,
-                return_routing: bool = False, attention_mask: torch.Tensor | None = None) -> ModelOutput:
+                return_routing: bool = False, attention_mask: torch.Tensor | None = None,
+                sequence_lengths: list[int] | None = None, logits: bool = True) -> ModelOutput:
         """input_ids [B, S]. positions [B, S] default: cache length + 0..S-1. attention_mask [B, S] bool (True =
         real token; padding is never attended; stored in the cache for later steps). routing_replay: per MoE
-        layer the expert ids [B, S, k] to use instead of routing (rollout routing replay)."""
+        layer the expert ids [B, S, k] to use instead of routing (rollout routing replay).
+        sequence_lengths: packed sequences (training): B = 1 and the row is these sequences back to back; each
+        attends causally within itself and its positions start at 0 (no padding, no attention mask).
+        logits=False skips the lm_head (the trainer scores tokens from `hidden` in chunks, model/logprobs.py)."""
         b, s = input_ids.shape
         c = self.config
         past = kv_cache.length if kv_cache is not None else 0
+        if sequence_lengths is not None:
+            sequence_lengths = [int(n) for n in sequence_lengths]
+            if b != 1 or sum(sequence_lengths) != s or kv_cache is not None or attention_mask is not None:
+                raise ValueError(f"sequence_lengths {sequence_lengths} (sum {sum(sequence_lengths)}) need one packed "
+                                 f"row of that many tokens (got [{b}, {s}]), no kv_cache and no attention_mask")
         if kv_cache is not None and past + s > kv_cache.max_len:
             raise ValueError(f"kv_cache holds {kv_cache.max_len} positions; {past} used + {s} new do not fit")
         if routing_replay is not None and len(routing_replay) != c.num_hidden_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} layers; the model has {c.num_hidden_layers}")
         device = input_ids.device
-        if positions is None:
+        if positions is None and sequence_lengths is not None:
+            lengths = torch.tensor(sequence_lengths, device=device, dtype=torch.long)
+            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=s)
+            positions = (torch.arange(s, device=device) - starts).unsqueeze(0)
+        elif positions is None:
             positions = torch.arange(past, past + s, device=device).expand(b, s)
         valid = torch.ones(b, s, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         if kv_cache is not None:
@@ -187,28 +219,36 @@ class MoETransformer(nn.Module):
             valid = kv_cache.valid[:, :past + s]
         # Causal over cache slots, padding masked out; every query sees itself so no row is empty (an empty row
         # would give NaN, and NaN values multiplied by zero weights would still poison real tokens).
-        slots = torch.arange(past + s, device=device)
-        query_slots = slots[past:].unsqueeze(-1)
-        mask = (slots <= query_slots) & valid[:, None, :] | (slots == query_slots)
-        mask = mask.unsqueeze(1)
+        mask = None
+        if sequence_lengths is None:
+            slots = torch.arange(past + s, device=device)
+            query_slots = slots[past:].unsqueeze(-1)
+            mask = ((slots <= query_slots) & valid[:, None, :] | (slots == query_slots)).unsqueeze(1)
 
         token_mask = None if attention_mask is None else attention_mask.bool().reshape(b * s)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, mask, kv_cache, i)
             replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
-            moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size), replay, token_mask)
-            h = h + moe.out.view(b, s, c.hidden_size)
-            routing.append(moe.ids.view(b, s, c.num_experts_per_tok))
-            aux.append(moe.aux_loss)
-            loads.append(moe.load)
+            args = (h, cos, sin, mask, kv_cache, i, replay, token_mask, sequence_lengths)
+            if recompute:
+                # Early stop off: the recomputation must replay every collective of the layer (the EP
+                # all-to-alls) on every rank, whatever the rank's own tensors need.
+                with set_checkpoint_early_stop(False):
+                    h, ids, layer_aux, load = recomputed(layer, *args, use_reentrant=False)
+            else:
+                h, ids, layer_aux, load = layer(*args)
+            routing.append(ids.view(b, s, c.num_experts_per_tok))
+            aux.append(layer_aux)
+            loads.append(load)
         if kv_cache is not None:
             kv_cache.length = past + s
-        logits = self.lm_head(self.model.norm(h))
+        hidden = self.model.norm(h)
         aux_loss = c.router_aux_loss_coef * torch.stack(aux).mean()
-        return ModelOutput(logits, routing if return_routing else None, aux_loss, torch.stack(loads))
+        return ModelOutput(self.lm_head(hidden) if logits else None, hidden, routing if return_routing else None,
+                           aux_loss, torch.stack(loads))
 
     @torch.no_grad()
     def update_routing_bias(self, expert_load: torch.Tensor, rate: float = 1e-3) -> None:

@@ -1,25 +1,26 @@
-"""Trainer: `torchrun` ranks with expert parallelism inside. Each step: rank 0 fetches the step's batch from the
-orchestrator and broadcasts it; every rank trains on its share (non-expert gradients summed across ranks, expert
-gradients already whole through the all-to-all), steps the optimizer, and the ranks gather the full weights that
-rank 0 publishes as the next version. Checkpoints every `checkpoint_every` steps and on SIGTERM (preemption), then
-exits cleanly; a restart resumes from the newest checkpoint.
+"""Trainer: `torchrun` ranks with expert parallelism inside. The loop (this module): rank 0 fetches the step's
+batch from the orchestrator (a `BatchSource`) and broadcasts it; every rank trains on its share, rank 0 publishes
+the weights as the next version; checkpoints every `checkpoint_every` steps and on SIGTERM (preemption: the ranks
+agree on stopping every step, so all of them checkpoint together), then exits cleanly; a restart resumes from the
+newest checkpoint in a new weight lineage.
 
-The trainer knows nothing of the algorithm beyond per-token advantages and masks (GRPO advantages come from the
-orchestrator)."""
+The step itself is train_step.TrainStep (tensors to loss, gradient sync, clipping, one collective of metrics); the
+algorithm (advantages, normalizer, loss, epochs x mini-batches) is the run's `Algorithm` object, asked, never
+branched on."""
 from __future__ import annotations
 
 import datetime
 import json
 import logging
 import os
-import shutil
 import signal
 import statistics
-import tempfile
+import threading
 import time
 import urllib.error
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,63 +34,127 @@ from ..model.checkpoint import load_hf, save_hf
 from ..model.transformer import expert_slice, weights_dtype
 from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
-from .algorithms import gae, terminal_rewards
-from .losses import PolicyBatch, policy_loss, token_logprobs_and_entropy, value_loss
-from .rewards import ArithmeticTask
+from .algorithms import SequenceScores, make_algorithm
+from .data import ArithmeticTask
+from .losses import PolicyBatch, Totals
+from .microbatch import Sequences, plan_microbatches, sequence_tokens
+from .protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
+from .train_step import Forward, TrainStep, learning_rate
 from .weights import open_store
 
 log = logging.getLogger(__name__)
-EXPERT_MARK = ".mlp.experts."
 
 
-@dataclass
-class Tensors:
-    inputs: torch.Tensor  # [B, S] prompt + completion[:-1], right-padded
-    targets: torch.Tensor  # [B, S]
-    mask: torch.Tensor  # [B, S] 1 on completion targets
-    behaviour: torch.Tensor  # [B, S] rollout logprobs on completion targets
-    advantages: torch.Tensor  # [B, S]
-    routing: list[torch.Tensor] | None  # per layer [B, S, k]
-    valid: torch.Tensor  # [B, S] bool: real tokens (not right padding)
+class BatchSource(Protocol):
+    """Where the trainer's batches come from and where it reports versions (the orchestrator, over HTTP)."""
 
-    def to(self, device: torch.device) -> "Tensors":
-        move = [r.to(device) for r in self.routing] if self.routing is not None else None
-        return Tensors(self.inputs.to(device), self.targets.to(device), self.mask.to(device),
-                       self.behaviour.to(device), self.advantages.to(device), move, self.valid.to(device))
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        """The batch of `step`, waiting for it; None once `stopping()` is true. `committed`: the step of the
+        newest committed checkpoint (older batches may be forgotten)."""
+
+    def version_published(self, version: int, lineage: int) -> None: ...
+
+    def state(self) -> dict | None:
+        """What to keep in a trainer checkpoint so the source resumes with it."""
 
 
-def to_tensors(samples: list[dict], completions_key: str = "completion_ids") -> Tensors:
-    """Right-padded training tensors; causal attention means padding after a sequence never changes it."""
-    seqs = [s["prompt_ids"] + s[completions_key] for s in samples]
-    width = max(len(q) for q in seqs) - 1
-    b = len(samples)
-    inputs, targets = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
-    mask, behaviour, adv = torch.zeros(b, width), torch.zeros(b, width), torch.zeros(b, width)
-    valid = torch.zeros(b, width, dtype=torch.bool)
-    routing = None
-    if samples and "routing" in samples[0]:
-        layers, k = len(samples[0]["routing"]), len(samples[0]["routing"][0][0])
-        routing = [torch.zeros(b, width, k, dtype=torch.long) for _ in range(layers)]
-    for i, (s, q) in enumerate(zip(samples, seqs)):
-        n, p = len(q) - 1, len(s["prompt_ids"])
-        inputs[i, :n], targets[i, :n] = torch.tensor(q[:-1]), torch.tensor(q[1:])
-        valid[i, :n] = True
-        mask[i, p - 1:n] = 1.0
-        if "logprobs" in s:
-            behaviour[i, p - 1:n] = torch.tensor(s["logprobs"])
-        adv[i, p - 1:n] = s.get("advantage", 0.0)
-        if routing is not None:
-            for layer, ids in enumerate(s["routing"]):
-                routing[layer][i, :n] = torch.tensor(ids)
-    return Tensors(inputs, targets, mask, behaviour, adv, routing, valid)
+class HttpBatchSource:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        while not stopping():
+            try:
+                data = http_json("GET", f"{self.url}/v1/batch?step={step}&committed={committed}", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
+                    raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
+                log.warning("orchestrator error (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                log.warning("orchestrator unreachable (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            if data and data.get("samples"):
+                return batch_from_json(data)
+        return None
+
+    def version_published(self, version: int, lineage: int) -> None:
+        http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
+
+    def state(self) -> dict | None:
+        return http_json("GET", f"{self.url}/v1/state", timeout=60)
+
+
+def batch_from_json(data: dict) -> Batch:
+    """protocol.Batch from the orchestrator's answer. Today's orchestrator still answers with plain dicts (int
+    versions, routing as nested lists [layers][tokens][k]); they are converted here until it serves Batch."""
+    if "lineage" in data:
+        return Batch.from_json(data)
+    samples = []
+    for s in data["samples"]:
+        routing = s.get("routing")
+        if isinstance(routing, list):
+            import numpy as np
+
+            routing = encode_routing(np.asarray(routing).transpose(1, 0, 2))
+        samples.append(TrainingSample(s["id"], s["prompt_ids"], s["completion_ids"], s["logprobs"], s["reward"],
+                                      s["advantage"], s.get("finished", True), VersionRef(0, s["version"]), routing))
+    stats = data["stats"]
+    return Batch(data["step"], 0, samples, BatchStats(
+        stats["reward_mean"], stats["accuracy"], stats["staleness_mean"], stats.get("dropped_stale_groups", 0),
+        stats.get("filtered_groups", 0), stats.get("retries", 0), stats.get("reward_failures", 0),
+        stats.get("completed", 0)))
+
+
+class Announcer:
+    """Rank 0: tells the batch source each weight version once the publisher has put it in the store (its write
+    runs in the background, so the version reaches the orchestrator only when rollout servers can load it).
+    Locking rule: none of its own; `kick` only sets an event, the thread alone calls the source."""
+
+    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int) -> None:
+        self.publisher, self.source, self.lineage = publisher, source, lineage
+        self.announced: int | None = None
+        self._event, self._closing = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._event.set()
+
+    def close(self) -> None:
+        """Stop the thread, then announce the newest version (the publisher is closed: everything is written)."""
+        self._closing = True
+        self._event.set()
+        self._thread.join()
+        self._announce()
+
+    def _run(self) -> None:
+        while not self._closing:
+            self._event.wait()
+            self._event.clear()
+            self.publisher.flush()
+            self._announce()
+
+    def _announce(self) -> None:
+        version = self.publisher.published
+        if version is not None and version != self.announced:
+            try:
+                self.source.version_published(version, self.lineage)
+                self.announced = version
+            except (OSError, RuntimeError) as exc:  # the next publish tries again with a newer version
+                log.warning("announcing weight version %d failed: %s", version, exc)
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, orchestrator: str | None, rank: int, world: int) -> None:
-        self.run, self.orchestrator, self.rank, self.world = run, orchestrator, rank, world
-        self.cfg, self.algo = run.rl.training, run.rl.algorithm
+    def __init__(self, run: RunConfig, source: BatchSource | None, rank: int, world: int) -> None:
+        self.run, self.source, self.rank, self.world = run, source, rank, world
+        self.cfg = run.rl.training
+        self.algorithm = make_algorithm(run.rl)
         self.out = output_dir(run)
         self.ckpt_root = self.out / "checkpoints"
         self.store = open_store(run.rl.weights, self.out / "weights")
@@ -102,254 +167,310 @@ class Trainer:
         self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
         self.model.load_state_dict(state)
         self.model.to(self.device)
-        # PPO's critic: a linear value head on the final hidden state (captured by a hook on the final norm),
-        # replicated like every non-expert weight. It is not part of the published policy.
+        self.model.activation_checkpointing = self.cfg.activation_checkpointing
+        # PPO's critic: a linear value head on the final hidden states the model returns, replicated like every
+        # non-expert weight. It is not part of the published policy.
         self.value_head: torch.nn.Linear | None = None
-        self._hidden: list[torch.Tensor] = []
-        if self.algo.name == "ppo":
+        if self.algorithm.needs_values:
             self.value_head = torch.nn.Linear(run.model.hidden_size, 1)
             # Zero-initialised: an untrained critic predicts 0 rather than inventing advantages.
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
             self.value_head.to(self.device)
-            self.model.model.norm.register_forward_hook(lambda mod, args, out: self._hidden.append(out))
         head = list(self.value_head.parameters()) if self.value_head is not None else []
-        # Everything the optimizer steps; the value head is replicated like every non-expert weight.
-        self.trained = torch.nn.ModuleList([self.model, *([self.value_head] if self.value_head is not None else [])])
-        self.expert_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK in n]
-        self.shared_params = [p for n, p in self.model.named_parameters() if EXPERT_MARK not in n] + head
         self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay)
+        # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
+        bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
+        self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
+                                    device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
         self.reference: MoETransformer | None = None
-        self.step, self.stop_requested = 0, False
+        # Checkpoints are written in the background over a gloo group of their own (never interleaved with the
+        # training collectives of the default group).
+        self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
+        self._mesh = None
+        self._pending_checkpoint = None
+        self.publisher: Publisher | None = None
+        self.announcer: Announcer | None = None
+        self.step, self.lineage, self.stop_requested = 0, 0, False
         self.wait_seconds, self.started = 0.0, time.monotonic()
         self.samples_trained = 0
         self.writer = None
         self.last_metrics: dict[str, float] = {}
         self.prometheus = Registry()
 
-    # ---- gradients across ranks ---------------------------------------------------------------------------
-    def _sync_and_clip(self) -> float:
-        """Sum replicated parameters' gradients over ranks (each rank's loss is already divided by the global
-        token count); expert gradients arrive whole through the all-to-all. Then clip by the global norm."""
-        if self.ep is not None:
-            self.ep.sum_replicated_grads(self.trained)
-        shared_sq = sum(p.grad.float().square().sum() for p in self.shared_params if p.grad is not None)
-        expert_sq = sum(p.grad.float().square().sum() for p in self.expert_params if p.grad is not None)
-        expert_sq = torch.as_tensor(expert_sq, dtype=torch.float32, device=self.device)
+    # ---- batches as micro-batches -------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world > 1:
-            dist.all_reduce(expert_sq)  # each rank holds other experts; replicated weights are equal everywhere
-        norm = float(torch.sqrt(expert_sq + shared_sq))
-        scale = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
-        if scale < 1.0:
-            for p in self.trained.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+            dist.all_reduce(t, op=op)
+        return t
 
-    def _gather(self, value: float) -> list[float]:
-        if self.world == 1:
-            return [value]
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        out = [torch.zeros_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t)
-        return [float(x) for x in out]
+    def _plan(self, seqs: Sequences, parts: list[list[int]]) -> list[list[list[int]]]:
+        """Per part (mini-batch), the rows of each micro-batch; every rank gets the same number of micro-batches
+        per part (the most any rank needs; the others run empty ones), since each forward is an EP collective."""
+        lengths = seqs.lengths
+        plans = [[[rows[i] for i in mb] for mb in plan_microbatches([lengths[r] for r in rows],
+                                                                   self.cfg.max_tokens_per_microbatch)]
+                 for rows in parts]
+        most = self._all_reduce(torch.tensor([len(p) for p in plans], device=self.device), dist.ReduceOp.MAX)
+        return [plan + [[]] * (int(n) - len(plan)) for plan, n in zip(plans, most.tolist())]
 
-    def _global(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return float(t)
-
-    def _logprobs(self, model: MoETransformer, t: Tensors, temperature: float, replay: bool):
-        self._hidden.clear()  # the value head's hook keeps only this forward's final hidden state
-        # The mask keeps right padding out of the expert load and balance loss (it never reaches real tokens:
-        # attention is causal).
-        # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
-        bf16 = self.device.type == "cuda" and self.run.model.dtype == "bfloat16"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(t.inputs, routing_replay=t.routing if replay else None, attention_mask=t.valid)
-        logp, entropy = token_logprobs_and_entropy(out.logits.float() / temperature, t.targets)
-        return logp, entropy, out.aux_loss, out.expert_load
+    def _totals(self, seqs: Sequences, parts: list[list[int]]) -> torch.Tensor:
+        """[parts, 3] float64 over every rank: completion tokens, sequences with one, all real tokens."""
+        local = []
+        for rows in parts:
+            part = seqs.select(rows)
+            local.append(torch.cat([Totals.local(part.mask), part.valid.sum().reshape(1).double()]))
+        return self._all_reduce(torch.stack(local).to(self.device) if local else torch.zeros(0, 3, device=self.device))
 
     # ---- the two kinds of step ----------------------------------------------------------------------------
     def sft_step(self, index: int) -> float:
         """Warm-up: cross-entropy on well-formed answers with random values (teaches the format, not the task)."""
         task, tok = ArithmeticTask(self.run.rl.task, self.cfg.seed + 1), load_tokenizer(self.run.rl.sampling.tokenizer)
-        n = self.cfg.prompts_per_step * self.algo.group_size
+        n = self.cfg.prompts_per_step * self.run.rl.algorithm.group_size
         samples = []
         for j in range(index * n, (index + 1) * n):
-            answer = task.well_formed_example(j)
-            samples.append({"prompt_ids": tok.encode(task.problem(j).prompt),
-                            "completion_ids": _without_bos(tok, tok.encode(answer)) + [tok.eos_id]})
-        t = to_tensors(samples[self.rank::self.world]).to(self.device)
-        tokens = self._global(float(t.mask.sum()))
-        logp, _, aux, _ = self._logprobs(self.model, t, 1.0, replay=False)
-        loss = -(logp * t.mask).sum() / tokens + aux / self.world
-        loss.backward()
-        self._sync_and_clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return self._global(float(loss.detach()))
+            completion = _without_bos(tok, tok.encode(task.well_formed_example(j))) + [tok.eos_id]
+            samples.append(TrainingSample(f"sft/{j}", tok.encode(task.problem(j).prompt), completion,
+                                          [0.0] * len(completion), 0.0, 0.0, True, VersionRef(0, 0)))
+        seqs = Sequences.of(samples[self.rank::self.world]).to(self.device)
+        rows = list(range(len(seqs.lengths)))
+        (plan,) = self._plan(seqs, [rows])
+        tokens, _, real = self._totals(seqs, [rows])[0].tolist()
 
-    def rl_step(self, batch: dict) -> dict:
-        samples = batch["samples"][self.rank::self.world]
-        t = to_tensors(samples).to(self.device)
-        tokens = self._global(float(t.mask.sum()))  # a collective: every rank starts its step clock here
+        def loss_fn(j: int, mb: Sequences, fwd: Forward):
+            loss = -(fwd.logprobs * mb.mask).sum() / max(tokens, 1.0)
+            return loss + fwd.aux_loss * (sum(mb.lengths) / max(real, 1.0)), {}
+
+        metrics = self.train_step.step([seqs.select(r) for r in plan], loss_fn, lr=self.cfg.warmup_learning_rate,
+                                       temperature=1.0, replay=False)
+        return metrics["loss"]
+
+    def rl_step(self, batch: Batch) -> dict:
+        """Train on one batch: this rank's share, split into the algorithm's mini-batches, each packed into
+        micro-batches; epochs x mini-batches optimizer steps. The policy, reference and critic are scored once
+        before the first update (the proximal policy of every mini-batch is the batch's starting policy, so
+        later mini-batches' ratios move and the clip constrains them)."""
+        algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
+        temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
+        seqs = Sequences.of(batch.samples[self.rank::self.world]).to(self.device)
+        rows = list(range(len(seqs.lengths)))
+        parts = [rows[m::m_count] for m in range(m_count)]
+        plans = self._plan(seqs, parts)
+        totals = self._totals(seqs, parts)
         started = time.monotonic()
-        temperature = self.run.rl.sampling.temperature
-        replay = self.algo.routing_replay
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = self._logprobs(self.reference, t, temperature, replay)[0]
-        proximal = old_values = returns = None
-        advantages = t.advantages  # GRPO: from the orchestrator
-        metrics: dict[str, float] = {}
-        for epoch in range(self.algo.epochs_per_batch):
-            logp, entropy, aux, load = self._logprobs(self.model, t, temperature, replay)
-            if proximal is None:
-                proximal = logp.detach()  # the policy before this step's first update
-                first_load = load
-            values = None
-            if self.value_head is not None:
-                # Detached: the critic reads the policy's features but its loss does not reshape the policy.
-                values = self.value_head(self._hidden[-1].detach().float()).squeeze(-1)
-                if old_values is None:  # PPO: GAE on the values before this step's first update
-                    old_values = values.detach()
-                    rewards = torch.tensor([s["reward"] for s in samples], device=self.device)
-                    advantages, returns = gae(terminal_rewards(rewards, t.mask), old_values, t.mask,
-                                              gamma=self.algo.gamma, lam=self.algo.gae_lambda)
-            pb = PolicyBatch(logp, proximal, t.behaviour, advantages, t.mask, reference, entropy)
-            loss, metrics = policy_loss(pb, self.algo, num_tokens=tokens)
-            if values is not None:
-                v_loss = value_loss(values, old_values, returns, t.mask, self.algo.value_clip, num_tokens=tokens)
-                loss = loss + self.algo.value_coef * v_loss
-                metrics["value_loss"] = float(v_loss.detach())
-            loss = loss + aux / self.world
-            loss.backward()
-            arrived = time.monotonic() - started  # this rank's arrival at the gradient all-reduce
-            metrics = {k: self._global(v) for k, v in metrics.items()}  # each is a sum over tokens / global count
-            if epoch == 0:
-                stragglers = straggler_ratio(self._gather(arrived))
-            metrics["grad_norm"] = self._sync_and_clip()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics["loss"] = self._global(float(loss.detach()))
-        metrics["tokens"] = tokens
-        metrics["straggler_ratio"] = stragglers
-        load = first_load.float()  # this rank's tokens, routed by the policy the batch started from
-        if self.world > 1:
-            dist.all_reduce(load)
-        metrics["expert_load_imbalance"] = expert_load_imbalance(load)
+        # Before any update: the proximal policy (needed once a batch takes several optimizer steps), the critic's
+        # values (PPO's advantages), the reference.
+        proximal = reference = old_values = None
+        score_policy = algo.needs_values or e_count * m_count > 1
+        if score_policy or self.reference is not None:
+            proximal, old_values, reference = self._score(seqs, plans, score_policy, temperature, replay)
+        advantages, returns = algo.token_advantages(SequenceScores(seqs.rewards, seqs.advantages, seqs.mask),
+                                                    old_values, self._all_reduce if self.world > 1 else None)
+
+        def cut(full: torch.Tensor | None, rows: list[int], width: int) -> torch.Tensor | None:
+            return None if full is None else full[rows, :width]
+
+        steps, first_load, arrivals = [], None, None
+        for epoch in range(e_count):
+            for m in range(m_count):
+                part_tokens, part_sequences, part_real = totals[m].tolist()
+                if part_tokens == 0:  # no rank has a completion token in this mini-batch: nothing to step
+                    continue
+                part_totals = Totals.of(totals[m, :2])
+                microbatches = [seqs.select(r) for r in plans[m]]
+
+                def loss_fn(j: int, mb: Sequences, fwd: Forward, rows=plans[m]):
+                    r, w = rows[j], mb.mask.shape[1]
+                    pb = PolicyBatch(fwd.logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
+                                     mb.behaviour, cut(advantages, r, w), mb.mask, cut(reference, r, w), fwd.entropy,
+                                     fwd.values, cut(old_values, r, w), cut(returns, r, w))
+                    loss, metrics = algo.loss(pb, part_totals)
+                    # the balance loss as a token-weighted mean over the step's micro-batches and ranks
+                    return loss + fwd.aux_loss * (sum(mb.lengths) / part_real), metrics
+
+                index = (self.step * e_count + epoch) * m_count + m
+                lr = learning_rate(self.cfg, index, self.cfg.steps * e_count * m_count)
+                result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay)
+                if epoch == 0:
+                    first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
+                    arrivals = arrivals or result["arrivals"]
+                steps.append(result)
+        metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}
+        metrics["optimizer_steps"] = len(steps)
+        metrics["tokens"] = float(totals[:, 0].sum())
+        metrics["straggler_ratio"] = straggler_ratio(arrivals)
+        metrics["expert_load_imbalance"] = expert_load_imbalance(first_load)
+        metrics["step_compute_seconds"] = time.monotonic() - started
         rate = self.cfg.router_bias_update_rate
         if self.run.model.router == "sigmoid" and rate > 0:
-            # DeepSeek-V3's auxiliary-loss-free balancing; the biases ship with every published version, so
-            # rollout servers keep choosing experts as the trainer does.
-            self.model.update_routing_bias(load, rate=rate)
+            # DeepSeek-V3's auxiliary-loss-free balancing from the load of the policy the batch started from
+            # (every rank's tokens); the biases ship with every published version, so rollout servers keep
+            # choosing experts as the trainer does.
+            self.model.update_routing_bias(first_load.to(self.device), rate=rate)
         return metrics
 
+    @torch.no_grad()
+    def _score(self, seqs: Sequences, plans: list[list[list[int]]], policy: bool, temperature: float, replay: bool):
+        """(proximal logprobs, critic values, reference logprobs), each [B, S] over this rank's samples or None."""
+        shape = seqs.mask.shape
+        proximal = torch.zeros(shape, device=self.device) if policy else None
+        values = torch.zeros(shape, device=self.device) if policy and self.value_head is not None else None
+        reference = torch.zeros(shape, device=self.device) if self.reference is not None else None
+        for rows in (r for plan in plans for r in plan):
+            mb = seqs.select(rows)
+            w = mb.mask.shape[1]
+            if policy:
+                fwd = self.train_step.forward(self.model, mb, temperature=temperature, replay=replay,
+                                              values=values is not None)
+                proximal[rows, :w] = fwd.logprobs
+                if values is not None:
+                    values[rows, :w] = fwd.values
+            if reference is not None:
+                reference[rows, :w] = self.train_step.forward(self.reference, mb, temperature=temperature,
+                                                              replay=replay).logprobs
+        return proximal, values, reference
+
     # ---- weights, checkpoints -----------------------------------------------------------------------------
+    def start_publishing(self) -> None:
+        """Pick this run's weight lineage and start the background publisher (every rank writes its experts).
+        The lineage is 0 in an empty store, else one past the store's newest: a restart from a checkpoint never
+        reuses the dead lineage's version numbers, and LATEST (which only moves forward) follows the new run."""
+        box = [self.store.latest() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.lineage = 0 if box[0] is None else box[0].lineage + 1
+        self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep)
+        if self.rank == 0 and self.source is not None:
+            self.announcer = Announcer(self.publisher, self.source, self.lineage)
+        log.info("publishing weights as lineage %d", self.lineage)
+
     def publish(self, version: int) -> None:
-        start = time.monotonic()
-        # Published in the model's serving dtype; the trainer keeps float32 master weights.
-        state = self.model.gather_state(weights_dtype(self.run.model))  # collective; the state on rank 0 only
-        if self.rank == 0:
-            with tempfile.TemporaryDirectory(dir=self.out) as staging:
-                save_hf(state, self.run.model, staging)
-                self.store.publish(version, Path(staging))
-            seconds = time.monotonic() - start
-            self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = seconds
-            if self.orchestrator:
-                http_json("POST", f"{self.orchestrator}/v1/version", {"version": version}, timeout=300)
-            log.info("published version %d in %.2f s", version, seconds)
+        """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
+        then announced to the batch source)."""
+        self.publisher.publish(version, self.model.state_dict())
+        self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
+        if self.announcer is not None:
+            self.announcer.kick()
+
+    def stop_publishing(self) -> None:
+        """Write the newest version, announce it, stop the writer."""
+        self.publisher.close()
+        if self.announcer is not None:
+            self.announcer.close()
 
     def save_checkpoint(self) -> None:
-        staging = ckpt.staging_dir(self.ckpt_root, self.step)
-        if self.rank == 0:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir()
-        if self.world > 1:
-            dist.barrier()
-        ckpt.write_rank(self.ckpt_root, self.step, self.rank, self._trained_state(), self.optimizer.state_dict())
-        if self.world > 1:
-            dist.barrier()
-        if self.rank == 0:
-            orch_state = http_json("GET", f"{self.orchestrator}/v1/state", timeout=60) if self.orchestrator else None
-            meta = {"step": self.step, "version": self.step, "world": self.world,
-                    "samples_trained": self.samples_trained}
-            path = ckpt.commit(self.ckpt_root, self.step, meta, orch_state)
-            log.info("checkpoint %s", path)
-        if self.world > 1:
-            dist.barrier()
+        """Start writing a checkpoint of this step (every rank) and return; the previous one is committed first.
+        The write runs in the background (DCP async_save: tensors copied to host memory first), off the step's
+        critical path; `finish_checkpoint` commits it."""
+        self.finish_checkpoint()
+        staging = ckpt.prepare(self.ckpt_root, self.step, self.rank, self.world)
+        self._ensure_optimizer_state()
+        future = ckpt.save(self._checkpoint_state(), staging, asynchronous=True, group=self.checkpoint_group)
+        meta = {"step": self.step, "version": self.step, "lineage": self.lineage, "world": self.world,
+                "samples_trained": self.samples_trained, "python_rng": ckpt.python_rng_state()}
+        # the orchestrator's state as of this step, fetched now (it moves on while the write runs)
+        source_state = self.source.state() if self.rank == 0 and self.source is not None else None
+        self._pending_checkpoint = (future, self.step, meta, source_state)
 
-    def _trained_state(self) -> dict:
-        state = self.model.state_dict()
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint being written (every rank) and commit it (rank 0)."""
+        if self._pending_checkpoint is None:
+            return
+        future, step, meta, source_state = self._pending_checkpoint
+        self._pending_checkpoint = None
+        future.result()  # on rank 0 this also means every rank's shards and the metadata are written
+        if self.rank == 0:
+            log.info("checkpoint %s", ckpt.commit(self.ckpt_root, step, meta, source_state))
+        if self.world > 1:
+            dist.barrier(group=self.checkpoint_group)  # nobody reads LATEST before it moved
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """Weights and buffers of what the optimizer trains (the policy; PPO's value head), by name."""
+        state = dict(self.model.state_dict(keep_vars=True))
         if self.value_head is not None:
-            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
+            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict(keep_vars=True).items()})
         return state
 
+    def _ensure_optimizer_state(self) -> None:
+        """AdamW's state exists for every trained parameter (it is made lazily at the first step), so a checkpoint
+        always has the same entries and a fresh trainer has tensors to load them into."""
+        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+
+    def _checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Flat DCP state, sharing storage with the live tensors: weights, AdamW moments and step counts, the
+        torch RNG. Under EP the experts and their moments are DTensors sharded over the ranks along the expert
+        dimension, so a run with another number of ranks reads its own slices."""
+        state: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+        weights = self._trained_state()
+        by_param = {id(t): name for name, t in weights.items()}
+        for name, tensor in weights.items():
+            state[f"model.{name}"] = self._shard(name, tensor.detach())
+        for p, entries in self.optimizer.state.items():
+            name = by_param[id(p)]
+            for key, value in entries.items():
+                state[f"optim.{name}.{key}"] = self._shard(name, value) if value.dim() else value
+        return state
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1 or ".mlp.experts." not in name:
+            return tensor  # replicated: DCP writes it once
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return DTensor.from_local(tensor, self._mesh, [Shard(0)], run_check=False)
+
     def try_resume(self) -> bool:
+        """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""
         directory = ckpt.latest(self.ckpt_root)
         if directory is None:
             return False
         meta = json.loads((directory / "trainer.json").read_text())
-        if meta["world"] != self.world:
-            raise SystemExit(f"checkpoint {directory} was written by {meta['world']} ranks; this run has {self.world}")
-        state = ckpt.read_rank(directory, self.rank)
-        model_state = dict(state["model"])
-        if self.value_head is not None:
-            self.value_head.load_state_dict({k.removeprefix("value_head."): model_state.pop(k)
-                                             for k in list(model_state) if k.startswith("value_head.")})
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        ckpt.set_rng_state(state["rng"])
+        self._ensure_optimizer_state()
+        state = self._checkpoint_state()
+        ckpt.load(state, directory)
+        torch.set_rng_state(state["rng.torch"])
+        ckpt.set_python_rng_state(meta["python_rng"])
         self.step, self.samples_trained = meta["step"], meta["samples_trained"]
-        log.info("resumed from %s at step %d", directory, self.step)
+        log.info("resumed from %s (written by %d ranks) at step %d", directory, meta["world"], self.step)
         return True
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    def fetch_batch(self) -> dict | None:
-        """Rank 0 long-polls the orchestrator; every rank gets the batch, or None when stopping."""
+    def fetch_batch(self) -> Batch | None:
+        """Rank 0 waits for the step's batch; every rank gets it, or None when rank 0 is stopping."""
         box: list = [None]
         if self.rank == 0:
             start = time.monotonic()
             committed = self.step - self.step % self.cfg.checkpoint_every
-            while not self.stop_requested:
-                try:
-                    batch = http_json("GET", f"{self.orchestrator}/v1/batch?step={self.step}&committed={committed}",
-                                      timeout=60)
-                except urllib.error.HTTPError as exc:
-                    if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
-                        raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
-                    log.warning("orchestrator error (%s); retrying", exc)
-                    time.sleep(1)
-                    continue
-                except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                    log.warning("orchestrator unreachable (%s); retrying", exc)
-                    time.sleep(1)
-                    continue
-                if batch.get("samples"):
-                    box[0] = batch
-                    break
+            box[0] = self.source.next_batch(self.step, committed, lambda: self.stop_requested)
             self.wait_seconds += time.monotonic() - start
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM reaches ranks one by one, or only some): decided together
+        every step, so every rank checkpoints and exits at the same step."""
+        flag = torch.tensor([float(self.stop_requested)], dtype=torch.float64, device=self.device)
+        return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
+
     def run_loop(self) -> int:
-        if not self.try_resume():
+        resumed = self.try_resume()
+        self.start_publishing()
+        if not resumed:
             self._save_eval_weights("initial")
-            self._set_lr(self.cfg.warmup_learning_rate)
             for i in range(self.cfg.warmup_sft_steps):
                 loss = self.sft_step(i)
                 if self.rank == 0:
                     log.info("warm-up step %d/%d loss %.3f", i + 1, self.cfg.warmup_sft_steps, loss)
-            self._set_lr(self.cfg.learning_rate)
             self._save_eval_weights("warmup")
-        if self.algo.kl_coef > 0:
+        if self.algorithm.needs_reference:
             # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
             self.reference = MoETransformer(self.run.model, ep=self.ep, compute=self.run.moe_compute)
             self.reference.load_full_state_dict(load_hf(self.out / "eval" / "warmup")[1])
@@ -359,30 +480,33 @@ class Trainer:
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.out / "tensorboard"))
+        stopping = False
         while self.step < self.cfg.steps:
+            stopping = self.stop_agreed()
+            if stopping:
+                break
             batch = self.fetch_batch()
             if batch is None:
+                stopping = True
                 break
             start = time.monotonic()
             metrics = self.rl_step(batch)
             self.step += 1
-            self.samples_trained += len(batch["samples"])
+            self.samples_trained += len(batch.samples)
             self.publish(self.step)
             step_seconds = time.monotonic() - start
             if self.rank == 0:
                 self._record(batch, metrics, step_seconds)
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self.save_checkpoint()
-        if self.stop_requested and self.step < self.cfg.steps:
+        if stopping and self.step % self.cfg.checkpoint_every:
             log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
             self.save_checkpoint()
+        self.finish_checkpoint()
+        self.stop_publishing()
         if self.rank == 0 and self.writer:
             self.writer.close()
         return 0
-
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def _save_eval_weights(self, name: str) -> None:
         """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
@@ -392,20 +516,20 @@ class Trainer:
         if self.world > 1:
             dist.barrier()  # other ranks read the warm-up weights as their KL reference
 
-    def _record(self, batch: dict, metrics: dict, step_seconds: float) -> None:
+    def _record(self, batch: Batch, metrics: dict, step_seconds: float) -> None:
         wall = time.monotonic() - self.started
-        stats = batch["stats"]
-        row = {"step": self.step, "version": self.step, "time": time.time(), "wall_seconds": wall,
-               "reward_mean": stats["reward_mean"], "accuracy": stats["accuracy"],
-               "staleness_mean": stats["staleness_mean"], "samples": len(batch["samples"]),
+        stats = batch.stats
+        row = {"step": self.step, "version": self.step, "lineage": self.lineage, "time": time.time(),
+               "wall_seconds": wall, "reward_mean": stats.reward_mean, "accuracy": stats.accuracy,
+               "staleness_mean": stats.staleness_mean, "samples": len(batch.samples),
                "samples_per_second": self.samples_trained / wall, "step_seconds": step_seconds,
                "trainer_idle_fraction": self.wait_seconds / wall,
-               "dropped_stale_groups": stats["dropped_stale_groups"], "retries": stats["retries"],
-               "reward_failures": stats["reward_failures"], **metrics, **self.last_metrics}
+               "dropped_stale_groups": stats.dropped_stale_groups, "retries": stats.retries,
+               "reward_failures": stats.rewards_failed, **metrics, **self.last_metrics}
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         with open(self.out / "trained.jsonl", "a") as f:
-            f.write(json.dumps({"step": batch["step"], "ids": [s["id"] for s in batch["samples"]]}) + "\n")
+            f.write(json.dumps({"step": batch.step, "ids": [s.id for s in batch.samples]}) + "\n")
         for key, value in row.items():
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
@@ -478,6 +602,13 @@ def resolved_backend(run: RunConfig) -> str:
     return resolved.ep_backend
 
 
+def stop_on_sigterm(trainer: Trainer) -> None:
+    """Kubernetes preemption: finish the step, checkpoint (all ranks together), exit 0."""
+    def on_sigterm(signum, frame):
+        trainer.stop_requested = True
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def main(argv: list[str]) -> int:
     parser = run_argparser("train", "train a run (start under torchrun)")
     parser.add_argument("--orchestrator", default=os.environ.get("MOERL_ORCHESTRATOR"),
@@ -493,15 +624,12 @@ def main(argv: list[str]) -> int:
     # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(run, args.orchestrator, rank, world)
+    trainer = Trainer(run, HttpBatchSource(args.orchestrator) if args.orchestrator else None, rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
     if args.metrics_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, registry=trainer.prometheus.registry)
-
-    def on_sigterm(signum, frame):  # Kubernetes preemption: finish the step, checkpoint, exit 0
-        trainer.stop_requested = True
-    signal.signal(signal.SIGTERM, on_sigterm)
+    stop_on_sigterm(trainer)
     try:
         return trainer.run_loop()
     finally:

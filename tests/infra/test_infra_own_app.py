@@ -1,0 +1,101 @@
+"""A platform team's view: the package built as a wheel, installed into a fresh environment apart from this
+repository, and used by an app of their own (own VPC, own stacks, no cdk.json of ours) on a new and on an imported
+cluster; it synthesizes with cdk-nag and the guardrails clean."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from infra_helpers import REPO, SYNTH_TIMEOUT_S, offline_env, resources_of
+
+APP = Path(__file__).parent / "own_app" / "app.py"
+SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "pyproject.toml", "README.md")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip wheel .` builds, from a copy of the sources (the build writes next to them)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+        else:
+            shutil.copy(path, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(out), str(src)], check=True, capture_output=True, timeout=300)
+    (built,) = out.glob("moe_rl_eks-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def own_app(wheel, tmp_path_factory) -> dict:
+    """Synthesize the app in a fresh virtual environment holding only the wheel; its dependencies (aws-cdk-lib,
+    cdk-nag, ...) come from this interpreter's site-packages through a .pth (no network here), whose own .pth
+    files, an editable install of this repository among them, are not processed."""
+    home = tmp_path_factory.mktemp("team")
+    env_dir = home / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    with zipfile.ZipFile(wheel) as archive:  # a pure-Python wheel installs by unpacking it into site-packages
+        archive.extractall(site)
+    (site / "zz-shared-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    shutil.copy(APP, home / "app.py")
+    env = {k: v for k, v in offline_env().items() if k != "PYTHONPATH"}
+    out = home / "cdk.out"
+    proc = subprocess.run([str(python), "app.py", str(out)], cwd=home, env=env, capture_output=True, text=True,
+                          timeout=SYNTH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {"site": site, "printed": json.loads(proc.stdout.strip().splitlines()[-1]),
+            "templates": {p.name.removesuffix(".template.json"): json.loads(p.read_text())
+                          for p in out.glob("*.template.json")}}
+
+
+def test_the_app_uses_the_installed_package_not_this_repository(own_app):
+    assert Path(own_app["printed"]["moe_rl_eks.infra"]).is_relative_to(own_app["site"])
+    assert set(own_app["templates"]) == {"TeamNewCluster", "TeamImportedCluster"}
+
+
+def test_the_wheel_ships_the_grafana_dashboard_and_the_validation_script(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "moe_rl_eks/infra/dashboards/moe-rl.json" in names
+    assert "moe_rl_eks/k8s/scripts/collectives_check.py" in names
+
+
+def test_new_cluster_app_gets_a_capacity_block_pool_that_waits_for_the_vpc_cni(own_app):
+    template = own_app["templates"]["TeamNewCluster"]
+    (cni,) = [k for k, r in resources_of(template, "AWS::EKS::Addon").items() if r["Properties"]["AddonName"] == "vpc-cni"]
+    (pool,) = [r for r in resources_of(template, "AWS::EKS::Nodegroup").values()
+               if r["Properties"]["Labels"]["moe-rl/role"] == "trainer"]
+    assert cni in pool["DependsOn"]
+    props = pool["Properties"]
+    assert props["CapacityType"] == "CAPACITY_BLOCK" and "InstanceTypes" not in props
+    assert props["Taints"] == [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_EXECUTE"}]
+    assert props["Tags"]["k8s.io/cluster-autoscaler/node-template/taint/nvidia.com/gpu"] == "true:NoExecute"
+    assert props["Labels"]["team"] == "research"
+    charts = {r["Properties"]["Release"] for r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").values()}
+    assert charts == {"nvidia-device-plugin", "aws-efa-k8s-device-plugin"}
+
+
+def test_imported_cluster_app_adds_an_efa_pool_and_device_plugins_through_their_provider(own_app):
+    template = own_app["templates"]["TeamImportedCluster"]
+    assert not resources_of(template, "AWS::EKS::Cluster") and not resources_of(template, "AWS::Lambda::Function")
+    (pool,) = resources_of(template, "AWS::EKS::Nodegroup").values()
+    assert pool["Properties"]["ClusterName"] == "their-cluster"
+    assert pool["Properties"]["Subnets"] == ["subnet-0bbbbbbbbbbbbbbbb"]
+    (lt,) = resources_of(template, "AWS::EC2::LaunchTemplate").values()
+    interfaces = lt["Properties"]["LaunchTemplateData"]["NetworkInterfaces"]
+    assert len(interfaces) == 32 and all("sg-0123456789abcdef0" in i["Groups"] for i in interfaces)
+    charts = resources_of(template, "Custom::AWSCDK-EKS-HelmChart").values()
+    assert {c["Properties"]["ServiceToken"] for c in charts} == {
+        "arn:aws:lambda:us-west-2:444444444444:function:their-kubectl"}

@@ -1,0 +1,156 @@
+"""Trainer ranks in gloo processes (imported by module name, so forked workers find these functions): one RL
+step's gradients, and a loop that one rank is asked to stop."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core.run import load_run
+from moe_rl_eks.workloads.rl import checkpoint as ckpt
+from moe_rl_eks.workloads.rl.protocol import Batch
+from moe_rl_eks.workloads.rl.trainer import Trainer, stop_on_sigterm
+
+
+def _entry(fn, rank, world, init_file, out_dir, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
+    """fn(rank, world, *args) on `world` forked processes of one gloo group; every rank's result."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"ranks exited with {codes}")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:
+    """(gradients as the optimizer saw them, by parameter name; the step's metrics), one optimizer step."""
+    names = {id(p): n for n, p in trainer.train_step.trained.named_parameters()}
+    seen: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        for group in trainer.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    seen[names[id(p)]] = p.grad.detach().clone()
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    metrics = trainer.rl_step(batch)
+    trainer.optimizer.step = step
+    return seen, metrics
+
+
+def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step on `world` EP ranks; the gradients with the experts' slices gathered (full tensors)."""
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
+    full = {}
+    for name, grad in grads.items():
+        if ".mlp.experts." in name:
+            parts = [torch.empty_like(grad) for _ in range(world)]
+            dist.all_gather(parts, grad)
+            grad = torch.cat(parts)
+        full[name] = grad
+    return {"grads": full, "metrics": metrics, "samples": len(Batch.from_json(batch_json).samples[rank::world])}
+
+
+class ListSource:
+    """Batches made on demand, as an orchestrator would hand them out."""
+
+    def __init__(self, make_batch) -> None:
+        self.make_batch, self.versions = make_batch, []
+
+    def next_batch(self, step, committed, stopping):
+        return None if stopping() else self.make_batch(step)
+
+    def version_published(self, version, lineage):
+        self.versions.append((lineage, version))
+
+    def state(self):
+        return {"note": "orchestrator state"}
+
+
+def loop_stopped_on_rank_1(rank: int, world: int, run_path: str, make_batch, signal_at_step: int) -> dict:
+    """The trainer's loop on every rank; SIGTERM reaches rank 1 alone, during step `signal_at_step`."""
+    trainer = Trainer(load_run(run_path), ListSource(make_batch) if rank == 0 else None, rank, world)
+    stop_on_sigterm(trainer)
+    train = trainer.rl_step
+
+    def rl_step(batch):
+        metrics = train(batch)
+        if rank == 1 and batch.step == signal_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    trainer.rl_step = rl_step
+    return _loop_result(trainer, trainer.run_loop())
+
+
+def loop_resumed(rank: int, world: int, run_path: str, make_batch) -> dict:
+    """The loop started again after a stop: it resumes from the checkpoint in a new lineage."""
+    trainer = Trainer(load_run(run_path), ListSource(make_batch) if rank == 0 else None, rank, world)
+    return _loop_result(trainer, trainer.run_loop())
+
+
+def _loop_result(trainer: Trainer, code: int) -> dict:
+    latest = ckpt.latest(trainer.ckpt_root)
+    return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested, "lineage": trainer.lineage,
+            "latest": None if latest is None else latest.name,
+            "announced": trainer.source.versions if trainer.source is not None else None,
+            "store_latest": trainer.store.latest()}
+
+
+def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Weights and AdamW moments by name, the experts' slices gathered from every rank (whole tensors)."""
+    names = {id(t): n for n, t in trainer._trained_state().items()}
+    state = {n: t.detach().clone() for n, t in trainer._trained_state().items()}
+    for p, entries in trainer.optimizer.state.items():
+        state.update({f"{names[id(p)]}.{k}": v.clone() for k, v in entries.items() if v.dim()})
+    if trainer.world > 1:
+        for name, t in state.items():
+            if ".mlp.experts." in name:
+                parts = [torch.empty_like(t) for _ in range(trainer.world)]
+                dist.all_gather(parts, t.contiguous())
+                state[name] = torch.cat(parts)
+    return state
+
+
+def train_and_checkpoint(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step, then a checkpoint of step 1 written by these ranks; the state it holds."""
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    trainer.rl_step(Batch.from_json(batch_json))
+    trainer.step = 1
+    trainer.save_checkpoint()
+    trainer.finish_checkpoint()
+    return full_state(trainer)
+
+
+def resumed_state(rank: int, world: int, run_path: str) -> dict:
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    assert trainer.try_resume() and trainer.step == 1
+    return full_state(trainer)

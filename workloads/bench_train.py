@@ -1,0 +1,234 @@
+"""Trainer micro-batch throughput and memory (`moerl bench-train`, `make bench-train`; on a GPU machine without the
+CPU bootstrap: `python3 -m moe_rl_eks.workloads.bench_train`).
+
+One training step as the trainer runs it on one GPU: a packed micro-batch (sequences back to back, each attending
+only within itself), the model forward to the final hidden states under bf16 autocast over float32 master weights,
+the chunked token log-probabilities and entropies (model/logprobs.py), a token-mean policy-gradient loss with an
+entropy term, backward, gradient clipping and a fused AdamW step. For each MoE compute backend, activation
+checkpointing on and off, and each sequence length: tokens/s (median step), MFU and peak memory above the
+weights and optimizer state (what the step adds: activations, logit chunks, gradients and their transient
+buffers). An out-of-memory step is a row, not a failure.
+
+Model FLOPs per token: 6 x the matmul parameters a token passes through (attention projections, router, its
+top-k experts, lm_head; not the embedding lookup) plus causal attention, 6 x n x head_dim x heads per layer for
+a token of an n-token sequence (QK^T and PV, fwd + bwd, half the square); recomputation is not counted. MFU is
+against the dense bf16 matmul rate measured in the same run (8192^3)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from moe_rl_eks.core.run import ModelConfig, load_run
+
+from .model import MoETransformer
+from .model.logprobs import token_logprobs_and_entropy
+
+QWEN3_RUN = Path(__file__).resolve().parents[1] / "configs" / "runs" / "qwen3-30b-a3b-p5.yaml"
+TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, dtype="float32")
+
+
+def model_flops_per_step(c: ModelConfig, sequence: int, sequences: int) -> float:
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + c.hidden_size * c.num_experts
+    per_layer += (c.num_experts_per_tok + c.n_shared_experts) * 3 * c.hidden_size * c.moe_intermediate_size
+    matmul = 6 * (c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size) * sequence * sequences
+    attention = 6 * c.num_hidden_layers * q * sequence * sequence * sequences  # sum over tokens of 6 n d H, causal
+    return float(matmul + attention)
+
+
+def dense_peak_tflops(device: torch.device) -> float:
+    """bf16 8192^3 on a GPU (float32 1024^3 on the CPU), median of 10 after 3 warm-ups."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+def flash_attention_with_gqa(config: ModelConfig) -> bool:
+    """Whether SDPA's flash kernel takes this model's grouped-query attention as it is (else SDPA falls back to
+    slower kernels and the attention rows mean less)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, config.num_attention_heads, 256, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, config.num_key_value_heads, 256, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Step:
+    """One model + fused AdamW; `run(sequence, sequences)` is one training step on random tokens."""
+
+    def __init__(self, config: ModelConfig, compute: str, device: torch.device):
+        self.config, self.device = config, device
+        with device:
+            self.model = MoETransformer(config, compute=compute)
+        fused = device.type == "cuda"  # no foreach temporaries the size of the gradients
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=fused)
+        self.autocast = device.type == "cuda"
+
+    def run(self, sequence: int, sequences: int, generator: torch.Generator) -> None:
+        c, n = self.config, sequence * sequences
+        ids = torch.randint(0, c.vocab_size, (1, n + 1), device=self.device, generator=generator)
+        advantages = torch.randn(n, device=self.device, generator=generator)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(ids[:, :-1], sequence_lengths=[sequence] * sequences, logits=False)
+            logp, entropy = token_logprobs_and_entropy(out.hidden[0], self.model.lm_head.weight, ids[0, 1:])
+        loss = -(logp * advantages).sum() / n - 1e-3 * entropy.sum() / n
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def free(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
+    c, device = step.config, step.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
+    try:
+        step.run(sequence, sequences, generator)  # warm-up: kernels compiled and autotuned, optimizer state made
+        step.free()
+        sync(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            sync(device)
+            start = time.perf_counter()
+            step.run(sequence, sequences, generator)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        flops = model_flops_per_step(c, sequence, sequences)
+        row.update(status="ok", step_seconds=seconds, tokens_per_second=row["tokens"] / seconds,
+                   model_tflop_per_step=flops / 1e12, tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / peak)
+        if device.type == "cuda":
+            row.update(weights_and_optimizer_gib=base / 2**30,
+                       peak_above_gib=(torch.cuda.max_memory_allocated(device) - base) / 2**30)
+    except torch.OutOfMemoryError:
+        row.update(status="OOM")
+    step.free()
+    return row
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['machine']}; dense matmul peak measured {result['dense_peak_tflops']:.0f} TFLOP/s; "
+             f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB",
+             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        shape = f"{r['sequences']} x {r['sequence']:,}"
+        if r["status"] != "ok":
+            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | |")
+            continue
+        mem = f"{r['peak_above_gib']:.1f}" if "peak_above_gib" in r else "-"
+        lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} |")
+    return "\n".join(lines)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'8x8192,2x32768' -> [(sequences, tokens per sequence), ...]."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            sequences, sequence = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not SEQUENCESxTOKENS (e.g. 8x8192)") from None
+        shapes.append((sequences, sequence))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="moerl bench-train", description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of Qwen3-30B-A3B's shape (48 do not fit "
+                                                          "one GPU with AdamW)")
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("32x2048,8x8192,2x32768"),
+                    help="micro-batches as SEQUENCESxTOKENS, comma-separated")
+    ap.add_argument("--compute", default="torch,triton", help="MoE compute backends, comma-separated")
+    ap.add_argument("--checkpointing", default="on,off", help="activation checkpointing: on, off or both")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke test of this script)")
+    ap.add_argument("--json", help="write all numbers here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        config, device = TINY, torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("bench-train needs a CUDA GPU (or --tiny for a CPU smoke test)", file=sys.stderr)
+            return 2
+        config, device = replace(load_run(QWEN3_RUN).model, num_hidden_layers=args.layers), torch.device("cuda")
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    result = {"machine": machine, "torch": torch.__version__, "layers": config.num_hidden_layers,
+              "config": config.__dict__, "dense_peak_tflops": dense_peak_tflops(device), "rows": [], "errors": []}
+    if device.type == "cuda":
+        result.update(flash_attention_with_gqa=flash_attention_with_gqa(config),
+                      gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
+    print(f"{machine}; torch {torch.__version__}; dense peak {result['dense_peak_tflops']:.0f} TFLOP/s; "
+          f"{ {k: v for k, v in result.items() if k in ('flash_attention_with_gqa', 'gpu_memory_gib')} }", flush=True)
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    for compute in args.compute.split(","):
+        try:
+            step = Step(config, compute, device)
+        except Exception:  # e.g. triton missing: the traceback is the report, the other backends still run
+            result["errors"].append(traceback.format_exc())
+            print(result["errors"][-1], flush=True)
+            continue
+        for checkpointing in args.checkpointing.split(","):
+            step.model.activation_checkpointing = checkpointing == "on"
+            for sequences, sequence in args.shapes:
+                row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                row.update(compute=compute, checkpointing=checkpointing)
+                if "weights_and_optimizer_gib" in row:
+                    result["weights_and_optimizer_gib"] = row["weights_and_optimizer_gib"]
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
+        del step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One optimizer step of the trainer, from tensors: forward each micro-batch (packed sequences, hidden states,
+chunked token log-probabilities), its loss, backward (gradients accumulate), then the gradient all-reduce of the
+replicated weights, the global gradient norm and clipping, the optimizer step. Everything a step reports (loss
+terms, the norm's expert part, each rank's arrival time, the expert load) is reduced in ONE all-reduce.
+
+It knows nothing of fetching, publishing, checkpoints or signals (trainer.py's loop), nor of the algorithm beyond
+the loss function it is handed. Under expert parallelism every forward is a collective, so every rank must run
+the same number of micro-batches: a rank with fewer (or no) samples runs empty ones."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core.rl_config import TrainingConfig
+
+from ..model import MoETransformer
+from ..model.logprobs import token_logprobs_and_entropy
+from ..moe.parallel import ExpertParallel
+from .microbatch import Sequences
+
+EXPERT_MARK = ".mlp.experts."
+
+
+@dataclass
+class Forward:
+    """Per-token outputs of one micro-batch, [B, S] (zero on padding)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    values: torch.Tensor | None  # the value head's, PPO only
+    aux_loss: torch.Tensor
+    expert_load: torch.Tensor  # [L, E]
+
+
+# (index in the step's micro-batches, the micro-batch, its forward) -> (loss to backpropagate, metrics: sums that
+# add up over micro-batches and ranks)
+LossFn = Callable[[int, Sequences, Forward], tuple[torch.Tensor, dict[str, float]]]
+
+
+def learning_rate(cfg: TrainingConfig, optimizer_step: int, total_steps: int) -> float:
+    """rl.training's schedule at a 0-based optimizer step: linear warm-up from 0 over lr_warmup_steps, then
+    constant or a cosine from learning_rate down to min_learning_rate at the last step."""
+    if optimizer_step < cfg.lr_warmup_steps:
+        return cfg.learning_rate * (optimizer_step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
+    span = max(total_steps - cfg.lr_warmup_steps - 1, 1)
+    progress = min((optimizer_step - cfg.lr_warmup_steps) / span, 1.0)
+    return cfg.min_learning_rate + (cfg.learning_rate - cfg.min_learning_rate) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainStep:
+    def __init__(self, model: MoETransformer, value_head: torch.nn.Linear | None, optimizer: torch.optim.Optimizer,
+                 *, ep: ExpertParallel | None, world: int, rank: int, device: torch.device, grad_clip: float,
+                 bf16: bool) -> None:
+        self.model, self.value_head, self.optimizer = model, value_head, optimizer
+        self.ep, self.world, self.rank, self.device = ep, world, rank, device
+        self.grad_clip, self.bf16 = grad_clip, bf16
+        self.trained = torch.nn.ModuleList([model, *([value_head] if value_head is not None else [])])
+        self.expert_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK in n]
+        self.shared_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK not in n]
+
+    def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
+                values: bool = False) -> Forward:
+        """The micro-batch's sequences packed into one row; log-probabilities of its targets at `temperature`
+        straight from the final hidden states (no [tokens, vocabulary] logits kept)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            out = model(mb.packed_inputs(), sequence_lengths=mb.lengths, logits=False,
+                        routing_replay=mb.packed_routing() if replay else None)
+            hidden = out.hidden[0]
+            logp, entropy = token_logprobs_and_entropy(hidden, model.lm_head.weight, mb.packed_targets(),
+                                                       temperature=temperature)
+        value = None
+        if values:
+            # Detached: the critic reads the policy's features but its loss does not reshape the policy.
+            value = mb.unpack(self.value_head(hidden.detach().float()).squeeze(-1))
+        return Forward(mb.unpack(logp), mb.unpack(entropy), value, out.aux_loss, out.expert_load)
+
+    def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
+             replay: bool) -> dict:
+        """Accumulate the micro-batches' gradients, sync, clip, step. Returns the metrics summed over micro-batches
+        and ranks, plus `grad_norm`, `arrivals` (each rank's seconds to the gradient sync), `expert_load` [L, E]
+        (all ranks)."""
+        started = time.monotonic()
+        sums: dict[str, float] = {}
+        load = None
+        for j, mb in enumerate(microbatches):
+            fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
+                               values=self.value_head is not None)
+            loss, metrics = loss_fn(j, mb, fwd)
+            loss.backward()
+            metrics["loss"] = float(loss.detach())
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+            load = fwd.expert_load.double() if load is None else load + fwd.expert_load
+        arrived = time.monotonic() - started
+        if self.ep is not None:
+            self.ep.sum_replicated_grads(self.trained)
+        expert_sq = sum((p.grad.double().square().sum() for p in self.expert_params if p.grad is not None),
+                        torch.zeros((), dtype=torch.float64, device=self.device))
+        keys = sorted(sums)
+        arrivals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        arrivals[self.rank] = arrived
+        # The one collective: loss terms, the experts' squared gradient norm (each rank holds other experts;
+        # replicated gradients are equal everywhere after the sync), arrivals, expert load.
+        packed = torch.cat([torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device),
+                            expert_sq.reshape(1), arrivals, load.reshape(-1).to(self.device)])
+        if self.world > 1:
+            dist.all_reduce(packed)
+        shared_sq = sum((p.grad.double().square().sum() for p in self.shared_params if p.grad is not None),
+                        torch.zeros((), dtype=torch.float64, device=self.device))
+        n = len(keys)
+        norm = float(torch.sqrt(packed[n] + shared_sq))
+        scale = min(1.0, self.grad_clip / (norm + 1e-6))
+        for p in self.trained.parameters():
+            if p.grad is not None and scale < 1.0:
+                p.grad.mul_(scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result = dict(zip(keys, packed[:n].tolist()))
+        result.update(grad_norm=norm, lr=lr, arrivals=packed[n + 1:n + 1 + self.world].tolist(),
+                      expert_load=packed[n + 1 + self.world:].view_as(load).float().cpu())
+        return result
