@@ -5,13 +5,12 @@ import signal
 
 import torch
 from rl_helpers import SlowProxy, call, sample_accounting, trained_steps, wait_until, write_run
-from safetensors.torch import load_file
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl import checkpoint as ckpt
 from moe_rl_eks.workloads.rl.local_run import LocalCluster, read_metrics
-from moe_rl_eks.workloads.rl.protocol import VersionRef
-from moe_rl_eks.workloads.rl.weights import version_name
+from moe_rl_eks.workloads.model.checkpoint import load_hf
+from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
 
@@ -64,7 +63,8 @@ def test_a_straggling_and_a_killed_rollout_server_lose_or_duplicate_no_sample(tm
 
 
 def final_weights(out, version):
-    return load_file(str(out / "weights" / version_name(VersionRef(0, version)) / "model.safetensors"))
+    """Version `version` of the store's newest lineage (a resumed trainer publishes in a new one)."""
+    return load_hf(DirectoryStore(out / "weights").fetch(version, out / "cache"))[1]
 
 
 def kill_trainer_after_first_checkpoint(cluster, steps):

@@ -47,8 +47,10 @@ def test_groups_too_stale_for_the_step_or_from_its_future_are_dropped_and_counte
     assert [s.advantage for s in batch.samples[:2]] == [0.5, -0.5]
     assert buf.batch(2, 0, 0, GRPO) is batch  # a restarted trainer gets the same batch
     assert buf.batch(3, 0, 0, GRPO) is None  # one group left, two needed
-    with pytest.raises(StepConflict, match="step 5: batches exist up to 2"):
+    with pytest.raises(StepConflict, match="step 5: the next batch to form is step 3"):
         buf.batch(5, 0, 0, GRPO)
+    with pytest.raises(StepConflict, match="step 2: its batch was forgotten"):
+        buf.batch(2, 0, 3, GRPO)  # committed 3: batch 2 is gone, a trainer asking for it again cannot get it
 
 
 def test_no_new_prompt_beyond_the_staleness_budget_and_none_before_the_trainer_posts():
@@ -74,7 +76,7 @@ def test_failed_rewards_are_masked_and_a_group_left_with_fewer_than_two_is_dropp
     assert complete(buf, 0, 0, rewards=(1.0,), failed=3) == "too_few"
     assert complete(buf, 1, 0, rewards=(1.0, 0.0), failed=2) == "kept"
     assert buf.counts["rewards_failed"] == 5 and buf.counts["dropped_failed_groups"] == 1
-    assert buf.batch(0, 0, 0, GRPO).stats.reward_failures == 5
+    assert buf.batch(0, 0, 0, GRPO).stats.rewards_failed == 5
 
 
 def test_dynamic_sampling_filters_groups_whose_rewards_do_not_vary_and_late_duplicates_are_ignored():
@@ -154,11 +156,11 @@ def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_ver
     pool = ServerPool(["http://a", "http://b", "http://c"], max_in_flight=16)
     new = VersionRef(0, 1)
     for url in pool.urls():
-        pool.healthy(url, VersionRef(0, 0))
-    pool.healthy("http://c", new)
+        pool.healthy(url, 0, 0)
+    pool.healthy("http://c", 1, 0)
     sent = [pool.acquire(new, demand=6 - i) for i in range(6)]
     assert sent == ["http://c", "http://c", None, None, None, None]  # its share of 6 over 3 healthy servers
-    pool.healthy("http://a", new)
+    pool.healthy("http://a", 1, 0)
     pool.unhealthy("http://b")  # a server whose load failed releases its share
     assert pool.acquire(new, demand=4) == "http://a"
     pool.release("http://c")
@@ -167,11 +169,22 @@ def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_ver
 
 def test_weight_pushes_go_once_to_each_healthy_server_that_lacks_the_version():
     pool = ServerPool(["http://a", "http://b"], max_in_flight=1)
-    pool.healthy("http://a", VersionRef(0, 1))
-    pool.healthy("http://b", VersionRef(0, 2))
+    pool.healthy("http://a", 1, 0)
+    pool.healthy("http://b", 2, 0)
     assert pool.needing(VersionRef(0, 2)) == ["http://a"] and pool.needing(VersionRef(0, 2)) == []
     pool.pushed("http://a", VersionRef(0, 2), loaded=False)  # refused: asked again at the next health check
     assert pool.needing(VersionRef(0, 2)) == ["http://a"]
+
+
+def test_a_server_that_names_no_lineage_holds_the_one_last_loaded_into_it():
+    pool = ServerPool(["http://a"], max_in_flight=1)
+    pool.healthy("http://a", 3, None)
+    assert pool.view()[0].holds is None and pool.needing(VersionRef(1, 3)) == ["http://a"]  # unknown: push
+    pool.pushed("http://a", VersionRef(1, 3), loaded=True)
+    pool.healthy("http://a", 3, None)
+    assert pool.view()[0].holds == VersionRef(1, 3) and pool.attribute("http://a", VersionRef(0, 3)) == VersionRef(1, 3)
+    pool.healthy("http://a", 4, None)  # it moved to a version we did not load: its answers are not attributed
+    assert pool.view()[0].holds is None and pool.attribute("http://a", VersionRef(0, 4)) is None
 
 
 def test_dns_endpoints_expand_to_every_address_and_plain_urls_stay():

@@ -19,7 +19,7 @@ def sample(i, lineage=1, version=3):
 
 def batch():
     stats = BatchStats(reward_mean=0.5, accuracy=0.25, staleness_mean=1.0, dropped_stale_groups=0,
-                       filtered_groups=0, retries=1, reward_failures=0, completed=2)
+                       filtered_groups=0, retries=1, rewards_failed=0, completed=2)
     return Batch(step=4, lineage=1, samples=[sample(0), sample(1)], stats=stats)
 
 

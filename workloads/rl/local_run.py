@@ -97,7 +97,9 @@ class LocalCluster:
                                 preexec_fn=pin)
 
     def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
-        port = free_port()
+        """Start rollout server `index`; a restarted one takes its predecessor's port, so the orchestrator's
+        endpoint list still names it."""
+        port = int(self.servers[index].url.rsplit(":", 1)[1]) if index < len(self.servers) else free_port()
         argv = launch(CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)],
                       processes=self.run.rollout.gpus_per_server, torchrun=TORCHRUN)
         proc = self._spawn(f"rollout-{index}", argv, cpus)

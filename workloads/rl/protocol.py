@@ -276,6 +276,7 @@ class Completion(Record):
 
     version: VersionRef
     choices: list[Choice]
+    lineage_reported: bool = True  # False: the server named no lineage (version.lineage is 0 until attributed)
 
     @classmethod
     def from_response(cls, body: Any, path: str = "response") -> "Completion":
@@ -284,7 +285,8 @@ class Completion(Record):
         if not isinstance(body, dict):
             raise ProtocolError(path, body, "expected a JSON object")
         version = _decode(int, body.get("weight_version"), f"{path}.weight_version")
-        lineage = _decode(int, body.get("weight_lineage", 0), f"{path}.weight_lineage")
+        reported = body.get("weight_lineage") is not None
+        lineage = _decode(int, body.get("weight_lineage", 0) if reported else 0, f"{path}.weight_lineage")
         raw = body.get("choices")
         if not isinstance(raw, list) or not raw:
             raise ProtocolError(f"{path}.choices", raw, "expected a non-empty list")
@@ -302,7 +304,8 @@ class Completion(Record):
                 "routing": c.get("routed_experts")}, where))
         if sorted(c.index for c in choices) != list(range(len(choices))):
             raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
-        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path), sorted(choices, key=lambda c: c.index))
+        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path),
+                   sorted(choices, key=lambda c: c.index), reported)
 
 
 # ---- training data --------------------------------------------------------------------------------------------
@@ -374,7 +377,7 @@ class BatchStats(Record):
     dropped_stale_groups: int
     filtered_groups: int
     retries: int
-    reward_failures: int  # samples whose reward failed (masked, never trained)
+    rewards_failed: int  # samples whose reward failed (masked, never trained)
     completed: int
 
 
@@ -408,3 +411,4 @@ class OrchestratorState(Record):
     trainer: VersionRef | None = None  # the trainer's version when the snapshot was taken
     forks: dict[int, VersionRef] = field(default_factory=dict)  # lineage -> where it began (staleness_ok)
     source: dict[str, Any] = field(default_factory=dict)  # the prompt source's own state (its cursor)
+    first_step: int | None = None  # the step of the first batch formed

@@ -44,6 +44,7 @@ class GroupBuffer:
     correct_reward: float  # a sample scoring at least this counts as correct in the batch's accuracy
     next_prompt: int = 0
     consumed: int = 0
+    first_step: int | None = None  # the step of the first batch (a trainer may start at a checkpoint's)
     trainer: VersionRef | None = None  # the trainer's newest posted version; None until it posts one
     previous: VersionRef | None = None  # the trainer's version before a restart: where a new lineage forks
     forks: dict[int, VersionRef] = field(default_factory=dict)
@@ -141,8 +142,14 @@ class GroupBuffer:
             if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
                 self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)
             return self.batches[step]
-        if self.batches and step != max(self.batches) + 1:
-            raise StepConflict(f"step {step}: batches exist up to {max(self.batches)}; ask for the next one")
+        if self.first_step is None:  # a fresh orchestrator serves whichever step its trainer starts at
+            self.first_step = step
+        expected = self.first_step + self.consumed // self.prompts_per_step  # each batch takes prompts_per_step
+        if step > expected:
+            raise StepConflict(f"step {step}: the next batch to form is step {expected}; ask for that one")
+        if step < expected:
+            raise StepConflict(f"step {step}: its batch was forgotten (a trainer said a checkpoint past it was "
+                               f"committed); the next batch to form is step {expected}")
         if len(self.buffered) < self.prompts_per_step:
             return None
         taken, self.buffered = self.buffered[:self.prompts_per_step], self.buffered[self.prompts_per_step:]
@@ -161,7 +168,7 @@ class GroupBuffer:
                            staleness_mean=sum(step - g.version.version for g in taken) / len(taken),
                            dropped_stale_groups=self.counts["dropped_stale_groups"],
                            filtered_groups=self.counts["filtered_groups"], retries=self.counts["retries"],
-                           reward_failures=self.counts["rewards_failed"], completed=self.counts["completed"])
+                           rewards_failed=self.counts["rewards_failed"], completed=self.counts["completed"])
         batch = Batch(step=step, lineage=lineage, samples=samples, stats=stats)
         self.batches[step] = batch
         return batch
@@ -175,7 +182,7 @@ class GroupBuffer:
         return OrchestratorState(next_prompt=self.next_prompt, consumed=self.consumed,
                                  pending=sorted(self.in_flight.values(), key=lambda p: p.index),
                                  buffered=list(self.buffered), batches=dict(self.batches), counts=dict(self.counts),
-                                 trainer=self.trainer, forks=dict(self.forks))
+                                 trainer=self.trainer, forks=dict(self.forks), first_step=self.first_step)
 
     @classmethod
     def restore(cls, state: OrchestratorState, *, prompts_per_step: int, max_staleness: int,
@@ -184,7 +191,7 @@ class GroupBuffer:
         issues them anew: same prompt, same seed). The trainer's version is only where a new lineage forks:
         until the restarted trainer posts its own, nothing is issued."""
         buf = cls(prompts_per_step, max_staleness, correct_reward, next_prompt=state.next_prompt,
-                  consumed=state.consumed, previous=state.trainer, forks=dict(state.forks),
+                  consumed=state.consumed, first_step=state.first_step, previous=state.trainer, forks=dict(state.forks),
                   in_flight={f"p{p.index}": p for p in state.pending}, buffered=list(state.buffered),
                   batches=dict(state.batches))
         buf.counts.update(state.counts)

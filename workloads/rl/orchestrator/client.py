@@ -34,8 +34,8 @@ class RequestFault(RolloutFault):
 
 @dataclass(frozen=True)
 class Health:
-    ready: bool  # weights loaded
-    holds: VersionRef | None
+    version: int | None  # the weight version it serves; None: none loaded yet
+    lineage: int | None  # None: the server does not report lineages (the pool knows what it pushed)
 
 
 class RolloutBackend(Protocol):
@@ -123,12 +123,12 @@ class HttpRolloutBackend:
         if status == 404:  # a server from before /ready: its /health carries the version
             status, body = await self._call("GET", f"{url}/health", None, timeout_s)
         if status == 503:
-            return Health(ready=False, holds=None)
+            return Health(None, None)
         self._raise_for(url, status, body)
         if not isinstance(body, dict) or not isinstance(body.get("weight_version"), int):
-            return Health(ready=False, holds=None)
-        lineage = body.get("weight_lineage", 0)
-        return Health(ready=True, holds=VersionRef(lineage if isinstance(lineage, int) else 0, body["weight_version"]))
+            return Health(None, None)
+        lineage = body.get("weight_lineage")
+        return Health(body["weight_version"], lineage if isinstance(lineage, int) else None)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -9,6 +9,7 @@ are scored in worker threads (user code may block).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -267,7 +268,13 @@ class Orchestrator:
     async def _send(self, url: str, body: CompletionRequest, sent: asyncio.Event | None) -> Completion:
         """One call; the server's in-flight count is released however it ends (answer, fault, cancel, bug)."""
         try:
-            return await self.backend.complete(url, body, timeout_s=self.s.request_timeout_s, sent=sent)
+            completion = await self.backend.complete(url, body, timeout_s=self.s.request_timeout_s, sent=sent)
+            if not completion.lineage_reported:
+                ref = self.pool.attribute(url, completion.version)
+                if ref is None:  # weights we cannot place in any lineage: never trained
+                    raise ServerFault(url, f"answered with version {completion.version.version} of no known lineage")
+                completion = dataclasses.replace(completion, version=ref, lineage_reported=True)
+            return completion
         except ServerFault:
             self.pool.unhealthy(url)
             raise
@@ -351,7 +358,7 @@ class Orchestrator:
         except RolloutFault:
             self.pool.unhealthy(url)
             return
-        self.pool.healthy(url, health.holds)
+        self.pool.healthy(url, health.version, health.lineage)
 
     def _push_all(self, ref: VersionRef) -> None:
         for url in self.pool.needing(ref):

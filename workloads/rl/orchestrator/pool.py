@@ -66,11 +66,28 @@ class ServerPool:
         with self.lock:
             return list(self._servers)
 
-    def healthy(self, url: str, holds: VersionRef | None) -> None:
-        """A health check answered: the server is up and serves `holds` (None: no weights loaded yet)."""
+    def healthy(self, url: str, version: int | None, lineage: int | None) -> None:
+        """A health check answered: the server is up and serves `version` (None: no weights loaded yet) of
+        `lineage` (None: it does not report lineages, as an engine that only knows numbers: then the lineage we
+        last loaded into it, if the numbers agree, else unknown, which makes it a server to push to)."""
         with self.lock:
             if (server := self._servers.get(url)) is not None:
-                server.healthy, server.holds = True, holds
+                server.healthy = True
+                server.holds = self._ref(server, version, lineage)
+
+    @staticmethod
+    def _ref(server: Server, version: int | None, lineage: int | None) -> VersionRef | None:
+        if version is None:
+            return None
+        if lineage is not None:
+            return VersionRef(lineage, version)
+        return server.holds if server.holds is not None and server.holds.version == version else None
+
+    def attribute(self, url: str, version: VersionRef) -> VersionRef | None:
+        """The version of an answer from a server that named no lineage (see `healthy`); None if unknown."""
+        with self.lock:
+            server = self._servers.get(url)
+            return None if server is None else self._ref(server, version.version, None)
 
     def unhealthy(self, url: str) -> None:
         """It did not answer, or failed a request as a server does (connection, 5xx, deadline): no requests go
