@@ -121,6 +121,13 @@ bench-rl: $(STAMP)
 bench-generation: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-generation $(BENCH_GENERATION_ARGS)
 
+# The rollout engine on one CUDA GPU at Qwen3-30B-A3B's shape (random weights) against transformers' generate and
+# the weight-read roofline, plus its logprob mismatch with the trainer's forward; results in workloads/BENCHMARKS-rl.md.
+# On a GPU machine without this bootstrap: python3 -m moe_rl_eks.workloads.rl.bench_rollout --json out.json
+.PHONY: bench-rollout
+bench-rollout: $(STAMP)
+	$(PY) -m moe_rl_eks.core.cli bench-rollout $(BENCH_ROLLOUT_ARGS)
+
 # Weight publication (snapshot, write, fetch, load to the GPU) against the disk's own bandwidth, on a GPU machine;
 # results go in workloads/BENCHMARKS.md. Arguments: make bench-weights BENCH_WEIGHTS_ARGS="--dir /nvme/x --layers 12".
 .PHONY: bench-weights

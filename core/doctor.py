@@ -43,6 +43,8 @@ Status = Literal["ok", "warn", "blocker"]
 # `none`: no DeepEP (rollout image).
 DEEPEP_VARIANT_ENV = "MOERL_DEEPEP_VARIANT"
 DEEPEP_VARIANTS = ("efa-v1", "stock-v1", "none")
+# The trainer pods' manifests (k8s/trainer.py) pass the run's resolved EP backend.
+EP_BACKEND_ENV = "MOERL_EP_BACKEND"
 # The role's console entry point (core/cli.py SUBCOMMANDS) that the pod starts.
 ROLE_COMMANDS: dict[Role, str] = {"trainer": "train", "rollout": "serve-rollout", "orchestrator": "orchestrate"}
 FI_INFO_CANDIDATES = ("fi_info", "/opt/amazon/efa/bin/fi_info")
@@ -253,6 +255,9 @@ def check_deepep(ctx: Context) -> Check:
         return Check("ep backends", "blocker", f"{DEEPEP_VARIANT_ENV}={variant!r}; the image must record one of "
                      f"{', '.join(DEEPEP_VARIANTS)}")
     if variant == "none":
+        if ctx.env.get(EP_BACKEND_ENV) == "deepep":
+            return Check("ep backends", "blocker", f"the run resolved ep backend 'deepep' ({EP_BACKEND_ENV}) but this "
+                         "image has no DeepEP: use the trainer image or ep_backend: alltoall")
         return Check("ep backends", "ok", "alltoall (NCCL); no DeepEP in this image")
     try:
         import deep_ep
@@ -265,6 +270,9 @@ def check_deepep(ctx: Context) -> Check:
             return Check("ep backends", "warn", f"alltoall, deepep intranode (stock V1 at {where}); deepep internode "
                          "needs InfiniBand GPU-initiated RDMA, which EFA lacks: multi-node runs must use alltoall")
         return Check("ep backends", "ok", f"alltoall, deepep intranode and internode (stock V1 at {where})")
+    if not ctx.expect_efa:
+        # Without EFA only the NVLink kernels run, and the manifests set no remote transport.
+        return Check("ep backends", "ok", f"alltoall, deepep intranode (efa-v1 at {where}; no EFA expected here)")
     return _check_nvshmem_libfabric(ctx, where)
 
 

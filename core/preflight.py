@@ -264,9 +264,16 @@ def main(argv: list[str], aws: AwsClients | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from botocore.exceptions import BotoCoreError, ClientError
     aws = aws or AwsClients.for_region(env.region)
     stack = (args.stack or f"MoeRl-{env.name}") if args.after_deploy else None
-    findings = run_preflight(env, aws, today=dt.datetime.now(dt.timezone.utc).date(), after_deploy_stack=stack)
+    try:
+        findings = run_preflight(env, aws, today=dt.datetime.now(dt.timezone.utc).date(), after_deploy_stack=stack)
+    except (BotoCoreError, ClientError) as exc:
+        # No credentials, an expired session, or a call the credentials may not make: nothing to tabulate.
+        print(f"error: preflight for {env.name!r} ({env.account}, {env.region}) could not read the account: {exc}",
+              file=sys.stderr)
+        return 2
     print(format_table(findings))
     blockers = sum(f.status == "blocker" for f in findings)
     print(f"\npreflight {env.name} ({env.account}, {env.region}): " + (f"{blockers} blocker(s)" if blockers else "ready"))

@@ -3,14 +3,16 @@ secrets, access entries, the managed add-ons GPU nodes need, and the kubectl pro
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validations, aws_ec2 as ec2,
                      aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms, aws_lambda as lambda_)
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -33,7 +35,22 @@ CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
 # The VPC CNI's own permissions, given to its aws-node service account by Pod Identity instead of the node role.
 CNI_POLICY = "AmazonEKS_CNI_Policy"
 POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
+# Pinned, not EKS's per-version default (fixed when that Kubernetes version launched), so an upgrade is deliberate.
+# The newest VPC CNI add-on seen published (July 2026, for 1.33); EKS usually offers a CNI add-on version for every
+# Kubernetes version in support, but that was not checked here (no AWS account): `aws eks describe-addon-versions
+# --addon-name vpc-cni --kubernetes-version 1.35` lists what is offered.
+VPC_CNI_VERSION = "v1.22.3-eksbuild.1"
 _MANAGED = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
+
+
+@dataclass(frozen=True)
+class PodIdentityAccount:
+    """A service account of :meth:`MoeRlCluster.service_account`: its IAM ``role`` and what must exist before a pod
+    using it starts (``ready``: the ServiceAccount and its Pod Identity association; credentials are injected at
+    pod start)."""
+
+    role: iam.Role
+    ready: tuple[IDependable, ...]
 
 
 class MoeRlCluster(Construct):
@@ -61,7 +78,7 @@ class MoeRlCluster(Construct):
         system_instance_type: str = "m6i.xlarge",
         system_nodes: int = 2,
         system_root_volume_gib: int = 100,
-        vpc_cni_version: str | None = None,
+        vpc_cni_version: str | None = VPC_CNI_VERSION,
     ) -> None:
         """
         :param vpc: the VPC; the control plane and the kubectl provider use its private subnets.
@@ -79,8 +96,8 @@ class MoeRlCluster(Construct):
         :param system_nodes: size of the system node group (spread over the private subnets); default 2.
         :param system_root_volume_gib: root volume of system nodes, which hold the controllers' and the
             orchestrator's images; default 100.
-        :param vpc_cni_version: VPC CNI add-on version; default: the version EKS installs for the cluster's
-            Kubernetes version (every one EKS offers for a supported version handles efa-only interfaces).
+        :param vpc_cni_version: VPC CNI add-on version, at least core.cluster.VPC_CNI_MIN_VERSION_FOR_EFA_ONLY;
+            default VPC_CNI_VERSION; None: the version EKS installs by default for the cluster's Kubernetes version.
         """
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:
@@ -89,6 +106,9 @@ class MoeRlCluster(Construct):
         endpoint = EndpointConfig(public=bool(public_endpoint_cidrs), public_cidrs=public_endpoint_cidrs)
         if system_nodes < 1:
             raise ValueError(f"system_nodes: {system_nodes} is not allowed; at least 1 (cluster services run there)")
+        if vpc_cni_version is not None and _version(vpc_cni_version) < _version(VPC_CNI_MIN_VERSION_FOR_EFA_ONLY):
+            raise ValueError(f"vpc_cni_version: {vpc_cni_version!r} is not allowed; at least "
+                             f"v{VPC_CNI_MIN_VERSION_FOR_EFA_ONLY} (efa-only interfaces), e.g. v1.20.1-eksbuild.3")
         if not 20 <= system_root_volume_gib <= 16384:
             raise ValueError(f"system_root_volume_gib: {system_root_volume_gib} is not allowed; between 20 and 16384")
         private = list(subnets) if subnets is not None else list(vpc.private_subnets)
@@ -201,9 +221,9 @@ class MoeRlCluster(Construct):
         return iam.Role(self, id, assumed_by=iam.SessionTagsPrincipal(principal), **role_props)
 
     def service_account(self, id: str, *, name: str, namespace: str, labels: Mapping[str, str] | None = None,
-                        depends_on: Sequence[IDependable] = ()) -> iam.Role:
-        """A Kubernetes service account bound by Pod Identity to a new IAM role (returned) that only this cluster
-        may assume. ``depends_on``: what the service account needs first (its namespace)."""
+                        depends_on: Sequence[IDependable] = ()) -> "PodIdentityAccount":
+        """A Kubernetes service account bound by Pod Identity to a new IAM role that only this cluster may assume.
+        ``depends_on``: what the service account needs first (its namespace)."""
         role = self.pod_identity_role(f"{id}Role")
         manifest = self.cluster.add_manifest(f"{id}Manifest", {
             "apiVersion": "v1", "kind": "ServiceAccount",
@@ -215,7 +235,7 @@ class MoeRlCluster(Construct):
         for dependency in depends_on:
             manifest.node.add_dependency(dependency)
             association.node.add_dependency(dependency)
-        return role
+        return PodIdentityAccount(role=role, ready=(manifest, association))
 
     def grant_admin(self, id: str, principal: iam.IRole) -> eks.AccessEntry:
         """Give ``principal`` cluster-wide admin through an EKS access entry."""
@@ -242,6 +262,14 @@ class MoeRlCluster(Construct):
             addon.node.add_dependency(self.pod_identity_agent)
         self.addons[name] = addon
         return addon
+
+
+def _version(addon_version: str) -> tuple[int, ...]:
+    """``v1.20.1-eksbuild.3`` -> (1, 20, 1)."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(-eksbuild\.\d+)?", addon_version)
+    if not match:
+        raise ValueError(f"vpc_cni_version: {addon_version!r} is not allowed; an add-on version like v1.20.1-eksbuild.3")
+    return tuple(int(g) for g in match.groups()[:3])
 
 
 def _children(scope: Construct, kind: type) -> list:

@@ -37,7 +37,7 @@ class RunAccess(Construct):
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}})
         self.roles: dict[str, iam.Role] = {
             role: cluster.service_account(f"{role.capitalize()}ServiceAccount", name=sa_name, namespace=namespace,
-                                          labels=labels, depends_on=[self.namespace_manifest])
+                                          labels=labels, depends_on=[self.namespace_manifest]).role
             for role, sa_name in (("trainer", names.TRAINER_SERVICE_ACCOUNT),
                                   ("orchestrator", names.ORCHESTRATOR_SERVICE_ACCOUNT),
                                   ("rollout", names.ROLLOUT_SERVICE_ACCOUNT))}

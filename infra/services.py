@@ -138,8 +138,9 @@ class ClusterServices(Construct):
 
     def _cluster_autoscaler(self, cluster: eks.Cluster) -> iam.IRole:
         stack = Stack.of(self)
-        role = self._moe_cluster.service_account(
+        account = self._moe_cluster.service_account(
             "ClusterAutoscalerServiceAccount", name=CLUSTER_AUTOSCALER_SERVICE_ACCOUNT, namespace="kube-system")
+        role = account.role
         # Describe calls take no resource; scaling is limited to this cluster's node groups by their EKS tag.
         role.add_to_principal_policy(iam.PolicyStatement(
             actions=["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
@@ -172,7 +173,7 @@ class ClusterServices(Construct):
             "extraArgs": {"balance-similar-node-groups": True, "skip-nodes-with-system-pods": False,
                           "expander": "least-waste"},
         })
-        chart.node.add_dependency(role)
+        chart.node.add_dependency(*account.ready)
         return role
 
     def _priority_classes(self, cluster: eks.ICluster) -> None:

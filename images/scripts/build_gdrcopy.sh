@@ -13,4 +13,4 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 clone_at https://github.com/NVIDIA/gdrcopy.git "$GDRCOPY_VERSION" "$GDRCOPY_COMMIT" "$work/gdrcopy"
 make -C "$work/gdrcopy" -j "$(nproc)" prefix="$prefix" CUDA="$cuda" lib_install
-ls "$prefix"/lib*/libgdrapi.so*
+ls "$prefix"/lib/libgdrapi.so*

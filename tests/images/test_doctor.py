@@ -111,6 +111,14 @@ def test_hugepages_from_meminfo(tmp_path, total, efa, status):
     assert check.detail.startswith(f"{total} x 2 MiB reserved, {total} free")
 
 
+def test_a_run_resolved_to_deepep_needs_an_image_with_it():
+    env = {doctor.DEEPEP_VARIANT_ENV: "none", doctor.EP_BACKEND_ENV: "deepep"}
+    check = doctor.check_deepep(Context(role="trainer", env=env, expect_efa=False))
+    assert (check.status, check.detail) == ("blocker", "the run resolved ep backend 'deepep' (MOERL_EP_BACKEND) but "
+                                                       "this image has no DeepEP: use the trainer image or ep_backend: "
+                                                       "alltoall")
+
+
 @pytest.mark.parametrize("variant, status, fragment", [
     ("none", "ok", "alltoall (NCCL); no DeepEP in this image"),
     ("stock-v1", "blocker", "the image records DeepEP stock-v1 but deep_ep does not import: ModuleNotFoundError"),
@@ -149,3 +157,26 @@ def test_nccl_plugins_are_loaded_as_nccl_loads_them(tmp_path):
     assert (net.status, net.detail) == ("ok", f"{tmp_path}/libnccl-net-test.so exports ncclNetPlugin_v10")
     assert (tuner.status, tuner.detail) == ("blocker", f"{tmp_path}/libnccl-tuner-test.so loads but exports no "
                                                        "ncclTunerPlugin_v*")
+
+
+@pytest.fixture
+def importable_deep_ep(tmp_path, monkeypatch):
+    """An importable `deep_ep` package: the doctor's variant rules are under test here, not DeepEP (built and
+    imported on the H200, images/results/h200-build-check-2026-12-01.log)."""
+    (tmp_path / "deep_ep").mkdir()
+    (tmp_path / "deep_ep" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    return tmp_path / "deep_ep"
+
+
+@pytest.mark.parametrize("variant, efa, env, status, fragment", [
+    ("stock-v1", False, {}, "ok", "alltoall, deepep intranode and internode (stock V1"),
+    ("stock-v1", True, {}, "warn", "alltoall, deepep intranode (stock V1"),
+    ("efa-v1", False, {"NVSHMEM_REMOTE_TRANSPORT": "none"}, "ok", "alltoall, deepep intranode (efa-v1"),
+    ("efa-v1", True, {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"}, "blocker",
+     "DeepEP efa-v1 needs NVSHMEM_REMOTE_TRANSPORT='none' (needs 'libfabric')"),
+])
+def test_deepep_backends_by_variant_and_network(importable_deep_ep, variant, efa, env, status, fragment):
+    check = doctor.check_deepep(Context(role="trainer", env={doctor.DEEPEP_VARIANT_ENV: variant, **env}, expect_efa=efa))
+    assert check.status == status and check.detail.startswith(fragment), check.detail

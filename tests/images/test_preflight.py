@@ -218,3 +218,17 @@ def test_cli_prints_a_table_and_exits_1_on_blockers(endpoint, tmp_path, capsys):
 def test_cli_names_an_unknown_environment(capsys):
     assert main(["--env", "staging", "--cdk-json", str(CDK_JSON)]) == 2
     assert "known environments: dev, prod" in capsys.readouterr().err
+
+
+def test_cli_without_credentials_says_so(endpoint, monkeypatch, tmp_path, capsys):
+    # boto3's own credential chain, pointed at moto and away from any real endpoint or instance metadata.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    assert main(["--env", "dev", "--cdk-json", str(CDK_JSON)]) == 2
+    err = capsys.readouterr().err
+    assert "error: preflight for 'dev' (111111111111, us-east-1) could not read the account: Unable to locate " \
+           "credentials" in err

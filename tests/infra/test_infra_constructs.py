@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import aws_cdk as cdk
 import pytest
@@ -209,3 +210,27 @@ def test_nag_acknowledgments_spell_the_partition_as_nag_prints_it_in_either_kind
 
     app = cdk.App(context={"@aws-cdk/core:enablePartitionLiterals": literals})
     assert nag_partition(cdk.Stack(app, "S", env=ENV)) == expected
+
+
+@pytest.mark.parametrize("version, fragment", [
+    ("v1.18.4-eksbuild.1", "at least v1.18.5 (efa-only interfaces)"),
+    ("latest", "an add-on version like v1.20.1-eksbuild.3"),
+])
+def test_cluster_refuses_a_vpc_cni_too_old_for_efa_only_interfaces(version, fragment):
+    stack = cdk.Stack(cdk.App(), "Cni", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
+    with pytest.raises(ValueError, match=r"vpc_cni_version: .* is not allowed; " + fragment.replace("(", r"\(").replace(")", r"\)")):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, vpc_cni_version=version)
+
+
+@pytest.mark.parametrize("cidr, fragment", [
+    ("10.0.0.0/33", "a CIDR like 10.0.0.0/16"),
+    ("10.0.0.0/18", "large enough for one /24 public, /19 private and /28 scraper subnet per zone"),
+    ("8.8.0.0/16", "a private CIDR"),
+])
+def test_network_refuses_a_cidr_its_subnets_do_not_fit(cidr, fragment):
+    from moe_rl_eks.infra import MoeRlNetwork
+
+    stack = cdk.Stack(cdk.App(), "Net", env=ENV)
+    with pytest.raises(ValueError, match=rf"cidr: '{re.escape(cidr)}' is not allowed; .*{re.escape(fragment)}"):
+        MoeRlNetwork(stack, "Network", availability_zones=["us-west-2a", "us-west-2b"], cidr=cidr)

@@ -11,6 +11,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
 from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
@@ -154,6 +155,7 @@ def test_cluster_addons_and_admin_access_entry(templates):
     assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
                            "amazon-cloudwatch-observability"}
     assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
+    assert addons["vpc-cni"]["AddonVersion"] == VPC_CNI_VERSION  # pinned, and new enough for efa-only interfaces
     assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
     for env in ("dev", "prod"):
         admins = [join_string(r["Properties"]["PrincipalArn"]) for r in resources_of(templates[env], "AWS::EKS::AccessEntry").values()]
@@ -210,6 +212,12 @@ def test_charts_install_with_wait_after_system_nodes_and_coredns_and_queues_afte
         assert chart["Properties"]["Timeout"] == f"{CHART_TIMEOUT.to_seconds()}s", name
         assert {nodegroup, coredns} <= set(chart["DependsOn"]), name
     assert CHART_TIMEOUT.to_minutes() < 15  # the kubectl handler Lambda's limit
+    # The autoscaler's pods start only once their service account and its Pod Identity association exist.
+    (association,) = [k for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
+                      if r["Properties"]["ServiceAccount"] == "cluster-autoscaler"]
+    (account,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
+                  if '"name":"cluster-autoscaler"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
+    assert {association, account} <= set(charts["cluster-autoscaler"][1]["DependsOn"])
     kueue_id = charts["kueue"][0]
     queues = [r for r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").values()
               if "ClusterQueue" in join_string(r["Properties"]["Manifest"])]
@@ -365,6 +373,11 @@ def test_scraper_writes_to_the_cmk_workspace_through_a_role_pair_and_gets_no_acc
     assert source_trust["Condition"]["StringEquals"] == {"aws:SourceAccount": "222222222222"}
     (target_trust,) = template["Resources"][target]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert target_trust["Principal"] == {"AWS": {"Fn::GetAtt": [source, "Arn"]}}
+    # The scraper's ARN is its external id; only this account's scrapers (their ARN is known after creation).
+    assert join_string(target_trust["Condition"]["StringLike"]["sts:ExternalId"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
+    assert join_string(source_trust["Condition"]["ArnLike"]["aws:SourceArn"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
     (workspace_id, workspace), = resources_of(template, "AWS::APS::Workspace").items()
     target_actions = {(a, json.dumps(st["Resource"])) for p in resources_of(template, "AWS::IAM::Policy").values()
                       if {"Ref": target} in p["Properties"]["Roles"] for st in p["Properties"]["PolicyDocument"]["Statement"]
@@ -412,3 +425,20 @@ def test_stack_outputs_use_the_shared_keys(templates):
                 names.OUTPUT_ROLLOUT_REPOSITORY_URI, names.OUTPUT_ORCHESTRATOR_REPOSITORY_URI,
                 names.OUTPUT_PROMETHEUS_ENDPOINT, names.OUTPUT_SCRAPER_CIDRS):
         assert key in outputs
+
+
+def test_every_core_kubernetes_object_the_stack_applies_passes_strict_validation(templates):
+    import kubernetes_validate
+
+    from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+
+    (version,) = KUBERNETES_VERSIONS
+    kinds = set()
+    for env in ("dev", "prod"):
+        for obj in kubernetes_objects(templates[env]):
+            if obj["apiVersion"].startswith("kueue.x-k8s.io/"):
+                continue  # Kueue's own webhooks check these once its chart is up (applied after it)
+            # CloudFormation tokens (ARNs, file-system ids) become strings here; their shape is not what is checked.
+            kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')), version, strict=True)
+            kinds.add(obj["kind"])
+    assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job"}

@@ -78,6 +78,39 @@ def test_a_newer_version_supersedes_one_still_waiting(tmp_path):
     assert torch.equal(loaded["model.norm.weight"], trainer_state(13)["model.norm.weight"].to(torch.bfloat16))
 
 
+def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_the_writer_busy(tmp_path):
+    store = GatedStore(tmp_path / "store")
+    publisher = Publisher(store, CONFIG, lineage=0)
+    publisher.publish(0, trainer_state())
+    assert store.committing.wait(10)
+    publisher.publish(1, trainer_state())  # waits behind version 0: the writer is never idle until 1 is written
+    assert publisher.wait_published(None, timeout=0.2) is None
+    store.gate.set()
+    assert publisher.wait_published(None, timeout=30) in (0, 1)
+    publisher.close()
+    assert publisher.wait_published(0, timeout=30) == 1
+
+
+def test_publishing_into_s3_uploads_the_snapshot_from_memory(tmp_path, s3_endpoint):
+    import uuid
+
+    import boto3
+
+    from moe_rl_eks.workloads.rl.weights import S3Store
+
+    bucket = f"pub-{uuid.uuid4().hex[:8]}"  # moto's state lives as long as the test process
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    store = S3Store(bucket, "run", endpoint_url=s3_endpoint)
+    publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)
+    publisher.publish(0, trainer_state())
+    publisher.close()
+    assert publisher.published == 0 and len(publisher.layouts) > 1
+    _, loaded = load_hf(store.fetch(0, tmp_path / "cache"))
+    for name, tensor in trainer_state().items():
+        want = tensor.float() if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+        assert torch.equal(loaded[name], want), name
+
+
 def test_a_failed_write_is_not_published_and_the_next_version_is(tmp_path):
     calls = []
 

@@ -76,9 +76,10 @@ class MoEBlock(nn.Module):
         self.balance_loss = config.router_aux_loss_coef > 0
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> MoEOutput:
+                token_mask: torch.Tensor | None = None, *, statistics: bool = True) -> MoEOutput:
         """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
-        but counts in neither the expert load nor the balance loss."""
+        but counts in neither the expert load nor the balance loss. statistics=False skips both (zeros instead):
+        decoding needs neither, and at one token per row their small kernels cost as much as the experts."""
         gate, spec = self.gate, self.gate.spec
         if torch.is_autocast_enabled(x.device.type):
             # Mixed precision (the GPU trainer's bf16 autocast): the experts compute in the autocast dtype, as
@@ -100,6 +101,9 @@ class MoEBlock(nn.Module):
         out = self.dispatcher.combine(y_sorted, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if not statistics:
+            zero = logits.new_zeros((), dtype=torch.float32)
+            return MoEOutput(out, ids, zero, zero.expand(self.num_experts))
         kept_logits, kept_ids = (logits, ids) if token_mask is None else (logits[token_mask], ids[token_mask])
         aux = (load_balancing_loss(expert_scores(kept_logits, spec), kept_ids, spec) if self.balance_loss
                else logits.new_zeros((), dtype=torch.float32))

@@ -32,7 +32,7 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
-from .generation import Decoder, Sequence, output
+from .generation import Decoder, Sequence, fitting_slots, output
 from .replica import Replica
 from .runtime import Registry
 from .tokenizer import Tokenizer
@@ -239,11 +239,17 @@ class RolloutEngine:
         self._live[(request.request_id, request.row)] = (seq, call, index)
 
     def _decoder_for(self, model: MoETransformer) -> Decoder:
+        """The decoder of the served model, built (KV cache allocated, CUDA graphs captured) when a model first
+        arrives; later versions load into the same tensors, so it stays."""
         if self._decoder is None or self._decoder.model is not model:
+            self._decoder = None  # free the old cache before sizing the new one
             s = self.run.rl.sampling
             max_len = min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
-            self._decoder = Decoder(model, slots=self.run.rollout.max_batch_size, max_len=max_len,
-                                    eos_ids=self._eos_ids())
+            slots = fitting_slots(model, self.run.rollout.max_batch_size, max_len)
+            if slots < self.run.rollout.max_batch_size:
+                log.warning("KV cache: %d rows of %d positions fit in this GPU's free memory, not rollout.max_batch_size "
+                            "= %d; more rows wait for a free slot", slots, max_len, self.run.rollout.max_batch_size)
+            self._decoder = Decoder(model, slots=slots, max_len=max_len, eos_ids=self._eos_ids())
         return self._decoder
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -252,7 +258,10 @@ class RolloutEngine:
 
     def _run_control(self, item: _Control) -> None:
         try:
-            item.done.set_result(getattr(self.replica, item.op)(*item.args))
+            result = getattr(self.replica, item.op)(*item.args)
+            if item.op == "swap" and self.replica.size == 1:
+                self._decoder_for(self.model)  # the first version: allocate and capture now, not at a request
+            item.done.set_result(result)
         except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
             item.done.set_exception(exc)
 

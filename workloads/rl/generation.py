@@ -13,6 +13,7 @@ shared its steps (up to floating-point reduction order).
 """
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from ..model import MoETransformer
 from ..model.transformer import _rotate, rotary
 from .engine_api import RowOutput, RowRequest, SamplingParams
+
+log = logging.getLogger(__name__)
 
 # ---- counter-based randomness ----------------------------------------------------------------------------
 _MASK32 = 0xFFFFFFFF
@@ -149,20 +152,49 @@ class SlotCache:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
-           key_len: int) -> torch.Tensor:
+           key_len: int, fused: bool) -> torch.Tensor:
     """q [B, H, S, D] at `positions` [B, S] of slots `slot` [B] -> [B, H, S, D], causal over each slot's cache
-    (keys/values [slots + 1, max_len, H_kv, D]); only the first `key_len` positions are read."""
+    (keys/values [slots + 1, max_len, H_kv, D]). A `fused` decode step reads each row's own length through the
+    decode kernel (static shapes: CUDA graphs replay it); otherwise the first `key_len` positions are read."""
+    if fused and q.shape[2] == 1:
+        from moe_rl_eks.kernels.decode_attention import decode_attention
+
+        return decode_attention(q[:, :, 0], keys, values, slot, positions[:, 0] + 1)[:, :, None]
     k = keys[slot, :key_len].transpose(1, 2)
     v = values[slot, :key_len].transpose(1, 2)
     mask = torch.arange(key_len, device=q.device)[None, None, :] <= positions[:, :, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + delta), h + delta) with the model's RMSNorm `module` (no add when delta is None); `fused` does
+    both in one kernel of the same arithmetic."""
+    if fused:
+        from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+        return (rms_norm(h, module.weight, module.eps), h) if delta is None else \
+            rms_norm(delta, module.weight, module.eps, residual=h)
+    h = h if delta is None else h + delta
+    return module(h), h
+
+
+def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x [B, S, heads, D] -> rotary(norm(x)) as [B, heads, S, D] (the q/k path of the model's attention)."""
+    if fused:
+        from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+        return rms_norm(x, module.weight, module.eps, rope=(cos[:, 0], sin[:, 0])).transpose(1, 2)
+    return _rotate(module(x).transpose(1, 2), cos, sin)
+
+
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
-                  start: torch.Tensor, count: torch.Tensor, key_len: int) -> torch.Tensor:
+                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None) -> torch.Tensor:
     """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
     their keys, values and routed experts go into the cache. Returns the logits [B, V] after each row's last
-    real token. The layers are the model's own modules, so the numerics are the trainer's."""
+    real token. The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
+    GPU) computes the norms (with the residual adds and the rotary embedding around them) and decode attention
+    with this project's Triton kernels instead of PyTorch ops."""
+    fused = tokens.is_cuda if fused is None else fused
     c = model.config
     b, s = tokens.shape
     device = tokens.device
@@ -173,23 +205,24 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     write_pos = torch.where(real, positions, 0)
     h = model.model.embed_tokens(tokens)
     cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
-    routed = []
+    routed, delta = [], None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).view(b, s, attn.heads, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim)).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        x, h = _add_norm(layer.input_layernorm, h, delta, fused)
+        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
+        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
         cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
         cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
-        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
-        moe = layer.mlp(layer.post_attention_layernorm(h).reshape(b * s, c.hidden_size))
-        h = h + moe.out.view(b, s, c.hidden_size)
+        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
+        x, h = _add_norm(layer.post_attention_layernorm, h,
+                         attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False)
+        delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
-    last = h[torch.arange(b, device=device), count - 1]
-    return model.lm_head(model.model.norm(last))
+    rows = torch.arange(b, device=device)
+    last_h, last_delta = h[rows, count - 1], delta[rows, count - 1]
+    return model.lm_head(_add_norm(model.model.norm, last_h, last_delta, fused)[0])
 
 
 # ---- rows and the decoder ----------------------------------------------------------------------------------
@@ -238,22 +271,99 @@ class StepEvents:
     finished: list[Sequence]
 
 
+@dataclass
+class SlotState:
+    """Per-slot device state [slots + 1]: what a decode step reads (length, last sampled token) and each row's
+    sampling parameters and seed words, written once when the row is admitted. Decode steps gather from it by
+    slot, so a step sends the host nothing but the slot list."""
+
+    length: torch.Tensor
+    last_token: torch.Tensor
+    step: torch.Tensor  # tokens sampled so far (the counter of the next draw)
+    row: torch.Tensor
+    key_lo: torch.Tensor
+    key_hi: torch.Tensor
+    top_k: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    raw: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, device) -> "SlotState":
+        def zeros(dtype):
+            return torch.zeros(slots + 1, dtype=dtype, device=device)
+        return cls(*(zeros(torch.long) for _ in range(7)), *(zeros(torch.float32) for _ in range(3)),
+                   zeros(torch.bool))
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        idx = torch.tensor([s.slot for s in seqs], device=self.length.device)
+        columns = {"length": [0] * len(seqs), "step": [0] * len(seqs), "row": [s.request.row for s in seqs],
+                   "key_lo": [s.seed & 0xFFFFFFFF for s in seqs], "key_hi": [s.seed >> 32 for s in seqs],
+                   "top_k": [s.params.top_k for s in seqs], "temperature": [s.params.temperature for s in seqs],
+                   "top_p": [s.params.top_p for s in seqs], "min_p": [s.params.min_p for s in seqs],
+                   "raw": [s.params.logprob_mode == "raw" for s in seqs]}
+        for name, values in columns.items():
+            target = getattr(self, name)
+            target[idx] = torch.tensor(values, dtype=target.dtype).to(target.device, non_blocking=True)
+
+    def sampling(self, slot: torch.Tensor, seqs: list[Sequence]) -> SamplingRows:
+        params = [s.params for s in seqs]
+        return SamplingRows(self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot],
+                            self.raw[slot], self.key_lo[slot], self.key_hi[slot], self.row[slot], self.step[slot],
+                            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                            any_raw=any(p.logprob_mode == "raw" for p in params),
+                            top_n=max(p.top_logprobs for p in params))
+
+
+def fitting_slots(model: MoETransformer, wanted: int, max_len: int, memory_fraction: float = 0.8) -> int:
+    """How many KV-cache slots of `max_len` positions (keys, values, routing) to allocate: `wanted`, or on a GPU as
+    many as fit in `memory_fraction` of its free memory (the rest is for activations and CUDA graphs)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return wanted
+    c = model.config
+    per_slot = max_len * c.num_hidden_layers * (2 * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
+                                                + c.num_experts_per_tok * (1 if c.num_experts <= 256 else 2))
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(wanted, int(free * memory_fraction) // per_slot - 1))
+
+
+def graph_buckets(slots: int) -> list[int]:
+    """Batch sizes that decode steps are padded to (one CUDA graph each): 1, 2, 4, 8, then every 16 up to 256,
+    every 64 up to 1,024, every 256 beyond; the last is `slots`."""
+    sizes = [b for b in (1, 2, 4, 8) if b < slots]
+    step = 16
+    while not sizes or sizes[-1] < slots:
+        nxt = (sizes[-1] // step + 1) * step if sizes else step
+        sizes.append(min(nxt, slots))
+        step = 16 if sizes[-1] < 256 else 64 if sizes[-1] < 1024 else 256
+    return sizes
+
+
 class Decoder:
-    """Continuous batching over a slot cache. Not thread-safe: one thread (the engine's loop) calls it."""
+    """Continuous batching over a slot cache. Not thread-safe: one thread (the engine's loop) calls it.
+
+    On a GPU, decode steps replay CUDA graphs, one per batch bucket (`graph_buckets`): a step's rows are padded
+    to the next bucket with the scratch slot, and the graph gathers their tokens and positions from the device
+    state, so the only host work of a step is the slot list in and the sampled tokens out."""
 
     def __init__(self, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int],
-                 prefill_tokens: int = 4096) -> None:
+                 prefill_tokens: int = 4096, cuda_graphs: bool = True, buckets: list[int] | None = None) -> None:
         self.model, self.eos_ids = model, frozenset(eos_ids)
         self.prefill_tokens = prefill_tokens
         param = next(model.parameters())
         self.device = param.device
         self.cache = SlotCache.allocate(model.config, slots, max_len, self.device, param.dtype)
+        self.state = SlotState.allocate(slots, self.device)
         self.free = list(range(slots - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Group] = []
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
         self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
-        self.last_token = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        if cuda_graphs and self.device.type == "cuda" and model.ep is None:
+            self._capture(buckets or graph_buckets(slots))
 
     @property
     def slots(self) -> int:
@@ -322,6 +432,7 @@ class Decoder:
     # ---- internals ---------------------------------------------------------------------------------------
     def _admit(self) -> None:
         """Move waiting rows into free slots, a prompt's consecutive rows as one group (one prefill)."""
+        admitted = []
         while self.waiting and self.free:
             first = self.waiting[0]
             group = Group([])
@@ -331,10 +442,13 @@ class Decoder:
                 self.length[seq.slot] = 0
                 group.rows.append(seq)
             self.prefilling.append(group)
+            admitted += group.rows
+        if admitted:
+            self.state.admit(admitted)
 
     def _prefill_chunk(self, events: StepEvents) -> None:
-        """Prefill up to `prefill_tokens` prompt tokens of the groups in order (at least one token of the
-        first), as one forward with each group's chunk right-padded."""
+        """Prefill up to `prefill_tokens` prompt tokens of the groups in order, as one forward with each group's
+        chunk right-padded."""
         budget, chunks = self.prefill_tokens, []
         for group in self.prefilling:
             take = min(len(group.prompt) - group.prefilled, budget)
@@ -376,56 +490,82 @@ class Decoder:
                 else:  # cancelled while its group prefilled
                     self._release(r, keep_routing=False)
         if rows:
-            self._sample(rows, logits[torch.tensor(which, device=dev)], events)
+            slots = torch.tensor([r.slot for r in rows], device=dev)
+            self.state.length[slots] = torch.tensor([self.length[r.slot] for r in rows], device=dev)
+            self._sample(rows, slots, logits[torch.tensor(which, device=dev)], events)
+
+    def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
+        start = self.state.length[slot]
+        tokens = self.state.last_token[slot][:, None]
+        logits = forward_slots(self.model, self.cache, slot, tokens, start, torch.ones_like(start), key_len)
+        self.state.length[slot] = start + 1
+        self.state.length[self.slots:].zero_()  # padding rows fed the scratch slot (a kernel, no host copy)
+        return logits
+
+    def _capture(self, buckets: list[int]) -> None:
+        """One CUDA graph per bucket, largest first so the smaller ones reuse its memory pool. Each bucket runs
+        eagerly first (kernel autotuning and compilation happen outside the capture)."""
+        try:
+            self._capture_buckets(buckets)
+        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
+            # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
+            log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
+            self.graphs = {}
+
+    def _capture_buckets(self, buckets: list[int]) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for size in sorted(set(buckets), reverse=True):
+                slot = torch.full((size,), self.slots, dtype=torch.long, device=self.device)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._decode_forward(slot, self.max_len)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_forward(slot, self.max_len)
+                self.graphs[size] = (graph, slot, logits)
+        torch.cuda.synchronize(self.device)
 
     def _decode(self, events: StepEvents) -> None:
         rows = list(self.decoding)
         dev = self.device
-        if rows:
-            slot = torch.tensor([r.slot for r in rows], device=dev)
-            start = torch.tensor([self.length[r.slot] for r in rows], device=dev)
-            key_len = max(self.length[r.slot] for r in rows) + 1
-        else:  # an idle expert-parallel rank: one scratch row keeps it in step with the others
-            slot = torch.tensor([self.slots], device=dev)
-            start = torch.zeros(1, dtype=torch.long, device=dev)
-            key_len = 1
-        tokens = self.last_token[slot][:, None]
-        logits = forward_slots(self.model, self.cache, slot, tokens, start, torch.ones_like(start), key_len)
+        slots = [r.slot for r in rows] or [self.slots]  # an idle expert-parallel rank feeds the scratch slot
+        bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
+        if bucket is not None:
+            graph, slot_in, logits = self.graphs[bucket]
+            padded = torch.full((bucket,), self.slots, dtype=torch.long)
+            padded[:len(slots)] = torch.tensor(slots)
+            slot_in.copy_(padded.pin_memory(), non_blocking=True)
+            graph.replay()
+            slot, logits = slot_in[:len(slots)], logits[:len(slots)]
+        else:
+            slot = torch.tensor(slots, device=dev)
+            logits = self._decode_forward(slot, max(self.length[s] for s in slots) + 1)
         for r in rows:
             self.length[r.slot] += 1
         self.decoding = []
         if rows:
-            self._sample(rows, logits, events)
+            self._sample(rows, slot, logits, events)
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor, events: StepEvents) -> None:
-        dev = self.device
-        params = [r.params for r in rows]
-
-        def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        batch = SamplingRows(
-            temperature=col([p.temperature for p in params]), top_p=col([p.top_p for p in params]),
-            top_k=col([p.top_k for p in params], torch.long), min_p=col([p.min_p for p in params]),
-            raw=col([p.logprob_mode == "raw" for p in params], torch.bool),
-            key_lo=col([r.seed & 0xFFFFFFFF for r in rows], torch.long),
-            key_hi=col([r.seed >> 32 for r in rows], torch.long),
-            row=col([r.request.row for r in rows], torch.long), step=col([len(r.tokens) for r in rows], torch.long),
-            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-            any_raw=any(p.logprob_mode == "raw" for p in params), top_n=max(p.top_logprobs for p in params))
-        out = sample(logits, batch)
-        self.last_token[torch.tensor([r.slot for r in rows], device=dev)] = out.tokens
+    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents) -> None:
+        out = sample(logits, self.state.sampling(slot, rows))
+        self.state.last_token[slot] = out.tokens
+        self.state.step[slot] += 1
         # One transfer to the host per step: tokens (exact in float64), logprobs and any alternatives.
         packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
-        if out.top_ids is not None:
+        top_n = 0 if out.top_ids is None else out.top_ids.shape[1]
+        if top_n:
             packed += [out.top_ids.double(), out.top_logprobs.double()]
         host = torch.cat(packed, 1).cpu().tolist()
         for r, values in zip(rows, host):
             token, logprob = int(values[0]), values[1]
             top = None
             if r.params.top_logprobs:
-                n, k = r.params.top_logprobs, batch.top_n
-                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + k:2 + k + n])]
+                n = r.params.top_logprobs
+                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])]
                 r.top_logprobs.append(top)
             r.tokens.append(token)
             r.logprobs.append(logprob)

@@ -10,8 +10,9 @@ Under expert parallelism every rank publishes its own experts (rank 0 also the r
 files of the same staged version; rank 0 commits once every rank's part is there (weights.WeightStore.stage).
 No collective runs in the background, so nothing overlaps the next step's collectives.
 
-Locking rule: `_cond` guards the waiting snapshot, the free buffers, `published` and the closing flag; the
-device copies and the file writes run outside it.
+Locking rule: `_cond` guards the waiting snapshot, the free snapshots and their count, `published` and the closing
+flag; the device copies, the pinning of a spare snapshot (by the writer, after its first write) and the file
+writes run outside it.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 
 from ..model.checkpoint import INDEX_FILE, hf_config, hf_sources, index_json, published_dtype, shard_name
-from ..model.safetensors_io import FileLayout, fill, plan_files, write_file
+from ..model.safetensors_io import FileLayout, fill, plan_files
 from ..model.transformer import weights_dtype
 from ..moe.parallel import ExpertParallel, local_experts
 from .protocol import VersionRef
@@ -61,6 +62,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._waiting: Snapshot | None = None
         self._free: list[Snapshot] = []
+        self._snapshots = 0  # made for the current layout: at most two
         self._pinned: list[torch.Tensor] = []  # registered with CUDA; unregistered by close()
         self._writing = False
         self._closing = False
@@ -92,8 +94,9 @@ class Publisher:
                 self._skip(snapshot.version)
             elif self._free:
                 snapshot = self._free.pop()
-            else:
+            else:  # the first publish: later ones find the spare the writer made
                 snapshot = None
+                self._snapshots += 1
         if snapshot is None:
             snapshot = self._allocate()
         cuda = any(t.is_cuda for t in mine.values())
@@ -108,10 +111,21 @@ class Publisher:
             self._cond.notify_all()
         self.snapshot_seconds = time.perf_counter() - start
 
+    def wait_published(self, seen: int | None, timeout: float | None = None) -> int | None:
+        """Block until a version other than `seen` has reached the store (or the timeout, or close());
+        returns `published`. Unlike flush(), this does not wait for a writer that a steady stream of newer
+        versions keeps busy."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._published != seen or self._closing and self._idle(), timeout)
+            return self._published
+
+    def _idle(self) -> bool:
+        return self._waiting is None and not self._writing
+
     def flush(self) -> None:
         """Wait until the waiting snapshot, if any, has been written (or failed)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._waiting is None and not self._writing)
+            self._cond.wait_for(self._idle)
 
     def close(self) -> None:
         """Write what is waiting, then stop the writer."""
@@ -133,8 +147,9 @@ class Publisher:
         if shapes == self._shapes:
             return
         with self._cond:  # a new shape (first publish): snapshots planned for the old one are useless
-            self._cond.wait_for(lambda: self._waiting is None and not self._writing)
+            self._cond.wait_for(self._idle)
             self._free.clear()
+            self._snapshots = 0
             self._unpin()
         self._shapes = shapes
         names = shard_name if self.world == 1 else (
@@ -179,8 +194,21 @@ class Publisher:
                 log.exception("publishing weight version %d failed", snapshot.version)
             finally:
                 with self._cond:
-                    self._writing = False
                     self._free.append(snapshot)
+                    spare = self._snapshots < 2 and not self._closing
+                    self._snapshots += spare
+                made = None
+                if spare:  # pinning takes seconds: done here, once, not in the next publish()
+                    try:
+                        made = self._allocate()
+                    except Exception:  # noqa: BLE001 -- the next publish() tries again (and raises)
+                        log.exception("allocating the spare snapshot failed")
+                with self._cond:
+                    if made is not None:
+                        self._free.append(made)
+                    elif spare:
+                        self._snapshots -= 1
+                    self._writing = False
                     self._cond.notify_all()
 
     def _write(self, snapshot: Snapshot) -> None:
@@ -190,10 +218,8 @@ class Publisher:
             if staging is None:
                 return
             with ThreadPoolExecutor(min(8, len(self.layouts))) as pool:
-                facts = pool.map(lambda pair: (pair[1].name, write_file(staging.directory / pair[1].name,
-                                                                        memoryview(pair[0].numpy()), pair[1])),
-                                 zip(snapshot.images, self.layouts))
-                staging.facts.update(facts)
+                list(pool.map(lambda pair: staging.put(memoryview(pair[0].numpy()), pair[1]),
+                              zip(snapshot.images, self.layouts)))
             if self.rank == 0:
                 shards = dict(staging.facts)
                 if self.world > 1:
@@ -206,4 +232,5 @@ class Publisher:
                 staging.facts.update(shards)
         with self._cond:
             self._published = snapshot.version
+            self._cond.notify_all()
         log.info("published weight version %d in %.2f s", snapshot.version, time.perf_counter() - start)

@@ -149,6 +149,24 @@ def test_each_image_runs_its_doctor_and_its_entry_points_exist():
                         "orchestrator.Dockerfile": [("workloads", "orchestrator")]}
 
 
+def test_build_context_holds_what_the_dockerfiles_copy_and_nothing_else():
+    rules = [l for l in (REPO / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")]
+    assert rules[0] == "*", "allow-list: everything is excluded first"
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied = set()
+    for dockerfile in DOCKERFILES:
+        for line in dockerfile.read_text().splitlines():
+            if line.startswith("COPY ") and "--from=" not in line:
+                copied.update(p.rstrip("/") for p in line.split()[1:-1])
+    def under(path: str, folder: str) -> bool:
+        return path == folder or path.startswith(folder + "/")
+
+    assert {c for c in copied if not any(under(c, a) for a in allowed)} == set(), "copied but excluded"
+    assert {a for a in allowed if not any(under(c, a) for c in copied)} == set(), "sent but never copied"
+    for path in copied:
+        assert (REPO / path).exists(), path
+
+
 def test_dry_run_resolves_base_digests_then_builds_and_pushes_three_images(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(build, "LOCK_FILE", tmp_path / "base-images.lock")
     assert build.main(["--registry", REGISTRY, "--tag", "v0.1.0", "--dry-run"]) == 0
@@ -226,3 +244,20 @@ def test_make_images_runs_the_build_script_with_outputs_or_registry_and_tag():
     assert "images/build.py --outputs out.json --env dev --tag v1" in result.stdout
     usage = subprocess.run(["make", "--no-print-directory", "images"], capture_output=True, text=True, cwd=REPO)
     assert usage.returncode == 2 and "usage: make images OUTPUTS=" in usage.stdout
+
+
+def test_install_package_script_installs_the_wheel_and_imports_every_role(tmp_path):
+    # The script the Dockerfiles run, here with what this environment already holds (--offline), into a target
+    # folder placed first on the path: the roles must import from the installed wheel, not from the source tree.
+    target = tmp_path / "site"
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "PIP_TARGET": str(target), "PYTHONPATH": str(target),
+           "HOME": str(tmp_path), "PIP_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(["bash", str(IMAGES / "scripts" / "install_package.sh"), "--offline", str(REPO),
+                             "workloads,kernels", ",".join(IMAGE_ROLES)],
+                            capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for role in IMAGE_ROLES:
+        assert f"{role}: moerl {ROLE_COMMANDS[role]} -> " in result.stdout
+    where = subprocess.run([sys.executable, "-c", "import moe_rl_eks.core.cli as c; print(c.__file__)"],
+                           capture_output=True, text=True, env=env, cwd="/")
+    assert where.stdout.startswith(str(target)), where.stdout + where.stderr

@@ -1,0 +1,120 @@
+"""Decode attention over a slot KV cache: one query token per row, each row reading only its own slot's first
+`lengths[b]` positions (flash-decoding: the positions are split over programs, the partial softmaxes merged by a
+second kernel). Static shapes: the rows' slots and lengths are device tensors, so a CUDA graph can hold it and
+replay it while lengths grow.
+
+Layouts: q [B, H, D]; keys/values [slots, max_len, H_kv, D] (a layer of the rollout engine's cache); slots [B],
+lengths [B] int; H = G * H_kv (grouped-query attention: query head h reads kv head h // G).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import INTERPRET, check_device, dot_acc, next_pow2
+
+
+@triton.jit
+def _partial_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_scale, split_len,
+                    stride_qb, stride_qh, stride_ks, stride_kn, stride_kh, stride_vs, stride_vn, stride_vh,
+                    G: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+    """Program (row b, kv head, split): softmax-weighted sum of V over positions [split * split_len, ...) below
+    the row's length, unnormalised, with its running max and sum (o [B, H, SPLITS, D], ml [B, H, SPLITS, 2])."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    length = tl.load(len_ptr + b)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, length)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    s_sum = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    k_base = k_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
+        if EXACT:  # float32 caches: full-precision products, not TF32 (the engine's logprobs must match the trainer's)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), tl.float32))
+        scores = scores * sm_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
+        if EXACT:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None])
+        m = m_new
+    out = (b * tl.num_programs(1) * G + heads) * SPLITS + split  # [B, H, SPLITS] index
+    tl.store(o_ptr + out[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+    tl.store(ml_ptr + out * 2, m, mask=g < G)
+    tl.store(ml_ptr + out * 2 + 1, s_sum, mask=g < G)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, ml_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Program (row b, head h): merge the splits' partial softmaxes into the attention output [B, H, D]."""
+    bh = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = s < SPLITS
+    m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=ok, other=float("-inf"))
+    s_sum = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m, axis=0)  # split 0 always holds position 0, so this is finite
+    scale = tl.where(ok & (m > float("-inf")), tl.exp(m - top), 0.0)
+    o = tl.load(o_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(o * scale[:, None], axis=0) / tl.sum(s_sum * scale, axis=0)
+    tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Enough programs to cover the GPU's multiprocessors about twice, at least 64 positions per split."""
+    if INTERPRET:
+        return 2
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(2 * sms, rows * kv_heads), triton.cdiv(max_len, 64)))
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D], keys/values [slots, max_len, H_kv, D], slots [B], lengths [B] (>= 1) -> [B, H, D]: softmax(q
+    k^T / sqrt(D)) v over each row's slot's first lengths[b] positions. `splits` fixes how many programs share a
+    row's positions (default: from the GPU's size); under a CUDA graph it must not change between replays."""
+    for name, t in (("q", q), ("keys", keys), ("values", values)):
+        check_device(name, t)
+    rows, heads, dim = q.shape
+    _, max_len, kv_heads, _ = keys.shape
+    if heads % kv_heads or keys.shape != values.shape or keys.shape[-1] != dim or keys.stride(-1) != 1 \
+            or values.stride(-1) != 1 or dim != next_pow2(dim):
+        raise ValueError(f"decode_attention needs q [B, H, D] with D a power of two and H a multiple of H_kv, "
+                         f"keys = values [slots, max_len, H_kv, D] with unit last stride; got q {tuple(q.shape)}, "
+                         f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    q = q.contiguous()
+    group = heads // kv_heads
+    splits = splits or decode_splits(rows, kv_heads, max_len, q.device)
+    split_len = triton.cdiv(max_len, splits)
+    partial = torch.empty(rows, heads, splits, dim, device=q.device, dtype=torch.float32)
+    ml = torch.empty(rows, heads, splits, 2, device=q.device, dtype=torch.float32)
+    _partial_kernel[(rows, kv_heads, splits)](
+        q, keys, values, slots, lengths, partial, ml, 1.0 / math.sqrt(dim), split_len,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        G=group, SPLITS=splits, D=dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=16 if INTERPRET else 64,
+        EXACT=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _merge_kernel[(rows * heads,)](partial, ml, out, SPLITS=splits, BLOCK_S=next_pow2(splits), D=dim)
+    return out

@@ -1,0 +1,78 @@
+"""RMSNorm in one kernel (Hugging Face's order: normalise in float32, cast back, then scale by the weight), with
+two optional fusions of what the rollout engine's decode step does around it: the residual add before it
+(h + delta, also returned) and the rotary embedding after it (queries and keys: q_norm/k_norm then RoPE). At one
+token per row the plain forms' dozen elementwise launches cost more than the data they touch. Each elementwise
+step rounds to x's dtype where the PyTorch ops would, so the results match them up to the order of the sum of
+squares."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import check_device, next_pow2
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, N, heads, eps,
+                    HAS_RESIDUAL: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    row_ok = r < rows
+    mask = row_ok[:, None] & (c[None, :] < N)
+    at = r[:, None].to(tl.int64) * N + c[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # h + delta, rounded as the add would be, is both returned and normalised
+        x = (x.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + at, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / N + eps)
+    w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+    out = (w[None, :] * (x32 * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+    if HAS_ROPE:  # half rotation: out * cos + cat(-out[D/2:], out[:D/2]) * sin, each product rounded
+        half = N // 2
+        partner_c = tl.where(c < half, c + half, c - half)
+        partner = tl.load(x_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            partner = (partner.to(tl.float32) + tl.load(res_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :],
+                                                        mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        wp = tl.load(w_ptr + partner_c, mask=c < N, other=0.0).to(tl.float32)
+        partner = (wp[None, :] * (partner.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+        partner = tl.where(c[None, :] < half, -partner.to(tl.float32), partner.to(tl.float32)).to(x.dtype)
+        token = (r // heads).to(tl.int64)
+        cos = tl.load(cos_ptr + token[:, None] * N + c[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + token[:, None] * N + c[None, :], mask=mask, other=0.0)
+        a = (out.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
+        b = (partner.to(tl.float32) * sin.to(tl.float32)).to(x.dtype)
+        out = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + at, out, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, in x's dtype (x, weight alike).
+
+    residual: normalise x + residual instead and return (normalised, x + residual).
+    rope: (cos, sin) [T, D] for x [T, heads, D] (or [B, S, heads, D] with T = B * S): apply the rotary embedding
+    of token t to its heads' normalised rows."""
+    check_device("x", x)
+    if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm needs a weight [{x.shape[-1]}] of x's dtype {x.dtype}; got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    n = x.shape[-1]
+    flat = x.reshape(-1, n).contiguous()
+    out = torch.empty_like(flat)
+    heads = x.shape[-2] if rope is not None else 1
+    cos, sin = (t.reshape(-1, n).contiguous() for t in rope) if rope is not None else (flat, flat)
+    if rope is not None and (cos.shape[0] * heads != flat.shape[0] or n % 2):
+        raise ValueError(f"rope: cos/sin {tuple(rope[0].shape)} do not give one row of {n} per token of x "
+                         f"{tuple(x.shape)}")
+    res = residual.reshape(-1, n).contiguous() if residual is not None else flat
+    total = torch.empty_like(flat) if residual is not None else flat
+    rows_per_program = max(1, min(16, 4096 // next_pow2(n)))
+    _rmsnorm_kernel[(triton.cdiv(flat.shape[0], rows_per_program),)](
+        flat, res, total, weight, cos, sin, out, flat.shape[0], n, heads, eps, HAS_RESIDUAL=residual is not None,
+        HAS_ROPE=rope is not None, ROWS=rows_per_program, BLOCK=next_pow2(n))
+    if residual is not None:
+        return out.view(x.shape), total.view(x.shape)
+    return out.view(x.shape)

@@ -1,0 +1,47 @@
+"""The fused RMSNorm kernel computes what the model's modules compute: the norm, the residual add before it, the
+rotary embedding after it."""
+import pytest
+import torch
+
+from moe_rl_eks.kernels.rmsnorm import rms_norm
+from moe_rl_eks.workloads.model.transformer import RMSNorm, _rotate, rotary
+
+# bf16: one rounding step of the largest outputs (the sum of squares is reduced in another order, and Triton's
+# interpreter truncates conversions to bf16 where compiled kernels round to nearest)
+TOLERANCES = [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -6)]
+
+
+def close(got, want, tol):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= tol
+
+
+def norm_module(n, dtype):
+    module = RMSNorm(n, 1e-6)
+    with torch.no_grad():
+        module.weight.normal_()
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 4, 16), (1, 100)])
+def test_rms_norm_kernel_equals_the_module(dtype, tol, shape):
+    torch.manual_seed(0)
+    module = norm_module(shape[-1], dtype)
+    x = (torch.randn(shape) * 3).to(dtype)
+    got = rms_norm(x, module.weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype and close(got, module(x), tol)
+    delta = torch.randn(shape).to(dtype)
+    normed, total = rms_norm(x, module.weight, 1e-6, residual=delta)
+    assert close(total, x + delta, tol) and close(normed, module(x + delta), tol)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+def test_rms_norm_with_rope_equals_the_norm_then_the_rotary_embedding(dtype, tol):
+    torch.manual_seed(1)
+    b, s, heads, dim = 2, 3, 4, 16
+    module = norm_module(dim, dtype)
+    x = torch.randn(b, s, heads, dim).to(dtype)
+    cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), dim, 10000.0, dtype)  # [B, 1, S, D]
+    want = _rotate(module(x).transpose(1, 2), cos, sin).transpose(1, 2)
+    got = rms_norm(x, module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0]))
+    assert close(got, want, tol)
