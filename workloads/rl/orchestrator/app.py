@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -85,46 +84,18 @@ def make_app(orch: Orchestrator) -> FastAPI:
     return app
 
 
-class TaskPrompts:
-    """The built-in task as a prompt source (prompt i is problem i; the state is the cursor).
-    Until the data module's PromptSource lands (issue 14), which replaces it."""
-
-    def __init__(self, run: RunConfig) -> None:
-        from ..rewards import ArithmeticTask
-        from ..tokenizer import load_tokenizer
-
-        self.task, self.tokenizer = ArithmeticTask(run.rl.task, run.rl.training.seed), load_tokenizer(run.rl.sampling.tokenizer)
-        self.cursor = 0
-
-    def next(self) -> PromptRecord:
-        problem = self.task.problem(self.cursor)
-        self.cursor += 1
-        return PromptRecord(problem.index, self.tokenizer.encode(problem.prompt), problem.prompt, problem.answer,
-                            "arithmetic", {})
-
-    def state(self) -> dict:
-        return {"cursor": self.cursor}
-
-    def restore(self, state: dict) -> None:
-        self.cursor = int(state["cursor"])
-
-
-def task_scorer(run: RunConfig):
-    """score_many over today's RewardScorer, which scores a failed reward as `failure_reward` and counts it: a
-    call that counted a failure is reported as failed (None), so the sample is masked, not faked. Until the data
-    module's RewardScorer.score_many (issue 14) returns None itself."""
+def reward_scorer(run: RunConfig):
+    """The run's RewardScorer as the driver's score_many: (prompt record, text, finished) -> score, or None where
+    the reward failed (masked, never faked)."""
+    from ..data import Prompt
     from ..rewards import RewardScorer
 
-    scorer, lock = RewardScorer(run.rl.reward), threading.Lock()
+    scorer = RewardScorer(run.rl.reward)
 
     def score_many(items: list[tuple[PromptRecord, str, bool]]) -> list[float | None]:
-        out = []
-        with lock:  # `failures` is shared; one caller at a time tells whose call failed
-            for prompt, text, finished in items:
-                before = scorer.failures
-                value = scorer.score(prompt.text, text, prompt.ground_truth, finished)
-                out.append(None if scorer.failures > before else value)
-        return out
+        results = scorer.score_many([(Prompt(p.index, tuple(p.prompt_ids), p.text, p.data_source, p.ground_truth,
+                                             p.extra_info), text, finished) for p, text, finished in items])
+        return [r.score for r in results]
 
     return score_many
 
@@ -138,8 +109,12 @@ def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: 
 
         return algorithm.sequence_advantages(torch.tensor([rewards]))[0].tolist()
 
+    from ..data import make_prompt_source
+    from ..tokenizer import load_tokenizer
+
     pool = ServerPool(endpoints, run.rl.orchestrator.max_inflight_requests)
-    return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), TaskPrompts(run), task_scorer(run),
+    source = make_prompt_source(run, load_tokenizer(run.rl.sampling.tokenizer))
+    return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), source, reward_scorer(run),
                         advantages, events_path=events_path, state=state)
 
 
