@@ -28,7 +28,10 @@ def _enum_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class NodePoolConfig(Validated):
-    """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once)."""
+    """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once).
+
+    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with a reservation behind them), on-demand, every
+    EFA interface of the type, a 200 GiB encrypted gp3 root volume, 5120 hugepages of 2 MiB."""
 
     instance_type: str
     min_size: int = 0

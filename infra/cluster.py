@@ -17,7 +17,7 @@ from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
 from ._ids import pascal
-from .node_pool import acknowledge_node_policies, NODE_POLICIES
+from .node_role import node_role
 
 ALL_LOG_TYPES = (
     eks.ClusterLoggingTypes.API,
@@ -159,10 +159,7 @@ class MoeRlCluster(Construct):
             "vpc-cni", version=vpc_cni_version, pod_identities={"aws-node": cni_role},
             configuration={"enableNetworkPolicy": "true", "env": {"ENABLE_PREFIX_DELEGATION": "false"}})
         self._add_addon("kube-proxy")
-        system_role = iam.Role(self, "SystemNodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-                               managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p)
-                                                 for p in NODE_POLICIES])
-        acknowledge_node_policies(system_role)
+        system_role = node_role(self, "SystemNodeRole")
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(
             "System", instance_types=[ec2.InstanceType(system_instance_type)],
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD, node_role=system_role,

@@ -234,3 +234,12 @@ def test_network_refuses_a_cidr_its_subnets_do_not_fit(cidr, fragment):
     stack = cdk.Stack(cdk.App(), "Net", env=ENV)
     with pytest.raises(ValueError, match=rf"cidr: '{re.escape(cidr)}' is not allowed; .*{re.escape(fragment)}"):
         MoeRlNetwork(stack, "Network", availability_zones=["us-west-2a", "us-west-2b"], cidr=cidr)
+
+
+def test_storage_refuses_a_repository_prefix_ecr_would_refuse():
+    from moe_rl_eks.infra import MoeRlStorage
+
+    stack = cdk.Stack(cdk.App(), "Repos", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
+    with pytest.raises(ValueError, match=r"repository_prefix: 'Moe RL' is not allowed; lowercase letters"):
+        MoeRlStorage(stack, "Storage", vpc=vpc, fsx_subnet=None, repository_prefix="Moe RL")

@@ -229,6 +229,15 @@ def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_pr
     assert charts["keda"]["Values"]["priorityClassName"] == "system-cluster-critical"
     assert charts["kueue"]["Values"]["controllerManager"]["manager"]["priorityClassName"] == "system-cluster-critical"
     assert charts["cluster-autoscaler"]["Values"]["priorityClassName"] == "system-cluster-critical"
+    # The JobSet chart has no such value: its controller's Deployment is patched after the release is installed.
+    (patch,) = [r for r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-KubernetesPatch").values()
+                if r["Properties"]["ResourceName"] == "deployment/jobset-controller"]
+    assert patch["Properties"]["ResourceNamespace"] == CHARTS["jobset"].namespace
+    assert json.loads(join_string(patch["Properties"]["ApplyPatchJson"])) == {
+        "spec": {"template": {"spec": {"priorityClassName": "system-cluster-critical"}}}}
+    (jobset_chart,) = [k for k, r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-HelmChart").items()
+                       if r["Properties"]["Release"] == "jobset"]
+    assert jobset_chart in patch["DependsOn"]
     classes = {o["metadata"]["name"]: o for o in kubernetes_objects(templates["prod"]) if o["kind"] == "PriorityClass"}
     orchestrator = classes[names.ORCHESTRATOR_PRIORITY_CLASS]
     assert orchestrator["preemptionPolicy"] == "Never"
@@ -339,6 +348,9 @@ def test_storage_bucket_fsx_and_repositories(templates):
     assert join_string(dra["Properties"]["DataRepositoryPath"]) == "s3://TOKEN/"
     assert names.RUNS_DIR.removeprefix(names.FSX_MOUNT_PATH + "/") + "/" == "runs/"
     template.resource_count_is("AWS::ECR::Repository", 3)  # trainer, rollout, orchestrator
+    names_ = sorted(r["Properties"]["RepositoryName"] for r in resources_of(templates["prod"], "AWS::ECR::Repository").values())
+    # `make images REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com/moe-rl-prod` pushes to these
+    assert names_ == ["moe-rl-prod/orchestrator", "moe-rl-prod/rollout", "moe-rl-prod/trainer"]
     template.all_resources_properties("AWS::ECR::Repository", {
         "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
     fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]

@@ -101,6 +101,11 @@ def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_
     assert len(set(u.tolist())) == 4 and all(0 <= x < 1 for x in u.tolist())
     again = generation.row_uniform(torch.tensor([7]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     assert again.item() == u[1].item()
+    # the CPU's numpy path and the GPU's tensor path are one function: the same words from the same counters
+    big = torch.tensor([2 ** 32 - 1, 5, 2 ** 40 + 3])
+    words = philox4x32((big & 0xFFFFFFFF, big % 7, big >> 32, big * 0), (big % 11, big & 0xFFFF))[0]
+    uniform = generation.row_uniform(big % 11, big & 0xFFFF, big % 7, big)
+    assert uniform.tolist() == ((words >> 8).float() / (1 << 24)).tolist()
 
 
 def rows_of(params: list[SamplingParams], seeds) -> SamplingRows:

@@ -4,7 +4,6 @@ the sigmoid router's correction bias stays float32 from the trainer to the serve
 import socket
 import threading
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -238,3 +237,4 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
     assert out[0] is None and out[1] is None  # neither rank swapped
     assert "rank 1: " in out["refused"] and f"experts.{last}.down_proj.weight does not match" in out["refused"]
     assert "rank 0" not in out["refused"]
+

@@ -165,8 +165,9 @@ class Publisher:
             for image in images:
                 error = int(torch.cuda.cudart().cudaHostRegister(image.data_ptr(), image.numel(), 0))
                 if error:
-                    raise RuntimeError(f"pinning {image.numel()} bytes of host memory failed (cudaError {error}); "
-                                       "check the memlock limit (ulimit -l)")
+                    raise RuntimeError(f"pinning {image.numel()} bytes of host memory for a weight snapshot failed "
+                                       f"(cudaError {error}); the trainer needs two snapshots of its share of "
+                                       "the published weights in host memory")
                 self._pinned.append(image)
         return Snapshot(images)
 
