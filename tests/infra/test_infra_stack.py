@@ -11,7 +11,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
-from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
+from moe_rl_eks.core.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
 from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
