@@ -276,6 +276,7 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
     assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
     assert "moe-rl" in by_kind["Namespace"]
+    assert by_kind["Namespace"]["moe-rl"]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
     claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
     assert claim["metadata"]["namespace"] == "moe-rl"
     assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"
