@@ -306,6 +306,10 @@ def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(
     (claim_id,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
                    if "PersistentVolumeClaim" in join_string(r["Properties"]["Manifest"])]
     assert claim_id in job_resource["DependsOn"]
+    # and once Kueue answers: its Job webhook fails closed in every namespace
+    (kueue_id,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").items()
+                   if r["Properties"]["Release"] == "kueue"]
+    assert kueue_id in job_resource["DependsOn"]
 
 
 def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcard_actions(templates):
