@@ -5,12 +5,13 @@ import signal
 
 import torch
 from rl_helpers import SlowProxy, call, sample_accounting, trained_steps, wait_until, write_run
-from safetensors.torch import load_file
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl import checkpoint as ckpt
 from moe_rl_eks.workloads.rl.local_run import LocalCluster, read_metrics
-from moe_rl_eks.workloads.rl.weights import version_name
+from moe_rl_eks.workloads.model.checkpoint import load_hf
+from moe_rl_eks.workloads.rl.protocol import VersionRef
+from moe_rl_eks.workloads.rl.weights import DirectoryStore, version_name
 
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
 
@@ -63,7 +64,10 @@ def test_a_straggling_and_a_killed_rollout_server_lose_or_duplicate_no_sample(tm
 
 
 def final_weights(out, version):
-    return load_file(str(out / "weights" / version_name(version) / "model.safetensors"))
+    """The weights of `version` in the run's newest lineage (a resumed trainer publishes in a new one), whatever
+    files the trainer's ranks wrote them as."""
+    ref = VersionRef(DirectoryStore(out / "weights").latest().lineage, version)
+    return load_hf(out / "weights" / version_name(ref))[1]
 
 
 def kill_trainer_after_first_checkpoint(cluster, steps):

@@ -185,7 +185,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, wor
     moments = [trainer.optimizer.state[p]["exp_avg"].clone() for p in params(trainer)]
     trainer.save_checkpoint()
     trainer.rl_step(rewarded_batch())  # the write runs in the background from a copy: training goes on
-    trainer.finish_checkpoint()
+    trainer.poll_checkpoint(wait=True)
     assert (tmp_path / "out" / "checkpoints" / "LATEST").read_text() == "step-00000001"
     other = Trainer(run, None, rank=0, world=1)
     assert other.try_resume() and other.step == 1
