@@ -13,6 +13,22 @@ KUBERNETES_VERSIONS = ("1.35",)
 # efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
 # "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
 VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"
+# The VPC's subnets, one of each per zone, allocated in this order (infra/network.py): public (NAT gateways only),
+# private (nodes and pods: the VPC CNI gives every pod a VPC address), and the managed scraper's own.
+SUBNET_MASKS = (("public", 24), ("private", 19), ("scraper", 28))
+
+
+def vpc_fits_subnets(vpc_prefix_length: int, zones: int) -> bool:
+    """Whether a VPC of this prefix length holds SUBNET_MASKS in ``zones`` zones, each subnet aligned to its size
+    as CDK allocates them."""
+    offset = 0
+    for _, mask in SUBNET_MASKS:
+        size = 2 ** (32 - mask)
+        for _ in range(zones):
+            offset = -(-offset // size) * size + size
+    return offset <= 2 ** (32 - vpc_prefix_length)
+
+
 # Hugepages: nodes reserve 2 MiB pages at boot (vm.nr_hugepages); pods and queues count them in this resource.
 HUGEPAGE_MIB = 2
 HUGEPAGES_RESOURCE = "hugepages-2Mi"

@@ -43,8 +43,10 @@ Status = Literal["ok", "warn", "blocker"]
 # `none`: no DeepEP (rollout image).
 DEEPEP_VARIANT_ENV = "MOERL_DEEPEP_VARIANT"
 DEEPEP_VARIANTS = ("efa-v1", "stock-v1", "none")
-# The trainer pods' manifests (k8s/trainer.py) pass the run's resolved EP backend.
+# The trainer pods' manifests (k8s/trainer.py) pass the run's resolved EP backend, and "1" in MOERL_DEEPEP_EFA
+# when the run file says its trainer image carries an EFA-capable DeepEP (deploy.images.deepep_efa).
 EP_BACKEND_ENV = "MOERL_EP_BACKEND"
+DEEPEP_EFA_ENV = "MOERL_DEEPEP_EFA"
 # The role's console entry point (core/cli.py SUBCOMMANDS) that the pod starts.
 ROLE_COMMANDS: dict[Role, str] = {"trainer": "train", "rollout": "serve-rollout", "orchestrator": "orchestrate"}
 FI_INFO_CANDIDATES = ("fi_info", "/opt/amazon/efa/bin/fi_info")
@@ -254,6 +256,10 @@ def check_deepep(ctx: Context) -> Check:
     if variant not in DEEPEP_VARIANTS:
         return Check("ep backends", "blocker", f"{DEEPEP_VARIANT_ENV}={variant!r}; the image must record one of "
                      f"{', '.join(DEEPEP_VARIANTS)}")
+    if ctx.env.get(DEEPEP_EFA_ENV) == "1" and variant != "efa-v1":
+        return Check("ep backends", "blocker", f"the run says its trainer image carries an EFA-capable DeepEP "
+                     f"(deploy.images.deepep_efa) but this image carries {variant!r}: build it with "
+                     "DEEPEP_VARIANT=efa-v1 or set deepep_efa: false")
     if variant == "none":
         if ctx.env.get(EP_BACKEND_ENV) == "deepep":
             return Check("ep backends", "blocker", f"the run resolved ep backend 'deepep' ({EP_BACKEND_ENV}) but this "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .catalog import CATALOG
-from .cluster import KUBERNETES_VERSIONS
+from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, vpc_fits_subnets
 from .schema import ConfigError, Validated, fail, parse
 
 # The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
@@ -28,7 +28,10 @@ def _enum_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class NodePoolConfig(Validated):
-    """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once)."""
+    """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once).
+
+    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with a reservation behind them), on-demand, every
+    EFA interface of the type, a 200 GiB encrypted gp3 root volume, 5120 hugepages of 2 MiB."""
 
     instance_type: str
     min_size: int = 0
@@ -184,8 +187,12 @@ class EnvironmentConfig(Validated):
             net = ipaddress.ip_network(self.vpc_cidr)
         except ValueError:
             fail("vpc_cidr", self.vpc_cidr, "expected a CIDR like 10.0.0.0/16")
-        if not 16 <= net.prefixlen <= 20 or not net.is_private:
-            fail("vpc_cidr", self.vpc_cidr, "expected a private CIDR from /16 to /20")
+        if not net.is_private or net.prefixlen < 16:
+            fail("vpc_cidr", self.vpc_cidr, "expected a private CIDR of /16 or smaller")
+        if not vpc_fits_subnets(net.prefixlen, len(self.availability_zones)):
+            masks = ", ".join(f"/{m} {name}" for name, m in SUBNET_MASKS)
+            fail("vpc_cidr", self.vpc_cidr, f"too small for one {masks} subnet in each of the "
+                 f"{len(self.availability_zones)} zones; use a /16")
         if self.admin_role_arn is None:
             fail("admin_role_arn", None, "required: the IAM role that administers the cluster (an access entry); "
                  "reach a private endpoint from inside the VPC (VPN, SSM) or open a public one with "

@@ -46,7 +46,13 @@ def cluster_violations(template: dict) -> list[tuple[str, str, str]]:
 
 
 def _is_everywhere(cidr) -> bool:
-    return isinstance(cidr, str) and ipaddress.ip_network(cidr, strict=False).prefixlen == 0
+    """0.0.0.0/0 or ::/0; a value that is no CIDR at all counts as no allow-list."""
+    if not isinstance(cidr, str):
+        return False  # a CloudFormation reference: not decidable here
+    try:
+        return ipaddress.ip_network(cidr, strict=False).prefixlen == 0
+    except ValueError:
+        return True
 
 
 @jsii.implements(IPolicyValidationPlugin)

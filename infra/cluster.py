@@ -17,7 +17,7 @@ from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
 from ._ids import pascal
-from .node_pool import acknowledge_node_policies, NODE_POLICIES
+from .node_role import node_role
 
 ALL_LOG_TYPES = (
     eks.ClusterLoggingTypes.API,
@@ -35,6 +35,11 @@ CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
 # The VPC CNI's own permissions, given to its aws-node service account by Pod Identity instead of the node role.
 CNI_POLICY = "AmazonEKS_CNI_Policy"
 POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
+# Pinned, not EKS's per-version default (fixed when that Kubernetes version launched), so an upgrade is deliberate.
+# The newest VPC CNI add-on seen published (July 2026, for 1.33); EKS usually offers a CNI add-on version for every
+# Kubernetes version in support, but that was not checked here (no AWS account): `aws eks describe-addon-versions
+# --addon-name vpc-cni --kubernetes-version 1.35` lists what is offered.
+VPC_CNI_VERSION = "v1.22.3-eksbuild.1"
 _MANAGED = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
 
 
@@ -73,7 +78,7 @@ class MoeRlCluster(Construct):
         system_instance_type: str = "m6i.xlarge",
         system_nodes: int = 2,
         system_root_volume_gib: int = 100,
-        vpc_cni_version: str | None = None,
+        vpc_cni_version: str | None = VPC_CNI_VERSION,
     ) -> None:
         """
         :param vpc: the VPC; the control plane and the kubectl provider use its private subnets.
@@ -91,8 +96,8 @@ class MoeRlCluster(Construct):
         :param system_nodes: size of the system node group (spread over the private subnets); default 2.
         :param system_root_volume_gib: root volume of system nodes, which hold the controllers' and the
             orchestrator's images; default 100.
-        :param vpc_cni_version: VPC CNI add-on version; default: the version EKS installs for the cluster's
-            Kubernetes version (every one EKS offers for a supported version handles efa-only interfaces).
+        :param vpc_cni_version: VPC CNI add-on version, at least core.cluster.VPC_CNI_MIN_VERSION_FOR_EFA_ONLY;
+            default VPC_CNI_VERSION; None: the version EKS installs by default for the cluster's Kubernetes version.
         """
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:
@@ -154,10 +159,7 @@ class MoeRlCluster(Construct):
             "vpc-cni", version=vpc_cni_version, pod_identities={"aws-node": cni_role},
             configuration={"enableNetworkPolicy": "true", "env": {"ENABLE_PREFIX_DELEGATION": "false"}})
         self._add_addon("kube-proxy")
-        system_role = iam.Role(self, "SystemNodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-                               managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p)
-                                                 for p in NODE_POLICIES])
-        acknowledge_node_policies(system_role)
+        system_role = node_role(self, "SystemNodeRole")
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(
             "System", instance_types=[ec2.InstanceType(system_instance_type)],
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD, node_role=system_role,

@@ -1,12 +1,17 @@
 """The VPC GPU nodes live in: private subnets, flow logs, and the endpoints nodes need to pull images and talk to AWS."""
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 
 from aws_cdk import (Acknowledgment, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms,
                      aws_logs as logs)
 from constructs import Construct
 
+from moe_rl_eks.core.cluster import SUBNET_MASKS, vpc_fits_subnets
+
+_SUBNET_TYPES = {"public": ec2.SubnetType.PUBLIC, "private": ec2.SubnetType.PRIVATE_WITH_EGRESS,
+                 "scraper": ec2.SubnetType.PRIVATE_ISOLATED}
 # Interface endpoints a GPU node uses on every boot and every image pull; S3 (image layers) is a gateway endpoint.
 INTERFACE_ENDPOINTS = {
     "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
@@ -47,6 +52,13 @@ class MoeRlNetwork(Construct):
         super().__init__(scope, id)
         if len(set(availability_zones)) < 2:
             raise ValueError(f"availability_zones: {list(availability_zones)!r} is not allowed; EKS needs two distinct zones")
+        try:
+            network = ipaddress.ip_network(cidr)
+        except ValueError:
+            raise ValueError(f"cidr: {cidr!r} is not allowed; a CIDR like 10.0.0.0/16") from None
+        if not network.is_private or not vpc_fits_subnets(network.prefixlen, len(availability_zones)):
+            raise ValueError(f"cidr: {cidr!r} is not allowed; a private CIDR large enough for one /24 public, /19 "
+                             f"private and /28 scraper subnet per zone (a /16)")
         if not 1 <= nat_gateways <= len(availability_zones):
             raise ValueError(f"nat_gateways: {nat_gateways} is not allowed; between 1 and {len(availability_zones)}")
         self.encryption_key = encryption_key or kms.Key(
@@ -57,14 +69,13 @@ class MoeRlNetwork(Construct):
             ip_addresses=ec2.IpAddresses.cidr(cidr),
             availability_zones=list(availability_zones),
             nat_gateways=nat_gateways,
+            # Public: NAT gateways only. Private: nodes and pods. Scraper: the managed Prometheus scraper's interfaces
+            # alone, so pods admit metrics scrapes from these CIDRs only (their ports also serve the weight-load
+            # endpoint); isolated, the scraper needs no egress. Sizes in core.cluster.SUBNET_MASKS.
             subnet_configuration=[
-                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24,
-                                        map_public_ip_on_launch=False),
-                ec2.SubnetConfiguration(name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=19),
-                # The managed Prometheus scraper's interfaces alone: pods admit metrics scrapes from these CIDRs
-                # only (their ports also serve the weight-load endpoint). Isolated: the scraper needs no egress.
-                ec2.SubnetConfiguration(name="scraper", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=28),
-            ],
+                ec2.SubnetConfiguration(name=name, subnet_type=_SUBNET_TYPES[name], cidr_mask=mask,
+                                        map_public_ip_on_launch=False if name == "public" else None)
+                for name, mask in SUBNET_MASKS],
             restrict_default_security_group=True,
         )
         flow_log_group = logs.LogGroup(

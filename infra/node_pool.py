@@ -6,24 +6,20 @@ import base64
 import re
 import textwrap
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from aws_cdk import Acknowledgment, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam
+from aws_cdk import aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct
 
 from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
 from moe_rl_eks.core.environment import NodePoolConfig
 from moe_rl_eks.core.labels import EFA_PRESENT_LABEL, EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
 
-if TYPE_CHECKING:
-    from .cluster import MoeRlCluster
+from .cluster import MoeRlCluster
+from .node_role import node_role as new_node_role
 
 # aws_eks_v2's L2 Nodegroup rejects AL2023_X86_64_NVIDIA for p5/p5e/p5en (its GPU list is stale) and
 # ec2.InstanceType rejects p6-b200 names, so the pool is the L1 CfnNodegroup with the AMI type set as a string.
 NVIDIA_AMI_TYPE = "AL2023_x86_64_NVIDIA"
-# No AmazonEKS_CNI_Policy: the VPC CNI (aws-node) gets it through Pod Identity (MoeRlCluster), so pods that reach
-# the instance metadata service find no network-changing credentials on the node.
-NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
 GPU_PRESENT_LABEL = "nvidia.com/gpu.present"  # what the NVIDIA device plugin's DaemonSet selects nodes by
 RESERVED_LABELS = (ROLE_LABEL, EFA_PRESENT_LABEL, GPU_PRESENT_LABEL)
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
@@ -136,8 +132,6 @@ class EfaNodePool(Construct):
         :param extra_labels: more node labels; default none. The pool's own labels (role, EFA, GPU) cannot be set here.
         """
         super().__init__(scope, id)
-        from .cluster import MoeRlCluster  # the cluster module imports this one
-
         if not isinstance(pool, NodePoolConfig):
             raise TypeError(f"pool: {pool!r} is not allowed; a moe_rl_eks.core.environment.NodePoolConfig")
         _check_label_value("role", role)
@@ -156,7 +150,7 @@ class EfaNodePool(Construct):
         self.role = role
         self.efa_interfaces = efa_interfaces = self.spec.efa_interfaces if pool.efa else 0
 
-        self.node_role = node_role or self._default_node_role()
+        self.node_role = node_role or new_node_role(self, "NodeRole")
         self.security_group = ec2.SecurityGroup(
             self, "SecurityGroup", vpc=vpc, allow_all_outbound=False,
             description=f"{role} pool: all traffic between its nodes (EFA requires it)")
@@ -232,21 +226,6 @@ class EfaNodePool(Construct):
         tags.update({f"{_CA_TEMPLATE}/label/{k}": v for k, v in self.labels.items()})
         tags[f"{_CA_TEMPLATE}/taint/{GPU_TAINT_KEY}"] = f"true:{_KUBERNETES_EFFECT[self._taint_effect]}"
         return tags
-
-    def _default_node_role(self) -> iam.Role:
-        role = iam.Role(self, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-                        managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p) for p in NODE_POLICIES])
-        acknowledge_node_policies(role)
-        return role
-
-
-def acknowledge_node_policies(role: iam.IRole) -> None:
-    """cdk-nag IAM4 for the AWS managed policies EKS documents for node roles."""
-    for policy in NODE_POLICIES:
-        Validations.of(role).acknowledge(Acknowledgment(
-            id=f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}]",
-            reason=f"{policy} is the AWS managed policy EKS documents for node roles; AWS keeps it in step "
-                   "with what the kubelet and image pulls need."))
 
 
 def _cluster_network(cluster: eks.ICluster) -> tuple[ec2.IVpc, str]:

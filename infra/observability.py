@@ -201,8 +201,12 @@ class MoeRlObservability(Construct):
             "scraper.aps.amazonaws.com").with_conditions({"StringEquals": {"aws:SourceAccount": stack.account},
                                                           "ArnLike": {"aws:SourceArn": scrapers}}),
                                description="AMP managed scraper: assumes the write role of a CMK workspace")
-        self.scraper_write_role = iam.Role(self, "ScraperWriteRole", assumed_by=source_role,
-                                           description="AMP managed scraper: remote write to the CMK workspace")
+        # The scraper passes its own ARN as the external id (AWS's cross-account scraping pattern); the ARN exists
+        # only once the scraper does, so both trusts name this account's scrapers rather than this one.
+        self.scraper_write_role = iam.Role(
+            self, "ScraperWriteRole", assumed_by=iam.PrincipalWithConditions(
+                iam.ArnPrincipal(source_role.role_arn), {"StringLike": {"sts:ExternalId": scrapers}}),
+            description="AMP managed scraper: remote write to the CMK workspace")
         iam.Grant.add_to_principal(grantee=self.scraper_write_role, actions=["aps:RemoteWrite"],
                                    resource_arns=[self.workspace.attr_arn])
         key.grant(self.scraper_write_role, "kms:Decrypt", "kms:GenerateDataKey")

@@ -48,6 +48,9 @@ CHART_TIMEOUT = Duration.minutes(12)
 CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 _SYSTEM_NODES = {ROLE_LABEL: "system"}
 KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default operator service account
+# The JobSet chart names its controller `<fullname>-controller`; fullname is the release name when it contains the
+# chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.10.1).
+JOBSET_CONTROLLER = "jobset-controller"
 _GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 TRAINER_PRIORITY = 100_000
 ORCHESTRATOR_PRIORITY = 50_000
@@ -122,9 +125,15 @@ class ClusterServices(Construct):
                 namespace=CHARTS["keda"].namespace, service_account=KEDA_OPERATOR_SERVICE_ACCOUNT,
                 role_arn=keda_role.role_arn)
             keda.node.add_dependency(association)
-        # The JobSet chart has no priorityClassName value: the orchestrator's class never preempts, and trainer pods
-        # only fit GPU nodes, so nothing of a run can evict the controller.
-        self._chart(eks_cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
+        jobset = self._chart(eks_cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
+        # The JobSet chart has no priorityClassName value: patch its controller's Deployment once the release is up
+        # (Helm's three-way merge keeps a field the chart never sets across upgrades).
+        priority = eks.KubernetesPatch(
+            self, "JobSetControllerPriority", cluster=eks_cluster, resource_name=f"deployment/{JOBSET_CONTROLLER}",
+            resource_namespace=CHARTS["jobset"].namespace,
+            apply_patch={"spec": {"template": {"spec": {"priorityClassName": _CRITICAL}}}},
+            restore_patch={"spec": {"template": {"spec": {"priorityClassName": None}}}})
+        priority.node.add_dependency(jobset)
         self._chart(eks_cluster, "kueue", {"controllerManager": {
             "nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}}})
         self._priority_classes(eks_cluster)

@@ -61,7 +61,8 @@ class MoeRlStack(Stack):
             fsx_storage_capacity_gib=storage.fsx_storage_capacity_gib,
             fsx_throughput_mbps_per_tib=storage.fsx_throughput_mbps_per_tib,
             noncurrent_version_expiry_days=storage.noncurrent_version_expiry_days,
-            rollout_log_expiry_days=storage.rollout_log_expiry_days, retain_on_delete=storage.retain_on_delete)
+            rollout_log_expiry_days=storage.rollout_log_expiry_days, retain_on_delete=storage.retain_on_delete,
+            repository_prefix=cluster_name)
         self.run_access = RunAccess(self, "RunAccess", cluster=self.cluster, storage=self.storage,
                                     namespace=config.run_namespace, file_system=self.storage.file_system)
         self.observability = MoeRlObservability(

@@ -2,6 +2,8 @@
 zone; ECR repositories for the trainer and rollout images. Access is granted per prefix, with explicit actions."""
 from __future__ import annotations
 
+import re
+
 from aws_cdk import (Acknowledgment, Duration, RemovalPolicy, Stack, Validations, aws_ec2 as ec2, aws_ecr as ecr,
                      aws_fsx as fsx, aws_iam as iam, aws_kms as kms, aws_s3 as s3)
 from constructs import Construct
@@ -12,6 +14,7 @@ from moe_rl_eks.core.cluster import ROLLOUT_LOGS_PREFIX
 # bucket's layout: /fsx/runs/<run>/ (checkpoints the trainer writes) is s3://<bucket>/runs/<run>/, and what is put
 # under prompts/ or weights/ in the bucket appears under /fsx/prompts/ and /fsx/weights/.
 FSX_LINK_PATH = "/"
+_REPOSITORY_PREFIX = re.compile(r"[a-z0-9]+(?:[._/-][a-z0-9]+)*")
 LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
 
 
@@ -36,6 +39,7 @@ class MoeRlStorage(Construct):
         noncurrent_version_expiry_days: int = 30,
         rollout_log_expiry_days: int = 90,
         retain_on_delete: bool = True,
+        repository_prefix: str | None = None,
     ) -> None:
         """
         :param vpc: the VPC of the file system.
@@ -47,6 +51,9 @@ class MoeRlStorage(Construct):
         :param noncurrent_version_expiry_days: old object versions are deleted after this; default 30.
         :param rollout_log_expiry_days: rollout logs are deleted after this; default 90.
         :param retain_on_delete: default True: bucket, key and repositories survive stack deletion.
+        :param repository_prefix: name the image repositories ``<prefix>/trainer``, ``<prefix>/rollout`` and
+            ``<prefix>/orchestrator`` (what `make images REGISTRY=<account registry>/<prefix>` pushes to); default:
+            names CloudFormation generates.
         """
         super().__init__(scope, id)
         removal = RemovalPolicy.RETAIN if retain_on_delete else RemovalPolicy.DESTROY
@@ -78,10 +85,18 @@ class MoeRlStorage(Construct):
         repo_props = dict(image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.IMMUTABLE,
                           encryption=ecr.RepositoryEncryption.KMS, encryption_key=self.key, removal_policy=removal,
                           lifecycle_rules=[ecr.LifecycleRule(max_image_count=200)])
-        self.trainer_repository = ecr.Repository(self, "TrainerRepository", **repo_props)
-        self.rollout_repository = ecr.Repository(self, "RolloutRepository", **repo_props)
+        if repository_prefix is not None and not _REPOSITORY_PREFIX.fullmatch(repository_prefix):
+            raise ValueError(f"repository_prefix: {repository_prefix!r} is not allowed; lowercase letters, digits and "
+                             "'-', '_', '.', '/' between them (an ECR repository namespace)")
+
+        def repository(id: str, image: str) -> ecr.Repository:
+            name = f"{repository_prefix}/{image}" if repository_prefix else None
+            return ecr.Repository(self, id, repository_name=name, **repo_props)
+
+        self.trainer_repository = repository("TrainerRepository", "trainer")
+        self.rollout_repository = repository("RolloutRepository", "rollout")
         # The orchestrator's image is CPU-only and small: it runs on the system nodes.
-        self.orchestrator_repository = ecr.Repository(self, "OrchestratorRepository", **repo_props)
+        self.orchestrator_repository = repository("OrchestratorRepository", "orchestrator")
 
         self.file_system = None
         if fsx_subnet is not None:

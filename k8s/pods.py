@@ -172,6 +172,12 @@ CACHE_ENV = {"HOME": "/tmp", "TRITON_CACHE_DIR": "/tmp/triton", "HF_HOME": "/tmp
              "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def aws_env(region: str) -> dict[str, str]:
+    """The region for AWS SDKs: run pods cannot reach the instance metadata service (NetworkPolicy), where SDKs
+    would otherwise look it up; Pod Identity supplies the credentials."""
+    return {"AWS_REGION": region, "AWS_DEFAULT_REGION": region}
+
+
 def env_vars(values: dict[str, str], secret_env: tuple[str, str, str] | None = None) -> list[k8s.EnvVar]:
     """Sorted plain variables, plus (name, secret, key) read from a Secret."""
     out = [k8s.EnvVar(name=k, value=v) for k, v in sorted(values.items())]

@@ -20,9 +20,9 @@ from moe_rl_eks.core.run import ResolvedRun, resolved_run_file
 from moe_rl_eks.core.schema import dump
 
 from .outputs import StackOutputs
-from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, check_shm, container_security, \
-    TMP_GIB, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, standard_volumes, \
-    startup_check
+from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, TMP_GIB, aws_env, check_shm, \
+    container_security, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \
+    standard_volumes, startup_check
 from .trainer import GangJob, add_gang_job
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -79,7 +79,7 @@ class RunChart(cdk8s.Chart):
         self.orchestrator_image = image_reference(outputs.orchestrator_repository_uri, deploy.images.orchestrator)
         # Only the orchestrator and the rollout servers use the weight-load token.
         self.secret_env = (run.rl.weight_token_env, weight_secret(run.name), "token")
-        self.run_env = dict(CACHE_ENV)
+        self.run_env = {**CACHE_ENV, **aws_env(env.region)}
 
         self._config_map()
         self._rollout()

@@ -15,6 +15,7 @@ from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster
+from moe_rl_eks.core.doctor import DEEPEP_EFA_ENV
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
@@ -64,6 +65,8 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     volumes = standard_volumes(job.config_map, shm_gib=job.shm_gib, fsx_read_only=False)
     variables = {**CACHE_ENV, **collective_env(env.trainer_pool.instance_type, resolved.ep_backend),
                  "MOERL_EP_BACKEND": resolved.ep_backend,
+                 # The run says its image's DeepEP runs over EFA: the startup check refuses an image that does not.
+                 **({DEEPEP_EFA_ENV: "1"} if resolved.run.deploy.images.deepep_efa else {}),
                  # torchrun SIGKILLs its workers this long after forwarding SIGTERM (default 30 s): leave the
                  # checkpoint-on-SIGTERM most of the pod's grace period.
                  "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(TERMINATION_GRACE_SECONDS - 10), **job.extra_env}

@@ -5,7 +5,9 @@ Two gang jobs through the trainer queue (Kueue runs them one after the other whe
 - `<run>-nccl-check`: NCCL all-reduce and all-to-all bus bandwidth across all trainer ranks, and which network
   NCCL picked on each rank (fails when EFA was expected and NCCL fell back to sockets);
 - `<run>-ep-bench`: `moerl bench-ep`, our expert-parallel dispatch/combine benchmark, with the run's EP backend.
-Results are in each job's pod 0 log (`kubectl logs`).
+Results are in each job's pod 0 log (`kubectl logs`). Like every pod of a run, each first runs `moerl doctor --role
+trainer [--efa]` as an init container with the same devices (GPUs, EFA, hugepages, locked-memory limit), so a node
+that cannot do the work stops the job at init with the reason.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
-from .pods import RUN_CONFIG_DIR
+from .pods import RUN_CONFIG_DIR, aws_env
 from .run_chart import role_labels, selector
 from .trainer import GangJob, add_gang_job
 
@@ -47,7 +49,7 @@ class ValidationChart(cdk8s.Chart):
         ):
             add_gang_job(self, resolved, GangJob(
                 name=f"{name}-{job}", image=image, command=command, pod_labels=pod_labels, config_map=config_map,
-                max_restarts=0, shm_gib=run.deploy.trainer_shm_gib, extra_env=extra_env))
+                max_restarts=0, shm_gib=run.deploy.trainer_shm_gib, extra_env={**aws_env(env.region), **extra_env}))
         # Only validation ranks talk to each other (the run chart's default deny covers the rest of the run).
         for policy, ingress in (("default-deny", []), ("peers", [k8s.NetworkPolicyIngressRule(from_=[
                 k8s.NetworkPolicyPeer(pod_selector=k8s.LabelSelector(match_labels=selector(name, ROLE)))])])):

@@ -49,6 +49,7 @@ def _set(path: str, value):
     ("dev", "kubernetes_version", "1.21", "supported: 1.35"),
     ("dev", "account", "12345", "12-digit"),
     ("dev", "vpc_cidr", "8.8.0.0/16", "private CIDR"),
+    ("prod", "vpc_cidr", "10.40.0.0/17", "too small for one /24 public, /19 private, /28 scraper subnet in each of the 3 zones"),
     ("prod", "storage.fsx_storage_capacity_gib", 2000, "1200 or a multiple of 2400"),
     ("prod", "trainer_pool.capacity_reservation_id", "reservation-1", "cr-0123456789abcdef0"),
     ("prod", "rollout_pool.desired_size", 2, "a GPU pool starts at 0 nodes unless a capacity reservation backs it"),

@@ -119,6 +119,15 @@ def test_a_run_resolved_to_deepep_needs_an_image_with_it():
                                                        "alltoall")
 
 
+@pytest.mark.parametrize("variant", ["stock-v1", "none"])
+def test_a_run_claiming_efa_deepep_needs_the_efa_variant(variant):
+    env = {doctor.DEEPEP_VARIANT_ENV: variant, doctor.DEEPEP_EFA_ENV: "1"}
+    check = doctor.check_deepep(Context(role="trainer", env=env, expect_efa=True))
+    assert (check.status, check.detail) == ("blocker", "the run says its trainer image carries an EFA-capable DeepEP "
+                                                       f"(deploy.images.deepep_efa) but this image carries {variant!r}: "
+                                                       "build it with DEEPEP_VARIANT=efa-v1 or set deepep_efa: false")
+
+
 @pytest.mark.parametrize("variant, status, fragment", [
     ("none", "ok", "alltoall (NCCL); no DeepEP in this image"),
     ("stock-v1", "blocker", "the image records DeepEP stock-v1 but deep_ep does not import: ModuleNotFoundError"),

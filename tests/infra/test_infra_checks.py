@@ -47,6 +47,9 @@ def test_synth_needs_no_context_lookups(cdk_out):
 @pytest.mark.parametrize("mutate,rule", [
     (lambda c: c["ResourcesVpcConfig"].update(EndpointPublicAccess=True, PublicAccessCidrs=[]), "MoeRl-EKS-PublicEndpoint"),
     (lambda c: c["ResourcesVpcConfig"].update(EndpointPublicAccess=True, PublicAccessCidrs=["0.0.0.0/0"]), "MoeRl-EKS-PublicEndpoint"),
+    # a string split into characters, or no CIDR at all, is no allow-list (and must not crash the plugin)
+    (lambda c: c["ResourcesVpcConfig"].update(EndpointPublicAccess=True, PublicAccessCidrs=list("10.0.0.0/8")),
+     "MoeRl-EKS-PublicEndpoint"),
     (lambda c: c["Logging"]["ClusterLogging"]["EnabledTypes"].pop(), "MoeRl-EKS-ControlPlaneLogs"),
     (lambda c: c.pop("Logging"), "MoeRl-EKS-ControlPlaneLogs"),
 ])

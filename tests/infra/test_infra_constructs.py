@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import aws_cdk as cdk
 import pytest
@@ -220,3 +221,25 @@ def test_cluster_refuses_a_vpc_cni_too_old_for_efa_only_interfaces(version, frag
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
     with pytest.raises(ValueError, match=r"vpc_cni_version: .* is not allowed; " + fragment.replace("(", r"\(").replace(")", r"\)")):
         MoeRlCluster(stack, "Cluster", vpc=vpc, vpc_cni_version=version)
+
+
+@pytest.mark.parametrize("cidr, fragment", [
+    ("10.0.0.0/33", "a CIDR like 10.0.0.0/16"),
+    ("10.0.0.0/18", "large enough for one /24 public, /19 private and /28 scraper subnet per zone"),
+    ("8.8.0.0/16", "a private CIDR"),
+])
+def test_network_refuses_a_cidr_its_subnets_do_not_fit(cidr, fragment):
+    from moe_rl_eks.infra import MoeRlNetwork
+
+    stack = cdk.Stack(cdk.App(), "Net", env=ENV)
+    with pytest.raises(ValueError, match=rf"cidr: '{re.escape(cidr)}' is not allowed; .*{re.escape(fragment)}"):
+        MoeRlNetwork(stack, "Network", availability_zones=["us-west-2a", "us-west-2b"], cidr=cidr)
+
+
+def test_storage_refuses_a_repository_prefix_ecr_would_refuse():
+    from moe_rl_eks.infra import MoeRlStorage
+
+    stack = cdk.Stack(cdk.App(), "Repos", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
+    with pytest.raises(ValueError, match=r"repository_prefix: 'Moe RL' is not allowed; lowercase letters"):
+        MoeRlStorage(stack, "Storage", vpc=vpc, fsx_subnet=None, repository_prefix="Moe RL")

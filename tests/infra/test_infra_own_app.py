@@ -4,6 +4,7 @@ cluster; it synthesizes with cdk-nag and the guardrails clean."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -37,12 +38,11 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def own_app(wheel, tmp_path_factory) -> dict:
-    """Synthesize the app in a fresh virtual environment holding only the wheel; its dependencies (aws-cdk-lib,
-    cdk-nag, ...) come from this interpreter's site-packages through a .pth (no network here), whose own .pth
-    files, an editable install of this repository among them, are not processed."""
-    home = tmp_path_factory.mktemp("team")
-    env_dir = home / "venv"
+def team_env(wheel, tmp_path_factory) -> tuple[Path, Path]:
+    """A fresh virtual environment holding only the wheel (its python, its site-packages); the dependencies
+    (aws-cdk-lib, cdk-nag, ...) come from this interpreter's site-packages through a .pth (no network here), whose
+    own .pth files, an editable install of this repository among them, are not processed."""
+    env_dir = tmp_path_factory.mktemp("team") / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
@@ -50,15 +50,35 @@ def own_app(wheel, tmp_path_factory) -> dict:
     with zipfile.ZipFile(wheel) as archive:  # a pure-Python wheel installs by unpacking it into site-packages
         archive.extractall(site)
     (site / "zz-shared-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    shutil.copy(APP, home / "app.py")
+    return python, site
+
+
+def synthesize(python: Path, app_source: str, home: Path) -> tuple[str, dict[str, dict]]:
+    """Run an app (its outdir is argv[1]) in ``home``, away from this repository; (stdout, templates by stack)."""
+    home.mkdir()
+    (home / "app.py").write_text(app_source)
     env = {k: v for k, v in offline_env().items() if k != "PYTHONPATH"}
-    out = home / "cdk.out"
-    proc = subprocess.run([str(python), "app.py", str(out)], cwd=home, env=env, capture_output=True, text=True,
-                          timeout=SYNTH_TIMEOUT_S)
+    proc = subprocess.run([str(python), "app.py", str(home / "cdk.out")], cwd=home, env=env, capture_output=True,
+                          text=True, timeout=SYNTH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {"site": site, "printed": json.loads(proc.stdout.strip().splitlines()[-1]),
-            "templates": {p.name.removesuffix(".template.json"): json.loads(p.read_text())
-                          for p in out.glob("*.template.json")}}
+    return proc.stdout, {p.name.removesuffix(".template.json"): json.loads(p.read_text())
+                         for p in (home / "cdk.out").glob("*.template.json")}
+
+
+@pytest.fixture(scope="module")
+def own_app(team_env, tmp_path_factory) -> dict:
+    python, site = team_env
+    stdout, templates = synthesize(python, APP.read_text(), tmp_path_factory.mktemp("own") / "app")
+    return {"site": site, "printed": json.loads(stdout.strip().splitlines()[-1]), "templates": templates}
+
+
+def test_the_readme_example_synthesizes_nag_clean_in_the_fresh_environment(team_env, tmp_path):
+    python, _ = team_env
+    (example,) = re.findall(r"```python\n(import aws_cdk as cdk\n.*?)```", (REPO / "README.md").read_text(), re.S)
+    example = example.replace("app = cdk.App()", "import sys\napp = cdk.App(outdir=sys.argv[1])")
+    _, templates = synthesize(python, example, tmp_path / "readme")
+    (template,) = templates.values()
+    assert len(resources_of(template, "AWS::EKS::Nodegroup")) == 2  # system nodes and the p5 pool
 
 
 def test_the_app_uses_the_installed_package_not_this_repository(own_app):

@@ -11,6 +11,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
+from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
 from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
@@ -154,6 +155,7 @@ def test_cluster_addons_and_admin_access_entry(templates):
     assert set(addons) == {"vpc-cni", "kube-proxy", "coredns", "eks-pod-identity-agent", "aws-fsx-csi-driver",
                            "amazon-cloudwatch-observability"}
     assert json.loads(addons["vpc-cni"]["ConfigurationValues"])["enableNetworkPolicy"] == "true"
+    assert addons["vpc-cni"]["AddonVersion"] == VPC_CNI_VERSION  # pinned, and new enough for efa-only interfaces
     assert addons["amazon-cloudwatch-observability"]["PodIdentityAssociations"][0]["ServiceAccount"] == "cloudwatch-agent"
     for env in ("dev", "prod"):
         admins = [join_string(r["Properties"]["PrincipalArn"]) for r in resources_of(templates[env], "AWS::EKS::AccessEntry").values()]
@@ -227,6 +229,15 @@ def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_pr
     assert charts["keda"]["Values"]["priorityClassName"] == "system-cluster-critical"
     assert charts["kueue"]["Values"]["controllerManager"]["manager"]["priorityClassName"] == "system-cluster-critical"
     assert charts["cluster-autoscaler"]["Values"]["priorityClassName"] == "system-cluster-critical"
+    # The JobSet chart has no such value: its controller's Deployment is patched after the release is installed.
+    (patch,) = [r for r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-KubernetesPatch").values()
+                if r["Properties"]["ResourceName"] == "deployment/jobset-controller"]
+    assert patch["Properties"]["ResourceNamespace"] == CHARTS["jobset"].namespace
+    assert json.loads(join_string(patch["Properties"]["ApplyPatchJson"])) == {
+        "spec": {"template": {"spec": {"priorityClassName": "system-cluster-critical"}}}}
+    (jobset_chart,) = [k for k, r in resources_of(templates["prod"], "Custom::AWSCDK-EKS-HelmChart").items()
+                       if r["Properties"]["Release"] == "jobset"]
+    assert jobset_chart in patch["DependsOn"]
     classes = {o["metadata"]["name"]: o for o in kubernetes_objects(templates["prod"]) if o["kind"] == "PriorityClass"}
     orchestrator = classes[names.ORCHESTRATOR_PRIORITY_CLASS]
     assert orchestrator["preemptionPolicy"] == "Never"
@@ -337,6 +348,9 @@ def test_storage_bucket_fsx_and_repositories(templates):
     assert join_string(dra["Properties"]["DataRepositoryPath"]) == "s3://TOKEN/"
     assert names.RUNS_DIR.removeprefix(names.FSX_MOUNT_PATH + "/") + "/" == "runs/"
     template.resource_count_is("AWS::ECR::Repository", 3)  # trainer, rollout, orchestrator
+    names_ = sorted(r["Properties"]["RepositoryName"] for r in resources_of(templates["prod"], "AWS::ECR::Repository").values())
+    # `make images REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com/moe-rl-prod` pushes to these
+    assert names_ == ["moe-rl-prod/orchestrator", "moe-rl-prod/rollout", "moe-rl-prod/trainer"]
     template.all_resources_properties("AWS::ECR::Repository", {
         "ImageScanningConfiguration": {"ScanOnPush": True}, "ImageTagMutability": "IMMUTABLE"})
     fs = next(iter(resources_of(templates["prod"], "AWS::FSx::FileSystem").values()))["Properties"]
@@ -371,6 +385,11 @@ def test_scraper_writes_to_the_cmk_workspace_through_a_role_pair_and_gets_no_acc
     assert source_trust["Condition"]["StringEquals"] == {"aws:SourceAccount": "222222222222"}
     (target_trust,) = template["Resources"][target]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
     assert target_trust["Principal"] == {"AWS": {"Fn::GetAtt": [source, "Arn"]}}
+    # The scraper's ARN is its external id; only this account's scrapers (their ARN is known after creation).
+    assert join_string(target_trust["Condition"]["StringLike"]["sts:ExternalId"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
+    assert join_string(source_trust["Condition"]["ArnLike"]["aws:SourceArn"]).endswith(
+        ":aps:us-east-2:222222222222:scraper/*")
     (workspace_id, workspace), = resources_of(template, "AWS::APS::Workspace").items()
     target_actions = {(a, json.dumps(st["Resource"])) for p in resources_of(template, "AWS::IAM::Policy").values()
                       if {"Ref": target} in p["Properties"]["Roles"] for st in p["Properties"]["PolicyDocument"]["Statement"]

@@ -246,6 +246,12 @@ def test_network_policy_admits_exactly_the_runs_edges(manifests):
     assert not _allowed(policies, pods["trainer"], scraper, cluster.TRAINER_RENDEZVOUS_PORT)
 
 
+def test_every_container_knows_its_region_without_instance_metadata(objects):
+    for c in containers(objects):
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env["AWS_REGION"] == env["AWS_DEFAULT_REGION"] == "us-east-1", c["name"]
+
+
 def test_run_pods_may_not_reach_the_instance_metadata_service(manifests):
     import ipaddress
 
@@ -378,3 +384,23 @@ def test_a_rollout_pod_has_tmp_room_for_one_downloaded_version_when_weights_live
     (tmp,) = [v for v in pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]["volumes"]
               if v["name"] == "tmp"]
     assert tmp["emptyDir"]["sizeLimit"] == "65Gi"  # 8 Gi of scratch + 57 Gi (30.5 B bf16 parameters)
+
+
+def test_a_run_claiming_an_efa_capable_deepep_makes_the_startup_check_verify_the_image(tmp_path, manifests):
+    from moe_rl_eks.core.doctor import DEEPEP_EFA_ENV
+    from moe_rl_eks.k8s.manifests import main
+
+    def trainer_envs(docs: list[dict], run: str) -> list[dict]:
+        (spec,) = pod_specs(find(docs, "JobSet", f"{run}-trainer"))
+        return [{e["name"]: e.get("value") for e in c["env"]} for c in spec["containers"] + spec["initContainers"]]
+
+    assert all(DEEPEP_EFA_ENV not in env for env in trainer_envs(manifests["qwen3-30b-a3b-p5/run.k8s.yaml"],
+                                                                 "qwen3-30b-a3b-p5"))
+    data = yaml.safe_load(run_file("qwen3-30b-a3b-p5").read_text())
+    data["deploy"]["images"]["deepep_efa"] = True
+    path = tmp_path / "qwen3-30b-a3b-p5.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["--run", str(path), "--outputs", str(EXAMPLE_OUTPUTS), "--out", str(tmp_path / "dist"),
+                 "--cdk-json", str(ROOT / "cdk.json")]) == 0
+    docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
+    assert [env[DEEPEP_EFA_ENV] for env in trainer_envs(docs, "qwen3-30b-a3b-p5")] == ["1", "1"]  # trainer, doctor

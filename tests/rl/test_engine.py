@@ -3,6 +3,7 @@ it at once, stop tokens, top logprobs, compact routing, validated sampling param
 import threading
 
 import numpy as np
+import torch
 import pytest
 from rl_helpers import publish_initial, tiny_run
 
@@ -105,3 +106,55 @@ def test_rows_that_cannot_run_fail_alone_and_sampling_params_name_the_bad_field(
         with pytest.raises(ValueError, match=f"^{field}: {value!r}"):
             SamplingParams(**{"max_tokens": 1, **kwargs})
     assert SamplingParams(1, seed=2 ** 64 - 1).seed == 2 ** 64 - 1
+
+
+def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_serving(engine, monkeypatch):
+    from moe_rl_eks.workloads.rl import generation
+
+    forward, calls = generation.forward_slots, []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 3:  # a decode step of the first request
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return forward(*args)
+    monkeypatch.setattr(generation, "forward_slots", failing_once)
+    out = engine.submit(rows("doomed", 2, 20, 1, stop_token_ids=())).result(timeout=60)
+    assert [o.finish_reason for o in out] == ["error", "error"]
+    assert "CUDA out of memory (simulated)" in out[0].error and 1 <= len(out[0].token_ids) < 20
+    again = engine.submit(rows("after", 2, 3, 1)).result(timeout=60)
+    assert all(o.finish_reason in ("stop", "length") for o in again)
+    assert engine.health().running_rows == 0
+
+
+def test_rows_never_mix_weight_versions_across_a_swap(engine, tmp_path):
+    store = engine.store
+    publish_initial(engine.run, store, version=1, seed=5)
+    started = threading.Event()
+    before = engine.submit(rows("before", 1, 30, 2, stop_token_ids=()), lambda e: started.set())
+    started.wait(timeout=60)
+    swapped = threading.Thread(target=engine.load_version, args=(1,))
+    swapped.start()
+    (old,) = before.result(timeout=60)  # the running row finishes on the version it started with
+    swapped.join(timeout=60)
+    (new,) = engine.submit(rows("after", 1, 30, 2, stop_token_ids=())).result(timeout=60)
+    assert old.weight_version == 0 and new.weight_version == 1 and engine.version == 1
+    assert old.token_ids != new.token_ids  # same seed and prompt, other weights
+
+
+def test_the_same_version_number_of_a_new_lineage_is_loaded_and_reported(engine, tmp_path):
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.rl.engine import VersionRef
+
+    (first,) = engine.submit(rows("a", 1, 4, 3, stop_token_ids=())).result(timeout=60)
+    assert (first.weight_version, first.weight_lineage, engine.health().lineage) == (0, 0, 0)
+    staging = tmp_path / "restarted"
+    torch.manual_seed(9)  # a trainer restarted from a checkpoint: lineage 1 publishes its own version 0
+    save_hf(MoETransformer(engine.run.model).state_dict(), engine.run.model, staging)
+    engine.store.publish(0, staging, lineage=1)
+    assert engine.load_version(0) > 0  # the number alone means the newest lineage: other weights, loaded
+    (second,) = engine.submit(rows("b", 1, 4, 3, stop_token_ids=())).result(timeout=60)
+    assert (second.weight_version, second.weight_lineage, engine.lineage) == (0, 1, 1)
+    assert second.token_ids != first.token_ids
+    assert engine.load_version(VersionRef(1, 0)) == 0.0  # already served

@@ -25,19 +25,27 @@ def config(vocab_size: int, **changes) -> ModelConfig:
 
 
 def test_published_version_loads_in_transformers_with_tokenizer_generation_config_and_same_logits(tmp_path):
+    """Through the trainer's path: the Publisher writes a version into the weight store with our files added."""
     from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.rl.publisher import Publisher
+    from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
     write_tokenizer_dir(tmp_path / "tok", [m["content"] for m in MESSAGES] * 10, vocab_size=290)
     ours_tok = load_tokenizer(str(tmp_path / "tok"))
     torch.manual_seed(0)
     model = MoETransformer(config(ours_tok.vocab_size)).eval()
-    save_hf(model, model.config, tmp_path / "v1")
     run = tiny_run(tmp_path, sampling={"tokenizer": str(tmp_path / "tok"), "temperature": 0.7})
-    write_checkpoint_metadata(tmp_path / "v1", run)
+    store = DirectoryStore(tmp_path / "weights")
+    publisher = Publisher(store, model.config, 0, extra_files=lambda d: write_checkpoint_metadata(d, run))
+    publisher.publish(1, model.state_dict())
+    publisher.flush()
+    publisher.close()
+    version = store.fetch(1, tmp_path / "cache")
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "v1").eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "v1")
-    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "v1")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(version).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(version)
+    gen = transformers.GenerationConfig.from_pretrained(version)
     assert gen.eos_token_id == list(ours_tok.eos_ids) and len(ours_tok.eos_ids) == 2
     assert hf_tok.eos_token_id == ours_tok.eos_id
     prompt = hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
@@ -45,7 +53,7 @@ def test_published_version_loads_in_transformers_with_tokenizer_generation_confi
     ids = torch.tensor([ours_tok.encode(prompt)])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=2e-5, rtol=1e-4)
-    assert load_tokenizer(str(tmp_path / "v1")).eos_ids == ours_tok.eos_ids
+    assert load_tokenizer(str(version)).eos_ids == ours_tok.eos_ids
 
 
 def test_builtin_vocabulary_is_written_as_a_tokenizer_transformers_reads_alike(tmp_path):

@@ -83,6 +83,13 @@ def test_latest_moves_forward_only_and_an_older_version_is_refused(tmp_path, mod
     assert store.latest() == V(1, 3)
 
 
+def test_a_latest_pointer_of_the_old_format_is_refused_naming_the_file(tmp_path):
+    store = DirectoryStore(tmp_path / "store")
+    (store.root / "LATEST").write_text("5")
+    with pytest.raises(IncompleteVersion, match=r"store/LATEST: '5' is not a LATEST pointer; expected"):
+        store.latest()
+
+
 def test_a_new_lineage_replaces_the_dead_lineages_version_of_the_same_number(tmp_path, model_config):
     store = DirectoryStore(tmp_path / "store", keep_versions=3)
     for v in range(6):
@@ -186,6 +193,18 @@ def test_a_corrupted_header_fails_the_load(tmp_path, model_config):
     shard.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="header"):
         load_hf(shard.parent)
+
+
+def test_a_tensor_of_an_unsupported_dtype_is_refused_naming_it(tmp_path):
+    import struct
+
+    from moe_rl_eks.workloads.model.safetensors_io import CheckpointFormatError, read_header
+
+    header = json.dumps({"w": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(CheckpointFormatError, match="tensor w: dtype 'F8_E8M0' is not supported; expected one of"):
+        read_header(path)
 
 
 CRASH = """
@@ -323,6 +342,28 @@ def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path
     assert head.get("ChecksumCRC32") and head["ETag"].strip('"').endswith("-3")
     fetched = store.fetch(0, tmp_path / "cache")
     assert (fetched / "big.bin").read_bytes() == (source / "big.bin").read_bytes()
+
+
+def test_s3_takes_a_file_image_from_memory_in_checksummed_parts_and_the_reader_verifies_it(tmp_path, s3_url):
+    from moe_rl_eks.workloads.model.safetensors_io import Source, plan_files, read_file
+
+    store = S3Store("weights", "w", endpoint_url=s3_url, chunk_mib=5)
+    pieces = tuple((f"t{i}", (3 << 20,)) for i in range(4))  # 12 MiB of uint8: three parts of 5 MiB
+    (layout,) = plan_files([Source("blob", torch.uint8, (12 << 20,), pieces)], lambda i, n: "blob.safetensors",
+                           max_file_bytes=1 << 30)
+    image = torch.empty(layout.size, dtype=torch.uint8)
+    image[len(layout.header):] = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
+    with store.stage(V(0, 0)) as staging:
+        staging.put(memoryview(image.numpy()), layout)
+        assert not list(staging.directory.iterdir())  # nothing went through the local disk
+    key = f"w/{version_name(V(0, 0))}/blob.safetensors"
+    head = store.s3.head_object(Bucket="weights", Key=key, ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32") and head["ETag"].strip('"').endswith("-3")
+    directory = store.fetch(0, tmp_path / "cache")
+    facts = json.loads((directory / MANIFEST).read_text())["files"]
+    tensors = read_file(directory / "blob.safetensors", lambda name: True, torch.device("cpu"),
+                        facts["blob.safetensors"])
+    assert torch.equal(torch.cat([tensors[f"t{i}"] for i in range(4)]), image[len(layout.header):])
 
 
 def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_url, model_config, monkeypatch):

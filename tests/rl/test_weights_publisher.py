@@ -4,7 +4,6 @@ the sigmoid router's correction bias stays float32 from the trainer to the serve
 import socket
 import threading
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -89,6 +88,26 @@ def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_
     assert publisher.wait_published(None, timeout=30) in (0, 1)
     publisher.close()
     assert publisher.wait_published(0, timeout=30) == 1
+
+
+def test_publishing_into_s3_uploads_the_snapshot_from_memory(tmp_path, s3_endpoint):
+    import uuid
+
+    import boto3
+
+    from moe_rl_eks.workloads.rl.weights import S3Store
+
+    bucket = f"pub-{uuid.uuid4().hex[:8]}"  # moto's state lives as long as the test process
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    store = S3Store(bucket, "run", endpoint_url=s3_endpoint)
+    publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)
+    publisher.publish(0, trainer_state())
+    publisher.close()
+    assert publisher.published == 0 and len(publisher.layouts) > 1
+    _, loaded = load_hf(store.fetch(0, tmp_path / "cache"))
+    for name, tensor in trainer_state().items():
+        want = tensor.float() if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+        assert torch.equal(loaded[name], want), name
 
 
 def test_a_failed_write_is_not_published_and_the_next_version_is(tmp_path):
@@ -218,3 +237,4 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
     assert out[0] is None and out[1] is None  # neither rank swapped
     assert "rank 1: " in out["refused"] and f"experts.{last}.down_proj.weight does not match" in out["refused"]
     assert "rank 0" not in out["refused"]
+

@@ -31,8 +31,9 @@ from typing import Callable, Iterable
 import torch
 
 DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16",
+               torch.uint8: "U8", torch.bool: "BOOL"}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 CHECKSUM = "xxh3_64"
 CHUNK_BYTES = 64 << 20
@@ -40,6 +41,10 @@ CHUNK_BYTES = 64 << 20
 
 class IntegrityError(RuntimeError):
     """Bytes on disk that do not match what was written (size, header or a tensor's checksum)."""
+
+
+class CheckpointFormatError(ValueError):
+    """A well-formed file this reader does not support (a tensor dtype it has no torch type for)."""
 
 
 def xxh3(data) -> str:
@@ -152,14 +157,21 @@ def fill(image: torch.Tensor, layout: FileLayout, state: dict[str, torch.Tensor]
             tensor, non_blocking=non_blocking)
 
 
-def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
-    """Write one planned file from its image (header + data, e.g. a pinned buffer's bytes) and fsync it;
-    returns its manifest facts: size and the checksum of the header and of every tensor."""
+def seal(image: memoryview, layout: FileLayout) -> dict:
+    """Put the header into a planned file's image (header + data, e.g. a pinned buffer's bytes) and return its
+    manifest facts: size, and the checksum of the header and of every tensor (taken from the image, once)."""
     if len(image) != layout.size:
         raise ValueError(f"{layout.name}: image holds {len(image)} bytes, the layout {layout.size}")
     image[:len(layout.header)] = layout.header
     head = len(layout.header)
     sums = {p.name: xxh3(image[head + p.start:head + p.end]) for p in layout.pieces}
+    return {"bytes": layout.size, "data_bytes": layout.data_bytes, "header_" + CHECKSUM: xxh3(layout.header),
+            CHECKSUM: sums}
+
+
+def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
+    """Seal an image and write it to `path` in large writes, then fsync; returns its manifest facts."""
+    facts = seal(image, layout)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for start in range(0, layout.size, CHUNK_BYTES):
@@ -169,8 +181,7 @@ def write_file(path: Path, image: memoryview, layout: FileLayout) -> dict:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"bytes": layout.size, "data_bytes": layout.data_bytes, "header_" + CHECKSUM: xxh3(layout.header),
-            CHECKSUM: sums}
+    return facts
 
 
 def file_facts(path: Path) -> dict:
@@ -189,10 +200,15 @@ def file_facts(path: Path) -> dict:
 def parse_header(head: bytes, path: Path) -> list[Piece]:
     try:
         header = json.loads(head[8:])
-        pieces = [Piece(name, CODE_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
-                  for name, v in header.items() if name != "__metadata__"]
+        entries = {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+                   for name, v in header.items() if name != "__metadata__"}
     except (ValueError, KeyError, TypeError) as exc:
         raise IntegrityError(f"{path}: unreadable safetensors header ({exc})") from None
+    for name, (code, *_) in entries.items():
+        if code not in CODE_DTYPES:
+            raise CheckpointFormatError(f"{path}: tensor {name}: dtype {code!r} is not supported; expected one of "
+                                        f"{sorted(CODE_DTYPES)}")
+    pieces = [Piece(name, CODE_DTYPES[code], shape, start, end) for name, (code, shape, start, end) in entries.items()]
     return sorted(pieces, key=lambda p: p.start)
 
 

@@ -32,13 +32,14 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
+from .protocol import VersionRef
 from .generation import Decoder, Sequence, fitting_slots, output
 from .replica import Replica
 from .runtime import Registry
 from .tokenizer import Tokenizer
 from .weights import WeightStore
 
-__all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent"]
+__all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent", "VersionRef"]
 log = logging.getLogger(__name__)
 
 
@@ -116,30 +117,42 @@ class RolloutEngine:
             self._cancels.append((request_id, None if rows is None else frozenset(rows)))
             self._wake.notify()
 
-    def load_version(self, version: int) -> float:
-        """Fetch `version`, read it while serving goes on, swap it in between steps; returns seconds."""
+    @property
+    def lineage(self) -> int | None:
+        """The lineage of the served version (protocol.VersionRef: numbers repeat across trainer restarts)."""
+        return self.replica.lineage
+
+    def load_version(self, version: int | VersionRef) -> float:
+        """Fetch `version`, read it while serving goes on, swap it in between steps; returns seconds. A plain
+        number means that version of the store's newest lineage (as `WeightStore.fetch` reads it); the same number
+        of another lineage is other weights and is loaded."""
         with self._load_lock:
-            if version == self.version:
+            ref = version if isinstance(version, VersionRef) else VersionRef(self._newest_lineage(), version)
+            if (ref.lineage, ref.version) == (self.lineage, self.version):
                 return 0.0
             start = time.monotonic()
-            fetched = self.store.fetch(version, self.cache_dir)
+            fetched = self.store.fetch(ref, self.cache_dir)
             try:
-                self._control("begin_read", version, str(fetched)).result()  # this rank's share is read
-                self._control("swap", version)
+                self._control("begin_read", ref.version, str(fetched), ref.lineage).result()  # this rank's share
+                self._control("swap", ref.version, ref.lineage)
             finally:
                 if fetched.is_relative_to(self.cache_dir):  # a download (S3): read into memory, no longer needed
                     shutil.rmtree(fetched, ignore_errors=True)
-            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(version)
+            self.metrics[M.ROLLOUT_WEIGHT_VERSION].set(ref.version)
             seconds = time.monotonic() - start
             self.metrics[M.WEIGHT_LOAD_SECONDS].set(seconds)
-            log.info("loaded weight version %d in %.2f s", version, seconds)
+            log.info("loaded weight version %d (lineage %d) in %.2f s", ref.version, ref.lineage, seconds)
             return seconds
+
+    def _newest_lineage(self) -> int:
+        latest = self.store.latest()
+        return latest.lineage if latest is not None else 0
 
     def health(self) -> EngineHealth:
         running, waiting = self._counts
         with self._lock:
             waiting += sum(len(item.rows) for item in self._inbox if isinstance(item, _Call))
-        return EngineHealth(self.version, running, waiting, self._last_step)
+        return EngineHealth(self.version, running, waiting, self._last_step, self.lineage)
 
     def stop(self) -> None:
         """End the loop: rows still running finish with "abort"; the replica stops (and its other ranks)."""
@@ -152,7 +165,7 @@ class RolloutEngine:
     # ---- callers' side -----------------------------------------------------------------------------------
     def _put(self, item: _Call | _Control) -> None:
         with self._lock:
-            if self._stopping:
+            if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the rollout engine is stopped")
             self._inbox.append(item)
             self._wake.notify()
@@ -189,7 +202,11 @@ class RolloutEngine:
             self._cancel(request_id, rows)
         if self._has_work():
             start = time.monotonic()
-            produced = self._step_sharded() if self.replica.size > 1 else self._step()
+            try:
+                produced = self._step_sharded() if self.replica.size > 1 else self._step()
+            except Exception as exc:  # noqa: BLE001 -- a failed step (out of memory, ...) fails its rows, not the server
+                log.exception("a decode step failed; its rows finish with an error")
+                produced = self._fail_running(f"decoding failed: {type(exc).__name__}: {exc}")
             elapsed = time.monotonic() - start
             self.busy_seconds += elapsed
             self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
@@ -200,6 +217,16 @@ class RolloutEngine:
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
+
+    def _fail_running(self, message: str) -> int:
+        """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
+        cache may hold half a step)."""
+        for seq, call, index in list(self._live.values()):
+            if seq is not None:
+                seq.finish_reason, seq.error, seq.slot = "error", message, None
+                self._deliver(call, index, output(seq, self.version, self.lineage))
+        self._decoder = None
+        return 0
 
     def _has_work(self) -> bool:
         return bool(self._batch or (self._decoder is not None and self._decoder.busy))
@@ -220,7 +247,8 @@ class RolloutEngine:
                 continue
             for index, request in enumerate(item.rows):
                 if (request.request_id, request.row) in self._live:
-                    self._finish_error(item, index, request, "a row with this request_id and row is already running")
+                    self._finish_unstarted(item, index, "error",
+                                           "a row with this request_id and row is already running")
                 elif self.replica.size > 1:
                     self._live[(request.request_id, request.row)] = (None, item, index)
                     self._batch.append((item, index))
@@ -230,11 +258,14 @@ class RolloutEngine:
                 self._cancel_one(item.rows[index].request_id, item.rows[index].row)
 
     def _add(self, call: _Call, index: int, request: RowRequest) -> None:
-        decoder = self._decoder_for(self.model)
         try:
-            seq = decoder.add(request)
+            seq = self._decoder_for(self.model).add(request)
         except ValueError as exc:
-            self._finish_error(call, index, request, str(exc))
+            self._finish_unstarted(call, index, "error", str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 -- no decoder (e.g. its KV cache does not fit): this row fails
+            log.exception("the decoder could not be built")
+            self._finish_unstarted(call, index, "error", f"the engine cannot decode: {type(exc).__name__}: {exc}")
             return
         self._live[(request.request_id, request.row)] = (seq, call, index)
 
@@ -253,8 +284,7 @@ class RolloutEngine:
         return self._decoder
 
     def _eos_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_ids", None)
-        return tuple(eos) if eos else (self.tokenizer.eos_id,)
+        return tuple(self.tokenizer.eos_ids)
 
     def _run_control(self, item: _Control) -> None:
         try:
@@ -279,10 +309,9 @@ class RolloutEngine:
             return
         if seq is None:  # an expert-parallel row that has not started its batch
             self._batch.remove((call, index))
-            self._deliver(call, index, RowOutput(request_id, row, [], [], None, "abort", None, None,
-                                                 self.version))
+            self._finish_unstarted(call, index, "abort")
         elif self._decoder.cancel(seq):
-            self._deliver(call, index, output(seq, self.version))
+            self._deliver(call, index, output(seq, self.version, self.lineage))
 
     def _step(self) -> int:
         events = self._decoder.step()
@@ -295,7 +324,7 @@ class RolloutEngine:
                     log.exception("on_token failed for request %s", seq.request.request_id)
         for seq in events.finished:
             _, call, index = self._live[(seq.request.request_id, seq.request.row)]
-            self._deliver(call, index, output(seq, self.version))
+            self._deliver(call, index, output(seq, self.version, self.lineage))
         return len(events.sampled)
 
     def _step_sharded(self) -> int:
@@ -307,19 +336,21 @@ class RolloutEngine:
             seqs = self.replica.generate(requests, self._eos_ids())
         except Exception as exc:  # noqa: BLE001 -- fail these rows, not the server
             for call, index in batch:
-                self._finish_error(call, index, call.rows[index], str(exc))
+                self._finish_unstarted(call, index, "error", str(exc))
             return 0
         for (call, index), seq in zip(batch, seqs):
             if call.on_token is not None:
                 for i, token in enumerate(seq.tokens):
                     top = seq.top_logprobs[i] if seq.top_logprobs is not None else None
                     call.on_token(TokenEvent(seq.request.request_id, seq.request.row, token, seq.logprobs[i], top))
-            self._deliver(call, index, output(seq, self.version))
+            self._deliver(call, index, output(seq, self.version, self.lineage))
         return sum(len(s.tokens) for s in seqs)
 
-    def _finish_error(self, call: _Call, index: int, request: RowRequest, message: str) -> None:
-        self._deliver(call, index, RowOutput(request.request_id, request.row, [], [], None, "error", message, None,
-                                             self.version))
+    def _finish_unstarted(self, call: _Call, index: int, reason: str, error: str | None = None) -> None:
+        """Report a row that produced nothing: cancelled before it ran, or refused (`error` says why)."""
+        request = call.rows[index]
+        self._deliver(call, index, RowOutput(request.request_id, request.row, [], [], None, reason, error, None,
+                                             self.version, self.lineage or 0))
 
     def _deliver(self, call: _Call, index: int, out: RowOutput) -> None:
         self._live.pop((out.request_id, out.row), None)
@@ -334,10 +365,9 @@ class RolloutEngine:
         for seq, call, index in list(self._live.values()):
             if seq is not None and self._decoder is not None:
                 self._decoder.cancel(seq)
-                self._deliver(call, index, output(seq, self.version))
+                self._deliver(call, index, output(seq, self.version, self.lineage))
             else:
-                self._deliver(call, index, RowOutput(call.rows[index].request_id, call.rows[index].row, [], [],
-                                                     None, "abort", None, None, self.version))
+                self._finish_unstarted(call, index, "abort")
         self._batch.clear()
         with self._lock:
             self._pending.extend(self._inbox)

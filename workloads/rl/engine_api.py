@@ -104,6 +104,7 @@ class RowOutput:
     # expert ids [prompt + completion - 1, layers, k] (vLLM's layout): uint8 when experts <= 256, else int16
     routing: "numpy.ndarray | None"
     weight_version: int
+    weight_lineage: int = 0  # with weight_version: the published version (protocol.VersionRef) it sampled from
 
 
 @dataclass
@@ -112,3 +113,4 @@ class EngineHealth:
     running_rows: int  # rows holding a KV-cache slot (prefilling or decoding)
     waiting_rows: int  # rows submitted but not yet admitted
     last_step_monotonic: float  # time.monotonic() when the engine loop last finished a step or idled
+    lineage: int | None = None  # the served version's lineage (protocol.VersionRef)

@@ -49,10 +49,17 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 
 def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key."""
-    zero = torch.zeros_like(row)
-    word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
-    return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key. On a CPU the
+    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead)."""
+    if key_lo.is_cuda:
+        zero = torch.zeros_like(row)
+        word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
+        return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    import numpy as np
+
+    lo, hi, r, t = (x.numpy().astype(np.uint64) for x in (key_lo, key_hi, row, step))
+    word = philox4x32((t & _MASK32, r & _MASK32, t >> 32, np.zeros_like(r)), (lo, hi))[0]
+    return torch.from_numpy((word >> 8).astype(np.float32) * np.float32(1.0 / (1 << 24)))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------------
@@ -508,8 +515,9 @@ class Decoder:
         eagerly first (kernel autotuning and compilation happen outside the capture)."""
         try:
             self._capture_buckets(buckets)
-        except Exception:  # noqa: BLE001 -- an op that cannot be captured: decode eagerly, slower but right
-            log.exception("capturing decode CUDA graphs failed; decoding without them")
+        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
+            # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
+            log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
             self.graphs = {}
 
     def _capture_buckets(self, buckets: list[int]) -> None:
@@ -590,11 +598,11 @@ class Decoder:
         seq.slot = None
 
 
-def output(seq: Sequence, version: int) -> RowOutput:
+def output(seq: Sequence, version: int | None, lineage: int | None) -> RowOutput:
     """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
     routing = seq.routing.cpu().numpy() if seq.routing is not None else None
     return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
-                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version)
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0)
 
 
 # ---- one-shot decoding of a list of rows --------------------------------------------------------------------

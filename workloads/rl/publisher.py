@@ -30,7 +30,7 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 
 from ..model.checkpoint import INDEX_FILE, hf_config, hf_sources, index_json, published_dtype, shard_name
-from ..model.safetensors_io import FileLayout, fill, plan_files, write_file
+from ..model.safetensors_io import FileLayout, fill, plan_files
 from ..model.transformer import weights_dtype
 from ..moe.parallel import ExpertParallel, local_experts
 from .protocol import VersionRef
@@ -165,8 +165,9 @@ class Publisher:
             for image in images:
                 error = int(torch.cuda.cudart().cudaHostRegister(image.data_ptr(), image.numel(), 0))
                 if error:
-                    raise RuntimeError(f"pinning {image.numel()} bytes of host memory failed (cudaError {error}); "
-                                       "check the memlock limit (ulimit -l)")
+                    raise RuntimeError(f"pinning {image.numel()} bytes of host memory for a weight snapshot failed "
+                                       f"(cudaError {error}); the trainer needs two snapshots of its share of "
+                                       "the published weights in host memory")
                 self._pinned.append(image)
         return Snapshot(images)
 
@@ -218,10 +219,8 @@ class Publisher:
             if staging is None:
                 return
             with ThreadPoolExecutor(min(8, len(self.layouts))) as pool:
-                facts = pool.map(lambda pair: (pair[1].name, write_file(staging.directory / pair[1].name,
-                                                                        memoryview(pair[0].numpy()), pair[1])),
-                                 zip(snapshot.images, self.layouts))
-                staging.facts.update(facts)
+                list(pool.map(lambda pair: staging.put(memoryview(pair[0].numpy()), pair[1]),
+                              zip(snapshot.images, self.layouts)))
             if self.rank == 0:
                 shards = dict(staging.facts)
                 if self.world > 1:

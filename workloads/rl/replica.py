@@ -21,7 +21,7 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
 from ..model.transformer import weights_dtype
-from ..model.checkpoint import load_hf
+from ..model.checkpoint import cast_for_serving, load_hf
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowRequest, SamplingParams
 from .generation import Sequence, decode_all
@@ -46,6 +46,7 @@ class Replica:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model: MoETransformer | None = None
         self.version: int | None = None
+        self.lineage: int | None = None  # with version: the published VersionRef served
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
 
@@ -63,22 +64,25 @@ class Replica:
         return cls(run, ep=ep, control=control, device=device)
 
     # ---- operations, run on every rank in the same order -------------------------------------------------
-    def begin_read(self, version: int, path: str) -> Future:
+    def begin_read(self, version: int, path: str, lineage: int = 0) -> Future:
         """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
-        self._tell("begin_read", version, path)
+        self._tell("begin_read", version, path, lineage)
+        # Into host memory: the GPU holds the served weights and a KV cache sized to what they leave free, so a
+        # second copy of the weights would not fit there. The swap copies them in place.
         read = self._reader.submit(load_hf, path, experts=local_experts(self.ep, self.run.model.num_experts))
-        self._reading = (version, read)
+        self._reading = ((lineage, version), read)
         return read
 
-    def swap(self, version: int) -> None:
+    def swap(self, version: int, lineage: int = 0) -> None:
         """Install the weights `begin_read` read, on every rank or (if any rank failed to read them) on none."""
-        self._tell("swap", version)
+        self._tell("swap", version, lineage)
         error = model = state = None
         try:
-            if self._reading is None or self._reading[0] != version:
-                raise RuntimeError(f"version {version} was not read first")
+            if self._reading is None or self._reading[0] != (lineage, version):
+                raise RuntimeError(f"version {version} of lineage {lineage} was not read first")
             config, state = self._reading[1].result()
-            model = self.model or MoETransformer(config, ep=self.ep, compute=self.run.moe_compute)
+            model = self.model or cast_for_serving(MoETransformer(config, ep=self.ep, compute=self.run.moe_compute),
+                                                   weights_dtype(config)).to(self.device)
             check_fits(state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
@@ -86,9 +90,9 @@ class Replica:
         errors = [e for e in self._all(error) if e]
         if errors:
             raise SwapRefused("; ".join(errors))
-        model.load_state_dict(state)
-        self.model = model.to(device=self.device, dtype=weights_dtype(config)).eval()
-        self.version = version
+        model.load_state_dict(state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+        self.model = model.eval()
+        self.version, self.lineage = version, lineage
 
     def generate(self, rows: list[RowRequest], eos_ids: tuple[int, ...]) -> list[Sequence] | None:
         """Decode `rows` to the end; on rank 0 the finished rows in order, on the other ranks None."""

@@ -9,8 +9,8 @@ no-op; publishing one older than LATEST is refused (a trainer of a dead lineage 
 No copies inside the store: a writer stages a version's files on the store's own filesystem (`stage`) and the
 commit renames the whole directory into place (directory store; atomic within one filesystem), after fsync of
 every file, the manifest and the directory. S3 has no rename: a version's objects are uploaded (multipart, in
-parallel, with S3's additional CRC32 checksums, which S3 verifies on receipt), its manifest last; a version
-without its manifest does not exist for readers.
+parallel, from the writer's memory, with S3's additional CRC32 checksums, which S3 verifies on receipt), its
+manifest last; a version without its manifest does not exist for readers.
 
 Integrity is computed once: the writer records each file's size and each tensor's XXH3 as it writes
 (workloads/model/safetensors_io.py); `fetch` checks presence and sizes (a stat, no read), and the loader
@@ -22,6 +22,7 @@ commits only if every part was written, else abandons the version (all or none).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -40,7 +41,7 @@ from typing import Iterator
 from moe_rl_eks.core.rl_config import WeightStoreConfig
 
 from ..model.checkpoint import MANIFEST
-from ..model.safetensors_io import IntegrityError, file_facts
+from ..model.safetensors_io import FileLayout, IntegrityError, file_facts, seal, write_file
 from .protocol import VersionRef
 
 LATEST = "LATEST"
@@ -81,6 +82,12 @@ class Staging:
     store: "WeightStore"
     facts: dict[str, dict] = field(default_factory=dict)
 
+    def put(self, image: memoryview, layout: FileLayout) -> None:
+        """Add one planned safetensors file from its image in memory (a file in the staging directory, or
+        straight into the store's objects: S3 uploads from memory, no local copy) and record its facts.
+        Several files may be put from several threads at once."""
+        self.facts[layout.name] = self.store._put(self, image, layout)
+
     def collect_parts(self, timeout_s: float = PART_WAIT_S) -> dict[str, dict]:
         """Part 0: wait for every other part's record; their files' facts (raises AbandonedVersion if a part
         was skipped or failed, TimeoutError if one never came)."""
@@ -92,7 +99,9 @@ class WeightStore(ABC):
 
     def publish(self, version: int, source: Path, *, lineage: int = 0) -> None:
         """Make the files of `source` (a Hugging Face checkpoint directory) version (lineage, version). The files
-        are hard-linked into the staging area when they share its filesystem (no copy), else copied."""
+        are hard-linked into the staging area when they share its filesystem (no copy), else copied, and
+        checksummed at the commit (one read, from the page cache when they were just written). The trainer's
+        path, publisher.Publisher, stages through `stage` and checksums while writing instead."""
         with self.stage(VersionRef(lineage, version)) as staging:
             if staging is None:
                 return
@@ -173,6 +182,9 @@ class WeightStore(ABC):
     @abstractmethod
     def _open_staging(self, ref: VersionRef, part: int, parts: int) -> Staging: ...
 
+    def _put(self, staging: Staging, image: memoryview, layout: FileLayout) -> dict:
+        return write_file(staging.directory / layout.name, image, layout)
+
     def _ship(self, staging: Staging) -> None:
         """Parts > 0: make this part's staged files visible to part 0 (nothing to do on a shared filesystem)."""
 
@@ -234,6 +246,16 @@ class WeightStore(ABC):
         """Remove what crashed or abandoned publications of versions up to `latest` left behind."""
 
 
+def latest_ref(text: str, where: str) -> VersionRef:
+    try:
+        facts = json.loads(text)
+        return VersionRef(int(facts["lineage"]), int(facts["version"]))
+    except (ValueError, TypeError, KeyError):
+        raise IncompleteVersion(f"{where}: {text[:40]!r} is not a LATEST pointer; expected "
+                                '{"lineage": int, "version": int} (a store written before lineages: publish into '
+                                "a new path)") from None
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
@@ -268,10 +290,10 @@ class DirectoryStore(WeightStore):
 
     def latest(self) -> VersionRef | None:
         try:
-            facts = json.loads((self.root / LATEST).read_text())
+            text = (self.root / LATEST).read_text()
         except FileNotFoundError:
             return None
-        return VersionRef(facts["lineage"], facts["version"])
+        return latest_ref(text, str(self.root / LATEST))
 
     def _exists(self, ref: VersionRef) -> bool:
         return (self.root / version_name(ref) / MANIFEST).is_file()
@@ -393,14 +415,18 @@ class S3Store(WeightStore):
                            ChecksumAlgorithm="CRC32")
 
     def latest(self) -> VersionRef | None:
-        facts = self._get_json(self._key(LATEST))
-        return None if facts is None else VersionRef(facts["lineage"], facts["version"])
+        try:
+            text = self.s3.get_object(Bucket=self.bucket, Key=self._key(LATEST))["Body"].read().decode()
+        except self.s3.exceptions.NoSuchKey:
+            return None
+        return latest_ref(text, f"s3://{self.bucket}/{self._key(LATEST)}")
 
     def _exists(self, ref: VersionRef) -> bool:
         return self._get_json(self._key(version_name(ref), MANIFEST)) is not None
 
     def _open_staging(self, ref: VersionRef, part: int, parts: int) -> Staging:
-        # Files are written to local scratch (the node's NVMe), then uploaded straight to their final keys.
+        # Safetensors images come through put(), uploaded from memory; small files (config, index, tokenizer) are
+        # written to local scratch and uploaded at the end, straight to their final keys.
         return Staging(ref, Path(tempfile.mkdtemp(prefix=f"moerl-{version_name(ref)}-")), part, parts, self)
 
     def _upload(self, staging: Staging) -> None:
@@ -412,6 +438,12 @@ class S3Store(WeightStore):
 
         with ThreadPoolExecutor(self.files_in_parallel) as pool:
             list(pool.map(one, paths))
+
+    def _put(self, staging: Staging, image: memoryview, layout: FileLayout) -> dict:
+        facts = seal(image, layout)
+        self.s3.upload_fileobj(MemoryFile(image), self.bucket, self._key(version_name(staging.ref), layout.name),
+                               ExtraArgs={"ChecksumAlgorithm": "CRC32"}, Config=self.transfer)
+        return facts
 
     def _part_key(self, ref: VersionRef, part: int) -> str:
         return self._key(".parts", version_name(ref), f"part-{part:05d}.json")
@@ -492,6 +524,34 @@ class S3Store(WeightStore):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
                 self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+
+
+class MemoryFile(io.RawIOBase):
+    """A seekable read-only file over a memoryview, so s3transfer uploads a file image straight from memory."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view, self.position = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self.view) - self.position))
+        buffer[:n] = self.view[self.position:self.position + n]
+        self.position += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.view)}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
 
 
 def open_store(cfg: WeightStoreConfig, default_path: Path) -> WeightStore:

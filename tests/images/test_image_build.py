@@ -244,3 +244,20 @@ def test_make_images_runs_the_build_script_with_outputs_or_registry_and_tag():
     assert "images/build.py --outputs out.json --env dev --tag v1" in result.stdout
     usage = subprocess.run(["make", "--no-print-directory", "images"], capture_output=True, text=True, cwd=REPO)
     assert usage.returncode == 2 and "usage: make images OUTPUTS=" in usage.stdout
+
+
+def test_install_package_script_installs_the_wheel_and_imports_every_role(tmp_path):
+    # The script the Dockerfiles run, here with what this environment already holds (--offline), into a target
+    # folder placed first on the path: the roles must import from the installed wheel, not from the source tree.
+    target = tmp_path / "site"
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "PIP_TARGET": str(target), "PYTHONPATH": str(target),
+           "HOME": str(tmp_path), "PIP_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(["bash", str(IMAGES / "scripts" / "install_package.sh"), "--offline", str(REPO),
+                             "workloads,kernels", ",".join(IMAGE_ROLES)],
+                            capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for role in IMAGE_ROLES:
+        assert f"{role}: moerl {ROLE_COMMANDS[role]} -> " in result.stdout
+    where = subprocess.run([sys.executable, "-c", "import moe_rl_eks.core.cli as c; print(c.__file__)"],
+                           capture_output=True, text=True, env=env, cwd="/")
+    assert where.stdout.startswith(str(target)), where.stdout + where.stderr
