@@ -10,11 +10,30 @@ class Metric:
     name: str
     kind: Literal["counter", "gauge", "histogram"]
     help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # histograms: upper bounds in the metric's unit
+
+
+# Latency buckets from 1 ms to 10 min: a decode step is milliseconds, a long rollout minutes.
+_SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0, 320.0, 600.0)
 
 
 ROLLOUT_TOKENS_PER_SECOND = Metric("moerl_rollout_tokens_per_second", "gauge", "Generated tokens per second on this rollout server")
 ROLLOUT_QUEUE_DEPTH = Metric("moerl_rollout_queue_depth", "gauge", "Rollout requests the orchestrator has queued or in flight (autoscaling signal)")
 ROLLOUT_REQUESTS = Metric("moerl_rollout_requests_total", "counter", "Completion requests served")
+# The rollout server's request metrics carry vLLM's names with `vllm:` replaced by `moerl_rollout_` (same quantity,
+# same unit, same kind), so a vLLM dashboard works after that one substitution. Rows are vLLM's requests: a
+# request with n choices is n rows.
+ROLLOUT_RUNNING = Metric("moerl_rollout_num_requests_running", "gauge", "Rows decoding on this rollout server")
+ROLLOUT_WAITING = Metric("moerl_rollout_num_requests_waiting", "gauge", "Rows waiting for a batch slot on this rollout server")
+ROLLOUT_PROMPT_TOKENS = Metric("moerl_rollout_prompt_tokens_total", "counter", "Prompt tokens of the requests a rollout server accepted")
+ROLLOUT_GENERATION_TOKENS = Metric("moerl_rollout_generation_tokens_total", "counter", "Tokens a rollout server generated")
+ROLLOUT_REQUEST_SUCCESS = Metric("moerl_rollout_request_success_total", "counter", "Rows finished, by finish reason (stop, length, abort)", ("finished_reason",))
+ROLLOUT_E2E_LATENCY = Metric("moerl_rollout_e2e_request_latency_seconds", "histogram", "Completion request latency, arrival to last token", buckets=_SECONDS)
+ROLLOUT_TIME_TO_FIRST_TOKEN = Metric("moerl_rollout_time_to_first_token_seconds", "histogram", "Time from a request's arrival to each row's first token", buckets=_SECONDS)
+ROLLOUT_INTER_TOKEN_LATENCY = Metric("moerl_rollout_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a row", buckets=_SECONDS)
+ROLLOUT_REQUEST_ERRORS = Metric("moerl_rollout_request_errors_total", "counter", "Requests a rollout server answered with an error, by HTTP status", ("status",))
 TRAINER_STEP_SECONDS = Metric("moerl_trainer_step_seconds", "gauge", "Wall time of the last optimizer step")
 TRAINER_TOKENS_PER_SECOND = Metric("moerl_trainer_tokens_per_second", "gauge", "Trained tokens per second")
 TRAINER_LAST_STEP_TIMESTAMP = Metric("moerl_trainer_last_step_timestamp_seconds", "gauge", "Unix time of the last finished optimizer step")
@@ -26,13 +45,17 @@ REWARD_MEAN = Metric("moerl_reward_mean", "gauge", "Mean reward of the last batc
 WEIGHT_PUBLISH_SECONDS = Metric("moerl_weight_publish_seconds", "gauge", "Time to publish the last weight version")
 WEIGHT_LOAD_SECONDS = Metric("moerl_weight_load_seconds", "gauge", "Time for a rollout server to load the last weight version")
 ROLLOUT_WEIGHT_VERSION = Metric("moerl_rollout_weight_version", "gauge", "Weight version this rollout server serves")
+ROLLOUT_WEIGHT_LINEAGE = Metric("moerl_rollout_weight_lineage", "gauge", "Trainer lineage of the weight version this rollout server serves")
 ROLLOUT_BUSY_SECONDS = Metric("moerl_rollout_busy_seconds_total", "counter", "Seconds this rollout server spent generating")
 ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion requests re-sent to another server (failure, deadline or straggler)")
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed and scored failure_reward")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
-ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, TRAINER_STEP_SECONDS,
+ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,
+       ROLLOUT_PROMPT_TOKENS, ROLLOUT_GENERATION_TOKENS, ROLLOUT_REQUEST_SUCCESS, ROLLOUT_E2E_LATENCY,
+       ROLLOUT_TIME_TO_FIRST_TOKEN, ROLLOUT_INTER_TOKEN_LATENCY, ROLLOUT_REQUEST_ERRORS, ROLLOUT_WEIGHT_LINEAGE,
+       TRAINER_STEP_SECONDS,
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION)

@@ -123,10 +123,15 @@ class RolloutConfig:
     gpus_per_server: int = 1
     max_batch_size: int = 64
     max_new_tokens: int = 256
+    # Liveness: a server whose engine loop has neither finished a step nor idled for this long answers /health
+    # with 503 (Kubernetes then restarts it). Longer than the slowest step: a full batch's prefill.
+    hung_after_s: float = 120.0
 
     def validate(self) -> None:
         if not 1 <= self.min_servers <= self.max_servers:
             fail("min_servers", self.min_servers, f"must be between 1 and max_servers ({self.max_servers})")
+        if not self.hung_after_s > 0:
+            fail("hung_after_s", self.hung_after_s, "must be > 0 seconds")
         for name in ("gpus_per_server", "max_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")

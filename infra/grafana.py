@@ -17,8 +17,11 @@ _UNITS = {"_seconds": "s", "_seconds_total": "s", "_per_second": "short", "_frac
 
 
 def query(metric: metrics.Metric) -> str:
-    """PromQL per run: rates of counters, sums of per-server throughputs, the worst value of other gauges."""
+    """PromQL per run: rates of counters, the 95th percentile of histograms over every server, sums of per-server
+    throughputs, the worst value of other gauges."""
     selector = f'{metric.name}{{{RUN}=~"$run"}}'
+    if metric.kind == "histogram":
+        return f'histogram_quantile(0.95, sum by ({RUN}, le) (rate({metric.name}_bucket{{{RUN}=~"$run"}}[5m])))'
     if metric.kind == "counter":
         return f"sum by ({RUN}) (rate({selector}[5m]))"
     if metric.name.endswith("_per_second"):
@@ -32,7 +35,8 @@ def _unit(name: str) -> str:
 
 def dashboard() -> dict:
     panels = [{
-        "id": i + 1, "type": "timeseries", "title": metric.help, "description": metric.name,
+        "id": i + 1, "type": "timeseries", "title": metric.help + (" (p95)" if metric.kind == "histogram" else ""),
+        "description": metric.name,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
         "fieldConfig": {"defaults": {"unit": _unit(metric.name)}, "overrides": []},

@@ -34,7 +34,8 @@ class RunAccess(Construct):
         super().__init__(scope, id)
         labels = {PART_OF_LABEL: PART_OF}
         self.namespace_manifest = cluster.cluster.add_manifest("RunNamespace", {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}})
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": namespace, "labels": {**labels, **POD_SECURITY_LABELS}}})
         self.roles: dict[str, iam.Role] = {
             role: cluster.service_account(f"{role.capitalize()}ServiceAccount", name=sa_name, namespace=namespace,
                                           labels=labels, depends_on=[self.namespace_manifest]).role
@@ -97,6 +98,11 @@ class RunAccess(Construct):
         return prepare
 
 
+# Pod Security admission for the run namespace: run pods meet `restricted` (non-root, no capabilities, RuntimeDefault
+# seccomp); `baseline` is enforced because the one-off FSx Job below runs as root.
+POD_SECURITY_LABELS = {"pod-security.kubernetes.io/enforce": "baseline",
+                       "pod-security.kubernetes.io/warn": "restricted",
+                       "pod-security.kubernetes.io/audit": "restricted"}
 # A small pinned image from ECR Public (reachable through the NAT gateway); the Job only runs mkdir/chown/chmod.
 FSX_PREPARE_IMAGE = "public.ecr.aws/docker/library/busybox:1.37.0"
 

@@ -1,4 +1,6 @@
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -47,3 +49,14 @@ def test_bad_values_name_source_field_value_and_what_is_allowed(data, field_path
     assert err.value.field == field_path
     assert str(err.value).startswith(f"f.yaml: {field_path}: ")
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[2] / "configs" / "runs").glob("*.yaml")))
+def test_dump_is_the_inverse_of_parse_for_every_example_run(name):
+    from moe_rl_eks.core.run import RunConfig, load_run
+    from moe_rl_eks.core.schema import dump
+
+    run = load_run(Path(__file__).parents[2] / "configs" / "runs" / f"{name}.yaml")
+    data = dump(run)
+    assert json.loads(json.dumps(data)) == data  # plain data: YAML/JSON as it is
+    assert parse(RunConfig, data, source="dumped") == run

@@ -11,7 +11,7 @@ from aws_cdk.assertions import Match, Template
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
-from moe_rl_eks.infra.cluster import VPC_CNI_VERSION
+from moe_rl_eks.core.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
 from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
 
@@ -276,6 +276,7 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
     assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
     assert "moe-rl" in by_kind["Namespace"]
+    assert by_kind["Namespace"]["moe-rl"]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
     claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
     assert claim["metadata"]["namespace"] == "moe-rl"
     assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch.distributed as dist
-from rl_helpers import publish_initial, tiny_run
+from rl_helpers import serve_rollout
 
 
 @pytest.fixture
@@ -21,21 +21,8 @@ def world_of_one():
 
 @pytest.fixture
 def rollout(tmp_path):
-    """An in-process rollout server (HTTP on loopback) serving version 0 of a tiny model."""
-    from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine, make_server
-    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
-    from moe_rl_eks.workloads.rl.weights import DirectoryStore
-
-    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
-    store = DirectoryStore(tmp_path / "weights")
-    publish_initial(run, store)
-    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
-    engine.load_version(0)
-    server = make_server(run, engine, "127.0.0.1", 0, token="s3cret")
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    yield {"url": f"http://127.0.0.1:{server.server_address[1]}", "engine": engine, "store": store, "run": run}
-    server.shutdown()
-    engine.stop()
+    """An in-process rollout server (FastAPI on loopback) serving version 0 of a tiny model."""
+    yield from serve_rollout(tmp_path)
 
 
 @pytest.fixture

@@ -49,15 +49,15 @@ def rewarded_batch(step: int = 0):
     return Batch(step, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 2))
 
 
-def publish_initial(run, store, version: int = 0, seed: int = 0) -> dict:
+def publish_initial(run, store, version: int = 0, seed: int = 0, lineage: int = 0) -> dict:
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.workloads.model.checkpoint import save_hf
 
     torch.manual_seed(seed)
     state = MoETransformer(run.model).state_dict()
-    staging = Path(store.root).parent / f"src-{version}"
+    staging = Path(store.root).parent / f"src-{lineage}-{version}"
     save_hf(state, run.model, staging)
-    store.publish(version, staging)
+    store.publish(version, staging, lineage=lineage)
     return state
 
 
@@ -105,7 +105,7 @@ def sample_accounting(out: Path, final_state: dict) -> dict:
     events = [json.loads(line) for line in (out / "orchestrator-events.jsonl").read_text().splitlines()]
     completed = [e["request_id"] for e in events if e["event"] == "completed"]
     dropped = {e["request_id"] for e in events if e["event"] == "dropped_stale"}
-    filtered = {e["request_id"] for e in events if e["event"] == "filtered"}
+    filtered = {e["request_id"] for e in events if e["event"] in ("filtered", "dropped_failed")}
     trained_ids = [i for ids in trained_steps(out).values() for i in ids]
     trained_requests = {i.split("/")[0] for i in trained_ids}
     leftover = {g["request_id"] for g in final_state["buffered"]}
@@ -164,3 +164,26 @@ class SlowProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_rollout(tmp_path, tokenizer=None, **rollout):
+    """A generator fixture's body: a rollout server (FastAPI on loopback, token "s3cret") serving version 0 of a
+    tiny model, with the `rollout:` settings given."""
+    from moe_rl_eks.workloads.rl.engine import RolloutEngine
+    from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+    from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
+    from moe_rl_eks.workloads.rl.weights import DirectoryStore
+
+    run = tiny_run(tmp_path, sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4},
+                   rollout=rollout)
+    store = DirectoryStore(tmp_path / "weights")
+    publish_initial(run, store)
+    tokenizer = tokenizer or CharTokenizer()
+    engine = RolloutEngine(run, store, tmp_path / "cache", tokenizer)
+    server = RolloutServer(run, engine, tokenizer, token="s3cret")
+    server.load_version(0)
+    http = BackgroundServer(make_app(server)).start()
+    yield {"url": http.url, "engine": engine, "server": server, "store": store, "run": run}
+    http.stop()
+    engine.stop()

@@ -15,8 +15,9 @@ from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import hf_config, to_hf_tensors
 from moe_rl_eks.workloads.rl.local_run import LocalCluster, descendants, output_dir
-from moe_rl_eks.workloads.rl.rollout_server import RolloutEngine, make_server
-from moe_rl_eks.workloads.rl.runtime import wait_for
+from moe_rl_eks.workloads.rl.engine import RolloutEngine
+from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+from moe_rl_eks.workloads.rl.runtime import BackgroundServer, wait_for
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
@@ -70,15 +71,14 @@ def servers(tmp_path):
     sharded = cluster.start_server(0)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())  # one process, the whole model
     engine.load_version(0)
-    http = make_server(run, engine, "127.0.0.1", 0, token=None)
-    threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    http = BackgroundServer(make_app(RolloutServer(run, engine, CharTokenizer(), token=None))).start()
     try:
-        wait_for(f"{sharded.url}/health", timeout=120)
-        yield {"role": sharded, "sharded": sharded.url, "single": f"http://127.0.0.1:{http.server_address[1]}", "store": store,
+        wait_for(f"{sharded.url}/ready", timeout=120)  # /health answers before the weights are loaded
+        yield {"role": sharded, "sharded": sharded.url, "single": http.url, "store": store,
                "run": run, "engine": engine, "token": cluster.env[run.rl.weight_token_env], "logs": cluster.logs}
     finally:
         cluster.stop()
-        http.shutdown()
+        http.stop()
         engine.stop()
 
 

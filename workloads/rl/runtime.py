@@ -1,21 +1,28 @@
-"""What every RL role shares: the run file, the model built from it, JSON over HTTP, Prometheus registries."""
+"""What every RL role shares: the run file, the model built from it, JSON over HTTP (FastAPI apps served by uvicorn,
+errors in OpenAI's shape), Prometheus registries."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from moe_rl_eks.core.metrics import Metric
 from moe_rl_eks.core.run import RunConfig, load_run
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -45,13 +52,24 @@ class Registry:
 
     def __getitem__(self, metric: Metric):
         if metric.name not in self._made:
-            cls = Counter if metric.kind == "counter" else Gauge
-            name = metric.name.removesuffix("_total") if metric.kind == "counter" else metric.name
-            self._made[metric.name] = cls(name, metric.help, registry=self.registry)
+            if metric.kind == "histogram":
+                made = Histogram(metric.name, metric.help, metric.labels, registry=self.registry,
+                                 buckets=metric.buckets)
+            elif metric.kind == "counter":  # the client library appends _total itself
+                made = Counter(metric.name.removesuffix("_total"), metric.help, metric.labels, registry=self.registry)
+            else:
+                made = Gauge(metric.name, metric.help, metric.labels, registry=self.registry)
+            self._made[metric.name] = made
         return self._made[metric.name]
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# OpenAI's error types by status (its API and vLLM's answer {"error": {"message", "type", "param", "code"}}).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+               500: "server_error", 503: "service_unavailable_error"}
 
 
 @dataclass
@@ -59,6 +77,11 @@ class HttpError(Exception):
     status: int
     message: str
     param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -85,8 +108,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_json(self, err: HttpError) -> None:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(err.status, "invalid_request_error")
-        self.send_json(err.status, {"error": {"message": err.message, "type": kind, "param": err.param}})
+        self.send_json(err.status, err.body())
 
     def read_json(self) -> Any:
         try:
@@ -108,6 +130,112 @@ class HttpServer(ThreadingHTTPServer):
     daemon_threads = True
     # The default backlog of 5 resets connections when an orchestrator opens dozens at once.
     request_queue_size = 256
+
+
+def json_api(title: str, description: str) -> "FastAPI":
+    """A FastAPI app whose every error is OpenAI's shape: HttpError as raised, schema violations as 400 naming the
+    field (FastAPI's default is 422 without a `param`), unknown paths and methods as 404/405, a body over
+    MAX_BODY_BYTES as 413, and any other exception as a logged 500 that keeps the server serving."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title=title, description=description, version="1")
+
+    def answer(err: HttpError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HttpError)
+    async def _http_error(_: Request, err: HttpError) -> JSONResponse:
+        return answer(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(validation_error(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _starlette(_: Request, exc: HTTPException) -> JSONResponse:
+        return answer(HttpError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return answer(HttpError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit():
+            return answer(HttpError(400, f"Content-Length: {length!r} is not a byte count"))
+        if int(length) > MAX_BODY_BYTES:
+            return answer(HttpError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"))
+        return await call_next(request)
+
+    return app
+
+
+def validation_error(errors: list[dict]) -> HttpError:
+    """pydantic's errors -> one 400 naming the top-level field (OpenAI's `param`), the value and what is allowed.
+    A field that failed every branch of a union (e.g. `prompt`) lists what each branch expected."""
+    located = [(e, [str(p) for p in e["loc"] if p != "body"]) for e in errors]
+    first, path = located[0]
+    if not path or first["type"] in ("json_invalid", "model_attributes_type", "dict_type"):
+        detail = first["msg"] if first["type"] == "json_invalid" else "expected a JSON object"
+        return HttpError(400, f"body: {detail}", code="invalid_body")
+    field = path[0]
+    reasons = list(dict.fromkeys(e["msg"] for e, p in located if p[:1] == [field]))
+    value = "missing" if first["type"] == "missing" else f"got {_short(first.get('input'))}"
+    return HttpError(400, f"{field}: {'; or '.join(reasons)} ({value})", field, first["type"])
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class BackgroundServer:
+    """A FastAPI app served by uvicorn from a thread, on a socket bound before it starts (port 0 = any free
+    port), so the caller knows the URL at once: for tests and for roles that embed a server."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app))
+        self.thread = threading.Thread(target=self._run, name="http", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.socket]))
+
+    def start(self) -> "BackgroundServer":
+        self.thread.start()
+        wait_for(f"{self.url}/openapi.json", timeout=30, interval=0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
+
+
+def uvicorn_config(app: Any, **kwargs: Any):
+    import uvicorn
+
+    # One event loop per process; the engine's thread hands it tokens. The backlog absorbs an orchestrator
+    # opening hundreds of connections at once.
+    return uvicorn.Config(app, log_level="warning", access_log=False, backlog=2048, timeout_keep_alive=30, **kwargs)
+
+
+def serve(app: Any, host: str, port: int) -> None:
+    """Serve `app` in this thread until SIGTERM/SIGINT (uvicorn then lets requests in flight finish)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, host=host, port=port)).run()
 
 
 def http_json(method: str, url: str, body: Any = None, *, timeout: float, token: str | None = None) -> Any:

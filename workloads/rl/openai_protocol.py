@@ -1,0 +1,265 @@
+"""The OpenAI completion and chat-completion protocol as pydantic models, plus the fields RL clients add (vLLM's
+`return_token_ids`, `stop_token_ids`, `top_k`, `min_p`, `logprob_mode`; our `return_routing`). Torch-free: the
+orchestrator, clients and tests import it without the model.
+
+Requests are validated strictly (`"n": "3"` and `"n": true` are errors, not coerced) and every number must be
+finite, so nothing the schema lets through can fail a batch on its type or range. Fields that depend on the
+served model (vocabulary, context length, `max_n`) are checked by the server against its run configuration.
+Unknown request fields are kept in `model_extra`, which the server logs and ignores, as vLLM does. `null` means
+"the default" for every optional field, as in OpenAI's API.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+UINT64 = 2**64
+MAX_LOGPROBS = 20  # alternatives per token; OpenAI allows 5 (completions) and 20 (chat), vLLM 20 by default
+MAX_STOP_STRINGS = 16
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _integral(value):
+    # JSON Schema's integers include 3.0 (and JavaScript clients write them so); "3" and true stay errors.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field type with bounds (placed before the validator, so the JSON schema states them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+LogprobMode = Literal["processed", "raw"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
+
+
+class SamplingFields(Request):
+    """What both endpoints share: how rows are sampled and what comes back with them."""
+
+    model: str | None = None
+    n: integer(ge=1) | None = Field(None, description="choices per prompt (<= the server's max_n)")
+    max_tokens: integer(ge=1) | None = None
+    temperature: Annotated[Finite, Field(ge=0, le=10)] | None = Field(None, description="0 = greedy; default 1")
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: integer(ge=-1) | None = Field(None, description="-1 or 0 = off")
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
+    seed: integer(ge=0, lt=UINT64) | None = Field(
+        None, description="choice i samples from the counter-based stream (seed, i): the same request reproduces")
+    stop: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="the text ends before the first of these strings")
+    stop_token_ids: list[integer(ge=0)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = Field(None, description="also return the prompt's token ids")
+    return_routing: bool | None = Field(None, description="return each choice's routed experts (routing replay)")
+    logprob_mode: LogprobMode | None = Field(
+        None, description="processed = after temperature/top-k/top-p/min-p (what an RL trainer scores); "
+                          "raw (default) = the model's own distribution")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="0 = the sampled token's logprob; N = also the N most likely alternatives")
+    echo: bool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: OpenAI accepts a string, token ids, or a list of either."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: integer(ge=1) | None = Field(None, description="OpenAI's newer max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    add_generation_prompt: bool | None = Field(None, description="end the prompt with the assistant's turn "
+                                                                 "(default true)")
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Versioned(BaseModel):
+    """Every answer says which weights sampled it; all of its tokens come from that one version."""
+    id: str
+    created: int
+    model: str
+    weight_version: int
+    weight_lineage: int
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(None, description="the stop token id or string that ended the choice")
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: str | None = Field(
+        None, description="base64 .npy [prompt + completion - 1, layers, k] (uint8, int16 above 256 experts)")
+
+
+class CompletionResponse(Versioned):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: str | None = None
+
+
+class ChatCompletionResponse(Versioned):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None = None
+
+
+class ChatCompletionChunk(Versioned):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moe-rl-eks"
+    max_model_len: int
+    weight_version: int | None
+    weight_lineage: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class WeightLoadRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    version: integer(ge=0)
+    lineage: integer(ge=0) | None = Field(
+        None, description="the trainer lineage the version belongs to (default: the store's newest)")
+
+
+class WeightLoadResponse(BaseModel):
+    weight_version: int
+    weight_lineage: int
+    load_seconds: float
+
+
+class Health(BaseModel):
+    status: Literal["ok", "hung"]
+    weight_version: int | None
+    running: int
+    waiting: int
+    seconds_since_step: float
+
+
+class Readiness(BaseModel):
+    ready: bool
+    weight_version: int | None
+    weight_lineage: int | None
