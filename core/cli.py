@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-train": ("moe_rl_eks.workloads.bench_train", "main",
                     "trainer micro-batch tokens/s, MFU and memory on one GPU (Qwen3-30B-A3B layers)"),
     "serve-rollout": ("moe_rl_eks.workloads.rl.rollout_server", "main", "serve completions (rollout server role)"),
-    "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator", "main", "drive rollouts, score, batch (orchestrator role)"),
+    "orchestrate": ("moe_rl_eks.workloads.rl.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.rl.trainer", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.workloads.rl.local_run", "main", "the whole RL loop on this machine"),
     "eval": ("moe_rl_eks.workloads.rl.evaluation", "main",

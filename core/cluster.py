@@ -13,6 +13,11 @@ KUBERNETES_VERSIONS = ("1.35",)
 # efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
 # "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
 VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"
+# The VPC CNI add-on infra/ installs: pinned, not EKS's per-version default (fixed when that Kubernetes version
+# launched), so an upgrade is deliberate. The newest seen published (July 2026, for 1.33); EKS usually offers a CNI
+# add-on version for every Kubernetes version in support, but that was not checked here (no AWS account):
+# `aws eks describe-addon-versions --addon-name vpc-cni --kubernetes-version 1.35` lists what is offered.
+VPC_CNI_VERSION = "v1.22.3-eksbuild.1"
 # The VPC's subnets, one of each per zone, allocated in this order (infra/network.py): public (NAT gateways only),
 # private (nodes and pods: the VPC CNI gives every pod a VPC address), and the managed scraper's own.
 SUBNET_MASKS = (("public", 24), ("private", 19), ("scraper", 28))

@@ -214,6 +214,7 @@ class OrchestratorConfig:
     request_timeout_s: float = 30.0  # deadline of one completion request; then it is retried elsewhere
     straggler_after_s: float = 10.0  # a request still running after this is also sent to another server
     max_attempts: int = 4  # per request, across servers
+    weight_push_timeout_s: float = 600.0  # a server's load of a new version (tens of GB on a cluster)
     max_inflight_requests: int = 16  # per rollout server
     # Rollout base URLs (a local run fills them in); `dns+http://<service>:<port>` follows every address of a
     # headless Service, so autoscaled rollout pods join and leave without a restart.
@@ -222,7 +223,7 @@ class OrchestratorConfig:
     def validate(self) -> None:
         if self.max_staleness < 0:
             fail("max_staleness", self.max_staleness, "must be >= 0 (0 = synchronous)")
-        for name in ("request_timeout_s", "straggler_after_s"):
+        for name in ("request_timeout_s", "straggler_after_s", "weight_push_timeout_s"):
             if getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "must be > 0 seconds")
         for name in ("max_attempts", "max_inflight_requests"):

@@ -12,7 +12,7 @@ from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validat
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY
+from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -35,11 +35,6 @@ CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
 # The VPC CNI's own permissions, given to its aws-node service account by Pod Identity instead of the node role.
 CNI_POLICY = "AmazonEKS_CNI_Policy"
 POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
-# Pinned, not EKS's per-version default (fixed when that Kubernetes version launched), so an upgrade is deliberate.
-# The newest VPC CNI add-on seen published (July 2026, for 1.33); EKS usually offers a CNI add-on version for every
-# Kubernetes version in support, but that was not checked here (no AWS account): `aws eks describe-addon-versions
-# --addon-name vpc-cni --kubernetes-version 1.35` lists what is offered.
-VPC_CNI_VERSION = "v1.22.3-eksbuild.1"
 _MANAGED = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
 
 
@@ -97,7 +92,7 @@ class MoeRlCluster(Construct):
         :param system_root_volume_gib: root volume of system nodes, which hold the controllers' and the
             orchestrator's images; default 100.
         :param vpc_cni_version: VPC CNI add-on version, at least core.cluster.VPC_CNI_MIN_VERSION_FOR_EFA_ONLY;
-            default VPC_CNI_VERSION; None: the version EKS installs by default for the cluster's Kubernetes version.
+            default core.cluster.VPC_CNI_VERSION; None: the version EKS installs by default for the cluster's Kubernetes version.
         """
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:

@@ -21,7 +21,7 @@ from moe_rl_eks.core.schema import dump
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, TMP_GIB, aws_env, check_shm, \
-    container_security, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \
+    container_security, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \
     standard_volumes, startup_check
 from .trainer import GangJob, add_gang_job
 
@@ -125,7 +125,7 @@ class RunChart(cdk8s.Chart):
             env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
             resources=size.resources(),
-            security_context=container_security(efa_capabilities(size)),
+            security_context=container_security(),
             volume_mounts=volumes.mounts,
             # Loading tens of GB of weights takes minutes: liveness waits for the startup probe.
             startup_probe=k8s.Probe(http_get=health, period_seconds=10, failure_threshold=90),

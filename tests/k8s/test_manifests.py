@@ -80,7 +80,8 @@ def test_trainer_pod_takes_the_whole_p5_node(manifests, run, gpus, efa):
     limits = c["resources"]["limits"]
     assert (limits[labels.GPU_RESOURCE], limits[labels.EFA_RESOURCE]) == (gpus, efa)
     assert limits["hugepages-2Mi"] == "10240Mi" and c["resources"]["requests"]["memory"] == limits["memory"]
-    assert c["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+    # No IPC_LOCK: a non-root container would not get it; the node's memlock limit is what EFA needs.
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["fsx"]["persistentVolumeClaim"]["claimName"] == cluster.FSX_CLAIM_NAME
@@ -187,9 +188,7 @@ def test_every_container_is_locked_down_and_sized(objects):
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
         assert sc["capabilities"]["drop"] == ["ALL"]
-        # IPC_LOCK only where EFA memory is registered, nothing else ever added
-        uses_efa = labels.EFA_RESOURCE in c["resources"]["limits"]
-        assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if uses_efa else [])
+        assert "add" not in sc["capabilities"]  # nothing added, not even IPC_LOCK on EFA pods (pod security: restricted)
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(c["resources"][kind]), (c["name"], kind)
         repo, _, tag = c["image"].rpartition(":")

@@ -105,7 +105,7 @@ def sample_accounting(out: Path, final_state: dict) -> dict:
     events = [json.loads(line) for line in (out / "orchestrator-events.jsonl").read_text().splitlines()]
     completed = [e["request_id"] for e in events if e["event"] == "completed"]
     dropped = {e["request_id"] for e in events if e["event"] == "dropped_stale"}
-    filtered = {e["request_id"] for e in events if e["event"] == "filtered"}
+    filtered = {e["request_id"] for e in events if e["event"] in ("filtered", "dropped_failed")}
     trained_ids = [i for ids in trained_steps(out).values() for i in ids]
     trained_requests = {i.split("/")[0] for i in trained_ids}
     leftover = {g["request_id"] for g in final_state["buffered"]}

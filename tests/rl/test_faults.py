@@ -1,16 +1,17 @@
 """Faults, on the real multi-process loop (rollout servers, orchestrator, torchrun trainer with EP=2 over gloo):
-a rollout server killed and another straggling (behind a proxy that delays its answers), a trainer killed and resumed (bitwise in synchronous mode, no
+a rollout server killed and another straggling (behind a proxy that delays its answers), the trainer and the orchestrator
+killed and resumed while the servers hold newer versions (bitwise in synchronous mode), a preempted trainer (no
 sample lost or used twice in asynchronous mode)."""
 import signal
 
 import torch
 from rl_helpers import SlowProxy, call, sample_accounting, trained_steps, wait_until, write_run
-from safetensors.torch import load_file
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl import checkpoint as ckpt
 from moe_rl_eks.workloads.rl.local_run import LocalCluster, read_metrics
-from moe_rl_eks.workloads.rl.weights import version_name
+from moe_rl_eks.workloads.model.checkpoint import load_hf
+from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
 
@@ -58,26 +59,33 @@ def test_a_straggling_and_a_killed_rollout_server_lose_or_duplicate_no_sample(tm
     assert sorted(trained_steps(out)) == list(range(steps)) and len(acc["trained_ids"]) == steps * n
     counts = state["counts"]
     assert counts["failed_requests"] == 0
-    # every request the straggler held was also sent elsewhere, and one of its two answers was ignored
-    assert straggler.held > 0 and counts["retries"] >= straggler.held and counts["duplicates_ignored"] > 0, counts
+    # every request the straggler held was also sent elsewhere (hedged), the straggler's call then cancelled
+    assert straggler.held > 0 and counts["retries"] >= straggler.held and counts["hedges"] > 0, counts
 
 
 def final_weights(out, version):
-    return load_file(str(out / "weights" / version_name(version) / "model.safetensors"))
+    """Version `version` of the store's newest lineage (a resumed trainer publishes in a new one)."""
+    return load_hf(DirectoryStore(out / "weights").fetch(version, out / "cache"))[1]
 
 
-def kill_trainer_after_first_checkpoint(cluster, steps):
-    """SIGKILL the trainer as soon as it has a checkpoint, restart it, and check it resumed mid-run."""
+def kill_trainer_and_orchestrator_after_first_checkpoint(cluster, steps):
+    """SIGKILL the trainer and the orchestrator as soon as there is a checkpoint, while the rollout servers go on
+    holding the dead trainer's newer versions; restart both from the checkpoint (the trainer in a new lineage)."""
     root = cluster.out / "checkpoints"
     wait_until(lambda: ckpt.latest(root), 180, "the first checkpoint", interval=0.05)
     cluster.trainer.stop(signal.SIGKILL)
+    cluster.orchestrator.stop(signal.SIGKILL)
     at = int(ckpt.latest(root).name.split("-")[1])
     assert at < steps, "the trainer finished before it could be killed; the test proves nothing"
+    cluster.start_orchestrator(resume=True)
     cluster.start_trainer()
     return at
 
 
-def test_trainer_killed_and_resumed_reaches_bitwise_the_same_parameters_when_synchronous(tmp_path):
+def test_trainer_and_orchestrator_killed_and_resumed_reach_bitwise_the_same_parameters_when_synchronous(tmp_path):
+    """Also bug 1 of issue 12: the servers hold the dead trainer's newer versions when both restart; one sample of
+    them trained would change the weights (the resumed trainer publishes in lineage 1, the orchestrator trains
+    only its history)."""
     steps = 10
     sections = dict(rollout={"min_servers": 1, "max_servers": 1, "max_batch_size": 8},
                     orchestrator={"max_staleness": 0}, training={**SHORT, "steps": steps, "checkpoint_every": 2})
@@ -90,7 +98,7 @@ def test_trainer_killed_and_resumed_reaches_bitwise_the_same_parameters_when_syn
     (tmp_path / "b").mkdir()
     resumed = start(write_run(tmp_path / "b", **sections))
     try:
-        at = kill_trainer_after_first_checkpoint(resumed, steps)
+        at = kill_trainer_and_orchestrator_after_first_checkpoint(resumed, steps)
         finish(resumed)
     finally:
         resumed.stop()

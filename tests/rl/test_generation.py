@@ -152,9 +152,17 @@ def test_sampling_follows_the_processed_distribution_and_reports_processed_or_ra
 def test_the_generation_benchmark_prints_its_table(capsys):
     from moe_rl_eks.workloads.rl.bench_generation import main
 
-    assert main(["--group", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
+    assert main(["--group", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1",
+                 "--tail-tokens", "6", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| 4 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["2 distinct", "1 shared"]
+    # 8 rows (6, 2, 2, 2, 6, 2, 2, 2 new tokens) through 2 slots; a step feeds every row one token, the prefill's
+    # step two (its first token is sampled from the prompt). Batch by batch: 5 + 1 + 5 + 1 steps; continuously fewer
+    # (the short rows fill the slot beside each long one)
+    steps = {line.split("|")[1].strip().split(" ")[0]: int(line.split("|")[2]) for line in out
+             if line.startswith(("| batch by batch", "| continuous"))}
+    assert steps["batch"] == 12 and steps["continuous"] < 12, steps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, CompletionRequest, Group,
-                                              OrchestratorState, ProtocolError, Sample, TrainingSample, VersionRef,
+                                              OrchestratorState, PromptRecord, ProtocolError, Sample, TrainingSample, VersionRef,
                                               decode_routing, derive_seed, encode_routing, staleness_ok)
 
 
@@ -27,8 +27,10 @@ def test_records_round_trip_through_json():
     b = batch()
     assert Batch.from_json(json.loads(json.dumps(b.to_json()))) == b
     group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, encode_routing(np.zeros((3, 2, 2), np.int64)))])
-    state = OrchestratorState(next_prompt=9, consumed=2, pending_prompts=[8], buffered=[group], batches={4: b},
-                              counts={"retries": 1}, trainer=VersionRef(1, 4))
+    pending = PromptRecord(8, [1, 2], "1+1=", "2", "arithmetic", {"level": [1]})
+    state = OrchestratorState(next_prompt=9, consumed=2, pending=[pending], buffered=[group], batches={4: b},
+                              counts={"retries": 1}, trainer=VersionRef(1, 4), forks={1: VersionRef(0, 2)},
+                              source={"cursor": 9})
     back = OrchestratorState.from_json(json.loads(json.dumps(state.to_json())))
     assert back == state and back.batches[4].samples[1].version == VersionRef(1, 3)
 
@@ -37,7 +39,6 @@ def test_records_round_trip_through_json():
     (lambda d: d["samples"][1].update(advantage="x"), "batch.samples[1].advantage", "a finite number"),
     (lambda d: d["samples"][0].update(logprobs=[-0.5]), "batch.samples[0].logprobs", "one per completion token"),
     (lambda d: d["samples"][0]["version"].update(lineage=-1), "batch.samples[0].version.lineage", ">= 0"),
-    (lambda d: d["samples"][0]["version"].update(lineage=2), "batch.samples", "every sample of lineage 1"),
     (lambda d: d["samples"][0].pop("reward"), "batch.samples[0].reward", "required field missing"),
     (lambda d: d["stats"].update(colour=1), "batch.stats.colour", "unknown field"),
     (lambda d: d.update(step=True), "batch.step", "an integer"),
@@ -75,7 +76,7 @@ def test_a_completion_response_is_read_into_typed_choices():
 def test_a_completion_request_carries_our_fields_and_checks_its_seed():
     r = CompletionRequest(prompt=[1, 2], n=4, max_tokens=3, temperature=1.0, top_p=0.9, seed=derive_seed(0, 1))
     data = r.to_json()
-    assert data["logprob_mode"] == "processed" and data["return_token_ids"] is True and data["logprobs"] == 0
+    assert data["logprob_mode"] == "processed" and data["logprobs"] == 0 and "stop_token_ids" not in data
     with pytest.raises(ProtocolError, match=r"^completion_request.seed: .*\[0, 2\*\*63\)"):
         CompletionRequest.from_json({**data, "seed": 2**63})
 
@@ -120,4 +121,12 @@ def test_the_staleness_rule_refuses_newer_weights_and_other_lineages():
     assert not staleness_ok(trainer, VersionRef(1, 7), 2)  # too old
     assert not staleness_ok(trainer, VersionRef(1, 15), 2)  # from the future: a restart's stale servers
     assert not staleness_ok(trainer, VersionRef(0, 10), 2)  # the dead lineage, same number
+    # lineage 1 resumed from lineage 0's checkpoint of step 8: versions <= 8 of lineage 0 are its history
+    forks = {1: VersionRef(0, 8)}
+    assert staleness_ok(trainer, VersionRef(0, 8), 2, forks) and not staleness_ok(trainer, VersionRef(0, 9), 2, forks)
+    # and lineage 2 resumed from lineage 1's step 9: lineage 0 up to 8 still counts, through both forks
+    forks[2] = VersionRef(1, 9)
+    assert staleness_ok(VersionRef(2, 10), VersionRef(0, 8), 2, forks)
+    assert staleness_ok(VersionRef(2, 10), VersionRef(1, 9), 2, forks)
+    assert not staleness_ok(VersionRef(2, 10), VersionRef(1, 10), 2, forks)
     assert VersionRef(0, 99) < VersionRef(1, 0) < VersionRef(1, 1)

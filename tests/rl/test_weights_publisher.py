@@ -1,6 +1,7 @@
 """Background publication: publish() returns after the snapshot, a newer version supersedes a waiting one,
 `published` is what reached the store, expert-parallel ranks each write their experts (two gloo processes), and
 the sigmoid router's correction bias stays float32 from the trainer to the served model."""
+import dataclasses
 import socket
 import threading
 
@@ -238,3 +239,28 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
     assert "rank 1: " in out["refused"] and f"experts.{last}.down_proj.weight does not match" in out["refused"]
     assert "rank 0" not in out["refused"]
 
+
+def test_a_serving_replica_holds_the_router_bias_in_float32_bit_equal_to_the_trainers(tmp_path):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.rl.replica import Replica
+
+    run = tiny_run(tmp_path)
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, router="sigmoid", dtype="bfloat16"))
+    torch.manual_seed(0)
+    state = MoETransformer(run.model).state_dict()
+    bias_name = "model.layers.0.mlp.gate.e_score_correction_bias"
+    state[bias_name].copy_(torch.randn(run.model.num_experts) * 1e-3 + 0.5)
+    store = DirectoryStore(tmp_path / "store")
+    publisher = Publisher(store, run.model, lineage=0)
+    publisher.publish(1, state)
+    publisher.close()
+    replica = Replica(run, device=torch.device("cpu"))
+    try:
+        replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
+        replica.swap(1)
+        served = replica.model.state_dict()
+    finally:
+        replica.stop()
+    assert served[bias_name].dtype == torch.float32 and torch.equal(served[bias_name], state[bias_name])
+    assert served["model.layers.0.mlp.experts.down_proj"].dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""`moerl bench-generation`: two costs of the rollout engine's batched decoding, each in a table.
+"""`moerl bench-generation`: three costs of the rollout engine's batched decoding, each in a table.
 
 - Prefill: the same rows decode the same number of tokens; only the prompts differ: one prompt for the whole
   group (GRPO's n samples: prefilled once) or a distinct prompt per row (prefilled n times).
@@ -17,7 +17,8 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 
 from ..model import MoETransformer
-from .generation import Row, generate
+from .engine_api import RowRequest, SamplingParams
+from .generation import Decoder, Row, generate
 
 # A small MoE that makes the prefill cost visible on a CPU in seconds (Qwen3-MoE-shaped, not sized).
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -76,7 +77,38 @@ def main(argv: list[str]) -> int:
         seconds = statistics.median(_timed(model, rows_for(64, lengths, True, rng)) for _ in range(args.repeats))
         label = f"{args.group} x {long}" if len(set(lengths)) == 1 else f"1 x {long} + {args.group - 1} x {short}"
         print(f"| {label} | {sum(lengths)} | {seconds:.3f} | {sum(lengths) / seconds:.0f} |")
+    rng = random.Random(2)
+    lengths = [long if i % 4 == 0 else short for i in range(4 * args.group)]  # a quarter of the rows run long
+    requests = [RowRequest(tuple(rng.randrange(3, 2048) for _ in range(16)), SamplingParams(n, seed=i), "r", i)
+                for i, n in enumerate(lengths)]
+    print(f"\ncontinuous batching: {len(requests)} rows (16-token prompts; every fourth {long} new tokens, the others "
+          f"{short}) through {args.group} slots; median of {args.repeats}")
+    print("| batching | decode steps | seconds | generated tokens / s |")
+    print("|---|---|---|---|")
+    for continuous in (False, True):
+        runs = [_through_slots(model, requests, args.group, continuous) for _ in range(args.repeats)]
+        seconds = statistics.median(r[1] for r in runs)
+        label = "continuous (rows join at every step)" if continuous else f"batch by batch ({args.group} rows each)"
+        print(f"| {label} | {runs[0][0]} | {seconds:.3f} | {sum(lengths) / seconds:.0f} |")
     return 0
+
+
+def _through_slots(model, requests: list[RowRequest], slots: int, continuous: bool) -> tuple[int, float]:
+    """(steps, seconds) to decode `requests` through a decoder of `slots` rows; batch by batch = the next batch
+    is admitted only once the whole previous one has finished."""
+    decoder = Decoder(model, slots=slots, max_len=max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
+                      eos_ids=())
+    waiting, steps = list(requests), 0
+    start = time.perf_counter()
+    while waiting or decoder.busy:
+        if continuous or not decoder.busy:
+            take = len(decoder.free) if continuous else slots
+            for r in waiting[:take]:
+                decoder.add(r)
+            del waiting[:take]
+        decoder.step()
+        steps += 1
+    return steps, time.perf_counter() - start
 
 
 def _timed(model, rows) -> float:

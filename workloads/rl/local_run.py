@@ -97,7 +97,9 @@ class LocalCluster:
                                 preexec_fn=pin)
 
     def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
-        port = free_port()
+        """Start rollout server `index`; a restarted one takes its predecessor's port, so the orchestrator's
+        endpoint list still names it."""
+        port = int(self.servers[index].url.rsplit(":", 1)[1]) if index < len(self.servers) else free_port()
         argv = launch(CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)],
                       processes=self.run.rollout.gpus_per_server, torchrun=TORCHRUN)
         proc = self._spawn(f"rollout-{index}", argv, cpus)
@@ -215,6 +217,14 @@ def evaluate(run: RunConfig, directory: Path, prompts: int = 128, seed: int = 12
     return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(correct) / len(correct)}
 
 
+def final_weights(run: RunConfig, out: Path) -> Path:
+    """The directory of the run's newest published version (the store's LATEST)."""
+    from .weights import open_store
+
+    store = open_store(run.rl.weights, out / "weights")
+    return store.fetch(store.latest(), out / "weights-cache")
+
+
 def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -263,7 +273,7 @@ def main(argv: list[str]) -> int:
         return rc
     rows = read_metrics(out)
     evals = {name: evaluate(run, out / "eval" / name) for name in ("initial", "warmup") if (out / "eval" / name).exists()}
-    evals["final"] = evaluate(run, sorted((out / "weights").glob("v*"))[-1])
+    evals["final"] = evaluate(run, final_weights(run, out))
     plot(rows, evals, out / "reward_curve.png")
     summary = {"seconds": time.monotonic() - start, "steps": len(rows), "evaluation": evals,
                "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],

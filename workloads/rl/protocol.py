@@ -85,6 +85,8 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ProtocolError(path, value, "expected a string")
         return value
+    if tp is Any:  # JSON carried through as is (a prompt's ground truth, a prompt source's state)
+        return value
     raise TypeError(f"protocol: unsupported field type {tp!r} at {path}")
 
 
@@ -102,7 +104,9 @@ class Record:
     """Base of the wire records (dataclasses): JSON out, checked JSON in, then the record's own `check()`."""
 
     def to_json(self) -> dict:
-        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Plain JSON types; an optional field that is None (its default) is left out."""
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if not (f.default is None and getattr(self, f.name) is None)}
 
     @classmethod
     def from_json(cls: type[R], data: Any, path: str | None = None) -> R:
@@ -157,11 +161,24 @@ class VersionRef(Record):
         return None
 
 
-def staleness_ok(trainer: VersionRef, sample: VersionRef, max_staleness: int) -> bool:
-    """The rule for training a sample at trainer version `trainer.version` (= the step): same lineage, and the
-    sample's weights at most `max_staleness` steps old and never newer than the trainer's (a server still holding
-    a dead lineage's higher version must not feed the step)."""
-    return sample.lineage == trainer.lineage and 0 <= trainer.version - sample.version <= max_staleness
+def staleness_ok(trainer: VersionRef, sample: VersionRef, max_staleness: int,
+                 forks: dict[int, VersionRef] | None = None) -> bool:
+    """The rule for training a sample at trainer version `trainer.version` (= the step): the sample's weights
+    are in the trainer's history, at most `max_staleness` steps old and never newer than the trainer's (a server
+    still holding a dead lineage's higher version must not feed the step).
+
+    `forks` maps a lineage to where it began: a trainer resumed from the checkpoint of step k of lineage L-1
+    starts lineage L at k, so versions <= k of L-1 are the same weights (its history) and versions > k of L-1
+    are the dead lineage's. Without `forks` only the trainer's own lineage counts."""
+    if not 0 <= trainer.version - sample.version <= max_staleness:
+        return False
+    lineage, bound = trainer.lineage, trainer.version
+    while sample.lineage != lineage:
+        fork = (forks or {}).get(lineage)
+        if fork is None:
+            return False
+        lineage, bound = fork.lineage, min(bound, fork.version)
+    return sample.version <= bound
 
 
 # ---- routing replay -------------------------------------------------------------------------------------------
@@ -222,10 +239,9 @@ class CompletionRequest(Record):
     seed: int
     model: str | None = None  # the served name (run.name) or None: a server refuses any other
     logprobs: int = 0  # no alternatives: only the sampled token's logprob
-    return_token_ids: bool = True
     return_routing: bool = False
     logprob_mode: Literal["processed", "raw"] = "processed"  # what the trainer scores: after temperature/top-p
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # besides the model's EOS ids, which servers add themselves
 
     def check(self) -> tuple[str, str] | None:
         if not self.prompt:
@@ -260,6 +276,7 @@ class Completion(Record):
 
     version: VersionRef
     choices: list[Choice]
+    lineage_reported: bool = True  # False: the server named no lineage (version.lineage is 0 until attributed)
 
     @classmethod
     def from_response(cls, body: Any, path: str = "response") -> "Completion":
@@ -268,7 +285,8 @@ class Completion(Record):
         if not isinstance(body, dict):
             raise ProtocolError(path, body, "expected a JSON object")
         version = _decode(int, body.get("weight_version"), f"{path}.weight_version")
-        lineage = _decode(int, body.get("weight_lineage", 0), f"{path}.weight_lineage")
+        reported = body.get("weight_lineage") is not None
+        lineage = _decode(int, body.get("weight_lineage", 0) if reported else 0, f"{path}.weight_lineage")
         raw = body.get("choices")
         if not isinstance(raw, list) or not raw:
             raise ProtocolError(f"{path}.choices", raw, "expected a non-empty list")
@@ -286,10 +304,24 @@ class Completion(Record):
                 "routing": c.get("routed_experts")}, where))
         if sorted(c.index for c in choices) != list(range(len(choices))):
             raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
-        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path), sorted(choices, key=lambda c: c.index))
+        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path),
+                   sorted(choices, key=lambda c: c.index), reported)
 
 
 # ---- training data --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptRecord(Record):
+    """A prompt as the orchestrator keeps it while its request is in flight (checkpointed, so a restarted
+    orchestrator asks for the same prompt with the same seed)."""
+
+    index: int  # unique in a run; the request seed derives from it
+    prompt_ids: list[int]
+    text: str
+    ground_truth: Any  # what the reward checks against (JSON)
+    data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Sample(Record):
     """One scored completion of a group."""
@@ -345,13 +377,15 @@ class BatchStats(Record):
     dropped_stale_groups: int
     filtered_groups: int
     retries: int
-    rewards_failed: int
+    rewards_failed: int  # samples whose reward failed (masked, never trained)
     completed: int
 
 
 @dataclass(frozen=True)
 class Batch(Record):
-    """The samples of one optimizer step (trainer version `step` of `lineage`), in prompt order."""
+    """The samples of one optimizer step (trainer version `step` of `lineage`), in prompt order. A sample may
+    come from an older lineage's versions that are in `lineage`'s history (before the checkpoint it resumed
+    from)."""
 
     step: int
     lineage: int
@@ -361,8 +395,6 @@ class Batch(Record):
     def check(self) -> tuple[str, str] | None:
         if not self.samples:
             return "samples", "at least one sample"
-        if any(s.version.lineage != self.lineage for s in self.samples):
-            return "samples", f"every sample of lineage {self.lineage}"
         return None
 
 
@@ -372,8 +404,11 @@ class OrchestratorState(Record):
 
     next_prompt: int
     consumed: int  # groups that went into batches
-    pending_prompts: list[int]  # in flight when the snapshot was taken: issued again, with the same seeds
+    pending: list[PromptRecord]  # in flight when the snapshot was taken: issued again, with the same seeds
     buffered: list[Group]
     batches: dict[int, Batch]  # by step, kept until the trainer has committed a checkpoint past them
     counts: dict[str, int]
-    trainer: VersionRef | None = None
+    trainer: VersionRef | None = None  # the trainer's version when the snapshot was taken
+    forks: dict[int, VersionRef] = field(default_factory=dict)  # lineage -> where it began (staleness_ok)
+    source: dict[str, Any] = field(default_factory=dict)  # the prompt source's own state (its cursor)
+    first_step: int | None = None  # the step of the first batch formed
