@@ -3,7 +3,8 @@
 The same requests (n rows of a distinct random prompt each, seeded, temperature 1) are sent at each concurrency
 three ways: straight to `RolloutEngine.submit` from threads (no HTTP), as `/v1/completions` over HTTP with
 keep-alive connections (httpx), and as streamed `/v1/completions` (server-sent events, one chunk per token).
-tokens/s = completion tokens / wall time of the whole batch of requests; the latency columns are per request.
+tokens/s = completion tokens / wall time of the whole batch of requests (the median of `--repeats` runs, the ways
+taking turns); the latency columns are per request.
 The seeds make every way generate the same tokens, so the ratio is the server's overhead at that load.
 
 The model and weights are random (shape `--model`: `tiny` = bench-rollout's small model; on a CPU this measures the
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="rows per request")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per way and concurrency (the median is kept)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="moerl-bench-server-") as tmp:
@@ -158,9 +160,16 @@ def main(argv: list[str] | None = None) -> int:
             direct(engine, bodies[:4], 4)  # warm-up: first steps allocate the decoder
             results = []
             for c in args.concurrency:
-                results.append(measure("engine", c, lambda: direct(engine, bodies, c)))
-                results.append(measure("HTTP", c, lambda: over_http(http.url, bodies, c, False)))
-                results.append(measure("HTTP stream", c, lambda: over_http(http.url, bodies, c, True)))
+                ways = {"engine": lambda: direct(engine, bodies, c),
+                        "HTTP": lambda: over_http(http.url, bodies, c, False),
+                        "HTTP stream": lambda: over_http(http.url, bodies, c, True)}
+                # The ways take turns, and each reports its median run: a shared machine's load moves in between.
+                runs = {name: [] for name in ways}
+                for _ in range(args.repeats):
+                    for name, call in ways.items():
+                        runs[name].append(measure(name, c, call))
+                for name in ways:
+                    results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
         finally:
             http.stop()
             engine.stop()
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     command = ("moerl bench-server --concurrency " + " ".join(map(str, args.concurrency)) +
                f" --requests {args.requests} --n {args.n} --max-tokens {args.max_tokens} "
-               f"--prompt-tokens {args.prompt_tokens}")
+               f"--prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
     print(f"\n`{command}`")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "results": results}, indent=1))
