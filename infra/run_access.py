@@ -3,6 +3,8 @@ FSx for Lustre PersistentVolume/Claim trainers mount, with the runs directory pr
 manifests (k8s/) only refer to these by name."""
 from __future__ import annotations
 
+import hashlib
+
 from aws_cdk import Acknowledgment, Stack, Validations, aws_eks_v2 as eks, aws_fsx as fsx, aws_iam as iam
 from constructs import Construct
 
@@ -112,10 +114,14 @@ def fsx_prepare_job(namespace: str) -> dict:
     uid, runs = names.POD_UID, names.RUNS_DIR
     # chmod before chown: the setgid bit survives chown on a directory; FSETID keeps it when the Job runs again.
     script = f"set -eu; mkdir -p {runs}; chmod 2775 {runs}; chown {uid}:{uid} {runs}; ls -ldn {runs}"
+    # A Job's pod template is immutable: a changed one is a new Job (its name carries the content), and a finished
+    # Job removes itself after a day.
+    digest = hashlib.sha256(f"{FSX_PREPARE_IMAGE}\n{script}".encode()).hexdigest()[:10]
     return {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "moe-rl-fsx-prepare", "namespace": namespace, "labels": {PART_OF_LABEL: PART_OF}},
-        "spec": {"backoffLimit": 6, "template": {"metadata": {"labels": {PART_OF_LABEL: PART_OF}}, "spec": {
+        "metadata": {"name": f"moe-rl-fsx-prepare-{digest}", "namespace": namespace,
+                     "labels": {PART_OF_LABEL: PART_OF}},
+        "spec": {"backoffLimit": 6, "ttlSecondsAfterFinished": 86400, "template": {"metadata": {"labels": {PART_OF_LABEL: PART_OF}}, "spec": {
             "restartPolicy": "OnFailure", "automountServiceAccountToken": False,
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
