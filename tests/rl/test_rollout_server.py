@@ -208,13 +208,14 @@ def test_streamed_completions_add_up_to_the_unstreamed_answer(shared):
     assert all(c["weight_version"] == 0 for c in chunks)
 
 
-def test_a_client_that_disconnects_mid_stream_has_its_rows_cancelled(tmp_path):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_has_its_rows_cancelled(tmp_path, stream):
     for server in serve_rollout(tmp_path, max_new_tokens=48):
         engine = server["engine"]
         sampled = []
         real_submit = engine.submit
 
-        def slow_submit(rows, on_token=None):  # the client's read is slower than sampling: hang up after one
+        def slow_submit(rows, on_token=None):  # sampling slower than the client's patience: it hangs up early
             def on(event):
                 sampled.append(event)
                 time.sleep(0.02)
@@ -222,13 +223,17 @@ def test_a_client_that_disconnects_mid_stream_has_its_rows_cancelled(tmp_path):
             return real_submit(rows, on)
         engine.submit = slow_submit
         host, port = server["url"].removeprefix("http://").split(":")
-        body = json.dumps({"prompt": "1+", "max_tokens": 40, "stream": True, "temperature": 1.0}).encode()
+        body = json.dumps({"prompt": "1+", "max_tokens": 40, "stream": stream, "temperature": 1.0}).encode()
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            received = b""
-            while b"data: " not in received:  # the headers, then the first token's event
-                received += s.recv(4096)
+            if stream:
+                received = b""
+                while b"data: " not in received:  # the headers, then the first tokens' event
+                    received += s.recv(4096)
+            else:
+                while not sampled:  # the rows are running
+                    time.sleep(0.01)
         aborted = 'moerl_rollout_request_success_total{finished_reason="abort"} 1.0'
         deadline = time.monotonic() + 10
         while aborted not in call("GET", f"{server['url']}/metrics")[1] and time.monotonic() < deadline:
