@@ -84,6 +84,29 @@ def test_models_health_ready_and_metrics(rollout):
     assert samples["moerl_rollout_inter_token_latency_seconds_count"] == generated - 2
     assert sum(v for k, v in samples.items() if k.startswith("moerl_rollout_request_success_total{")) == 2
     assert {"moerl_rollout_num_requests_running", "moerl_rollout_num_requests_waiting"} <= set(samples)
+    assert call("POST", f"{url}/v1/completions", {"prompt": "1+1=", "n": 0})[0] == 400
+    assert 'moerl_rollout_request_errors_total{status="400"} 1.0' in call("GET", f"{url}/metrics")[1]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_8_mib_is_refused_with_413(shared, chunked):
+    host, port = shared["url"].removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port))) as s:
+        if chunked:  # no length up front: refused once the bytes read pass the limit
+            s.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            piece = b"x" * (1 << 20)
+            try:
+                for _ in range(9):
+                    s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            except OSError:  # the server answered and closed while we were still sending
+                pass
+        else:  # refused from the header alone, before any of it is read
+            s.sendall(head + b"Content-Length: 9000000\r\n\r\n{")
+        answer = b""
+        while b"}}" not in answer and (more := s.recv(65536)):  # the status line, then the JSON body
+            answer += more
+    assert answer.startswith(b"HTTP/1.1 413") and b'"code":"body_too_large"' in answer
 
 
 @pytest.mark.parametrize("raw, param, status", [

@@ -163,16 +163,50 @@ def json_api(title: str, description: str) -> "FastAPI":
         log.exception("%s %s failed", request.method, request.url.path)
         return answer(HttpError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length", "0")
-        if not length.isdigit():
-            return answer(HttpError(400, f"Content-Length: {length!r} is not a byte count"))
-        if int(length) > MAX_BODY_BYTES:
-            return answer(HttpError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"))
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit)
     return app
+
+
+class BodyLimit:
+    """Refuses a body over MAX_BODY_BYTES with a 413: from its Content-Length before reading it, or (a chunked
+    upload, whose length is unknown) once the bytes read pass the limit; such a body is read here and handed on
+    whole. Plain ASGI (not starlette's BaseHTTPMiddleware, which relays every response through a memory stream and
+    delayed the disconnect a streamed answer listens for)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if b"content-length" in headers:  # the HTTP parser checked it is a number
+            if int(headers[b"content-length"]) > MAX_BODY_BYTES:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return whole.pop() if whole else await receive()
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send) -> None:
+        from fastapi.responses import JSONResponse
+
+        err = HttpError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", None, "body_too_large")
+        await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
 def validation_error(errors: list[dict]) -> HttpError:
