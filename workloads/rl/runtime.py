@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,54 +81,6 @@ class HttpError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
-
-
-class JsonHandler(BaseHTTPRequestHandler):
-    """Small JSON request/response helpers; handlers raise HttpError for 4xx answers."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def send_json(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_bytes(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_error_json(self, err: HttpError) -> None:
-        self.send_json(err.status, err.body())
-
-    def read_json(self) -> Any:
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise HttpError(400, "Content-Length is not an integer") from None
-        if length > MAX_BODY_BYTES:
-            # Drain nothing: the connection is closed after answering, so the client's body is discarded.
-            self.close_connection = True
-            raise HttpError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}")
-        raw = self.rfile.read(length)
-        try:
-            return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HttpError(400, f"body is not valid JSON: {exc}") from None
-
-
-class HttpServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # The default backlog of 5 resets connections when an orchestrator opens dozens at once.
-    request_queue_size = 256
 
 
 def json_api(title: str, description: str) -> "FastAPI":
