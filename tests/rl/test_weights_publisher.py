@@ -40,7 +40,7 @@ class GatedStore(DirectoryStore):
 
     def _commit(self, staging, manifest):
         self.committing.set()
-        self.gate.wait(timeout=30)
+        self.gate.wait(timeout=120)
         super()._commit(staging, manifest)
 
 
@@ -50,7 +50,7 @@ def test_publish_returns_after_the_snapshot_and_the_store_gets_those_bytes(tmp_p
     state = trainer_state()
     expected = {k: v.clone() for k, v in state.items()}
     publisher.publish(0, state)
-    assert store.committing.wait(10) and publisher.published is None  # still being written
+    assert store.committing.wait(60) and publisher.published is None  # still being written
     for t in state.values():  # the next optimizer step changes the weights in place
         t.add_(1.0)
     store.gate.set()
@@ -66,7 +66,7 @@ def test_a_newer_version_supersedes_one_still_waiting(tmp_path):
     store = GatedStore(tmp_path / "store")
     publisher = Publisher(store, CONFIG, lineage=2)
     publisher.publish(10, trainer_state(10))
-    assert store.committing.wait(10)  # version 10 is being written; 11 and 12 wait in turn
+    assert store.committing.wait(60)  # version 10 is being written; 11 and 12 wait in turn
     for v in (11, 12, 13):
         publisher.publish(v, trainer_state(v))
     assert publisher.superseded == [11, 12]
@@ -82,7 +82,7 @@ def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_
     store = GatedStore(tmp_path / "store")
     publisher = Publisher(store, CONFIG, lineage=0)
     publisher.publish(0, trainer_state())
-    assert store.committing.wait(10)
+    assert store.committing.wait(60)
     publisher.publish(1, trainer_state())  # waits behind version 0: the writer is never idle until 1 is written
     assert publisher.wait_published(None, timeout=0.2) is None
     store.gate.set()

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -210,6 +210,37 @@ class Row:
         return self.text.stopped_by is not None
 
 
+class TokenRelay:
+    """Sampled tokens from the engine thread to the event loop, in bursts: the engine thread appends and wakes the
+    loop only when no hand-over is already pending, so a decode step of many rows costs one wake-up (one GIL
+    hand-over between the two threads), not one per token. Locking rule: `_events` and `_pending` only under
+    `_lock`; `listeners` only on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.listeners: dict[str, Callable[[TokenEvent], None]] = {}  # request id -> its Generation's handler
+        self._events: list[TokenEvent] = []
+        self._pending = False
+        self._lock = threading.Lock()
+
+    def put(self, event: TokenEvent) -> None:
+        """The engine's on_token (engine thread)."""
+        with self._lock:
+            self._events.append(event)
+            if self._pending:
+                return
+            self._pending = True
+        self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self) -> None:
+        """On the loop: hand every waiting token to its request (a request already gone drops its tokens)."""
+        with self._lock:
+            events, self._events, self._pending = self._events, [], False
+        for event in events:
+            if (listener := self.listeners.get(event.request_id)) is not None:
+                listener(event)
+
+
 DONE = object()
 
 
@@ -225,18 +256,21 @@ class Generation:
         self.finished = False
 
     def start(self) -> None:
-        loop, engine = asyncio.get_running_loop(), self.server.engine
+        loop, relay = asyncio.get_running_loop(), self.server.relay()
+        relay.listeners[self.request_id] = self._token
         try:
-            self.future = engine.submit(self.plan.rows(self.request_id),
-                                        lambda event: loop.call_soon_threadsafe(self._token, event))
+            self.future = self.server.engine.submit(self.plan.rows(self.request_id), relay.put)
         except RuntimeError as exc:  # the engine is stopping
+            del relay.listeners[self.request_id]
             raise HttpError(503, f"the rollout engine cannot take requests: {exc}", None, "engine_stopped") from None
-        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished))
+        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, relay))
         self.server.metrics.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
 
-    def _finished(self) -> None:
+    def _finished(self, relay: "TokenRelay") -> None:
         """The engine resolved the request (after its last token): count how its rows ended, whether or not
         anyone still listens (a client that hung up leaves aborted rows)."""
+        relay.deliver()  # the request's last tokens come before its end
+        del relay.listeners[self.request_id]
         m = self.server.metrics
         if self.future.exception() is None:
             for out in self.future.result():
@@ -324,6 +358,14 @@ class RolloutServer:
         self.model = ServedModel(run, tokenizer)
         self.metrics = RolloutMetrics(engine.metrics)
         self.created = int(time.time())
+        self._relay: TokenRelay | None = None
+
+    def relay(self) -> TokenRelay:
+        """The token relay of the running event loop (one per loop; made on the first request)."""
+        loop = asyncio.get_running_loop()
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = TokenRelay(loop)
+        return self._relay
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def load_version(self, version: int, lineage: int | None = None) -> float:
