@@ -81,6 +81,9 @@ class RunAccess(Construct):
             "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
             "spec": {"capacity": {"storage": capacity}, "accessModes": ["ReadWriteMany"],
                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     # Lustre clients refuse flock() (ENOSYS) unless mounted with it; the fs weight store commits
+                     # LATEST under an flock, coherent across the nodes that share the file system.
+                     "mountOptions": ["flock"],
                      "claimRef": {"namespace": namespace, "name": names.FSX_CLAIM_NAME},
                      "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": file_system.file_system_id,
                              "volumeAttributes": {"dnsname": file_system.dns_name,

@@ -281,6 +281,8 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
     assert claim["metadata"]["namespace"] == "moe-rl"
     assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"
+    # the fs weight store publishes under an flock: Lustre needs the flock mount option for it
+    assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["mountOptions"] == ["flock"]
 
 
 def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(templates):

@@ -36,8 +36,8 @@ _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor], rounds: int = 10
                ) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors holding 32-bit words. The 32 x 32-bit products
-    wrap modulo 2**64 in int64, which keeps both of their 32-bit halves exact."""
+    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors (or numpy uint64 arrays) holding 32-bit words. The
+    32 x 32-bit products wrap modulo 2**64, which keeps both of their 32-bit halves exact."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(rounds):
