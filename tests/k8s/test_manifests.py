@@ -150,8 +150,9 @@ def test_rollout_servers_probe_health_drain_and_yield_to_trainers(manifests):
     docs = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
     spec = pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]
     (c,) = spec["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["path"] == "/health"
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"  # the engine loop is alive
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # listed to the orchestrator once weights are loaded
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 60}}
     assert spec["terminationGracePeriodSeconds"] > 60
     assert spec["priorityClassName"] == cluster.ROLLOUT_PRIORITY_CLASS

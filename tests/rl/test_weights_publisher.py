@@ -264,3 +264,16 @@ def test_a_serving_replica_holds_the_router_bias_in_float32_bit_equal_to_the_tra
         replica.stop()
     assert served[bias_name].dtype == torch.float32 and torch.equal(served[bias_name], state[bias_name])
     assert served["model.layers.0.mlp.experts.down_proj"].dtype == torch.bfloat16
+
+
+def test_bench_weights_counts_exactly_the_bytes_a_publisher_writes(tmp_path):
+    import json
+
+    from moe_rl_eks.workloads.rl.bench_weights import published_bytes
+
+    store = DirectoryStore(tmp_path / "store")
+    publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)
+    publisher.publish(0, trainer_state())
+    publisher.close()
+    files = json.loads((store.fetch(0, tmp_path) / "manifest.json").read_text())["files"]
+    assert published_bytes(CONFIG) == sum(f["data_bytes"] for n, f in files.items() if n.endswith(".safetensors"))
