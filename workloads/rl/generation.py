@@ -582,7 +582,9 @@ class Decoder:
             top = None
             if r.params.top_logprobs:
                 n = r.params.top_logprobs
-                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])]
+                # alternatives the filters cut (logprob -inf under the processed distribution) are left out
+                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])
+                       if lp != float("-inf")]
                 r.top_logprobs.append(top)
             r.tokens.append(token)
             r.logprobs.append(logprob)
