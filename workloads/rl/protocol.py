@@ -253,6 +253,12 @@ class CompletionRequest(Record):
         return None
 
 
+def one_logprob_per_token(logprobs: list[float], token_ids: list[int]) -> tuple[str, str] | None:
+    if len(logprobs) != len(token_ids):
+        return "logprobs", f"one per completion token ({len(token_ids)} token ids)"
+    return None
+
+
 @dataclass(frozen=True)
 class Choice(Record):
     """One completion of a response, as the orchestrator keeps it."""
@@ -265,9 +271,7 @@ class Choice(Record):
     routing: str | None = None  # encode_routing of [prompt + completion - 1, layers, k]
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.token_ids):
-            return "logprobs", f"one per token ({len(self.token_ids)} token ids)"
-        return None
+        return one_logprob_per_token(self.logprobs, self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -333,9 +337,7 @@ class Sample(Record):
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.completion_ids):
-            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
-        return None
+        return one_logprob_per_token(self.logprobs, self.completion_ids)
 
 
 @dataclass(frozen=True)
@@ -364,9 +366,7 @@ class TrainingSample(Record):
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.completion_ids):
-            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
-        return None
+        return one_logprob_per_token(self.logprobs, self.completion_ids)
 
 
 @dataclass(frozen=True)
