@@ -14,7 +14,6 @@ import hashlib
 import io
 import math
 import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 

@@ -181,9 +181,7 @@ class Orchestrator:
         self._wake.set()  # the budget moved
 
     def snapshot(self) -> OrchestratorState:
-        state = self.buffer.snapshot()
-        return OrchestratorState(**{**{f: getattr(state, f) for f in state.__dataclass_fields__},
-                                    "source": self.source.state()})
+        return dataclasses.replace(self.buffer.snapshot(), source=self.source.state())
 
     # ---- issuing --------------------------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
