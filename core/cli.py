@@ -26,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                          "rollout decoding with a group's prompt prefilled once vs per row"),
     "bench-rollout": ("moe_rl_eks.workloads.rl.bench_rollout", "main",
                       "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
+    "bench-server": ("moe_rl_eks.workloads.rl.bench_server", "main",
+                     "the rollout server's HTTP cost over its engine (tokens/s and latency per concurrency)"),
     "bench-weights": ("moe_rl_eks.workloads.rl.bench_weights", "main",
                       "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
     "doctor": ("moe_rl_eks.core.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),

@@ -269,7 +269,10 @@ class TrainingConfig:
     # Tokens (prompt + completion - 1 per sample) one forward/backward holds; a rank's share of a mini-batch is
     # packed into micro-batches of at most this many tokens and their gradients accumulated.
     max_tokens_per_microbatch: int = 16384
-    activation_checkpointing: bool = True  # recompute decoder layers in the backward (activations ~ layer inputs)
+    # Recompute decoder layers in the backward: "full" keeps each layer's input only, "save_attention" also the
+    # attention kernel's output (no attention recomputation: 4.5 % faster at 8 x 8k tokens of Qwen3's shape on an
+    # H200, same peak memory; workloads/BENCHMARKS.md).
+    activation_checkpointing: Literal["off", "full", "save_attention"] = "save_attention"
     # Learning rate per optimizer step (steps x epochs x mini-batches of them): linear warm-up from 0 over
     # lr_warmup_steps, then constant or cosine down to min_learning_rate at the last optimizer step.
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -3,6 +3,8 @@ FSx for Lustre PersistentVolume/Claim trainers mount, with the runs directory pr
 manifests (k8s/) only refer to these by name."""
 from __future__ import annotations
 
+import hashlib
+
 from aws_cdk import Acknowledgment, Stack, Validations, aws_eks_v2 as eks, aws_fsx as fsx, aws_iam as iam
 from constructs import Construct
 
@@ -34,7 +36,8 @@ class RunAccess(Construct):
         super().__init__(scope, id)
         labels = {PART_OF_LABEL: PART_OF}
         self.namespace_manifest = cluster.cluster.add_manifest("RunNamespace", {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}})
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": namespace, "labels": {**labels, **POD_SECURITY_LABELS}}})
         self.roles: dict[str, iam.Role] = {
             role: cluster.service_account(f"{role.capitalize()}ServiceAccount", name=sa_name, namespace=namespace,
                                           labels=labels, depends_on=[self.namespace_manifest]).role
@@ -78,6 +81,9 @@ class RunAccess(Construct):
             "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
             "spec": {"capacity": {"storage": capacity}, "accessModes": ["ReadWriteMany"],
                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     # Lustre clients refuse flock() (ENOSYS) unless mounted with it; the fs weight store commits
+                     # LATEST under an flock, coherent across the nodes that share the file system.
+                     "mountOptions": ["flock"],
                      "claimRef": {"namespace": namespace, "name": names.FSX_CLAIM_NAME},
                      "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": file_system.file_system_id,
                              "volumeAttributes": {"dnsname": file_system.dns_name,
@@ -97,6 +103,11 @@ class RunAccess(Construct):
         return prepare
 
 
+# Pod Security admission for the run namespace: run pods meet `restricted` (non-root, no capabilities, RuntimeDefault
+# seccomp); `baseline` is enforced because the one-off FSx Job below runs as root.
+POD_SECURITY_LABELS = {"pod-security.kubernetes.io/enforce": "baseline",
+                       "pod-security.kubernetes.io/warn": "restricted",
+                       "pod-security.kubernetes.io/audit": "restricted"}
 # A small pinned image from ECR Public (reachable through the NAT gateway); the Job only runs mkdir/chown/chmod.
 FSX_PREPARE_IMAGE = "public.ecr.aws/docker/library/busybox:1.37.0"
 
@@ -106,10 +117,14 @@ def fsx_prepare_job(namespace: str) -> dict:
     uid, runs = names.POD_UID, names.RUNS_DIR
     # chmod before chown: the setgid bit survives chown on a directory; FSETID keeps it when the Job runs again.
     script = f"set -eu; mkdir -p {runs}; chmod 2775 {runs}; chown {uid}:{uid} {runs}; ls -ldn {runs}"
+    # A Job's pod template is immutable: a changed one is a new Job (its name carries the content), and a finished
+    # Job removes itself after a day.
+    digest = hashlib.sha256(f"{FSX_PREPARE_IMAGE}\n{script}".encode()).hexdigest()[:10]
     return {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "moe-rl-fsx-prepare", "namespace": namespace, "labels": {PART_OF_LABEL: PART_OF}},
-        "spec": {"backoffLimit": 6, "template": {"metadata": {"labels": {PART_OF_LABEL: PART_OF}}, "spec": {
+        "metadata": {"name": f"moe-rl-fsx-prepare-{digest}", "namespace": namespace,
+                     "labels": {PART_OF_LABEL: PART_OF}},
+        "spec": {"backoffLimit": 6, "ttlSecondsAfterFinished": 86400, "template": {"metadata": {"labels": {PART_OF_LABEL: PART_OF}}, "spec": {
             "restartPolicy": "OnFailure", "automountServiceAccountToken": False,
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{

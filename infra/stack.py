@@ -77,6 +77,10 @@ class MoeRlStack(Stack):
         self.services = ClusterServices(self, "Services", cluster=self.cluster, pools=self.pools,
                                         run_namespace=config.run_namespace,
                                         namespace_manifest=self.run_access.namespace_manifest, keda_role=keda_role)
+        if self.run_access.fsx_prepare_job is not None:
+            # Kueue's Job webhook (failurePolicy Fail, every namespace) is registered before its pod answers: a Job
+            # created in between is refused, and the kubectl handler does not retry that.
+            self.run_access.fsx_prepare_job.node.add_dependency(self.services.charts["kueue"])
 
         CfnOutput(self, names.OUTPUT_CLUSTER_NAME, value=eks_cluster.cluster_name)
         CfnOutput(self, names.OUTPUT_BUCKET_NAME, value=self.storage.bucket.bucket_name)

@@ -82,11 +82,11 @@ def _scraper_cidrs(source: str, stack: str, value: object, env: EnvironmentConfi
         return ()
     vpc = ipaddress.ip_network(env.vpc_cidr)
     try:
-        cidrs = tuple(str(value).split(",")) if isinstance(value, str) and value else ()
+        cidrs = tuple(value.split(",")) if isinstance(value, str) and value else ()
         nets = [ipaddress.ip_network(c) for c in cidrs]
     except ValueError:
         nets, cidrs = [], ()
-    if not cidrs or not all(n.subnet_of(vpc) for n in nets if n.version == 4):
+    if not cidrs or not all(n.version == 4 and n.subnet_of(vpc) for n in nets):
         raise ConfigError(source, field, value, f"expected the comma-separated CIDRs of the scraper's subnets inside "
                           f"the VPC {env.vpc_cidr} (a stack with a Prometheus workspace writes them)")
     return cidrs

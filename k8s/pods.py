@@ -81,7 +81,12 @@ def check_shm(size: PodSize, shm_gib: int, field: str, source: str) -> None:
                           f"({size.memory_mib // 1024} GiB), so at most {size.memory_mib // 2048}")
 
 
-def container_security(extra_capabilities: tuple[str, ...] = ()) -> k8s.SecurityContext:
+def container_security() -> k8s.SecurityContext:
+    """Non-root, no capabilities, read-only root, RuntimeDefault seccomp: what Pod Security's `restricted` asks.
+
+    No IPC_LOCK for EFA either: a non-root container gets no effective capability from `capabilities.add`
+    (Kubernetes sets no ambient capabilities). What lets UID 10001 pin EFA buffers is the node's unlimited
+    RLIMIT_MEMLOCK (containerd's LimitMEMLOCK, infra/node_pool.py), which `moerl doctor --efa` checks at start."""
     return k8s.SecurityContext(
         allow_privilege_escalation=False,
         privileged=False,
@@ -89,18 +94,11 @@ def container_security(extra_capabilities: tuple[str, ...] = ()) -> k8s.Security
         run_as_non_root=True,
         run_as_user=UID,
         run_as_group=UID,
-        capabilities=k8s.Capabilities(drop=["ALL"], add=list(extra_capabilities) or None),
+        capabilities=k8s.Capabilities(drop=["ALL"]),
         seccomp_profile=k8s.SeccompProfile(type="RuntimeDefault"),
     )
 
 
-
-
-def efa_capabilities(size: PodSize) -> tuple[str, ...]:
-    # EFA registers (pins) memory for RDMA. For a non-root container IPC_LOCK is only in the bounding set (Kubernetes
-    # sets no ambient capabilities): what lets UID 10001 pin memory is the node's unlimited RLIMIT_MEMLOCK
-    # (containerd's LimitMEMLOCK, infra/node_pool.py), which `moerl doctor --efa` checks before the run starts.
-    return ("IPC_LOCK",) if size.efa else ()
 
 
 def startup_check(container: k8s.Container, role: str, *, efa: bool) -> k8s.Container:

@@ -21,7 +21,7 @@ from moe_rl_eks.core.schema import dump
 
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, TMP_GIB, aws_env, check_shm, \
-    container_security, efa_capabilities, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \
+    container_security, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \
     standard_volumes, startup_check
 from .trainer import GangJob, add_gang_job
 
@@ -115,7 +115,10 @@ class RunChart(cdk8s.Chart):
         download_gib = math.ceil(run.model.weights_gib) if run.rl.weights.kind == "s3" else 0
         volumes = standard_volumes(config_map_name(self.name), shm_gib=deploy.rollout_shm_gib, fsx_read_only=True,
                                    tmp_gib=TMP_GIB + download_gib)
+        # /health: the engine loop is alive (liveness); /ready: a weight version is loaded, so the headless
+        # Service lists the server to the orchestrator only once it can answer.
         health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))
+        ready = k8s.HttpGetAction(path="/ready", port=k8s.IntOrString.from_string("http"))
         container = k8s.Container(
             name="server",
             image=self.rollout_image,
@@ -125,11 +128,12 @@ class RunChart(cdk8s.Chart):
             env=env_vars(self.run_env, self.secret_env),
             ports=[k8s.ContainerPort(name="http", container_port=cluster.ROLLOUT_PORT)],
             resources=size.resources(),
-            security_context=container_security(efa_capabilities(size)),
+            security_context=container_security(),
             volume_mounts=volumes.mounts,
-            # Loading tens of GB of weights takes minutes: liveness waits for the startup probe.
+            # Building the model takes minutes before the server answers: liveness waits for the startup probe (the
+            # weights load behind /ready).
             startup_probe=k8s.Probe(http_get=health, period_seconds=10, failure_threshold=90),
-            readiness_probe=k8s.Probe(http_get=health, period_seconds=5, failure_threshold=2),
+            readiness_probe=k8s.Probe(http_get=ready, period_seconds=5, failure_threshold=2),
             liveness_probe=k8s.Probe(http_get=health, period_seconds=20, failure_threshold=3, timeout_seconds=5),
             # Endpoints drop a terminating pod asynchronously: keep serving in-flight and late requests first.
             lifecycle=k8s.Lifecycle(pre_stop=k8s.LifecycleHandler(

@@ -19,7 +19,7 @@ from moe_rl_eks.core.doctor import DEEPEP_EFA_ENV
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
-from .pods import CACHE_ENV, PULL_POLICY, container_security, efa_capabilities, env_vars, gpu_placement, \
+from .pods import CACHE_ENV, PULL_POLICY, container_security, env_vars, gpu_placement, \
     pod_spec, standard_volumes, startup_check, trainer_size
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -79,7 +79,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
         ports=[k8s.ContainerPort(name="rendezvous", container_port=cluster.TRAINER_RENDEZVOUS_PORT),
                k8s.ContainerPort(name="metrics", container_port=cluster.TRAINER_METRICS_PORT)],
         resources=size.resources(),
-        security_context=container_security(efa_capabilities(size)),
+        security_context=container_security(),
         volume_mounts=volumes.mounts,
     )
     pod = pod_spec(container, volumes, service_account=cluster.TRAINER_SERVICE_ACCOUNT,

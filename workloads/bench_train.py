@@ -1,10 +1,10 @@
 """Trainer micro-batch throughput and memory (`moerl bench-train`, `make bench-train`; on a GPU machine without the
 CPU bootstrap: `python3 -m moe_rl_eks.workloads.bench_train`).
 
-One training step as the trainer runs it on one GPU: a packed micro-batch (sequences back to back, each attending
-only within itself), the model forward to the final hidden states under bf16 autocast over float32 master weights,
-the chunked token log-probabilities and entropies (model/logprobs.py), a token-mean policy-gradient loss with an
-entropy term, backward, gradient clipping and a fused AdamW step. For each MoE compute backend, activation
+One training step as the trainer runs it on one GPU (rl/train_step.TrainStep): a packed micro-batch (sequences
+back to back, each attending only within itself), the model forward to the final hidden states under bf16 autocast
+over float32 master weights, the chunked token log-probabilities and entropies (model/logprobs.py), GRPO's
+token-mean loss with an entropy term, backward, gradient clipping and a fused AdamW step. For each MoE compute backend, activation
 checkpointing on and off, and each sequence length: tokens/s (median step), MFU and peak memory above the
 weights and optimizer state (what the step adds: activations, logit chunks, gradients and their transient
 buffers). An out-of-memory step is a row, not a failure.
@@ -27,10 +27,15 @@ from pathlib import Path
 
 import torch
 
+from moe_rl_eks.core.rl_config import AlgorithmConfig
 from moe_rl_eks.core.run import ModelConfig, load_run
 
 from .model import MoETransformer
-from .model.logprobs import token_logprobs_and_entropy
+from .rl.algorithms import Algorithm
+from .rl.losses import PolicyBatch, Totals
+from .rl.microbatch import Sequences
+from .rl.protocol import TrainingSample, VersionRef
+from .rl.train_step import TrainStep
 
 QWEN3_RUN = Path(__file__).resolve().parents[1] / "configs" / "runs" / "qwen3-30b-a3b-p5.yaml"
 TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -83,28 +88,36 @@ def sync(device: torch.device) -> None:
 
 
 class Step:
-    """One model + fused AdamW; `run(sequence, sequences)` is one training step on random tokens."""
+    """One model + fused AdamW, trained by the trainer's own step (rl/train_step.TrainStep) with GRPO's loss and
+    an entropy term; `run(batch)` is one optimizer step on a packed micro-batch."""
 
     def __init__(self, config: ModelConfig, compute: str, device: torch.device):
         self.config, self.device = config, device
         with device:
             self.model = MoETransformer(config, compute=compute)
-        fused = device.type == "cuda"  # no foreach temporaries the size of the gradients
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=fused)
-        self.autocast = device.type == "cuda"
+        cuda = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=cuda)
+        self.train_step = TrainStep(self.model, None, self.optimizer, ep=None, world=1, rank=0, device=device,
+                                    grad_clip=1.0, bf16=cuda)
+        self.algorithm = Algorithm(AlgorithmConfig(entropy_coef=1e-3), max_tokens=1)
 
-    def run(self, sequence: int, sequences: int, generator: torch.Generator) -> None:
-        c, n = self.config, sequence * sequences
-        ids = torch.randint(0, c.vocab_size, (1, n + 1), device=self.device, generator=generator)
-        advantages = torch.randn(n, device=self.device, generator=generator)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.model(ids[:, :-1], sequence_lengths=[sequence] * sequences, logits=False)
-            logp, entropy = token_logprobs_and_entropy(out.hidden[0], self.model.lm_head.weight, ids[0, 1:])
-        loss = -(logp * advantages).sum() / n - 1e-3 * entropy.sum() / n
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def batch(self, sequence: int, sequences: int, generator: torch.Generator) -> Sequences:
+        """Random sequences of `sequence` tokens: a 64-token prompt, the rest completion, advantages of both signs."""
+        ids = torch.randint(0, self.config.vocab_size, (sequences, sequence + 1), generator=generator).tolist()
+        prompt = min(64, sequence // 2)
+        samples = [TrainingSample(f"s{i}", seq[:prompt], seq[prompt:], [-1.0] * (len(seq) - prompt), 0.0,
+                                  1.0 if i % 2 else -1.0, True, VersionRef(0, 0)) for i, seq in enumerate(ids)]
+        return Sequences.of(samples).to(self.device)
+
+    def run(self, batch: Sequences) -> None:
+        totals = Totals.of(Totals.local(batch.mask))
+
+        def loss_fn(j, mb, fwd):
+            pb = PolicyBatch(fwd.logprobs, fwd.logprobs.detach(), mb.behaviour, mb.advantages[:, None] * mb.mask,
+                             mb.mask, entropy=fwd.entropy)
+            return self.algorithm.loss(pb, totals)
+
+        self.train_step.step([batch], loss_fn, lr=1e-6, temperature=1.0, replay=False)
 
     def free(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -115,10 +128,10 @@ class Step:
 
 def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
     c, device = step.config, step.device
-    generator = torch.Generator(device=device).manual_seed(0)
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(0))
     row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
     try:
-        step.run(sequence, sequences, generator)  # warm-up: kernels compiled and autotuned, optimizer state made
+        step.run(batch)  # warm-up: kernels compiled and autotuned, optimizer state made
         step.free()
         sync(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -128,7 +141,7 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) 
         for _ in range(steps):
             sync(device)
             start = time.perf_counter()
-            step.run(sequence, sequences, generator)
+            step.run(batch)
             sync(device)
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
@@ -179,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("32x2048,8x8192,2x32768"),
                     help="micro-batches as SEQUENCESxTOKENS, comma-separated")
     ap.add_argument("--compute", default="torch,triton", help="MoE compute backends, comma-separated")
-    ap.add_argument("--checkpointing", default="on,off", help="activation checkpointing: on, off or both")
+    ap.add_argument("--checkpointing", default="full,save_attention,off",
+                    help="activation checkpointing modes to measure, comma-separated (full, save_attention, off)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke test of this script)")
     ap.add_argument("--json", help="write all numbers here")
@@ -212,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             print(result["errors"][-1], flush=True)
             continue
         for checkpointing in args.checkpointing.split(","):
-            step.model.activation_checkpointing = checkpointing == "on"
+            step.model.activation_checkpointing = checkpointing
             for sequences, sequence in args.shapes:
                 row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
                 row.update(compute=compute, checkpointing=checkpointing)

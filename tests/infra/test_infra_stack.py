@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import pytest
 import yaml
@@ -276,9 +277,12 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
     assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
     assert "moe-rl" in by_kind["Namespace"]
+    assert by_kind["Namespace"]["moe-rl"]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
     claim = by_kind["PersistentVolumeClaim"][names.FSX_CLAIM_NAME]
     assert claim["metadata"]["namespace"] == "moe-rl"
     assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["csi"]["driver"] == "fsx.csi.aws.com"
+    # the fs weight store publishes under an flock: Lustre needs the flock mount option for it
+    assert by_kind["PersistentVolume"][claim["spec"]["volumeName"]]["spec"]["mountOptions"] == ["flock"]
 
 
 def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(templates):
@@ -287,6 +291,9 @@ def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(
                        if '"kind":"Job"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
     (job,) = json.loads(join_string(job_resource["Properties"]["Manifest"]))
     pod = job["spec"]["template"]["spec"]
+    # The template is immutable: a changed one gets a new name; a finished Job goes away by itself.
+    assert re.fullmatch(r"moe-rl-fsx-prepare-[0-9a-f]{10}", job["metadata"]["name"])
+    assert job["spec"]["ttlSecondsAfterFinished"] == 86400
     (container,) = pod["containers"]
     script = container["command"][-1]
     uid = 10001
@@ -301,6 +308,10 @@ def test_a_one_off_job_makes_the_fsx_runs_directory_the_pods_own_before_any_run(
     (claim_id,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
                    if "PersistentVolumeClaim" in join_string(r["Properties"]["Manifest"])]
     assert claim_id in job_resource["DependsOn"]
+    # and once Kueue answers: its Job webhook fails closed in every namespace
+    (kueue_id,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").items()
+                   if r["Properties"]["Release"] == "kueue"]
+    assert kueue_id in job_resource["DependsOn"]
 
 
 def test_run_service_accounts_are_bound_by_pod_identity_to_roles_without_wildcard_actions(templates):

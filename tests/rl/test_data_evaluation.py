@@ -1,5 +1,5 @@
 """Evaluation: the unbiased pass@k estimator, metrics from scored samples (failed rewards masked), sampling from
-a model in process, records for TensorBoard, and `moerl eval --model DIR`."""
+a model in process and from a rollout server over HTTP, records for TensorBoard, and `moerl eval --model DIR`."""
 import json
 import math
 import shutil
@@ -9,8 +9,8 @@ import torch
 
 from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.workloads.rl.data import Prompt
-from moe_rl_eks.workloads.rl.evaluation import (EvalParams, Sample, evaluate, model_completer, pass_at_k,
-                                                read_records, record)
+from moe_rl_eks.workloads.rl.evaluation import (EvalParams, Sample, evaluate, http_completer, model_completer,
+                                                pass_at_k, read_records, record)
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
@@ -95,6 +95,22 @@ def test_model_completer_samples_n_seeded_completions_per_prompt():
     assert first == again and [len(g) for g in first] == [4, 4, 4]
     assert all(1 <= s.tokens <= 3 and (s.finished or s.tokens == 3) for g in first for s in g)
     assert complete(prompts, EvalParams(4, 3, 1.0, 1.0, seed=8)) != first
+
+
+def test_http_completer_samples_from_a_rollout_server(rollout):
+    tok = CharTokenizer()
+    prompts = [Prompt(i, tuple(tok.encode(f"{i}+2=")), f"{i}+2=", "arithmetic", str(i + 2), {}) for i in range(3)]
+    complete = http_completer(rollout["url"], tok, model=rollout["run"].name, concurrency=2)
+    params = EvalParams(n=3, max_tokens=2, temperature=1.0, top_p=1.0, seed=1)
+    samples = complete(prompts, params)
+    assert [len(g) for g in samples] == [3, 3, 3] and samples == complete(prompts, params)  # seeded
+    for group in samples:
+        for s in group:
+            # one character per token, minus the stop token of a finished row (and any <bos> the model sampled)
+            assert 1 <= s.tokens <= 2 and len(s.text) <= s.tokens - s.finished
+    scorer = RewardScorer(RewardConfig())
+    metrics = evaluate(prompts, complete, scorer, params, pass_threshold=1.0)
+    assert metrics["eval/prompts"] == 3.0 and metrics["eval/rewards_failed"] == 0.0
 
 
 def test_moerl_eval_scores_a_checkpoint_on_a_dataset(tmp_path, capsys):

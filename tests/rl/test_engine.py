@@ -85,6 +85,8 @@ def test_stop_tokens_top_logprobs_and_routing_come_back_compact(engine):
     for token, logprob, top in zip(stopped.token_ids, stopped.logprobs, stopped.top_logprobs):
         assert [t for t, _ in top][0] == token and top[0][1] == pytest.approx(logprob)  # greedy: the best one
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    (top_k,) = engine.submit(rows("k", 1, 3, 0, top_k=2, top_logprobs=5)).result(timeout=60)
+    assert all(len(top) == 2 for top in top_k.top_logprobs)  # what top-k cut has no finite logprob: left out
     config = engine.run.model
     assert isinstance(stopped.routing, np.ndarray) and stopped.routing.dtype == np.uint8
     assert stopped.routing.shape == (5 + cut - 1, config.num_hidden_layers, config.num_experts_per_tok)

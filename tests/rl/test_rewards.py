@@ -174,3 +174,34 @@ def test_remote_reward_timeout_and_unreachable_server_fail_whole_batches(remote)
     down = RewardScorer(cfg(remote_url="http://127.0.0.1:9/none", timeout_s=0.5))
     result = down.score_many([item("7")])[0]
     assert result.score is None and "127.0.0.1:9" in result.error and down.failures == 1
+
+
+def test_workers_start_whatever_the_parents_main_is(tmp_path):
+    """A parent run from stdin (or a notebook) has no __main__ file for multiprocessing's spawn to re-run."""
+    import subprocess
+    import sys
+
+    script = ("from moe_rl_eks.core.rl_config import RewardConfig\n"
+              "from moe_rl_eks.workloads.rl.data import Prompt\n"
+              "from moe_rl_eks.workloads.rl.rewards import RewardScorer\n"
+              "s = RewardScorer(RewardConfig(function='math', workers=1))\n"
+              "r = s.score_many([(Prompt(0, (1,), 'q', 'm', '1/2', {}), '\\\\boxed{0.5}', True)])\n"
+              "s.close()\nprint(r[0].score)\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "1.1", out.stderr[-2000:]
+
+
+def test_a_worker_that_cannot_start_is_an_error_not_a_masked_sample(tmp_path, monkeypatch):
+    from moe_rl_eks.workloads.rl.rewards import RewardWorkerError
+
+    (tmp_path / "parent_only.py").write_text(
+        "import os\nif os.getpid() != int(os.environ['REWARD_PARENT_PID']):\n    raise ImportError('not here')\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("REWARD_PARENT_PID", str(__import__("os").getpid()))
+    scorer = RewardScorer(cfg(function="parent_only:score", workers=1))
+    try:
+        with pytest.raises(RewardWorkerError, match="exited with code 1 before it started"):
+            scorer.score_many([item("7")])
+    finally:
+        scorer.close()

@@ -1,5 +1,5 @@
 """A rollout server spanning two "GPUs": two torchrun ranks over gloo, each holding half of the experts and
-decoding its share of every batch. It must answer exactly as a one-process server with the same weights."""
+batching its own rows continuously. It must answer exactly as a one-process server with the same weights."""
 import json
 import os
 import signal
@@ -133,3 +133,21 @@ def environ(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_a_sharded_server_streams_the_tokens_one_process_answers(servers):
+    import httpx
+
+    request = {"prompt": "1+2=", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 11, "logprobs": 1}
+    with httpx.stream("POST", f"{servers['sharded']}/v1/completions", json={**request, "stream": True},
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line)["choices"] for line in lines[:-1]]
+    status, whole = call("POST", f"{servers['single']}/v1/completions", request)
+    assert status == 200
+    for i, choice in enumerate(whole["choices"]):
+        mine = [c[0] for c in chunks if c and c[0]["index"] == i]
+        assert len(mine) >= len(choice["token_ids"]) > 0  # an event per sampled token
+        assert "".join(c["text"] for c in mine) == choice["text"]

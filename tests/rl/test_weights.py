@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from moe_rl_eks.workloads.model.checkpoint import MANIFEST, load_hf, save_hf
+from moe_rl_eks.workloads.model.checkpoint import MANIFEST, CheckpointError, load_hf, save_hf
 from moe_rl_eks.workloads.model.safetensors_io import IntegrityError
 from moe_rl_eks.workloads.rl.protocol import VersionRef
 from moe_rl_eks.workloads.rl.weights import (
@@ -46,6 +46,10 @@ def checkpoint(tmp_path, config, tag, value=None, **kwargs):
     return directory
 
 
+def visible(store) -> list[str]:
+    return sorted(p.name for p in store.root.iterdir() if not p.name.startswith("."))
+
+
 def weight(directory) -> float:
     return load_hf(directory)[1]["model.norm.weight"][0].item()
 
@@ -58,7 +62,7 @@ def test_publish_fetch_and_keep_the_newest_versions_of_the_lineage(tmp_path, mod
     assert store.latest() == V(0, 2)
     assert weight(store.fetch(V(0, 2), tmp_path)) == 2.0
     assert weight(store.fetch(2, tmp_path)) == 2.0  # a plain number: that version of LATEST's lineage
-    assert sorted(p.name for p in store.root.iterdir()) == ["LATEST", version_name(V(0, 1)), version_name(V(0, 2))]
+    assert visible(store) == ["LATEST", version_name(V(0, 1)), version_name(V(0, 2))]
     with pytest.raises(IncompleteVersion, match="not published"):
         store.fetch(V(0, 0), tmp_path)
 
@@ -99,7 +103,7 @@ def test_a_new_lineage_replaces_the_dead_lineages_version_of_the_same_number(tmp
     assert weight(store.fetch(3, tmp_path)) == 30.0
     with pytest.raises(IncompleteVersion):  # the dead lineage's versions are gone, even the newer numbers
         store.fetch(V(0, 5), tmp_path)
-    assert sorted(p.name for p in store.root.iterdir()) == ["LATEST", version_name(V(1, 3))]
+    assert visible(store) == ["LATEST", version_name(V(1, 3))]
 
 
 def test_publishing_a_directory_on_the_stores_filesystem_copies_nothing(tmp_path, model_config):
@@ -125,7 +129,7 @@ def test_a_failed_publication_leaves_no_version_and_no_staging_files(tmp_path, m
     store.publish(1, checkpoint(tmp_path, model_config, "a"), lineage=0)
     with pytest.raises(FileNotFoundError):
         store.publish(2, tmp_path / "missing", lineage=0)
-    assert store.latest() == V(0, 1) and [p.name for p in store.root.iterdir() if p.name.startswith(".")] == []
+    assert store.latest() == V(0, 1) and [p.name for p in store.root.iterdir() if p.name.startswith(".")] == [".lock"]
 
 
 def test_a_truncated_file_fails_the_fetch(tmp_path, model_config):
@@ -207,6 +211,22 @@ def test_a_tensor_of_an_unsupported_dtype_is_refused_naming_it(tmp_path):
         read_header(path)
 
 
+def test_a_partial_read_aligns_every_tensor_whatever_the_gaps_between_them(tmp_path):
+    import struct
+
+    from moe_rl_eks.workloads.model.safetensors_io import read_file
+
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+                         "skipped": {"dtype": "U8", "shape": [1], "data_offsets": [2, 3]},
+                         "b": {"dtype": "F32", "shape": [1], "data_offsets": [3, 7]}}).encode()
+    path = tmp_path / "x.safetensors"
+    data = torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).tolist() + [7] + \
+        torch.tensor([2.25]).view(torch.uint8).tolist()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(data))
+    got = read_file(path, lambda name: name != "skipped", torch.device("cpu"))
+    assert got["a"].item() == 1.5 and got["b"].item() == 2.25 and "skipped" not in got
+
+
 CRASH = """
 import os, sys
 from pathlib import Path
@@ -235,6 +255,30 @@ def test_a_trainer_killed_mid_publish_leaves_no_readable_version(tmp_path, model
     assert not [p for p in store.root.iterdir() if p.name.startswith(".staging")]  # the crash's leftovers went
 
 
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()  # hold the store's lock until told
+"""
+
+
+def test_a_commit_waits_for_a_publisher_in_another_process_holding_the_store(tmp_path, model_config):
+    store = DirectoryStore(tmp_path / "store")
+    source = checkpoint(tmp_path, model_config, "a")
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(store.root)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    done = threading.Event()
+    publisher = threading.Thread(target=lambda: (store.publish(0, source, lineage=0), done.set()))
+    publisher.start()
+    assert not done.wait(1.0) and store.latest() is None  # staged, but the commit waits for the lock
+    holder.communicate("go\n", timeout=30)
+    publisher.join(timeout=30)
+    assert done.is_set() and store.latest() == V(0, 0)
+
+
 def test_a_concurrent_reader_never_sees_a_half_written_version(tmp_path, model_config):
     store = DirectoryStore(tmp_path / "store", keep_versions=3)
     sources = [checkpoint(tmp_path, model_config, v, value=float(v)) for v in range(10)]
@@ -246,8 +290,8 @@ def test_a_concurrent_reader_never_sees_a_half_written_version(tmp_path, model_c
             ref = store.latest()
             try:
                 state = load_hf(store.fetch(ref, tmp_path))[1]
-            except IncompleteVersion as exc:  # pruned between latest() and fetch: only possible for old versions
-                if store.latest().version - ref.version < 2:
+            except (IncompleteVersion, CheckpointError, OSError) as exc:  # pruned while this reader lagged behind:
+                if store.latest().version - ref.version < 2:  # only possible for versions no longer kept
                     errors.append(exc)
                 continue
             seen.append(ref.version)
@@ -328,6 +372,27 @@ def test_s3_store_publishes_manifest_last_keeps_the_newest_and_verifies(tmp_path
         store.fetch(0, tmp_path / "cache")
     with pytest.raises(StaleVersion):  # pruned: it must not come back
         store.publish(0, checkpoint(tmp_path, model_config, "old"), lineage=0)
+
+
+def test_s3_latest_is_not_moved_back_by_a_publisher_that_lost_the_race_to_a_new_lineage(tmp_path, s3_url,
+                                                                                       model_config):
+    old = S3Store("weights", "run", endpoint_url=s3_url)
+    new = S3Store("weights", "run", endpoint_url=s3_url)
+    old.publish(5, checkpoint(tmp_path, model_config, "a", value=5.0), lineage=0)
+    original = old.s3.put_object
+    restarted = checkpoint(tmp_path, model_config, "b", value=30.0)
+
+    def put_object(**kwargs):  # the restarted trainer commits between the old one's LATEST read and its write
+        if kwargs["Key"] == "run/LATEST" and not new.latest() == V(1, 3):
+            new.publish(3, restarted, lineage=1)
+        return original(**kwargs)
+
+    old.s3.put_object = put_object
+    with pytest.raises(StaleVersion, match=r"older than LATEST VersionRef\(lineage=1, version=3\)"):
+        old.publish(6, checkpoint(tmp_path, model_config, "c", value=6.0), lineage=0)
+    assert new.latest() == V(1, 3) and weight(new.fetch(3, tmp_path / "cache")) == 30.0
+    with pytest.raises(IncompleteVersion):  # the loser's objects went with it
+        new.fetch(V(0, 6), tmp_path / "cache")
 
 
 def test_s3_uploads_are_multipart_with_crc32_checksums_that_s3_verified(tmp_path, s3_url, model_config):

@@ -1,6 +1,7 @@
 """Background publication: publish() returns after the snapshot, a newer version supersedes a waiting one,
 `published` is what reached the store, expert-parallel ranks each write their experts (two gloo processes), and
 the sigmoid router's correction bias stays float32 from the trainer to the served model."""
+import dataclasses
 import socket
 import threading
 
@@ -39,7 +40,7 @@ class GatedStore(DirectoryStore):
 
     def _commit(self, staging, manifest):
         self.committing.set()
-        self.gate.wait(timeout=30)
+        self.gate.wait(timeout=120)
         super()._commit(staging, manifest)
 
 
@@ -49,7 +50,7 @@ def test_publish_returns_after_the_snapshot_and_the_store_gets_those_bytes(tmp_p
     state = trainer_state()
     expected = {k: v.clone() for k, v in state.items()}
     publisher.publish(0, state)
-    assert store.committing.wait(10) and publisher.published is None  # still being written
+    assert store.committing.wait(60) and publisher.published is None  # still being written
     for t in state.values():  # the next optimizer step changes the weights in place
         t.add_(1.0)
     store.gate.set()
@@ -65,7 +66,7 @@ def test_a_newer_version_supersedes_one_still_waiting(tmp_path):
     store = GatedStore(tmp_path / "store")
     publisher = Publisher(store, CONFIG, lineage=2)
     publisher.publish(10, trainer_state(10))
-    assert store.committing.wait(10)  # version 10 is being written; 11 and 12 wait in turn
+    assert store.committing.wait(60)  # version 10 is being written; 11 and 12 wait in turn
     for v in (11, 12, 13):
         publisher.publish(v, trainer_state(v))
     assert publisher.superseded == [11, 12]
@@ -81,7 +82,7 @@ def test_wait_published_reports_each_version_in_the_store_while_newer_ones_keep_
     store = GatedStore(tmp_path / "store")
     publisher = Publisher(store, CONFIG, lineage=0)
     publisher.publish(0, trainer_state())
-    assert store.committing.wait(10)
+    assert store.committing.wait(60)
     publisher.publish(1, trainer_state())  # waits behind version 0: the writer is never idle until 1 is written
     assert publisher.wait_published(None, timeout=0.2) is None
     store.gate.set()
@@ -238,3 +239,41 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
     assert "rank 1: " in out["refused"] and f"experts.{last}.down_proj.weight does not match" in out["refused"]
     assert "rank 0" not in out["refused"]
 
+
+def test_a_serving_replica_holds_the_router_bias_in_float32_bit_equal_to_the_trainers(tmp_path):
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.rl.replica import Replica
+
+    run = tiny_run(tmp_path)
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, router="sigmoid", dtype="bfloat16"))
+    torch.manual_seed(0)
+    state = MoETransformer(run.model).state_dict()
+    bias_name = "model.layers.0.mlp.gate.e_score_correction_bias"
+    state[bias_name].copy_(torch.randn(run.model.num_experts) * 1e-3 + 0.5)
+    store = DirectoryStore(tmp_path / "store")
+    publisher = Publisher(store, run.model, lineage=0)
+    publisher.publish(1, state)
+    publisher.close()
+    replica = Replica(run, device=torch.device("cpu"))
+    try:
+        replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
+        replica.swap(1)
+        served = replica.model.state_dict()
+    finally:
+        replica.stop()
+    assert served[bias_name].dtype == torch.float32 and torch.equal(served[bias_name], state[bias_name])
+    assert served["model.layers.0.mlp.experts.down_proj"].dtype == torch.bfloat16
+
+
+def test_bench_weights_counts_exactly_the_bytes_a_publisher_writes(tmp_path):
+    import json
+
+    from moe_rl_eks.workloads.rl.bench_weights import published_bytes
+
+    store = DirectoryStore(tmp_path / "store")
+    publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)
+    publisher.publish(0, trainer_state())
+    publisher.close()
+    files = json.loads((store.fetch(0, tmp_path) / "manifest.json").read_text())["files"]
+    assert published_bytes(CONFIG) == sum(f["data_bytes"] for n, f in files.items() if n.endswith(".safetensors"))

@@ -146,7 +146,7 @@ def train_and_checkpoint(rank: int, world: int, run_path: str, batch_json: dict)
     trainer.rl_step(Batch.from_json(batch_json))
     trainer.step = 1
     trainer.save_checkpoint()
-    trainer.finish_checkpoint()
+    trainer.poll_checkpoint(wait=True)
     return full_state(trainer)
 
 

@@ -110,7 +110,7 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
                 if scenario == "packed_recomputed":
                     # The trainer's micro-batch: this rank's sequences packed into one row, layers recomputed in
                     # the backward (their all-to-alls replayed); the local reference runs them unpacked, whole.
-                    model.activation_checkpointing = True
+                    model.activation_checkpointing = "save_attention"
                     out = model(ids.reshape(1, -1), sequence_lengths=[ids.shape[1]] * ids.shape[0])
                     out.logits = out.logits.view(*ids.shape, config.vocab_size)
                 else:

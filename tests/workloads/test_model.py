@@ -238,12 +238,13 @@ def test_an_empty_packed_row_runs_and_returns_empty_outputs(tiny_config):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config, packed):
+@pytest.mark.parametrize("mode", ["full", "save_attention"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config, packed, mode):
     model = MoETransformer(tiny_config(router_aux_loss_coef=0.01))
     ids = torch.randint(0, 96, (1, 12) if packed else (2, 6))
     kwargs = {"sequence_lengths": [7, 5]} if packed else {}
     results = []
-    for on in (False, True):
+    for on in ("off", mode):
         model.zero_grad()
         model.activation_checkpointing = on
         saved = []
@@ -257,3 +258,6 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config,
     for name, grad in grads_off.items():
         torch.testing.assert_close(grads_on[name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert saved_on < saved_off / 2  # the layers keep their inputs, not their activations
+    model.activation_checkpointing = True
+    with pytest.raises(ValueError, match="activation_checkpointing True is not one of"):
+        model(ids, **kwargs)

@@ -3,11 +3,13 @@ and save; see checkpoint.py), DeepSeek-V3-style router options, expert paralleli
 rollouts, and routing replay for training on the experts the rollout used."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as recomputed, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as recomputed, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 from torch import nn
 
 from moe_rl_eks.core.run import ModelConfig
@@ -61,6 +63,18 @@ class KVCache:
         self.values[:, :, :, :n] = prefill.values[:, rows, :, :n]
         self.valid[:, :n] = prefill.valid[rows, :n]
         self.length = n
+
+
+# What "save_attention" checkpointing keeps of a layer: the attention kernels' outputs (flash, memory-efficient,
+# cuDNN on GPUs; the CPU kernel here), whose recomputation is the costliest part of a long sequence's layer.
+ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
+CHECKPOINTING = ("off", "full", "save_attention")
+
+
+def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class RMSNorm(nn.Module):
@@ -164,9 +178,10 @@ class MoETransformer(nn.Module):
             layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute)))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Recompute each decoder layer's activations in the backward instead of keeping them (training only):
-        # a layer then keeps only its input. Set by the trainer from rl.training.activation_checkpointing.
-        self.activation_checkpointing = False
+        # Recompute decoder layers' activations in the backward instead of keeping them (training only): "full"
+        # keeps only each layer's input, "save_attention" also the attention kernel's output (no attention
+        # recomputation). Set by the trainer from rl.training.activation_checkpointing.
+        self.activation_checkpointing: str = "off"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -228,7 +243,11 @@ class MoETransformer(nn.Module):
         token_mask = None if attention_mask is None else attention_mask.bool().reshape(b * s)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
-        recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not one of {CHECKPOINTING}")
+        recompute = self.activation_checkpointing != "off" and torch.is_grad_enabled() and kv_cache is None
+        context = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_attention)}
+                   if self.activation_checkpointing == "save_attention" else {})
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
             replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
@@ -237,7 +256,7 @@ class MoETransformer(nn.Module):
                 # Early stop off: the recomputation must replay every collective of the layer (the EP
                 # all-to-alls) on every rank, whatever the rank's own tensors need.
                 with set_checkpoint_early_stop(False):
-                    h, ids, layer_aux, load = recomputed(layer, *args, use_reentrant=False)
+                    h, ids, layer_aux, load = recomputed(layer, *args, use_reentrant=False, **context)
             else:
                 h, ids, layer_aux, load = layer(*args)
             routing.append(ids.view(b, s, c.num_experts_per_tok))

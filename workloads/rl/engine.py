@@ -11,8 +11,8 @@ the replica, the rows' state) belongs to the engine thread alone.
 Weight swaps: `load_version` reads a version in the background while serving goes on, then asks the loop to swap
 it in. Rows admitted before the swap finish on the old weights, and rows submitted after it wait until the swap,
 so every token of a row (and its `weight_version`) comes from one version. On an expert-parallel replica
-(`rollout.gpus_per_server` > 1) every rank must join every forward, so rows decode there in batches (each rank
-its share) between which rows join and swaps happen.
+(`rollout.gpus_per_server` > 1) each rank has its own decoder and rows; the engine sends each new row to the
+rank with the fewest, and every step runs on all ranks together (`Replica.step`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from .protocol import VersionRef
 from .generation import Decoder, Sequence, fitting_slots, output
-from .replica import Replica
+from .replica import Replica, StepPlan
 from .runtime import Registry
 from .tokenizer import Tokenizer
 from .weights import WeightStore
@@ -82,7 +82,11 @@ class RolloutEngine:
         self._pending: deque[_Call | _Control] = deque()
         self._live: dict[tuple[str, int], tuple[Sequence, _Call, int]] = {}
         self._decoder: Decoder | None = None
-        self._batch: list[tuple[_Call, int]] = []  # expert-parallel replica: rows waiting for the next batch
+        # expert-parallel replica: rows not yet sent to a rank, the rank of each row sent, cancels for each rank
+        self._batch: list[tuple[_Call, int]] = []
+        self._ep_rank: dict[tuple[str, int], int] = {}
+        self._ep_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
+        self._ep_turn = 0
         self._counts = (0, 0)  # (running, waiting) rows, for health()
         self._last_step = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
@@ -213,7 +217,7 @@ class RolloutEngine:
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
         decoder = self._decoder
-        self._counts = ((decoder.running if decoder else 0) + len(self._batch),
+        self._counts = ((decoder.running if decoder else 0) + len(self._batch) + len(self._ep_rank),
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
@@ -229,7 +233,7 @@ class RolloutEngine:
         return 0
 
     def _has_work(self) -> bool:
-        return bool(self._batch or (self._decoder is not None and self._decoder.busy))
+        return bool(self._batch or self._ep_rank or (self._decoder is not None and self._decoder.busy))
 
     def _admit_pending(self) -> None:
         """Hand queued calls to the decoder in order; a swap waits until no row runs, and holds what follows."""
@@ -274,14 +278,18 @@ class RolloutEngine:
         arrives; later versions load into the same tensors, so it stays."""
         if self._decoder is None or self._decoder.model is not model:
             self._decoder = None  # free the old cache before sizing the new one
-            s = self.run.rl.sampling
-            max_len = min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
+            max_len = self._max_len()
             slots = fitting_slots(model, self.run.rollout.max_batch_size, max_len)
             if slots < self.run.rollout.max_batch_size:
                 log.warning("KV cache: %d rows of %d positions fit in this GPU's free memory, not rollout.max_batch_size "
                             "= %d; more rows wait for a free slot", slots, max_len, self.run.rollout.max_batch_size)
             self._decoder = Decoder(model, slots=slots, max_len=max_len, eos_ids=self._eos_ids())
         return self._decoder
+
+    def _max_len(self) -> int:
+        """Positions of a KV-cache slot: the longest prompt and completion a request may ask for."""
+        s = self.run.rl.sampling
+        return min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
 
     def _eos_ids(self) -> tuple[int, ...]:
         return tuple(self.tokenizer.eos_ids)
@@ -307,9 +315,12 @@ class RolloutEngine:
         seq, call, index = self._live.get((request_id, row), (None, None, None))
         if call is None:
             return
-        if seq is None:  # an expert-parallel row that has not started its batch
-            self._batch.remove((call, index))
-            self._finish_unstarted(call, index, "abort")
+        if seq is None:  # an expert-parallel row: not sent to a rank yet, or its rank cancels it next step
+            if (request_id, row) in self._ep_rank:
+                self._ep_cancels[self._ep_rank[(request_id, row)]].append((request_id, row))
+            else:
+                self._batch.remove((call, index))
+                self._finish_unstarted(call, index, "abort")
         elif self._decoder.cancel(seq):
             self._deliver(call, index, output(seq, self.version, self.lineage))
 
@@ -317,34 +328,53 @@ class RolloutEngine:
         events = self._decoder.step()
         for seq, token, logprob, top in events.sampled:
             _, call, _ = self._live[(seq.request.request_id, seq.request.row)]
-            if call.on_token is not None:
-                try:
-                    call.on_token(TokenEvent(seq.request.request_id, seq.request.row, token, logprob, top))
-                except Exception:  # noqa: BLE001 -- a listener's bug must not stop other rows
-                    log.exception("on_token failed for request %s", seq.request.request_id)
+            self._emit(call, TokenEvent(seq.request.request_id, seq.request.row, token, logprob, top))
         for seq in events.finished:
             _, call, index = self._live[(seq.request.request_id, seq.request.row)]
             self._deliver(call, index, output(seq, self.version, self.lineage))
         return len(events.sampled)
 
     def _step_sharded(self) -> int:
-        """One batch on the expert-parallel replica: every rank decodes its share to the end."""
-        batch = self._batch[:self.run.rollout.max_batch_size]
-        del self._batch[:len(batch)]
-        requests = [call.rows[index] for call, index in batch]
-        try:
-            seqs = self.replica.generate(requests, self._eos_ids())
-        except Exception as exc:  # noqa: BLE001 -- fail these rows, not the server
-            for call, index in batch:
-                self._finish_unstarted(call, index, "error", str(exc))
-            return 0
-        for (call, index), seq in zip(batch, seqs):
-            if call.on_token is not None:
-                for i, token in enumerate(seq.tokens):
-                    top = seq.top_logprobs[i] if seq.top_logprobs is not None else None
-                    call.on_token(TokenEvent(seq.request.request_id, seq.request.row, token, seq.logprobs[i], top))
-            self._deliver(call, index, output(seq, self.version, self.lineage))
-        return sum(len(s.tokens) for s in seqs)
+        """One step of the expert-parallel replica: new rows go to the ranks with the fewest rows (a request's rows
+        of one prompt together, so they share a prefill there), then every rank steps its own decoder."""
+        size = self.replica.size
+        load = [0] * size
+        for rank in self._ep_rank.values():
+            load[rank] += 1
+        admit: list[list[RowRequest]] = [[] for _ in range(size)]
+        previous = None
+        for call, index in self._batch:
+            request = call.rows[index]
+            if previous is None or previous[0] is not call or previous[1] != request.prompt_ids:
+                # the least loaded rank; among equals the next in turn, so light traffic still uses them all
+                rank = min(range(size), key=lambda r: (load[r], (r - self._ep_turn) % size))
+                self._ep_turn = (rank + 1) % size
+            previous = (call, request.prompt_ids)
+            admit[rank].append(request)
+            load[rank] += 1
+            self._ep_rank[(request.request_id, request.row)] = rank
+        self._batch = []
+        cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
+        plan = StepPlan(admit, cancels, max(1, self.run.rollout.max_batch_size // size), self._max_len(),
+                        self._eos_ids())
+        produced = 0
+        for report in self.replica.step(plan):
+            for request_id, row, token, logprob, top in report.sampled:
+                self._emit(self._live[(request_id, row)][1], TokenEvent(request_id, row, token, logprob, top))
+                produced += 1
+            for out in report.finished:
+                del self._ep_rank[(out.request_id, out.row)]
+                _, call, index = self._live[(out.request_id, out.row)]
+                self._deliver(call, index, out)
+        return produced
+
+    @staticmethod
+    def _emit(call: _Call, event: TokenEvent) -> None:
+        if call.on_token is not None:
+            try:
+                call.on_token(event)
+            except Exception:  # noqa: BLE001 -- a listener's bug must not stop other rows
+                log.exception("on_token failed for request %s", event.request_id)
 
     def _finish_unstarted(self, call: _Call, index: int, reason: str, error: str | None = None) -> None:
         """Report a row that produced nothing: cancelled before it ran, or refused (`error` says why)."""

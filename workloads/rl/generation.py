@@ -36,8 +36,8 @@ _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor], rounds: int = 10
                ) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors holding 32-bit words. The 32 x 32-bit products
-    wrap modulo 2**64 in int64, which keeps both of their 32-bit halves exact."""
+    """Philox4x32-10 (Salmon et al., Random123) on int64 tensors (or numpy uint64 arrays) holding 32-bit words. The
+    32 x 32-bit products wrap modulo 2**64, which keeps both of their 32-bit halves exact."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(rounds):
@@ -424,15 +424,16 @@ class Decoder:
         return True
 
     @torch.no_grad()
-    def step(self, *, forward_when_idle: bool = False) -> StepEvents:
+    def step(self, *, agree: Callable[[bool], bool] | None = None) -> StepEvents:
         """One step: admit waiting rows into free slots, run one prefill chunk if any prompt is being prefilled,
-        then one decode forward for every row with a token to feed. `forward_when_idle` runs a decode forward on
-        the scratch slot even with no rows (expert-parallel ranks must all join every forward)."""
+        then one decode forward for every row with a token to feed. On an expert-parallel server every rank must
+        join every forward (the MoE layers exchange tokens): `agree(this rank has work)` says whether any rank has,
+        and a rank without work then feeds one token of its scratch slot."""
         events = StepEvents([], [])
         self._admit()
-        if self.prefilling:
+        if agree(bool(self.prefilling)) if agree is not None else self.prefilling:
             self._prefill_chunk(events)
-        if self.decoding or forward_when_idle:
+        if agree(bool(self.decoding)) if agree is not None else self.decoding:
             self._decode(events)
         return events
 
@@ -456,6 +457,9 @@ class Decoder:
     def _prefill_chunk(self, events: StepEvents) -> None:
         """Prefill up to `prefill_tokens` prompt tokens of the groups in order, as one forward with each group's
         chunk right-padded."""
+        if not self.prefilling:  # an idle expert-parallel rank: one scratch token keeps it in step
+            self._scratch_forward()
+            return
         budget, chunks = self.prefill_tokens, []
         for group in self.prefilling:
             take = min(len(group.prompt) - group.prefilled, budget)
@@ -536,10 +540,17 @@ class Decoder:
                 self.graphs[size] = (graph, slot, logits)
         torch.cuda.synchronize(self.device)
 
+    def _scratch_forward(self) -> None:
+        one = torch.ones(1, dtype=torch.long, device=self.device)
+        forward_slots(self.model, self.cache, one * self.slots, one[:, None] * 0, one * 0, one, 1)
+
     def _decode(self, events: StepEvents) -> None:
         rows = list(self.decoding)
+        if not rows:  # an idle expert-parallel rank
+            self._scratch_forward()
+            return
         dev = self.device
-        slots = [r.slot for r in rows] or [self.slots]  # an idle expert-parallel rank feeds the scratch slot
+        slots = [r.slot for r in rows]
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
@@ -554,8 +565,7 @@ class Decoder:
         for r in rows:
             self.length[r.slot] += 1
         self.decoding = []
-        if rows:
-            self._sample(rows, slot, logits, events)
+        self._sample(rows, slot, logits, events)
 
     def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents) -> None:
         out = sample(logits, self.state.sampling(slot, rows))
@@ -572,7 +582,9 @@ class Decoder:
             top = None
             if r.params.top_logprobs:
                 n = r.params.top_logprobs
-                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])]
+                # alternatives the filters cut (logprob -inf under the processed distribution) are left out
+                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])
+                       if lp != float("-inf")]
                 r.top_logprobs.append(top)
             r.tokens.append(token)
             r.logprobs.append(logprob)
@@ -628,19 +640,13 @@ class RowResult:
 
 
 @torch.no_grad()
-def decode_all(model: MoETransformer, requests: list[RowRequest], eos_ids: Iterable[int], *,
-               any_active: Callable[[bool], bool] | None = None) -> list[Sequence]:
-    """Decode `requests` to the end in one decoder sized for them. On an expert-parallel server each rank decodes
-    its own rows and every forward exchanges tokens with the other ranks, so there every rank runs one prefill
-    forward (all its prompts) and then decode forwards while `any_active` says some rank still has a row
-    decoding."""
+def decode_all(model: MoETransformer, requests: list[RowRequest], eos_ids: Iterable[int]) -> list[Sequence]:
+    """Decode `requests` to the end in one decoder sized for them (local evaluation, tests)."""
     decoder = Decoder(model, slots=len(requests), max_len=max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
                       eos_ids=eos_ids, prefill_tokens=sum(len(r.prompt_ids) for r in requests))
     seqs = [decoder.add(r) for r in requests]
-    while decoder.busy or any_active is not None:
-        decoder.step(forward_when_idle=any_active is not None)
-        if any_active is not None and not any_active(decoder.busy):
-            break
+    while decoder.busy:
+        decoder.step()
     return seqs
 
 

@@ -2,10 +2,12 @@
 
 A server with `rollout.gpus_per_server` > 1 runs one torchrun rank per GPU (`core.cli.launch`). The experts are
 split over the ranks in contiguous slices, as the trainer splits them, and the rest of the model is replicated.
-Each rank decodes its own share of a batch's rows (data-parallel attention: a rank's KV cache holds only its
-rows) and the MoE layers exchange tokens by all-to-all at every forward. Rank 0 serves HTTP and batches requests;
-every operation it runs on the replica (start reading a weight version, swap it in, generate a batch) it first
-broadcasts to the other ranks (`follow`), which then do their part in the same order.
+Each rank decodes its own rows with its own continuous-batching decoder (data-parallel attention: a rank's KV
+cache holds only its rows) and the MoE layers exchange tokens by all-to-all at every forward, so every rank runs
+every forward (one without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
+it runs on the replica (start reading a weight version, swap it in, one decoding step with the rows each rank
+takes on or cancels) it first broadcasts to the other ranks (`follow`), which then do their part in the same
+order.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import datetime
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,12 +26,33 @@ from ..model import MoETransformer
 from ..model.transformer import weights_dtype
 from ..model.checkpoint import cast_for_serving, load_hf
 from ..moe.parallel import ExpertParallel, local_experts
-from .engine_api import RowRequest, SamplingParams
-from .generation import Sequence, decode_all
+from .engine_api import RowOutput, RowRequest
+from .generation import Decoder, Sequence, fitting_slots, output
 
 log = logging.getLogger(__name__)
 # The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What rank 0 tells every rank for one step of an expert-parallel server: per rank, the rows it takes on and
+    the (request_id, row) it cancels; and how its decoder is sized."""
+
+    admit: list[list[RowRequest]]
+    cancel: list[list[tuple[str, int]]]
+    slots: int  # KV-cache slots per rank (fewer if they do not fit its GPU)
+    max_len: int
+    eos_ids: tuple[int, ...]
+
+
+@dataclass
+class RankReport:
+    """What one rank did in a step: the tokens its rows sampled (request_id, row, token, logprob, top) and the
+    rows that finished."""
+
+    sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]
+    finished: list[RowOutput]
 
 
 class SwapRefused(RuntimeError):
@@ -47,6 +71,8 @@ class Replica:
         self.model: MoETransformer | None = None
         self.version: int | None = None
         self.lineage: int | None = None  # with version: the published VersionRef served
+        self.decoder: Decoder | None = None  # expert-parallel ranks: this rank's rows (rank 0's engine drives it)
+        self._rows: dict[tuple[str, int], Sequence] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
 
@@ -94,30 +120,44 @@ class Replica:
         self.model = model.eval()
         self.version, self.lineage = version, lineage
 
-    def generate(self, rows: list[RowRequest], eos_ids: tuple[int, ...]) -> list[Sequence] | None:
-        """Decode `rows` to the end; on rank 0 the finished rows in order, on the other ranks None."""
-        self._tell("generate", rows, eos_ids)
-        if self.size == 1:
-            return decode_all(self.model, rows, eos_ids)
+    def step(self, plan: StepPlan) -> list[RankReport] | None:
+        """One continuous-batching step on every rank: each takes its new rows and cancels, then all run the same
+        forwards (a rank without work feeds a scratch token), each decoding its own rows. Rank 0 gets every rank's
+        report; the other ranks None."""
+        self._tell("step", plan)
         try:
-            return self._generate_share(rows, eos_ids)
+            return self._step(plan)
         except Exception:
             # The other ranks are inside a collective this rank will never join: end the whole server (torchrun
             # stops every rank, Kubernetes restarts the pod) rather than leave it hung.
-            log.exception("rank %d failed in a sharded batch; stopping the server", self.rank)
+            log.exception("rank %d failed in a sharded step; stopping the server", self.rank)
             os._exit(1)
 
-    def _generate_share(self, rows: list[RowRequest], eos_ids: tuple[int, ...]) -> list[Sequence] | None:
-        bounds = [len(rows) * r // self.size for r in range(self.size + 1)]
-        mine = rows[bounds[self.rank]:bounds[self.rank + 1]]
-        # A rank with no rows still runs every forward: a one-token placeholder row keeps its shapes valid.
-        placeholder = [RowRequest((eos_ids[0],), SamplingParams(1, temperature=0.0), "placeholder", 0)]
-        seqs = decode_all(self.model, mine or placeholder, eos_ids, any_active=self._any)
-        for seq in seqs:  # routing travels to rank 0 through host memory
-            seq.routing = seq.routing.cpu() if seq.routing is not None else None
+    def _step(self, plan: StepPlan) -> list[RankReport] | None:
+        if self.decoder is None or self.decoder.model is not self.model:
+            self.decoder = Decoder(self.model, slots=fitting_slots(self.model, plan.slots, plan.max_len),
+                                   max_len=plan.max_len, eos_ids=plan.eos_ids)
+            self._rows = {}
+        report = RankReport([], [])
+        for request in plan.admit[self.rank]:
+            try:
+                self._rows[(request.request_id, request.row)] = self.decoder.add(request)
+            except ValueError as exc:
+                report.finished.append(RowOutput(request.request_id, request.row, [], [], None, "error", str(exc),
+                                                 None, self.version, self.lineage or 0))
+        for key in plan.cancel[self.rank]:
+            seq = self._rows.pop(key, None)
+            if seq is not None and self.decoder.cancel(seq):
+                report.finished.append(output(seq, self.version, self.lineage))
+        events = self.decoder.step(agree=self._any)
+        report.sampled = [(s.request.request_id, s.request.row, token, logprob, top)
+                          for s, token, logprob, top in events.sampled]
+        for seq in events.finished:
+            self._rows.pop((seq.request.request_id, seq.request.row), None)
+            report.finished.append(output(seq, self.version, self.lineage))  # routing comes to the host here
         parts = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(seqs if mine else [], parts, dst=0, group=self.control)
-        return [s for part in parts for s in part] if self.rank == 0 else None
+        dist.gather_object(report, parts, dst=0, group=self.control)
+        return parts
 
     def stop(self) -> None:
         self._tell("stop")

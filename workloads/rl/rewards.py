@@ -8,7 +8,7 @@
   returning a number or a mapping with a "score" (verl's reward functions return either).
 - `remote_url`: an HTTP scorer, called with batches of items, several batches at once.
 
-`math` and custom functions run in worker processes: every call has `timeout_s`, and a call that runs past it
+`math` and custom functions run in worker processes (fresh interpreters): every call has `timeout_s`, and a call that runs past it
 has its process killed and replaced (a thread could not be stopped, and a hung sympy call would hold a core for
 the rest of the run). A call that raises, times out or returns something other than a finite number yields
 RewardResult(score=None, error=...): the orchestrator masks that sample; no made-up score enters a group.
@@ -20,7 +20,7 @@ import importlib
 import json
 import logging
 import math
-import multiprocessing
+import os
 import queue
 import re
 import threading
@@ -124,25 +124,53 @@ def _worker_main(conn, function: str, correct_weight: float, format_weight: floa
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+class RewardWorkerError(RuntimeError):
+    """A reward worker process could not start: the setup is broken, so this is raised, not masked per sample."""
+
+
+def worker_entry(argv: list[str]) -> None:
+    """The worker process's main: argv = [socket fd, function, correct_weight, format_weight]."""
+    from multiprocessing.connection import Connection
+
+    _worker_main(Connection(int(argv[0])), argv[1], float(argv[2]), float(argv[3]))
+
+
 class _Worker:
-    def __init__(self, ctx, cfg: RewardConfig) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, cfg.function, cfg.correct_weight,
-                                                           cfg.format_weight), daemon=True)
-        self.proc.start()
-        child.close()
+    """One scoring process, started as a fresh interpreter (not multiprocessing's spawn, which re-runs the
+    parent's __main__ and fails when that is not a file) and talked to over a socket pair."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        mine, theirs = socket.socketpair()
+        code = "import sys; from moe_rl_eks.workloads.rl.rewards import worker_entry; worker_entry(sys.argv[1:])"
+        # The parent's import path, so the worker imports what the parent imported (a custom reward module).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), cfg.function,
+                                      str(cfg.correct_weight), str(cfg.format_weight)],
+                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(mine.detach())
         self.ready = False
 
     def wait_ready(self) -> None:
-        if not self.ready:
+        if self.ready:
+            return
+        try:
             if not self.conn.poll(WORKER_START_TIMEOUT_S):
-                raise TimeoutError(f"the reward worker did not start within {WORKER_START_TIMEOUT_S} s")
+                raise RewardWorkerError(f"a reward worker did not start within {WORKER_START_TIMEOUT_S} s")
             self.conn.recv()
-            self.ready = True
+        except (EOFError, OSError):
+            raise RewardWorkerError(f"a reward worker exited with code {self.proc.wait()} before it started; its "
+                                    "error is in this process's log (stderr)") from None
+        self.ready = True
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.join(timeout=5)
+        self.proc.wait(timeout=5)
         self.conn.close()
 
 
@@ -151,12 +179,10 @@ class WorkerPool:
     a time; a worker whose call times out (or dies) is killed and replaced by a fresh one."""
 
     def __init__(self, cfg: RewardConfig) -> None:
-        # spawn, not fork: the orchestrator has threads (HTTP, health checks) that a forked child would inherit
-        # in whatever state they were.
-        self.cfg, self.ctx = cfg, multiprocessing.get_context("spawn")
+        self.cfg = cfg
         self.idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(cfg.workers):
-            self.idle.put(_Worker(self.ctx, cfg))
+            self.idle.put(_Worker(cfg))
         self.threads = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reward")
 
     def call(self, item: tuple) -> RewardResult:
@@ -169,7 +195,7 @@ class WorkerPool:
             status, value = worker.conn.recv()
         except (TimeoutError, EOFError, OSError) as exc:
             worker.kill()
-            worker = _Worker(self.ctx, self.cfg)
+            worker = _Worker(self.cfg)
             why = str(exc) if isinstance(exc, TimeoutError) else f"the reward worker died ({type(exc).__name__})"
             return RewardResult(None, why)
         finally:

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -210,6 +210,37 @@ class Row:
         return self.text.stopped_by is not None
 
 
+class TokenRelay:
+    """Sampled tokens from the engine thread to the event loop, in bursts: the engine thread appends and wakes the
+    loop only when no hand-over is already pending, so a decode step of many rows costs one wake-up (one GIL
+    hand-over between the two threads), not one per token. Locking rule: `_events` and `_pending` only under
+    `_lock`; `listeners` only on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.listeners: dict[str, Callable[[TokenEvent], None]] = {}  # request id -> its Generation's handler
+        self._events: list[TokenEvent] = []
+        self._pending = False
+        self._lock = threading.Lock()
+
+    def put(self, event: TokenEvent) -> None:
+        """The engine's on_token (engine thread)."""
+        with self._lock:
+            self._events.append(event)
+            if self._pending:
+                return
+            self._pending = True
+        self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self) -> None:
+        """On the loop: hand every waiting token to its request (a request already gone drops its tokens)."""
+        with self._lock:
+            events, self._events, self._pending = self._events, [], False
+        for event in events:
+            if (listener := self.listeners.get(event.request_id)) is not None:
+                listener(event)
+
+
 DONE = object()
 
 
@@ -225,18 +256,21 @@ class Generation:
         self.finished = False
 
     def start(self) -> None:
-        loop, engine = asyncio.get_running_loop(), self.server.engine
+        loop, relay = asyncio.get_running_loop(), self.server.relay()
+        relay.listeners[self.request_id] = self._token
         try:
-            self.future = engine.submit(self.plan.rows(self.request_id),
-                                        lambda event: loop.call_soon_threadsafe(self._token, event))
+            self.future = self.server.engine.submit(self.plan.rows(self.request_id), relay.put)
         except RuntimeError as exc:  # the engine is stopping
+            del relay.listeners[self.request_id]
             raise HttpError(503, f"the rollout engine cannot take requests: {exc}", None, "engine_stopped") from None
-        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished))
+        self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, relay))
         self.server.metrics.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
 
-    def _finished(self) -> None:
+    def _finished(self, relay: "TokenRelay") -> None:
         """The engine resolved the request (after its last token): count how its rows ended, whether or not
         anyone still listens (a client that hung up leaves aborted rows)."""
+        relay.deliver()  # the request's last tokens come before its end
+        del relay.listeners[self.request_id]
         m = self.server.metrics
         if self.future.exception() is None:
             for out in self.future.result():
@@ -261,12 +295,21 @@ class Generation:
             self.server.engine.cancel(self.request_id, [event.row])
         self.queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def bursts(self) -> AsyncIterator[dict[int, list[TokenEvent]]]:
+        """The tokens that arrived together (one decode step's, usually), by row, until the request ends."""
         while (event := await self.queue.get()) is not DONE:
-            yield event
+            burst: dict[int, list[TokenEvent]] = {}
+            while event is not DONE:
+                burst.setdefault(event.row, []).append(event)
+                event = self.queue.get_nowait() if not self.queue.empty() else None
+                if event is None:
+                    break
+            yield burst
+            if event is DONE:
+                return
 
     async def outputs(self) -> list[RowOutput]:
-        async for _ in self.events():
+        async for _ in self.bursts():
             pass
         return self.result()
 
@@ -324,6 +367,14 @@ class RolloutServer:
         self.model = ServedModel(run, tokenizer)
         self.metrics = RolloutMetrics(engine.metrics)
         self.created = int(time.time())
+        self._relay: TokenRelay | None = None
+
+    def relay(self) -> TokenRelay:
+        """The token relay of the running event loop (one per loop; made on the first request)."""
+        loop = asyncio.get_running_loop()
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = TokenRelay(loop)
+        return self._relay
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def load_version(self, version: int, lineage: int | None = None) -> float:
@@ -409,8 +460,9 @@ class RolloutServer:
                 for i, row in enumerate(gen.rows):
                     yield _sse(api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=i, text=self._echo(gen, row), finish_reason=None)]))
-            async for event in gen.events():
-                yield _sse(self._token_chunk(gen, head, event))
+            async for burst in gen.bursts():  # one chunk per row and burst: a client reads one line per step
+                for index, events in burst.items():
+                    yield _sse(self._token_chunk(gen, head, index, events))
             choices, head, usage = self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
@@ -434,22 +486,23 @@ class RolloutServer:
             gen.cancel()  # a client gone mid-stream: its rows stop (a no-op once they finished)
         yield "data: [DONE]\n\n"
 
-    def _token_chunk(self, gen: Generation, head: dict, event: TokenEvent):
-        plan, row = gen.plan, gen.rows[event.row]
+    def _token_chunk(self, gen: Generation, head: dict, index: int, events: list[TokenEvent]):
+        plan, row = gen.plan, gen.rows[index]
         text = row.text.take()
-        token_ids = [event.token_id] if plan.return_token_ids else None
-        tops = None if event.top_logprobs is None else [event.top_logprobs]
+        ids = [e.token_id for e in events]
+        token_ids = ids if plan.return_token_ids else None
+        logprobs = [e.logprob for e in events]
+        tops = None if events[0].top_logprobs is None else [e.top_logprobs for e in events]
         if plan.kind == "chat":
-            logprobs = (self._chat_logprobs([event.token_id], [event.logprob], tops)
-                        if plan.logprobs is not None else None)
+            chat_logprobs = self._chat_logprobs(ids, logprobs, tops) if plan.logprobs is not None else None
             return api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
-                index=event.row, delta=api.Delta(content=text), logprobs=logprobs, token_ids=token_ids)])
-        logprobs = None
+                index=index, delta=api.Delta(content=text), logprobs=chat_logprobs, token_ids=token_ids)])
+        completion_logprobs = None
         if plan.logprobs is not None:
-            logprobs = self._completion_logprobs(gen, [event.token_id], [event.logprob], tops, row.offset)
-            row.offset += len(logprobs.tokens[0])
+            completion_logprobs = self._completion_logprobs(gen, ids, logprobs, tops, row.offset)
+            row.offset += sum(len(t) for t in completion_logprobs.tokens)
         return api.CompletionResponse(**head, choices=[api.CompletionChoice(
-            index=event.row, text=text, finish_reason=None, logprobs=logprobs, token_ids=token_ids)])
+            index=index, text=text, finish_reason=None, logprobs=completion_logprobs, token_ids=token_ids)])
 
     def _echo(self, gen: Generation, row: Row) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""

@@ -201,7 +201,10 @@ class BackgroundServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP, and
+        # accepted sockets inherit the listener's; with proto 0, every keep-alive answer waits ~40 ms for an ACK.
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                    socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.port = self.socket.getsockname()[1]

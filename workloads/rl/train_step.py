@@ -54,6 +54,14 @@ def learning_rate(cfg: TrainingConfig, optimizer_step: int, total_steps: int) ->
     return cfg.min_learning_rate + (cfg.learning_rate - cfg.min_learning_rate) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared gradient norms, float64, without a float64 copy of any gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.nn.utils.get_total_norm(grads).double().square().to(device)
+
+
 class TrainStep:
     def __init__(self, model: MoETransformer, value_head: torch.nn.Linear | None, optimizer: torch.optim.Optimizer,
                  *, ep: ExpertParallel | None, world: int, rank: int, device: torch.device, grad_clip: float,
@@ -101,8 +109,7 @@ class TrainStep:
         arrived = time.monotonic() - started
         if self.ep is not None:
             self.ep.sum_replicated_grads(self.trained)
-        expert_sq = sum((p.grad.double().square().sum() for p in self.expert_params if p.grad is not None),
-                        torch.zeros((), dtype=torch.float64, device=self.device))
+        expert_sq = squared_norm(self.expert_params, self.device)
         keys = sorted(sums)
         arrivals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
         arrivals[self.rank] = arrived
@@ -112,19 +119,14 @@ class TrainStep:
                             expert_sq.reshape(1), arrivals, load.reshape(-1).to(self.device)])
         if self.world > 1:
             dist.all_reduce(packed)
-        shared_sq = sum((p.grad.double().square().sum() for p in self.shared_params if p.grad is not None),
-                        torch.zeros((), dtype=torch.float64, device=self.device))
         n = len(keys)
-        norm = float(torch.sqrt(packed[n] + shared_sq))
-        scale = min(1.0, self.grad_clip / (norm + 1e-6))
-        for p in self.trained.parameters():
-            if p.grad is not None and scale < 1.0:
-                p.grad.mul_(scale)
+        norm = torch.sqrt(packed[n] + squared_norm(self.shared_params, self.device))
+        torch.nn.utils.clip_grads_with_norm_(self.trained.parameters(), self.grad_clip, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         result = dict(zip(keys, packed[:n].tolist()))
-        result.update(grad_norm=norm, lr=lr, arrivals=packed[n + 1:n + 1 + self.world].tolist(),
+        result.update(grad_norm=float(norm), lr=lr, arrivals=packed[n + 1:n + 1 + self.world].tolist(),
                       expert_load=packed[n + 1 + self.world:].view_as(load).float().cpu())
         return result

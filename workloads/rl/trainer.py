@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.error
 from dataclasses import fields
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -31,14 +30,14 @@ from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
-from ..model.transformer import expert_slice, weights_dtype
+from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
 from .algorithms import SequenceScores, make_algorithm
 from .data import ArithmeticTask
 from .losses import PolicyBatch, Totals
-from .microbatch import Sequences, plan_microbatches, sequence_tokens
-from .protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from .microbatch import Sequences, plan_microbatches
+from .protocol import Batch, TrainingSample, VersionRef
 from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
@@ -79,8 +78,8 @@ class HttpBatchSource:
                 log.warning("orchestrator unreachable (%s); retrying", exc)
                 time.sleep(1)
                 continue
-            if data and data.get("samples"):
-                return batch_from_json(data)
+            if data.get("samples"):  # else {"ready": false}: not ready within the long poll; ask again
+                return Batch.from_json(data)
         return None
 
     def version_published(self, version: int, lineage: int) -> None:
@@ -90,64 +89,56 @@ class HttpBatchSource:
         return http_json("GET", f"{self.url}/v1/state", timeout=60)
 
 
-def batch_from_json(data: dict) -> Batch:
-    """protocol.Batch from the orchestrator's answer. Today's orchestrator still answers with plain dicts (int
-    versions, routing as nested lists [layers][tokens][k]); they are converted here until it serves Batch."""
-    if "lineage" in data:
-        return Batch.from_json(data)
-    samples = []
-    for s in data["samples"]:
-        routing = s.get("routing")
-        if isinstance(routing, list):
-            import numpy as np
-
-            routing = encode_routing(np.asarray(routing).transpose(1, 0, 2))
-        samples.append(TrainingSample(s["id"], s["prompt_ids"], s["completion_ids"], s["logprobs"], s["reward"],
-                                      s["advantage"], s.get("finished", True), VersionRef(0, s["version"]), routing))
-    stats = data["stats"]
-    return Batch(data["step"], 0, samples, BatchStats(
-        stats["reward_mean"], stats["accuracy"], stats["staleness_mean"], stats.get("dropped_stale_groups", 0),
-        stats.get("filtered_groups", 0), stats.get("retries", 0), stats.get("reward_failures", 0),
-        stats.get("completed", 0)))
-
-
 class Announcer:
-    """Rank 0: tells the batch source each weight version once the publisher has put it in the store (its write
-    runs in the background, so the version reaches the orchestrator only when rollout servers can load it).
-    Locking rule: none of its own; `kick` only sets an event, the thread alone calls the source."""
+    """Rank 0: tells the batch source each weight version once the publisher has put it in the store, so the
+    orchestrator hears of a version only when rollout servers can load it.
 
-    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int) -> None:
+    Asynchronous runs (max_staleness >= 1): a thread announces versions as they land, while the trainer goes on.
+    Synchronous runs (max_staleness 0): the next batch needs samples of the new version, so nothing can overlap
+    the write anyway; `published(version)` waits for it and announces before the trainer asks for that batch.
+    Locking rule: the source is called by the thread alone when there is one, else by the trainer's thread."""
+
+    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int, *, background: bool) -> None:
         self.publisher, self.source, self.lineage = publisher, source, lineage
         self.announced: int | None = None
-        self._event, self._closing = threading.Event(), False
-        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True)
-        self._thread.start()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True) if background else None
+        if self._thread is not None:
+            self._thread.start()
 
-    def kick(self) -> None:
-        self._event.set()
+    def published(self, version: int) -> None:
+        """The publisher took a snapshot of `version`."""
+        if self._thread is not None:
+            return
+        failures = self.publisher.failures
+        seen = self.publisher.published
+        while seen is None or seen < version:
+            if self.publisher.failures > failures:
+                raise RuntimeError(f"weight version {version} could not be written to the store; see the log")
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+        self._announce(seen)
 
     def close(self) -> None:
-        """Stop the thread, then announce the newest version (the publisher is closed: everything is written)."""
+        """After the publisher's close (everything written): stop the thread, announce the newest version."""
         self._closing = True
-        self._event.set()
-        self._thread.join()
-        self._announce()
+        if self._thread is not None:
+            self._thread.join()
+        self._announce(self.publisher.published)
 
     def _run(self) -> None:
+        seen = None
         while not self._closing:
-            self._event.wait()
-            self._event.clear()
-            self.publisher.flush()
-            self._announce()
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+            self._announce(seen)
 
-    def _announce(self) -> None:
-        version = self.publisher.published
-        if version is not None and version != self.announced:
-            try:
-                self.source.version_published(version, self.lineage)
-                self.announced = version
-            except (OSError, RuntimeError) as exc:  # the next publish tries again with a newer version
-                log.warning("announcing weight version %d failed: %s", version, exc)
+    def _announce(self, version: int | None) -> None:
+        if version is None or version == self.announced:
+            return
+        try:
+            self.source.version_published(version, self.lineage)
+            self.announced = version
+        except (OSError, RuntimeError) as exc:  # the next version tries again
+            log.warning("announcing weight version %d failed: %s", version, exc)
 
 
 class Trainer:
@@ -178,8 +169,9 @@ class Trainer:
             torch.nn.init.zeros_(self.value_head.bias)
             self.value_head.to(self.device)
         head = list(self.value_head.parameters()) if self.value_head is not None else []
+        # fused on GPUs: the foreach form makes temporaries the size of all gradients
         self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
-                                           weight_decay=self.cfg.weight_decay)
+                                           weight_decay=self.cfg.weight_decay, fused=self.device.type == "cuda")
         # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
         bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
         self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
@@ -192,7 +184,7 @@ class Trainer:
         self._pending_checkpoint = None
         self.publisher: Publisher | None = None
         self.announcer: Announcer | None = None
-        self.step, self.lineage, self.stop_requested = 0, 0, False
+        self.step, self.committed_step, self.lineage, self.stop_requested = 0, 0, 0, False
         self.wait_seconds, self.started = 0.0, time.monotonic()
         self.samples_trained = 0
         self.writer = None
@@ -342,7 +334,8 @@ class Trainer:
         self.lineage = 0 if box[0] is None else box[0].lineage + 1
         self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep)
         if self.rank == 0 and self.source is not None:
-            self.announcer = Announcer(self.publisher, self.source, self.lineage)
+            self.announcer = Announcer(self.publisher, self.source, self.lineage,
+                                       background=self.run.rl.orchestrator.max_staleness > 0)
         log.info("publishing weights as lineage %d", self.lineage)
 
     def publish(self, version: int) -> None:
@@ -351,7 +344,7 @@ class Trainer:
         self.publisher.publish(version, self.model.state_dict())
         self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
         if self.announcer is not None:
-            self.announcer.kick()
+            self.announcer.published(version)
 
     def stop_publishing(self) -> None:
         """Write the newest version, announce it, stop the writer."""
@@ -360,10 +353,10 @@ class Trainer:
             self.announcer.close()
 
     def save_checkpoint(self) -> None:
-        """Start writing a checkpoint of this step (every rank) and return; the previous one is committed first.
-        The write runs in the background (DCP async_save: tensors copied to host memory first), off the step's
-        critical path; `finish_checkpoint` commits it."""
-        self.finish_checkpoint()
+        """Start writing a checkpoint of this step (every rank) and return; the one before is committed first.
+        The write runs in the background (DCP async_save: the tensors are copied to host memory before it
+        returns), off the step's critical path; `poll_checkpoint` commits it once complete."""
+        self.poll_checkpoint(wait=True)
         staging = ckpt.prepare(self.ckpt_root, self.step, self.rank, self.world)
         self._ensure_optimizer_state()
         future = ckpt.save(self._checkpoint_state(), staging, asynchronous=True, group=self.checkpoint_group)
@@ -373,17 +366,19 @@ class Trainer:
         source_state = self.source.state() if self.rank == 0 and self.source is not None else None
         self._pending_checkpoint = (future, self.step, meta, source_state)
 
-    def finish_checkpoint(self) -> None:
-        """Wait for the checkpoint being written (every rank) and commit it (rank 0)."""
+    def poll_checkpoint(self, *, wait: bool) -> None:
+        """Commit the checkpoint being written once it is complete (rank 0; waiting for it if `wait`). On rank 0
+        a finished write means every rank's shards and the metadata are on disk (DCP finishes there last)."""
         if self._pending_checkpoint is None:
             return
         future, step, meta, source_state = self._pending_checkpoint
+        if not wait and not future.done():
+            return
         self._pending_checkpoint = None
-        future.result()  # on rank 0 this also means every rank's shards and the metadata are written
+        future.result()
         if self.rank == 0:
             log.info("checkpoint %s", ckpt.commit(self.ckpt_root, step, meta, source_state))
-        if self.world > 1:
-            dist.barrier(group=self.checkpoint_group)  # nobody reads LATEST before it moved
+        self.committed_step = step
 
     def _trained_state(self) -> dict[str, torch.Tensor]:
         """Weights and buffers of what the optimizer trains (the policy; PPO's value head), by name."""
@@ -438,6 +433,7 @@ class Trainer:
         torch.set_rng_state(state["rng.torch"])
         ckpt.set_python_rng_state(meta["python_rng"])
         self.step, self.samples_trained = meta["step"], meta["samples_trained"]
+        self.committed_step = self.step
         log.info("resumed from %s (written by %d ranks) at step %d", directory, meta["world"], self.step)
         return True
 
@@ -447,8 +443,9 @@ class Trainer:
         box: list = [None]
         if self.rank == 0:
             start = time.monotonic()
-            committed = self.step - self.step % self.cfg.checkpoint_every
-            box[0] = self.source.next_batch(self.step, committed, lambda: self.stop_requested)
+            # the newest checkpoint that is committed (not merely started: they are written in the background),
+            # so the source keeps every batch a restart could ask for again
+            box[0] = self.source.next_batch(self.step, self.committed_step, lambda: self.stop_requested)
             self.wait_seconds += time.monotonic() - start
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
@@ -482,6 +479,7 @@ class Trainer:
             self.writer = SummaryWriter(str(self.out / "tensorboard"))
         stopping = False
         while self.step < self.cfg.steps:
+            self.poll_checkpoint(wait=False)
             stopping = self.stop_agreed()
             if stopping:
                 break
@@ -502,7 +500,7 @@ class Trainer:
         if stopping and self.step % self.cfg.checkpoint_every:
             log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
             self.save_checkpoint()
-        self.finish_checkpoint()
+        self.poll_checkpoint(wait=True)
         self.stop_publishing()
         if self.rank == 0 and self.writer:
             self.writer.close()

@@ -4,7 +4,8 @@ our manifest) and rollout servers load it.
 A version is named by `VersionRef(lineage, version)`: every trainer start from a checkpoint begins a new lineage
 whose numbers may repeat a dead lineage's, so the store keeps them apart (`l00001-v00000010`). LATEST moves
 forward only (a newer lineage, or the same lineage and a higher version); publishing an existing version is a
-no-op; publishing one older than LATEST is refused (a trainer of a dead lineage must not publish).
+no-op; publishing one older than LATEST is refused (a trainer of a dead lineage must not publish), also against a
+publisher in another process: the directory store commits under an flock, S3 moves LATEST by a conditional write.
 
 No copies inside the store: a writer stages a version's files on the store's own filesystem (`stage`) and the
 commit renames the whole directory into place (directory store; atomic within one filesystem), after fsync of
@@ -22,13 +23,13 @@ commits only if every part was written, else abandons the version (all or none).
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -280,13 +281,22 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class DirectoryStore(WeightStore):
-    """`local`, and `fs` on a shared filesystem (FSx for Lustre): rename is atomic within it. Its lock
-    serialises publications from one process (a trainer's background writer and a direct call)."""
+    """`local`, and `fs` on a shared filesystem (FSx for Lustre): rename is atomic within it. Commits hold an
+    flock on `<root>/.lock`, so the LATEST check, the rename and the LATEST update are one step even against a
+    publisher in another process or on another node (a dead lineage's trainer that is still running)."""
 
     def __init__(self, root: str | Path, keep_versions: int = 3) -> None:
         self.root, self.keep_versions = Path(root), keep_versions
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def latest(self) -> VersionRef | None:
         try:
@@ -340,7 +350,10 @@ class DirectoryStore(WeightStore):
         for path in directory.iterdir():
             fsync(path)
         fsync(directory)
-        with self._lock:
+        with self._locked():
+            if self._exists(staging.ref):  # another publisher committed it meanwhile: ours is a no-op
+                shutil.rmtree(directory, ignore_errors=True)
+                return
             latest = self.latest()
             if latest is not None and staging.ref < latest:
                 raise StaleVersion(f"version {staging.ref} is older than LATEST {latest}")
@@ -466,8 +479,29 @@ class S3Store(WeightStore):
         if latest is not None and staging.ref < latest:
             raise StaleVersion(f"version {staging.ref} is older than LATEST {latest}")
         self._put_json(self._key(version_name(staging.ref), MANIFEST), manifest)
-        self._put_json(self._key(LATEST), {"lineage": staging.ref.lineage, "version": staging.ref.version})
+        self._move_latest(staging.ref)
         self._delete_keys(self._key(".parts", version_name(staging.ref)) + "/")
+
+    def _move_latest(self, ref: VersionRef) -> None:
+        """LATEST := ref by compare-and-swap (S3 conditional writes on its ETag), so a publisher that read an
+        older LATEST never overwrites a newer one another publisher (a new lineage's trainer) wrote meanwhile."""
+        key = self._key(LATEST)
+        while True:
+            try:
+                current = self.s3.get_object(Bucket=self.bucket, Key=key)
+                latest = latest_ref(current["Body"].read().decode(), f"s3://{self.bucket}/{key}")
+                condition = {"IfMatch": current["ETag"]}
+            except self.s3.exceptions.NoSuchKey:
+                latest, condition = None, {"IfNoneMatch": "*"}
+            if latest is not None and ref < latest:
+                raise StaleVersion(f"version {ref} is older than LATEST {latest}")
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32", **condition,
+                                   Body=json.dumps({"lineage": ref.lineage, "version": ref.version}).encode())
+                return
+            except self.s3.exceptions.ClientError as exc:
+                if exc.response["Error"]["Code"] not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise  # else LATEST moved between the read and the write: read it again
 
     def _discard(self, staging: Staging) -> None:
         shutil.rmtree(staging.directory, ignore_errors=True)
