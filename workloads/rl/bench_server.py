@@ -3,11 +3,13 @@
 The same requests (n rows of a distinct random prompt each, seeded, temperature 1) are sent at each concurrency
 three ways: straight to `RolloutEngine.submit` from threads (no HTTP), as `/v1/completions` over HTTP with
 keep-alive connections (httpx), and as streamed `/v1/completions` (server-sent events, one chunk per token).
-tokens/s = completion tokens / wall time of the whole batch of requests; the latency columns are per request.
+tokens/s = completion tokens / wall time of the whole batch of requests (the median of `--repeats` runs, the ways
+taking turns); the latency columns are per request.
 The seeds make every way generate the same tokens, so the ratio is the server's overhead at that load.
 
-The model and weights are random (shape `--model`: `tiny` = bench-rollout's small model; on a CPU this measures the
-server against a cheap model, the worst case for its relative overhead). The engine takes the GPU when there is
+The model and weights are random (`--model tiny`: bench-rollout's small model; on a CPU this measures the server
+against a cheap model, the worst case for its relative overhead; `--model qwen3 --layers N`: Qwen3-30B-A3B's shape
+with N layers, for a GPU). The engine takes the GPU when there is
 one; on the GPU machine run it as a module (`python3 -m moe_rl_eks.workloads.rl.bench_server`), with fastapi,
 uvicorn and httpx brought as wheels.
 """
@@ -40,7 +42,7 @@ def build(args, root: Path):
 
     from ..model import MoETransformer
     from ..model.checkpoint import save_hf
-    from .bench_rollout import TINY
+    from .bench_rollout import QWEN3_30B_A3B, TINY
     from .engine import RolloutEngine
     from .rollout_server import RolloutServer, make_app
     from .runtime import BackgroundServer
@@ -48,7 +50,8 @@ def build(args, root: Path):
     from .weights import DirectoryStore
 
     data = yaml.safe_load(LOCAL_RUN.read_text())
-    data["model"] = dataclasses.asdict(TINY)
+    model = TINY if args.model == "tiny" else dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    data["model"] = dataclasses.asdict(model)
     data["rollout"].update(max_batch_size=max(args.concurrency) * args.n, max_new_tokens=args.max_tokens)
     data["rl"].setdefault("sampling", {}).update(max_n=max(args.n, data["rl"]["algorithm"]["group_size"]),
                                                  max_prompt_tokens=args.prompt_tokens)
@@ -144,11 +147,15 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moerl bench-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("tiny", "qwen3"), default="tiny",
+                        help="tiny: bench-rollout's small model; qwen3: Qwen3-30B-A3B's shape with --layers layers")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the qwen3 shape")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency and way")
     parser.add_argument("--n", type=int, default=4, help="rows per request")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per way and concurrency (the median is kept)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="moerl-bench-server-") as tmp:
@@ -158,17 +165,25 @@ def main(argv: list[str] | None = None) -> int:
             direct(engine, bodies[:4], 4)  # warm-up: first steps allocate the decoder
             results = []
             for c in args.concurrency:
-                results.append(measure("engine", c, lambda: direct(engine, bodies, c)))
-                results.append(measure("HTTP", c, lambda: over_http(http.url, bodies, c, False)))
-                results.append(measure("HTTP stream", c, lambda: over_http(http.url, bodies, c, True)))
+                ways = {"engine": lambda: direct(engine, bodies, c),
+                        "HTTP": lambda: over_http(http.url, bodies, c, False),
+                        "HTTP stream": lambda: over_http(http.url, bodies, c, True)}
+                # The ways take turns, and each reports its median run: a shared machine's load moves in between.
+                runs = {name: [] for name in ways}
+                for _ in range(args.repeats):
+                    for name, call in ways.items():
+                        runs[name].append(measure(name, c, call))
+                for name in ways:
+                    results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
         finally:
             http.stop()
             engine.stop()
     text = table(results)
     print(text)
-    command = ("moerl bench-server --concurrency " + " ".join(map(str, args.concurrency)) +
+    command = (f"moerl bench-server --model {args.model} --layers {args.layers} --concurrency " +
+               " ".join(map(str, args.concurrency)) +
                f" --requests {args.requests} --n {args.n} --max-tokens {args.max_tokens} "
-               f"--prompt-tokens {args.prompt_tokens}")
+               f"--prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
     print(f"\n`{command}`")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "results": results}, indent=1))

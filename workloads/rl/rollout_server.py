@@ -295,12 +295,21 @@ class Generation:
             self.server.engine.cancel(self.request_id, [event.row])
         self.queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def bursts(self) -> AsyncIterator[dict[int, list[TokenEvent]]]:
+        """The tokens that arrived together (one decode step's, usually), by row, until the request ends."""
         while (event := await self.queue.get()) is not DONE:
-            yield event
+            burst: dict[int, list[TokenEvent]] = {}
+            while event is not DONE:
+                burst.setdefault(event.row, []).append(event)
+                event = self.queue.get_nowait() if not self.queue.empty() else None
+                if event is None:
+                    break
+            yield burst
+            if event is DONE:
+                return
 
     async def outputs(self) -> list[RowOutput]:
-        async for _ in self.events():
+        async for _ in self.bursts():
             pass
         return self.result()
 
@@ -451,8 +460,9 @@ class RolloutServer:
                 for i, row in enumerate(gen.rows):
                     yield _sse(api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=i, text=self._echo(gen, row), finish_reason=None)]))
-            async for event in gen.events():
-                yield _sse(self._token_chunk(gen, head, event))
+            async for burst in gen.bursts():  # one chunk per row and burst: a client reads one line per step
+                for index, events in burst.items():
+                    yield _sse(self._token_chunk(gen, head, index, events))
             choices, head, usage = self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
@@ -476,22 +486,23 @@ class RolloutServer:
             gen.cancel()  # a client gone mid-stream: its rows stop (a no-op once they finished)
         yield "data: [DONE]\n\n"
 
-    def _token_chunk(self, gen: Generation, head: dict, event: TokenEvent):
-        plan, row = gen.plan, gen.rows[event.row]
+    def _token_chunk(self, gen: Generation, head: dict, index: int, events: list[TokenEvent]):
+        plan, row = gen.plan, gen.rows[index]
         text = row.text.take()
-        token_ids = [event.token_id] if plan.return_token_ids else None
-        tops = None if event.top_logprobs is None else [event.top_logprobs]
+        ids = [e.token_id for e in events]
+        token_ids = ids if plan.return_token_ids else None
+        logprobs = [e.logprob for e in events]
+        tops = None if events[0].top_logprobs is None else [e.top_logprobs for e in events]
         if plan.kind == "chat":
-            logprobs = (self._chat_logprobs([event.token_id], [event.logprob], tops)
-                        if plan.logprobs is not None else None)
+            chat_logprobs = self._chat_logprobs(ids, logprobs, tops) if plan.logprobs is not None else None
             return api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
-                index=event.row, delta=api.Delta(content=text), logprobs=logprobs, token_ids=token_ids)])
-        logprobs = None
+                index=index, delta=api.Delta(content=text), logprobs=chat_logprobs, token_ids=token_ids)])
+        completion_logprobs = None
         if plan.logprobs is not None:
-            logprobs = self._completion_logprobs(gen, [event.token_id], [event.logprob], tops, row.offset)
-            row.offset += len(logprobs.tokens[0])
+            completion_logprobs = self._completion_logprobs(gen, ids, logprobs, tops, row.offset)
+            row.offset += sum(len(t) for t in completion_logprobs.tokens)
         return api.CompletionResponse(**head, choices=[api.CompletionChoice(
-            index=event.row, text=text, finish_reason=None, logprobs=logprobs, token_ids=token_ids)])
+            index=index, text=text, finish_reason=None, logprobs=completion_logprobs, token_ids=token_ids)])
 
     def _echo(self, gen: Generation, row: Row) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""
