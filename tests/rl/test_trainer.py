@@ -145,6 +145,12 @@ def test_learning_rate_warms_up_linearly_then_stays_or_follows_a_cosine(tmp_path
     assert rates[3] == pytest.approx(0.1) and rates[-1] == pytest.approx(0.01)
     assert rates[6] == pytest.approx(0.01 + 0.09 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 5)).item()))
     assert all(a >= b for a, b in zip(rates[3:], rates[4:]))
+    # the trainer steps with the schedule's rate at its optimizer step (steps x epochs x mini-batches)
+    run = tiny_run(tmp_path, algorithm={"mini_batches": 2, **FAST}, training={"learning_rate": 0.1, "lr_warmup_steps": 4})
+    trainer = Trainer(run, None, rank=0, world=1)
+    assert trainer.rl_step(rewarded_batch())["lr"] == pytest.approx((0.025 + 0.05) / 2)  # optimizer steps 0 and 1
+    trainer.step = 5
+    assert trainer.rl_step(rewarded_batch())["lr"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("training, sampling, message", [
