@@ -9,7 +9,7 @@ import pytest
 import torch
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
-                           run_ranks, step_gradients, train_and_checkpoint)
+                           run_ranks, step_gradients, train_and_checkpoint, trained_then_resumed)
 
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
@@ -217,6 +217,13 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weig
         assert state.keys() == saved.keys()
         for name, tensor in saved.items():
             assert torch.equal(state[name], tensor), name
+
+
+def test_a_resumed_trainer_continues_bitwise_as_if_it_had_never_stopped(tmp_path):
+    # 2 EP ranks (DTensor shards), PPO (value head, moments), entropy and mini-batches: everything a step keeps
+    path = write_run(tmp_path, algorithm={"name": "ppo", "mini_batches": 2, "kl_coef": 0.0, "entropy_coef": 0.01})
+    batches = [varied_batch(step).to_json() for step in range(4)]
+    assert run_ranks(2, trained_then_resumed, str(path), batches) == [[], []]
 
 
 def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_path):
