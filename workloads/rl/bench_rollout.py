@@ -406,7 +406,10 @@ def _sharded_rank(rank: int, world: int, args: argparse.Namespace, config: Model
         return
     torch.manual_seed(0)
     staging = Path(tmp) / "staging"
-    save_hf(MoETransformer(config).state_dict(), config, staging)
+    with replica.device:  # random weights made on the GPU where there is one: much faster than on the host
+        save_hf(MoETransformer(config).state_dict(), config, staging)
+    if replica.device.type == "cuda":
+        torch.cuda.empty_cache()  # the engine sizes its KV cache to what the served weights leave free
     store = DirectoryStore(Path(tmp) / "weights")
     store.publish(0, staging)
     engine = RolloutEngine(run, store, Path(tmp) / "cache", CharTokenizer(), replica)
