@@ -137,8 +137,8 @@ class Announcer:
         try:
             self.source.version_published(version, self.lineage)
             self.announced = version
-        except (OSError, RuntimeError) as exc:  # the next version tries again
-            log.warning("announcing weight version %d failed: %s", version, exc)
+        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+            log.exception("announcing weight version %d failed", version)
 
 
 class Trainer:
