@@ -8,7 +8,8 @@ Read-only calls with the caller's credentials (boto3's usual chain), a table, ex
   pool's max_size together; Capacity Block pools draw on their block instead;
 - per configured reservation (DescribeCapacityReservations): it exists, is active or scheduled, is in the GPU
   zone, is for the pool's type, is a Capacity Block when the pool says CAPACITY_BLOCK, and holds max_size;
-- the Kubernetes version is in EKS standard support (DescribeClusterVersions);
+- the Kubernetes version is in EKS standard support (DescribeClusterVersions), and the VPC CNI add-on version the
+  stack pins is offered for it (DescribeAddonVersions);
 - with `--after-deploy`: the stack is complete, its outputs exist, and the bucket and ECR repositories they
   name exist.
 """
@@ -189,6 +190,25 @@ def check_kubernetes_version(env: EnvironmentConfig, aws: AwsClients, today: dt.
     return Finding("kubernetes version", subject, "ok", end_text)
 
 
+def check_vpc_cni(env: EnvironmentConfig, aws: AwsClients) -> Finding:
+    # The stack pins the VPC CNI add-on (efa-only interfaces need a recent one); EKS offers each add-on version for
+    # some Kubernetes versions only, and a pin it does not offer fails the deploy half-way.
+    subject = f"vpc-cni {cluster.VPC_CNI_VERSION}"
+    offered, token = [], None
+    while True:
+        page = aws.eks.describe_addon_versions(addonName="vpc-cni", kubernetesVersion=env.kubernetes_version,
+                                               **({"nextToken": token} if token else {}))
+        offered += [v["addonVersion"] for addon in page.get("addons", []) for v in addon.get("addonVersions", [])]
+        token = page.get("nextToken")
+        if not token:
+            break
+    if cluster.VPC_CNI_VERSION in offered:
+        return Finding("eks add-on", subject, "ok", f"offered for Kubernetes {env.kubernetes_version}")
+    newest = ", ".join(offered[:3]) or "none"
+    return Finding("eks add-on", subject, "blocker", f"not offered for Kubernetes {env.kubernetes_version} (offered: "
+                   f"{newest}{', ...' if len(offered) > 3 else ''})")
+
+
 # --- after deploy -------------------------------------------------------------------------------------------
 
 def check_deployed(env: EnvironmentConfig, stack: str, aws: AwsClients) -> list[Finding]:
@@ -241,6 +261,7 @@ def run_preflight(env: EnvironmentConfig, aws: AwsClients, *, today: dt.date, af
     findings += check_quotas(env, aws)
     findings += [f for role, pool in env.pools().items() if (f := check_reservation(role, pool, env, aws))]
     findings.append(check_kubernetes_version(env, aws, today))
+    findings.append(check_vpc_cni(env, aws))
     if after_deploy_stack:
         findings += check_deployed(env, after_deploy_stack, aws)
     return findings

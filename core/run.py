@@ -275,6 +275,17 @@ def _resolved_on_the_cluster(run: RunConfig, env: EnvironmentConfig | None, src:
         check_backend(placement.ep_backend, placement.topology)
     except UnsupportedBackend as exc:
         raise ConfigError(src, "resolved.ep_backend", placement.ep_backend, str(exc)) from None
+    nodes = placement.topology.nodes
+    weights = run.rl.weights
+    store_path = weights.path or f"{run.rl.training.output_dir.rstrip('/')}/weights"
+    if nodes > 1 and weights.kind != "s3" and not store_path.startswith(f"{FSX_MOUNT_PATH}/"):
+        # Every trainer rank writes its experts into the store and rank 0 commits the version once all parts are
+        # there: a node-local directory never sees the other nodes' parts, so no version would ever be committed.
+        field_name, value = ("rl.weights.path", weights.path) if weights.path else ("rl.weights.kind", weights.kind)
+        raise ConfigError(src, field_name, value,
+                          f"a trainer on {nodes} nodes writes each node's experts into the weight store, which "
+                          f"must be shared by the nodes: kind: s3, or kind: fs (or local) with a path under "
+                          f"{FSX_MOUNT_PATH}/ (the FSx volume); {store_path!r} is node-local")
     return ResolvedRun(run, None, placement.topology, placement.ep_backend, placement.ep_backend_reason)
 
 

@@ -158,3 +158,32 @@ def test_a_float32_model_on_one_gpu_node_falls_back_from_deepep_to_all_to_all():
     run = RunConfig(name="fp32", model=replace(TINY, dtype="float32"), environment="dev", **CLUSTER_READY)
     resolved = resolve_run(run, ENVS["dev"])
     assert resolved.ep_backend == "alltoall" and "moves bfloat16 tokens" in resolved.ep_backend_reason
+
+
+def test_a_resolved_multi_node_trainer_refuses_a_node_local_weight_store_naming_the_field():
+    from moe_rl_eks.core.run import resolved_run_file
+
+    run = RunConfig(name="q", model=QWEN3_30B, environment="prod", parallelism=ParallelismConfig(trainer_nodes=2),
+                    rollout=RolloutConfig(max_servers=8), **CLUSTER_READY)
+    shipped = resolved_run_file(resolve_run(run, ENVS["prod"]))  # the run file the trainer pods read
+    assert resolve_run(shipped, None).topology.nodes == 2
+
+    def with_weights(store, output_dir="/fsx/runs/q"):
+        return replace(shipped, rl=replace(shipped.rl, weights=store,
+                                           training=replace(shipped.rl.training, output_dir=output_dir)))
+
+    with pytest.raises(ConfigError) as err:  # rank 0 would wait for the other node's parts forever
+        resolve_run(with_weights(WeightStoreConfig(kind="local", path="/tmp/weights")), None)
+    assert (err.value.field, err.value.value) == ("rl.weights.path", "/tmp/weights")
+    assert "a trainer on 2 nodes" in str(err.value) and "kind: s3, or kind: fs (or local) with a path under /fsx/" \
+        in str(err.value)
+    with pytest.raises(ConfigError) as err:  # no path: <output_dir>/weights, here on the node's disk
+        resolve_run(with_weights(WeightStoreConfig(kind="local"), output_dir="/data/q"), None)
+    assert (err.value.field, err.value.value) == ("rl.weights.kind", "local") and "'/data/q/weights'" in str(err.value)
+    # Shared by the nodes: the FSx volume (either directory kind) or S3.
+    for store in (WeightStoreConfig(kind="local"), WeightStoreConfig(kind="fs", path="/fsx/runs/q/weights"),
+                  WeightStoreConfig(kind="s3", bucket="b")):
+        assert resolve_run(with_weights(store), None).topology.nodes == 2
+    one_node = replace(shipped, resolved=replace(shipped.resolved, topology=replace(shipped.resolved.topology, nodes=1)))
+    one_node = replace(one_node, rl=replace(one_node.rl, weights=WeightStoreConfig(kind="local", path="/tmp/weights")))
+    assert resolve_run(one_node, None).topology.nodes == 1  # one node writes every part itself

@@ -1,6 +1,7 @@
 """`moerl preflight` against moto's server on 127.0.0.1 (STS, EC2 offerings and instance types, S3, ECR,
-CloudFormation). moto 5.2.5 lacks three calls, answered with botocore's Stubber: EC2 DescribeCapacityReservations,
-Service Quotas GetServiceQuota for ec2 (moto knows only vpc quotas) and EKS DescribeClusterVersions."""
+CloudFormation). moto 5.2.5 lacks four calls, answered with botocore's Stubber: EC2 DescribeCapacityReservations,
+Service Quotas GetServiceQuota for ec2 (moto knows only vpc quotas), EKS DescribeClusterVersions and EKS
+DescribeAddonVersions (moto has no EKS add-ons)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ import pytest
 from botocore.stub import Stubber
 from moto.server import ThreadedMotoServer
 
-from moe_rl_eks.core import preflight
+from moe_rl_eks.core import cluster, preflight
 from moe_rl_eks.core.environment import load_cdk_json, select_environment
 from moe_rl_eks.core.preflight import AwsClients, main, run_preflight
 
@@ -63,6 +64,12 @@ class Aws:
             {"clusterVersions": [{"clusterVersion": version, "versionStatus": status, "endOfStandardSupportDate": end}]},
             {"clusterVersions": [version], "includeAll": True})
 
+    def vpc_cni(self, version: str, offered: list[str]) -> None:
+        self.stubs["eks"].add_response(
+            "describe_addon_versions",
+            {"addons": [{"addonName": "vpc-cni", "addonVersions": [{"addonVersion": v} for v in offered]}]},
+            {"addonName": "vpc-cni", "kubernetesVersion": version})
+
     def reservation(self, rid: str, **fields) -> None:
         self.stubs["capacity"].add_response("describe_capacity_reservations",
                                             {"CapacityReservations": [{"CapacityReservationId": rid, **fields}]},
@@ -95,6 +102,7 @@ def test_dev_environment_is_ready_when_quotas_cover_both_pools(endpoint):
         aws.quota("L-DB2E81BA", 96)  # rollout: 2 x g6e.12xlarge x 48 vCPUs
         aws.quota("L-417A185B", 384)  # trainer: 2 x p5.48xlarge x 192 vCPUs
         aws.kubernetes(VERSION, "STANDARD_SUPPORT")
+        aws.vpc_cni(VERSION, ["v1.23.0-eksbuild.1", cluster.VPC_CNI_VERSION])
         findings = run_preflight(env, aws.clients, today=TODAY)
     assert [f for f in findings if f.status != "ok"] == []
     found = by_check(findings)
@@ -115,6 +123,7 @@ def test_blockers_name_zone_quota_reservation_and_support(endpoint):
         aws.reservation("cr-0123456789abcdef0", State="active", AvailabilityZone="us-east-1b",
                         InstanceType="p5e.48xlarge", ReservationType="capacity-block", TotalInstanceCount=2)
         aws.kubernetes(VERSION, "EXTENDED_SUPPORT", dt.datetime(2026, 7, 29, tzinfo=dt.timezone.utc))
+        aws.vpc_cni(VERSION, ["v1.23.0-eksbuild.1", "v1.22.4-eksbuild.1", "v1.22.3-eksbuild.2", "v1.21.0-eksbuild.1"])
         found = by_check(run_preflight(env, aws.clients, today=TODAY))
     blockers = {key: f.detail for key, f in found.items() if f.status == "blocker"}
     assert blockers == {
@@ -124,6 +133,8 @@ def test_blockers_name_zone_quota_reservation_and_support(endpoint):
         ("reservation", "trainer: cr-0123456789abcdef0"): "in us-east-1b, the GPU zone is us-east-1a",
         ("kubernetes version", f"EKS {VERSION}"): "EXTENDED_SUPPORT (standard support ends 2026-07-29): a new cluster "
             "would pay extended support; set kubernetes_version to a version in standard support",
+        ("eks add-on", f"vpc-cni {cluster.VPC_CNI_VERSION}"): f"not offered for Kubernetes {VERSION} (offered: "
+            "v1.23.0-eksbuild.1, v1.22.4-eksbuild.1, v1.22.3-eksbuild.2, ...)",
     }
 
 
@@ -207,6 +218,7 @@ def test_cli_prints_a_table_and_exits_1_on_blockers(endpoint, tmp_path, capsys):
         aws.quota("L-DB2E81BA", 0)
         aws.quota("L-417A185B", 384)
         aws.kubernetes(VERSION, "STANDARD_SUPPORT")
+        aws.vpc_cni(VERSION, [cluster.VPC_CNI_VERSION])
         code = main(["--env", "dev", "--cdk-json", str(tmp_path / "cdk.json")], aws=aws.clients)
     out = capsys.readouterr().out
     assert code == 1
@@ -232,3 +244,17 @@ def test_cli_without_credentials_says_so(endpoint, monkeypatch, tmp_path, capsys
     err = capsys.readouterr().err
     assert "error: preflight for 'dev' (111111111111, us-east-1) could not read the account: Unable to locate " \
            "credentials" in err
+
+
+def test_vpc_cni_versions_are_read_across_pages(endpoint):
+    with Aws(endpoint) as aws:
+        eks = aws.stubs["eks"]
+        eks.add_response("describe_addon_versions",
+                         {"addons": [{"addonName": "vpc-cni", "addonVersions": [{"addonVersion": "v1.23.0-eksbuild.1"}]}],
+                          "nextToken": "page-2"},
+                         {"addonName": "vpc-cni", "kubernetesVersion": VERSION})
+        eks.add_response("describe_addon_versions",
+                         {"addons": [{"addonName": "vpc-cni", "addonVersions": [{"addonVersion": cluster.VPC_CNI_VERSION}]}]},
+                         {"addonName": "vpc-cni", "kubernetesVersion": VERSION, "nextToken": "page-2"})
+        finding = preflight.check_vpc_cni(dev_environment(), aws.clients)
+    assert (finding.status, finding.detail) == ("ok", f"offered for Kubernetes {VERSION}")

@@ -7,8 +7,8 @@ import torch
 from moe_rl_eks.workloads.rl.algorithms import (SequenceScores, gae, grpo_advantages, make_algorithm,
                                                 terminal_rewards, varied_groups, whiten)
 from moe_rl_eks.core.rl_config import AlgorithmConfig, RLConfig, SamplingConfig
-from moe_rl_eks.workloads.rl.losses import (PolicyBatch, Totals, kl_estimate, policy_loss,
-                                            token_logprobs_and_entropy, value_loss)
+from moe_rl_eks.workloads.rl.losses import (PolicyBatch, Totals, kl_estimate, token_logprobs_and_entropy,
+                                            value_loss_per_token)
 
 
 def test_grpo_scales_by_unbiased_group_std_and_dr_grpo_only_centres():
@@ -56,7 +56,7 @@ def test_decoupled_ppo_loss_with_truncated_importance_weight_and_clip():
     # token 1: r = 0.2/0.4 = 0.5, A = -1: min(-0.5, 0.8 * -1) = -0.8 (clipped), w = 1 -> -0.8
     # loss = -(2.5 - 0.8) / 2 tokens = -0.85
     batch = _two_token_batch()
-    loss, m = policy_loss(batch, AlgorithmConfig(clip_low=0.2, clip_high=0.28, importance_cap=2.0))
+    loss, m = algorithm("grpo", clip_low=0.2, clip_high=0.28, importance_cap=2.0).loss(batch, Totals(2.0, 1.0))
     assert loss.item() == pytest.approx(-0.85, abs=1e-6)
     assert m["clip_fraction"] == pytest.approx(0.5)
     assert m["importance_truncated_fraction"] == pytest.approx(0.5)
@@ -69,16 +69,16 @@ def test_decoupled_ppo_loss_with_truncated_importance_weight_and_clip():
 def test_clip_higher_is_asymmetric():
     batch = _two_token_batch(mask=torch.tensor([[1.0, 0.0]]))
     # r = 1.25, A = +1, w = 2: symmetric clip 0.2 caps r at 1.2 -> loss -2.4; clip_high 0.28 leaves 1.25 -> -2.5
-    symmetric, _ = policy_loss(batch, AlgorithmConfig(clip_low=0.2, clip_high=0.2))
-    higher, _ = policy_loss(batch, AlgorithmConfig(clip_low=0.2, clip_high=0.28))
+    symmetric, _ = algorithm("grpo", clip_low=0.2, clip_high=0.2).loss(batch, Totals(1.0, 1.0))
+    higher, _ = algorithm("grpo", clip_low=0.2, clip_high=0.28).loss(batch, Totals(1.0, 1.0))
     assert symmetric.item() == pytest.approx(-2.4, abs=1e-6)
     assert higher.item() == pytest.approx(-2.5, abs=1e-6)
 
 
 def test_token_level_aggregation_divides_by_global_token_count():
     batch = _two_token_batch()
-    local, _ = policy_loss(batch, AlgorithmConfig())
-    global_, _ = policy_loss(batch, AlgorithmConfig(), num_tokens=4)  # another rank holds 2 more tokens
+    local, _ = algorithm("grpo").loss(batch, Totals(2.0, 1.0))
+    global_, _ = algorithm("grpo").loss(batch, Totals(4.0, 2.0))  # another rank holds 2 more tokens
     assert global_.item() == pytest.approx(local.item() / 2)
 
 
@@ -96,7 +96,7 @@ def test_kl_penalty_and_entropy_bonus_enter_the_loss():
                         advantages=torch.zeros(1, 2), mask=torch.ones(1, 2),
                         reference_logprobs=torch.log(torch.tensor([[0.25, 0.25]])),
                         entropy=torch.tensor([[1.0, 3.0]]))
-    loss, m = policy_loss(batch, AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01))
+    loss, m = algorithm("grpo", kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01).loss(batch, Totals(2.0, 1.0))
     # 0 surrogate + 0.1 * log 2 - 0.01 * mean entropy 2
     assert loss.item() == pytest.approx(0.1 * math.log(2) - 0.02, abs=1e-6)
     assert m["kl"] == pytest.approx(math.log(2)) and m["entropy"] == pytest.approx(2.0)
@@ -104,7 +104,7 @@ def test_kl_penalty_and_entropy_bonus_enter_the_loss():
 
 def test_clipped_value_loss():
     # v = 1.0, v_old = 0.5, R = 2: unclipped (1-2)^2 = 1; clipped v = 0.5 + 0.2 = 0.7 -> (0.7-2)^2 = 1.69; 0.5 * max
-    loss = value_loss(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), torch.ones(1, 1), clip=0.2)
+    loss = value_loss_per_token(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), clip=0.2)
     assert loss.item() == pytest.approx(0.845)
 
 

@@ -1,6 +1,8 @@
 """Load: the orchestrator against 128 lightweight HTTP endpoints on 127.0.0.1 that answer like rollout servers
 (in another process), 16 requests in flight each: 2,048 concurrent requests, several rounds, none hedged merely
-because it waited to be sent. Prints the orchestrator's CPU time per request (a figure, not an assertion)."""
+because it waited to be sent (sending a wave of 2,048 takes the event loop longer than the straggler clock, and
+each server has room for 4 more, so a clock started at issue would hedge). Prints the orchestrator's CPU time per
+request (a figure, not an assertion)."""
 import asyncio
 import multiprocessing
 import time
@@ -12,6 +14,7 @@ from moe_rl_eks.workloads.rl.orchestrator.app import build
 from moe_rl_eks.workloads.rl.protocol import VersionRef
 
 SERVERS, PER_SERVER, ROUNDS = 128, 16, 3
+ROOM = 4  # in-flight slots per server beyond the wave: where a hedge could go
 
 
 def test_2048_concurrent_requests_over_128_servers_without_a_spurious_hedge(tmp_path, capsys):
@@ -24,7 +27,7 @@ def test_2048_concurrent_requests_over_128_servers_without_a_spurious_hedge(tmp_
         concurrent = SERVERS * PER_SERVER
         # one step = 2,048 prompts; synchronous, so each round is exactly one full wave of requests
         run = tiny_run(tmp_path, training={"prompts_per_step": concurrent}, algorithm={"group_size": 2},
-                       orchestrator={"max_staleness": 0, "max_inflight_requests": PER_SERVER,
+                       orchestrator={"max_staleness": 0, "max_inflight_requests": PER_SERVER + ROOM,
                                      "straggler_after_s": 1.5, "request_timeout_s": 60})
 
         async def scenario():
@@ -53,7 +56,7 @@ def test_2048_concurrent_requests_over_128_servers_without_a_spurious_hedge(tmp_
     requests = ROUNDS * concurrent
     assert counts["completed"] == requests and counts["failed_requests"] == 0
     assert counts["hedges"] == 0 and counts["retries"] == 0  # answers take 0.5 s, the straggler clock 1.5 s
-    assert max(p for _, p, _ in stats) <= PER_SERVER and sum(c for c, _, _ in stats) == requests
+    assert max(p for _, p, _ in stats) <= PER_SERVER + ROOM and sum(c for c, _, _ in stats) == requests
     assert peak >= 0.95 * concurrent, peak  # the whole wave was in flight at once (sampled every 0.25 s)
     with capsys.disabled():
         print(f"\nload: {SERVERS} servers x {PER_SERVER} in flight, peak {peak} concurrent, {requests} requests in "

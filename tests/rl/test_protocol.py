@@ -65,7 +65,7 @@ def test_a_completion_response_is_read_into_typed_choices():
     assert c.version == VersionRef(2, 5) and [ch.index for ch in c.choices] == [0, 1]
     assert c.choices[1].logprobs == [-0.25, -0.5] and c.choices[0].finish_reason == "stop"
     body["choices"][0]["logprobs"]["token_logprobs"] = [-0.25]
-    with pytest.raises(ProtocolError, match=r"^response.choices\[0\].logprobs: .*one per token"):
+    with pytest.raises(ProtocolError, match=r"^response.choices\[0\].logprobs: .*one per completion token"):
         Completion.from_response(body)
     with pytest.raises(ProtocolError, match=r"^response.weight_version: None .*an integer"):
         Completion.from_response({"choices": []})

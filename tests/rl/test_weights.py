@@ -211,6 +211,22 @@ def test_a_tensor_of_an_unsupported_dtype_is_refused_naming_it(tmp_path):
         read_header(path)
 
 
+def test_a_partial_read_aligns_every_tensor_whatever_the_gaps_between_them(tmp_path):
+    import struct
+
+    from moe_rl_eks.workloads.model.safetensors_io import read_file
+
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+                         "skipped": {"dtype": "U8", "shape": [1], "data_offsets": [2, 3]},
+                         "b": {"dtype": "F32", "shape": [1], "data_offsets": [3, 7]}}).encode()
+    path = tmp_path / "x.safetensors"
+    data = torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).tolist() + [7] + \
+        torch.tensor([2.25]).view(torch.uint8).tolist()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(data))
+    got = read_file(path, lambda name: name != "skipped", torch.device("cpu"))
+    assert got["a"].item() == 1.5 and got["b"].item() == 2.25 and "skipped" not in got
+
+
 CRASH = """
 import os, sys
 from pathlib import Path

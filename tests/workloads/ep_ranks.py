@@ -1,5 +1,7 @@
-"""Run a function on N gloo ranks (processes) and collect what rank 0 returns; the EP cases the CPU and GPU
-tests share. Imported by the tests by module name, so spawned workers can unpickle these functions."""
+"""Run a function on N ranks (processes) and collect what rank 0 returns; the EP cases the CPU and GPU tests share.
+Two placements: `shared` (gloo; CPU, or every rank on cuda:0, what one lent GPU allows) and `per_gpu` (NCCL,
+rank r on cuda:r, as the trainer and a sharded server run). Imported by the tests by module name, so spawned
+workers can unpickle these functions."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -18,9 +20,30 @@ CONFIG = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_att
                      router_aux_loss_coef=0.01, dtype="float32")
 
 
-def _entry(fn, rank, world, init_file, out_file, args):
+PLACEMENTS = ("shared", "per_gpu")
+
+
+def placement(rank: int, world: int, mode: str, cuda_devices: int) -> tuple[str, torch.device | None]:
+    """(process-group backend, this rank's CUDA device or None for CPU ranks). `shared` puts every rank on cuda:0
+    when there is a GPU (gloo moves the bytes: NCCL cannot run two ranks on one GPU); `per_gpu` needs a GPU per
+    rank."""
+    if mode not in PLACEMENTS:
+        raise ValueError(f"placement: mode {mode!r} is not one of {PLACEMENTS}")
+    if mode == "shared":
+        return "gloo", torch.device("cuda", 0) if cuda_devices else None
+    if cuda_devices < world:
+        raise ValueError(f"placement: mode 'per_gpu' needs one GPU per rank ({world} ranks), "
+                         f"this machine has {cuda_devices}; use mode 'shared'")
+    return "nccl", torch.device("cuda", rank)
+
+
+def _entry(fn, rank, world, init_file, out_file, args, mode):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    transport, device = placement(rank, world, mode, torch.cuda.device_count())
+    if device is not None:
+        torch.cuda.set_device(device)  # "cuda" in fn now means this rank's GPU
+    dist.init_process_group(transport, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            **({"device_id": device} if transport == "nccl" else {}))
     try:
         result = fn(rank, world, *args)
         if rank == 0:
@@ -30,12 +53,15 @@ def _entry(fn, rank, world, init_file, out_file, args):
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "fork"):
-    """fn(rank, world, *args) on `world` processes of one gloo group; returns rank 0's result."""
+def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "fork", mode: str = "shared"):
+    """fn(rank, world, *args) on `world` processes of one group placed by `mode` (see `placement`); returns rank
+    0's result."""
+    placement(0, world, mode, torch.cuda.device_count())  # refuse here, not in every child
     ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, out_file, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, out_file, args, mode))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -83,8 +109,6 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
     float32 weights under bf16 autocast (the GPU trainer's mixed precision)."""
     autocast = dtype_name == "bf16-autocast"
     dtype = torch.float32 if autocast else getattr(torch, dtype_name)
-    if device == "cuda":
-        torch.cuda.set_device(0)
     torch.manual_seed(0)
     full = MoETransformer(config).state_dict()
     results: dict = {}

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ep_ranks import CONFIG, compare_backends, run_ranks, train_toy
+from ep_ranks import CONFIG, compare_backends, placement, run_ranks, train_toy
 from moe_rl_eks.core.ep_backends import UnsupportedBackend
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import load_hf
@@ -58,6 +58,21 @@ def test_ep2_training_lowers_the_loss_and_rank_0_gathers_a_full_hf_checkpoint(tm
     model.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(model(result["ids"][:, :-1]).logits, result["logits"], atol=1e-5, rtol=1e-4)
+
+
+def test_placement_shares_cuda0_over_gloo_or_gives_each_rank_its_own_gpu_over_nccl():
+    # The GPU tests' rank placement (test_deepep_gpu.py), decided the same way on this CPU.
+    assert placement(3, 4, "shared", 0) == ("gloo", None)
+    assert placement(3, 4, "shared", 1) == ("gloo", torch.device("cuda", 0))
+    assert [placement(r, 8, "per_gpu", 8) for r in (0, 7)] == [("nccl", torch.device("cuda", 0)),
+                                                               ("nccl", torch.device("cuda", 7))]
+    with pytest.raises(ValueError, match="mode 'local' is not one of"):
+        placement(0, 2, "local", 8)
+
+
+def test_one_rank_per_gpu_refuses_a_machine_with_fewer_gpus_before_starting_ranks():
+    with pytest.raises(ValueError, match=r"'per_gpu' needs one GPU per rank \(4 ranks\), this machine has 0"):
+        run_ranks(4, compare_backends, ("alltoall",), "cuda", "float32", ("random",), mode="per_gpu")
 
 
 def test_received_rows_regroup_by_local_expert():

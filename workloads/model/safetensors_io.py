@@ -265,7 +265,12 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
     pieces = [p for p in pieces if wanted(p.name)]  # sorted by start
     ends = [p.end for p in pieces]
     runs = _runs(pieces)
-    total = sum(end - start for start, end in runs)
+    # Each run starts 16-byte aligned in the flat buffer, so every tensor view is aligned to its element size
+    # even when the runs between skipped tensors (another rank's experts) have odd lengths.
+    places, total = [], 0
+    for start, end in runs:
+        places.append(total)
+        total += -(-(end - start) // 16) * 16
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     hashers = {}
     if facts is not None:
@@ -273,12 +278,12 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
 
         hashers = {p.name: xxhash.xxh3_64() for p in pieces}
     fd = os.open(path, os.O_RDONLY)
+    ring = None
     try:
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         ring = PinnedRing(device) if device.type == "cuda" else None
-        placed = 0
-        for start, end in runs:
+        for (start, end), placed in zip(runs, places):
             offset = start
             while offset < end:
                 n = min(CHUNK_BYTES, end - offset)
@@ -295,22 +300,18 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
                     ring.copied(slot)
                 offset += n
                 placed += n
-        if ring is not None:
-            ring.drain()
     finally:
+        if ring is not None:  # no copy into `flat` may outlive an error here
+            ring.drain()
         os.close(fd)
     for name, hasher in hashers.items():
         expected = facts[CHECKSUM].get(name)
         if hasher.hexdigest() != expected:
             raise IntegrityError(f"{path}: tensor {name} does not match the manifest's checksum")
-    out, run_starts, run_places, placed = {}, [], [], 0
-    for start, end in runs:
-        run_starts.append(start)
-        run_places.append(placed)
-        placed += end - start
+    out, run_starts = {}, [start for start, _ in runs]
     for p in pieces:
         r = bisect.bisect_right(run_starts, p.start) - 1
-        base = run_places[r] + p.start - run_starts[r]
+        base = places[r] + p.start - run_starts[r]
         out[p.name] = flat[base:base + (p.end - p.start)].view(p.dtype).view(p.shape)
     return out
 

@@ -169,21 +169,6 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
     return loss, metrics
 
 
-# Until the trainer calls Algorithm.loss (trainer helper, issue 11): the token-mean forms it calls today.
-def policy_loss(batch: PolicyBatch, cfg: "AlgorithmConfig", num_tokens: float | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    mask = batch.mask.to(batch.logprobs.dtype)
-    totals = Totals(max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0), 1.0)
-    return policy_objective(batch, cfg, token_mean_weights(mask, totals), totals)
-
-
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, num_tokens: float | None = None) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    n = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
-    return (value_loss_per_token(values, old_values, returns, clip) * mask).sum() / n
-
-
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, T, V], targets [B, T] -> (log p(target) [B, T], entropy [B, T]), in float32."""
     logp = torch.log_softmax(logits.float(), dim=-1)

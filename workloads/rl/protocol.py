@@ -14,7 +14,6 @@ import hashlib
 import io
 import math
 import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -253,6 +252,12 @@ class CompletionRequest(Record):
         return None
 
 
+def one_logprob_per_token(logprobs: list[float], token_ids: list[int]) -> tuple[str, str] | None:
+    if len(logprobs) != len(token_ids):
+        return "logprobs", f"one per completion token ({len(token_ids)} token ids)"
+    return None
+
+
 @dataclass(frozen=True)
 class Choice(Record):
     """One completion of a response, as the orchestrator keeps it."""
@@ -265,9 +270,7 @@ class Choice(Record):
     routing: str | None = None  # encode_routing of [prompt + completion - 1, layers, k]
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.token_ids):
-            return "logprobs", f"one per token ({len(self.token_ids)} token ids)"
-        return None
+        return one_logprob_per_token(self.logprobs, self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -333,9 +336,7 @@ class Sample(Record):
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.completion_ids):
-            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
-        return None
+        return one_logprob_per_token(self.logprobs, self.completion_ids)
 
 
 @dataclass(frozen=True)
@@ -364,9 +365,7 @@ class TrainingSample(Record):
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        if len(self.logprobs) != len(self.completion_ids):
-            return "logprobs", f"one per completion token ({len(self.completion_ids)})"
-        return None
+        return one_logprob_per_token(self.logprobs, self.completion_ids)
 
 
 @dataclass(frozen=True)

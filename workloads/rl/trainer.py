@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.error
 from dataclasses import fields
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -31,14 +30,14 @@ from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
-from ..model.transformer import expert_slice, weights_dtype
+from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
 from .algorithms import SequenceScores, make_algorithm
 from .data import ArithmeticTask
 from .losses import PolicyBatch, Totals
-from .microbatch import Sequences, plan_microbatches, sequence_tokens
-from .protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from .microbatch import Sequences, plan_microbatches
+from .protocol import Batch, TrainingSample, VersionRef
 from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
 from .tokenizer import load_tokenizer
@@ -79,8 +78,8 @@ class HttpBatchSource:
                 log.warning("orchestrator unreachable (%s); retrying", exc)
                 time.sleep(1)
                 continue
-            if data and data.get("samples"):
-                return batch_from_json(data)
+            if data.get("samples"):  # else {"ready": false}: not ready within the long poll; ask again
+                return Batch.from_json(data)
         return None
 
     def version_published(self, version: int, lineage: int) -> None:
@@ -88,27 +87,6 @@ class HttpBatchSource:
 
     def state(self) -> dict | None:
         return http_json("GET", f"{self.url}/v1/state", timeout=60)
-
-
-def batch_from_json(data: dict) -> Batch:
-    """protocol.Batch from the orchestrator's answer. Today's orchestrator still answers with plain dicts (int
-    versions, routing as nested lists [layers][tokens][k]); they are converted here until it serves Batch."""
-    if "lineage" in data:
-        return Batch.from_json(data)
-    samples = []
-    for s in data["samples"]:
-        routing = s.get("routing")
-        if isinstance(routing, list):
-            import numpy as np
-
-            routing = encode_routing(np.asarray(routing).transpose(1, 0, 2))
-        samples.append(TrainingSample(s["id"], s["prompt_ids"], s["completion_ids"], s["logprobs"], s["reward"],
-                                      s["advantage"], s.get("finished", True), VersionRef(0, s["version"]), routing))
-    stats = data["stats"]
-    return Batch(data["step"], 0, samples, BatchStats(
-        stats["reward_mean"], stats["accuracy"], stats["staleness_mean"], stats.get("dropped_stale_groups", 0),
-        stats.get("filtered_groups", 0), stats.get("retries", 0), stats.get("reward_failures", 0),
-        stats.get("completed", 0)))
 
 
 class Announcer:
@@ -159,8 +137,8 @@ class Announcer:
         try:
             self.source.version_published(version, self.lineage)
             self.announced = version
-        except (OSError, RuntimeError) as exc:  # the next version tries again
-            log.warning("announcing weight version %d failed: %s", version, exc)
+        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+            log.exception("announcing weight version %d failed", version)
 
 
 class Trainer:
@@ -636,6 +614,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=TRAINER_METRICS_PORT,
                         help="Prometheus /metrics of each node's first rank; 0 = none")
     args = parser.parse_args(argv)
+    if not args.orchestrator:
+        parser.error("--orchestrator (or $MOERL_ORCHESTRATOR) is required: the trainer's batches come from it")
     run = load(args.run)
     torch.set_num_threads(1)
     if torch.cuda.is_available():
@@ -644,7 +624,7 @@ def main(argv: list[str]) -> int:
     # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(run, HttpBatchSource(args.orchestrator) if args.orchestrator else None, rank, world)
+    trainer = Trainer(run, HttpBatchSource(args.orchestrator), rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
     if args.metrics_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         from prometheus_client import start_http_server

@@ -74,7 +74,7 @@ class Settings:
         rl = run.rl
         return cls(rl.training.prompts_per_step, rl.orchestrator.max_staleness, rl.algorithm.group_size,
                    rl.algorithm.dynamic_sampling, rl.algorithm.routing_replay, rl.sampling.max_tokens,
-                   rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.correct_weight,
+                   rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.pass_threshold,
                    rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s, rl.orchestrator.max_attempts,
                    rl.orchestrator.weight_push_timeout_s, run.name)
 
@@ -181,9 +181,7 @@ class Orchestrator:
         self._wake.set()  # the budget moved
 
     def snapshot(self) -> OrchestratorState:
-        state = self.buffer.snapshot()
-        return OrchestratorState(**{**{f: getattr(state, f) for f in state.__dataclass_fields__},
-                                    "source": self.source.state()})
+        return dataclasses.replace(self.buffer.snapshot(), source=self.source.state())
 
     # ---- issuing --------------------------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
