@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_sharded(args: argparse.Namespace) -> int:
     """The rollout server's engine (RolloutEngine over a Replica) at each --gpus-per-server N: N processes as
     serve-rollout's torchrun starts them (rank 0 drives the engine, the others follow; each holds E / N experts,
-    all-to-all over NCCL, one rank per GPU; N = 1 is the one-GPU server). Per batch: one request's rows of distinct
+    all-to-all over NCCL, one rank per GPU; N = 1 is the one-GPU server), computing with the last --compute
+    backend (torch with --tiny). Per batch: one request's rows of distinct
     random prompts, --new-tokens each (EOS ids are the built-in tokenizer's, so a row may stop early), timed from
     submit to the last row's end (prefill included), after one warm-up batch."""
     import os
