@@ -201,7 +201,8 @@ class Row:
     def __init__(self, server: "RolloutServer", plan: Plan, index: int) -> None:
         self.prompt = plan.prompts[index // plan.n]
         self.text = CompletionText(server.model.tokenizer, plan.stops,
-                                   server.model.eos_ids + plan.params[index // plan.n].stop_token_ids)
+                                   server.model.eos_ids + plan.params[index // plan.n].stop_token_ids,
+                                   incremental=plan.stream)
         self.last_token: float | None = None
         self.offset = 0  # characters of token strings streamed so far (logprobs.text_offset)
 
@@ -218,7 +219,7 @@ class TokenRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.listeners: dict[str, Callable[[TokenEvent], None]] = {}  # request id -> its Generation's handler
+        self.listeners: dict[str, Callable[[list[TokenEvent]], None]] = {}  # request id -> its Generation's handler
         self._events: list[TokenEvent] = []
         self._pending = False
         self._lock = threading.Lock()
@@ -233,12 +234,16 @@ class TokenRelay:
         self.loop.call_soon_threadsafe(self.deliver)
 
     def deliver(self) -> None:
-        """On the loop: hand every waiting token to its request (a request already gone drops its tokens)."""
+        """On the loop: hand each request its waiting tokens, in order, in one call (a request already gone drops
+        its tokens)."""
         with self._lock:
             events, self._events, self._pending = self._events, [], False
+        by_request: dict[str, list[TokenEvent]] = {}
         for event in events:
-            if (listener := self.listeners.get(event.request_id)) is not None:
-                listener(event)
+            by_request.setdefault(event.request_id, []).append(event)
+        for request_id, burst in by_request.items():
+            if (listener := self.listeners.get(request_id)) is not None:
+                listener(burst)
 
 
 DONE = object()
@@ -257,7 +262,7 @@ class Generation:
 
     def start(self) -> None:
         loop, relay = asyncio.get_running_loop(), self.server.relay()
-        relay.listeners[self.request_id] = self._token
+        relay.listeners[self.request_id] = self._tokens
         try:
             self.future = self.server.engine.submit(self.plan.rows(self.request_id), relay.put)
         except RuntimeError as exc:  # the engine is stopping
@@ -279,38 +284,45 @@ class Generation:
         m.e2e.observe(time.monotonic() - self.arrival)
         self.queue.put_nowait(DONE)
 
-    def _token(self, event: TokenEvent) -> None:
-        row = self.rows[event.row]
-        if row.stopped:  # sampled before the engine saw the cancel: not part of the answer
-            return
+    def _tokens(self, events: list[TokenEvent]) -> None:
+        """A burst of this request's tokens, on the loop: latency marks, text and stop strings; a stream gets the
+        burst. The cheapest path is the RL client's (not streamed, no stop strings): bookkeeping only."""
         now, m = time.monotonic(), self.server.metrics
-        m.generation_tokens.inc()
-        if row.last_token is None:
-            m.ttft.observe(now - self.arrival)
-        else:
-            m.itl.observe(now - row.last_token)
-        row.last_token = now
-        row.text.add(event.token_id)
-        if row.stopped:
-            self.server.engine.cancel(self.request_id, [event.row])
-        self.queue.put_nowait(event)
+        kept = []
+        for event in events:
+            row = self.rows[event.row]
+            if row.stopped:  # sampled before the engine saw the cancel: not part of the answer
+                continue
+            if row.last_token is None:
+                m.ttft.observe(now - self.arrival)
+            else:  # as the server sees them: tokens of one burst arrive together
+                m.itl.observe(now - row.last_token)
+            row.last_token = now
+            row.text.add(event.token_id)
+            if row.stopped:
+                self.server.engine.cancel(self.request_id, [event.row])
+            kept.append(event)
+        m.generation_tokens.inc(len(kept))
+        if self.plan.stream and kept:
+            self.queue.put_nowait(kept)
 
     async def bursts(self) -> AsyncIterator[dict[int, list[TokenEvent]]]:
-        """The tokens that arrived together (one decode step's, usually), by row, until the request ends."""
-        while (event := await self.queue.get()) is not DONE:
+        """For a stream: the tokens that arrived since the last call, by row, until the request ends."""
+        while (item := await self.queue.get()) is not DONE:
             burst: dict[int, list[TokenEvent]] = {}
-            while event is not DONE:
-                burst.setdefault(event.row, []).append(event)
-                event = self.queue.get_nowait() if not self.queue.empty() else None
-                if event is None:
+            while item is not DONE:
+                for event in item:
+                    burst.setdefault(event.row, []).append(event)
+                if self.queue.empty():
                     break
+                item = self.queue.get_nowait()
             yield burst
-            if event is DONE:
+            if item is DONE:
                 return
 
     async def outputs(self) -> list[RowOutput]:
-        async for _ in self.bursts():
-            pass
+        """Not streamed: wait for the end (no token travels through the queue)."""
+        await self.queue.get()
         return self.result()
 
     def result(self) -> list[RowOutput]:
@@ -540,18 +552,27 @@ async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     gen.cancel()
 
 
+class CountErrors:
+    """Counts answers of status >= 400 by status (plain ASGI: it only watches the status line go by)."""
+
+    def __init__(self, app, counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counter.labels(str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, watch if scope["type"] == "http" else send)
+
+
 ERRORS = {status: {"model": api.ErrorResponse} for status in (400, 401, 404, 409, 413, 500, 503)}
 
 
 def make_app(server: RolloutServer) -> FastAPI:
     app = json_api("moe-rl-eks rollout server", __doc__.split("\n\n")[0])
 
-    @app.middleware("http")
-    async def _count_errors(request: Request, call_next):
-        response = await call_next(request)
-        if response.status_code >= 400:
-            server.metrics.errors.labels(str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountErrors, counter=server.metrics.errors)
 
     def warn_unknown(path: str, body: api.Request) -> None:
         if unknown := body.unknown_fields():
