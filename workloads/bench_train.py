@@ -12,25 +12,38 @@ buffers). An out-of-memory step is a row, not a failure.
 Model FLOPs per token: 6 x the matmul parameters a token passes through (attention projections, router, its
 top-k experts, lm_head; not the embedding lookup) plus causal attention, 6 x n x head_dim x heads per layer for
 a token of an n-token sequence (QK^T and PV, fwd + bwd, half the square); recomputation is not counted. MFU is
-against the dense bf16 matmul rate measured in the same run (8192^3)."""
+against the dense bf16 matmul rate measured in the same run (8192^3).
+
+`--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
+per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given
+shape. A row is then the slowest rank's median step time, the tokens of all ranks, MFU against N times the dense
+rate, and each rank's peak memory. `--publish DIR` then publishes the trained weights once through the trainer's
+Publisher (rl/publisher.py: each rank writes its experts, rank 0 commits the version) into a directory store at
+DIR and reports the snapshot and commit times. An out-of-memory step on one rank leaves the others waiting in a
+collective: under --ranks an OOM ends the run rather than making a row."""
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from moe_rl_eks.core.rl_config import AlgorithmConfig
 from moe_rl_eks.core.run import ModelConfig, load_run
 
 from .model import MoETransformer
+from .moe.parallel import ExpertParallel
 from .rl.algorithms import Algorithm
 from .rl.losses import PolicyBatch, Totals
 from .rl.microbatch import Sequences
@@ -91,13 +104,14 @@ class Step:
     """One model + fused AdamW, trained by the trainer's own step (rl/train_step.TrainStep) with GRPO's loss and
     an entropy term; `run(batch)` is one optimizer step on a packed micro-batch."""
 
-    def __init__(self, config: ModelConfig, compute: str, device: torch.device):
-        self.config, self.device = config, device
+    def __init__(self, config: ModelConfig, compute: str, device: torch.device, ep: ExpertParallel | None = None):
+        self.config, self.device, self.ep = config, device, ep
         with device:
-            self.model = MoETransformer(config, compute=compute)
+            self.model = MoETransformer(config, compute=compute, ep=ep)
         cuda = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=cuda)
-        self.train_step = TrainStep(self.model, None, self.optimizer, ep=None, world=1, rank=0, device=device,
+        world, rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+        self.train_step = TrainStep(self.model, None, self.optimizer, ep=ep, world=world, rank=rank, device=device,
                                     grad_clip=1.0, bf16=cuda)
         self.algorithm = Algorithm(AlgorithmConfig(entropy_coef=1e-3), max_tokens=1)
 
@@ -110,7 +124,10 @@ class Step:
         return Sequences.of(samples).to(self.device)
 
     def run(self, batch: Sequences) -> None:
-        totals = Totals.of(Totals.local(batch.mask))
+        local = Totals.local(batch.mask)
+        if self.ep is not None:  # the loss is normalised over every rank's tokens, as the trainer does
+            dist.all_reduce(local, group=self.ep.group)
+        totals = Totals.of(local)
 
         def loss_fn(j, mb, fwd):
             pb = PolicyBatch(fwd.logprobs, fwd.logprobs.detach(), mb.behaviour, mb.advantages[:, None] * mb.mask,
@@ -128,7 +145,8 @@ class Step:
 
 def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
     c, device = step.config, step.device
-    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(0))
+    rank = step.ep.rank if step.ep is not None else 0
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(rank))
     row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
     try:
         step.run(batch)  # warm-up: kernels compiled and autotuned, optimizer state made
@@ -159,7 +177,10 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) 
 
 def table(result: dict) -> str:
     lines = [f"{result['machine']}; dense matmul peak measured {result['dense_peak_tflops']:.0f} TFLOP/s; "
-             f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB",
+             f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB"
+             + (f" per rank; {result['ranks']} EP ranks ({result['ep_backend']} over {result['transport']}): a row is "
+                f"every rank's tokens at the slowest rank's step, MFU of {result['ranks']} x the dense peak, the "
+                f"highest rank's memory" if "ranks" in result else ""),
              "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
@@ -185,7 +206,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moerl bench-train", description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of Qwen3-30B-A3B's shape (48 do not fit "
                                                           "one GPU with AdamW)")
@@ -196,31 +217,137 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation checkpointing modes to measure, comma-separated (full, save_attention, off)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke test of this script)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="expert-parallel ranks: processes over NCCL, one per GPU (gloo on the CPU with --tiny)")
+    ap.add_argument("--ep-backend", default="alltoall", choices=["alltoall", "deepep"],
+                    help="how tokens reach the experts under --ranks")
+    ap.add_argument("--publish", metavar="DIR", help="under --ranks: publish the trained weights once through the "
+                                                     "trainer's Publisher into a directory store at DIR")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args(argv)
+    if args.ranks < 1:
+        ap.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.publish and args.ranks == 1:
+        ap.error("--publish measures expert-parallel publication: it needs --ranks >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.tiny:
         config, device = TINY, torch.device("cpu")
     else:
         if not torch.cuda.is_available():
             print("bench-train needs a CUDA GPU (or --tiny for a CPU smoke test)", file=sys.stderr)
             return 2
+        if torch.cuda.device_count() < args.ranks:
+            print(f"bench-train --ranks {args.ranks} needs one GPU per rank; this machine has "
+                  f"{torch.cuda.device_count()}", file=sys.stderr)
+            return 2
         config, device = replace(load_run(QWEN3_RUN).model, num_hidden_layers=args.layers), torch.device("cuda")
+    if config.num_experts % args.ranks:
+        print(f"bench-train --ranks {args.ranks} must divide the model's {config.num_experts} experts",
+              file=sys.stderr)
+        return 2
+    if args.ranks == 1:
+        result = bench(args, config, device)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            mp.start_processes(_rank_main, args=(args.ranks, args, config, tmp, out), nprocs=args.ranks, join=True,
+                               start_method="spawn")
+            result = json.loads(Path(out).read_text())
+    print(table(result))
+    return 0
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, config: ModelConfig, tmp: str, out: str) -> None:
+    cuda = not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/init", rank=rank,
+                            world_size=world, **({"device_id": device} if cuda else {}))
+    try:
+        torch.manual_seed(0)  # the replicated weights start equal on every rank, as the trainer's do
+        ep = ExpertParallel(dist.group.WORLD, args.ep_backend, device=device.type)
+        result = bench(args, config, device, ep)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _across_ranks(row: dict, ep: ExpertParallel) -> dict:
+    """One row for all ranks: the slowest rank's step, every rank's tokens and memory."""
+    rows: list = [None] * ep.size
+    dist.all_gather_object(rows, row, group=ep.group)
+    if any(r["status"] != "ok" for r in rows):
+        return {**rows[0], "status": "/".join(sorted({r["status"] for r in rows}))}
+    seconds = max(r["step_seconds"] for r in rows)
+    flops = sum(r["model_tflop_per_step"] for r in rows) * 1e12
+    tokens = sum(r["tokens"] for r in rows)
+    combined = {**rows[0], "ranks": ep.size, "tokens": tokens, "step_seconds": seconds,
+                "tokens_per_second": tokens / seconds, "model_tflop_per_step": flops / 1e12,
+                "tflops": flops / seconds / 1e12, "rank_step_seconds": [r["step_seconds"] for r in rows]}
+    combined["mfu"] = combined["tflops"] / (ep.size * rows[0]["tflops"] / rows[0]["mfu"])
+    if "peak_above_gib" in rows[0]:
+        combined.update(rank_peak_above_gib=[r["peak_above_gib"] for r in rows],
+                        rank_weights_and_optimizer_gib=[r["weights_and_optimizer_gib"] for r in rows],
+                        peak_above_gib=max(r["peak_above_gib"] for r in rows),
+                        weights_and_optimizer_gib=max(r["weights_and_optimizer_gib"] for r in rows))
+    return combined
+
+
+def publish_once(step: Step, directory: str) -> dict:
+    """The trained weights published as version 1 through the trainer's Publisher (each rank its experts; rank 0
+    commits): seconds on the critical path (snapshot to host) and until the version is in the store."""
+    from .rl.publisher import Publisher
+    from .rl.weights import DirectoryStore
+
+    store = DirectoryStore(Path(directory))
+    publisher = Publisher(store, step.config, 0, ep=step.ep)
+    dist.barrier(step.ep.group)
+    start = time.perf_counter()
+    publisher.publish(1, step.model.state_dict())
+    snapshot = time.perf_counter() - start
+    publisher.close()
+    dist.barrier(step.ep.group)  # every part written and rank 0's commit done
+    total = time.perf_counter() - start
+    latest = store.latest()
+    files = [p for p in Path(directory).rglob("*.safetensors")]
+    return dict(version=None if latest is None else [latest.lineage, latest.version], snapshot_seconds=snapshot,
+                published_seconds=total, files=len(files), bytes=sum(p.stat().st_size for p in files))
+
+
+def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
+          ep: ExpertParallel | None = None) -> dict:
+    """Every (compute, checkpointing, shape) row; with `ep`, on every rank, rows combined on all of them."""
+    lead = ep is None or ep.rank == 0
     machine = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     result = {"machine": machine, "torch": torch.__version__, "layers": config.num_hidden_layers,
               "config": config.__dict__, "dense_peak_tflops": dense_peak_tflops(device), "rows": [], "errors": []}
+    if ep is not None:
+        result.update(ranks=ep.size, ep_backend=ep.backend, transport=dist.get_backend(ep.group))
     if device.type == "cuda":
         result.update(flash_attention_with_gqa=flash_attention_with_gqa(config),
                       gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
-    print(f"{machine}; torch {torch.__version__}; dense peak {result['dense_peak_tflops']:.0f} TFLOP/s; "
-          f"{ {k: v for k, v in result.items() if k in ('flash_attention_with_gqa', 'gpu_memory_gib')} }", flush=True)
+    if lead:
+        print(f"{machine}; torch {torch.__version__}; dense peak {result['dense_peak_tflops']:.0f} TFLOP/s; "
+              f"{ {k: v for k, v in result.items() if k in ('flash_attention_with_gqa', 'gpu_memory_gib', 'ranks')} }",
+              flush=True)
 
     def save():
-        if args.json:
+        if args.json and lead:
             Path(args.json).write_text(json.dumps(result, indent=1))
 
+    step = None
     for compute in args.compute.split(","):
         try:
-            step = Step(config, compute, device)
+            step = Step(config, compute, device, ep)
         except Exception:  # e.g. triton missing: the traceback is the report, the other backends still run
             result["errors"].append(traceback.format_exc())
             print(result["errors"][-1], flush=True)
@@ -229,19 +356,26 @@ def main(argv: list[str] | None = None) -> int:
             step.model.activation_checkpointing = checkpointing
             for sequences, sequence in args.shapes:
                 row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                if ep is not None:
+                    row = _across_ranks(row, ep)
                 row.update(compute=compute, checkpointing=checkpointing)
                 if "weights_and_optimizer_gib" in row:
                     result["weights_and_optimizer_gib"] = row["weights_and_optimizer_gib"]
                 result["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                if lead:
+                    print(json.dumps(row), flush=True)
                 save()
+        if getattr(args, "publish", None) and ep is not None:
+            result.setdefault("publish", {})[compute] = publish_once(step, os.path.join(args.publish, compute))
+            if lead:
+                print(json.dumps({"publish": result["publish"][compute]}), flush=True)
+            save()
         del step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     save()
-    print(table(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import torch
 
 from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.workloads.rl.data import Prompt
-from moe_rl_eks.workloads.rl.evaluation import (EvalParams, Sample, evaluate, http_completer, model_completer,
-                                                pass_at_k, read_records, record)
+from moe_rl_eks.workloads.rl.evaluation import (EvalParams, PeriodicEvaluator, Sample, ScalarWriter, evaluate,
+                                                http_completer, model_completer, pass_at_k, read_records, record)
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
@@ -62,9 +62,8 @@ def test_metrics_from_scored_samples_mask_failed_rewards(tmp_path, monkeypatch):
 
 def test_records_go_to_eval_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer = ScalarWriter(tmp_path / "tb")  # torch-free: the orchestrator writes it
     record(tmp_path, 5, {"eval/reward_mean": 0.5, "eval/pass@4": 0.75}, writer)
     record(tmp_path, 10, {"eval/reward_mean": 0.7, "eval/pass@4": 0.8}, writer)
     writer.close()
@@ -111,6 +110,28 @@ def test_http_completer_samples_from_a_rollout_server(rollout):
     scorer = RewardScorer(RewardConfig())
     metrics = evaluate(prompts, complete, scorer, params, pass_threshold=1.0)
     assert metrics["eval/prompts"] == 3.0 and metrics["eval/rewards_failed"] == 0.0
+
+
+def test_periodic_evaluation_runs_when_due_against_a_server_and_records_it(rollout, tmp_path):
+    import dataclasses
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = rollout["run"]
+    run = dataclasses.replace(run, rl=dataclasses.replace(run.rl, evaluation=dataclasses.replace(
+        run.rl.evaluation, every_steps=5, prompts=4, samples_per_prompt=2, max_tokens=2)))
+    evaluator = PeriodicEvaluator(run, tmp_path / "out", CharTokenizer())
+    try:
+        assert not evaluator.maybe_start(0, rollout["url"]) and not evaluator.maybe_start(3, rollout["url"])
+        assert evaluator.maybe_start(5, rollout["url"])
+        evaluator.wait(120)
+    finally:
+        evaluator.close()
+    (rec,) = read_records(tmp_path / "out")
+    assert rec["step"] == 5 and rec["eval/prompts"] == 4.0 and "eval/pass@2" in rec
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [5]
 
 
 def test_moerl_eval_scores_a_checkpoint_on_a_dataset(tmp_path, capsys):

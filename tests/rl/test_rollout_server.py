@@ -84,6 +84,29 @@ def test_models_health_ready_and_metrics(rollout):
     assert samples["moerl_rollout_inter_token_latency_seconds_count"] == generated - 2
     assert sum(v for k, v in samples.items() if k.startswith("moerl_rollout_request_success_total{")) == 2
     assert {"moerl_rollout_num_requests_running", "moerl_rollout_num_requests_waiting"} <= set(samples)
+    assert call("POST", f"{url}/v1/completions", {"prompt": "1+1=", "n": 0})[0] == 400
+    assert 'moerl_rollout_request_errors_total{status="400"} 1.0' in call("GET", f"{url}/metrics")[1]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_8_mib_is_refused_with_413(shared, chunked):
+    host, port = shared["url"].removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port))) as s:
+        if chunked:  # no length up front: refused once the bytes read pass the limit
+            s.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            piece = b"x" * (1 << 20)
+            try:
+                for _ in range(9):
+                    s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            except OSError:  # the server answered and closed while we were still sending
+                pass
+        else:  # refused from the header alone, before any of it is read
+            s.sendall(head + b"Content-Length: 9000000\r\n\r\n{")
+        answer = b""
+        while b"}}" not in answer and (more := s.recv(65536)):  # the status line, then the JSON body
+            answer += more
+    assert answer.startswith(b"HTTP/1.1 413") and b'"code":"body_too_large"' in answer
 
 
 @pytest.mark.parametrize("raw, param, status", [
@@ -208,13 +231,17 @@ def test_streamed_completions_add_up_to_the_unstreamed_answer(shared):
     assert all(c["weight_version"] == 0 for c in chunks)
 
 
-def test_a_client_that_disconnects_mid_stream_has_its_rows_cancelled(tmp_path):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_has_its_rows_cancelled(tmp_path, stream):
     for server in serve_rollout(tmp_path, max_new_tokens=48):
         engine = server["engine"]
+        # a seed whose completion runs long (the tiny random model may end a row early with <eos>)
+        seed = next(s for s in range(100) if len(complete(server["url"], prompt="1+", max_tokens=40, seed=s)
+                                                   ["choices"][0]["token_ids"]) >= 20)
         sampled = []
         real_submit = engine.submit
 
-        def slow_submit(rows, on_token=None):  # the client's read is slower than sampling: hang up after one
+        def slow_submit(rows, on_token=None):  # sampling slower than the client's patience: it hangs up early
             def on(event):
                 sampled.append(event)
                 time.sleep(0.02)
@@ -222,19 +249,23 @@ def test_a_client_that_disconnects_mid_stream_has_its_rows_cancelled(tmp_path):
             return real_submit(rows, on)
         engine.submit = slow_submit
         host, port = server["url"].removeprefix("http://").split(":")
-        body = json.dumps({"prompt": "1+", "max_tokens": 40, "stream": True, "temperature": 1.0}).encode()
+        body = json.dumps({"prompt": "1+", "max_tokens": 40, "stream": stream, "seed": seed}).encode()
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            received = b""
-            while b"data: " not in received:  # the headers, then the first token's event
-                received += s.recv(4096)
+            if stream:
+                received = b""
+                while b"data: " not in received:  # the headers, then the first tokens' event
+                    received += s.recv(4096)
+            else:
+                while not sampled:  # the rows are running
+                    time.sleep(0.01)
         aborted = 'moerl_rollout_request_success_total{finished_reason="abort"} 1.0'
         deadline = time.monotonic() + 10
         while aborted not in call("GET", f"{server['url']}/metrics")[1] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert aborted in call("GET", f"{server['url']}/metrics")[1]
-        assert len(sampled) < 40  # cancelled, not run to max_tokens
+        assert len(sampled) < 20  # cancelled, not run to its end
 
 
 def test_weight_loading_needs_the_token_and_switches_version_and_lineage(rollout):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
-                           run_ranks, step_gradients, train_and_checkpoint)
+                           run_ranks, step_gradients, train_and_checkpoint, trained_then_resumed)
 
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
@@ -145,6 +145,12 @@ def test_learning_rate_warms_up_linearly_then_stays_or_follows_a_cosine(tmp_path
     assert rates[3] == pytest.approx(0.1) and rates[-1] == pytest.approx(0.01)
     assert rates[6] == pytest.approx(0.01 + 0.09 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 2 / 5)).item()))
     assert all(a >= b for a, b in zip(rates[3:], rates[4:]))
+    # the trainer steps with the schedule's rate at its optimizer step (steps x epochs x mini-batches)
+    run = tiny_run(tmp_path, algorithm={"mini_batches": 2, **FAST}, training={"learning_rate": 0.1, "lr_warmup_steps": 4})
+    trainer = Trainer(run, None, rank=0, world=1)
+    assert trainer.rl_step(rewarded_batch())["lr"] == pytest.approx((0.025 + 0.05) / 2)  # optimizer steps 0 and 1
+    trainer.step = 5
+    assert trainer.rl_step(rewarded_batch())["lr"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("training, sampling, message", [
@@ -211,6 +217,13 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weig
         assert state.keys() == saved.keys()
         for name, tensor in saved.items():
             assert torch.equal(state[name], tensor), name
+
+
+def test_a_resumed_trainer_continues_bitwise_as_if_it_had_never_stopped(tmp_path):
+    # 2 EP ranks (DTensor shards), PPO (value head, moments), entropy and mini-batches: everything a step keeps
+    path = write_run(tmp_path, algorithm={"name": "ppo", "mini_batches": 2, "kl_coef": 0.0, "entropy_coef": 0.01})
+    batches = [varied_batch(step).to_json() for step in range(4)]
+    assert run_ranks(2, trained_then_resumed, str(path), batches) == [[], []]
 
 
 def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_path):

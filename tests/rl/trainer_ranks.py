@@ -154,3 +154,23 @@ def resumed_state(rank: int, world: int, run_path: str) -> dict:
     trainer = Trainer(load_run(run_path), None, rank, world)
     assert trainer.try_resume() and trainer.step == 1
     return full_state(trainer)
+
+
+def trained_then_resumed(rank: int, world: int, run_path: str, batches: list[dict]) -> list[str]:
+    """Train on `batches` with a checkpoint after step 2; a second trainer resumes from it and trains the rest.
+    Returns the names of the tensors (weights, AdamW moments) where the two end states differ."""
+    run = load_run(run_path)
+    straight = Trainer(run, None, rank, world)
+    for batch in batches:
+        straight.rl_step(Batch.from_json(batch))
+        straight.step += 1
+        if straight.step == 2:
+            straight.save_checkpoint()
+            straight.poll_checkpoint(wait=True)
+    resumed = Trainer(run, None, rank, world)
+    assert resumed.try_resume() and resumed.step == 2
+    for batch in batches[2:]:
+        resumed.rl_step(Batch.from_json(batch))
+        resumed.step += 1
+    a, b = full_state(straight), full_state(resumed)
+    return [name for name in a if not torch.equal(a[name], b[name])]

@@ -261,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (tests this script)")
     parser.add_argument("--json", default=None, help="write every result here")
+    parser.add_argument("--gpus-per-server", type=int, nargs="+", default=None, metavar="N",
+                        help="instead: a rollout server's engine sharded over N ranks (one per GPU, NCCL; gloo with "
+                             "--tiny) as serve-rollout runs it, at each N; throughput per --batches (see run_sharded)")
     args = parser.parse_args(argv)
+    if args.gpus_per_server:
+        return run_sharded(args)
     device = torch.device("cpu" if args.tiny else "cuda")
 
     def save() -> None:  # after every measurement: a run cut short by a time limit keeps what it measured
@@ -330,6 +335,103 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print_table(report)
     return 0
+
+
+def run_sharded(args: argparse.Namespace) -> int:
+    """The rollout server's engine (RolloutEngine over a Replica) at each --gpus-per-server N: N processes as
+    serve-rollout's torchrun starts them (rank 0 drives the engine, the others follow; each holds E / N experts,
+    all-to-all over NCCL, one rank per GPU; N = 1 is the one-GPU server), computing with the last --compute
+    backend (torch with --tiny). Per batch: one request's rows of distinct
+    random prompts, --new-tokens each (EOS ids are the built-in tokenizer's, so a row may stop early), timed from
+    submit to the last row's end (prefill included), after one warm-up batch."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    config = TINY if args.tiny else dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    report: dict = {"model": dataclasses.asdict(config), "torch": torch.__version__, "args": vars(args),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "sharded": []}
+    for n in args.gpus_per_server:
+        if not args.tiny and torch.cuda.device_count() < n:
+            row = {"gpus_per_server": n, "skipped": f"needs {n} GPUs, this machine has {torch.cuda.device_count()}"}
+        elif config.num_experts % n:
+            row = {"gpus_per_server": n, "skipped": f"{n} ranks do not divide {config.num_experts} experts"}
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                port = 29500 + os.getpid() % 1000 + n
+                mp.start_processes(_sharded_rank, args=(n, args, config, tmp, port), nprocs=n, join=True,
+                                   start_method="spawn")
+                with open(os.path.join(tmp, "rows.json")) as f:
+                    row = {"gpus_per_server": n, "rows": json.load(f)}
+        report["sharded"].append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    print(f"{'GPUs':>4} {'batch':>5} {'prompt':>6} {'generated':>9} {'seconds':>8} {'tokens/s':>9}")
+    for entry in report["sharded"]:
+        for r in entry.get("rows", []):
+            print(f"{entry['gpus_per_server']:>4} {r['batch']:>5} {r['prompt_tokens']:>6} {r['generated']:>9} "
+                  f"{r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f}")
+        if "skipped" in entry:
+            print(f"{entry['gpus_per_server']:>4} not run: {entry['skipped']}")
+    return 0
+
+
+def _sharded_rank(rank: int, world: int, args: argparse.Namespace, config: ModelConfig, tmp: str, port: int) -> None:
+    import os
+    from pathlib import Path
+
+    from moe_rl_eks.core.rl_config import RLConfig, SamplingConfig, WeightStoreConfig
+    from moe_rl_eks.core.run import RolloutConfig, RunConfig
+
+    from ..model.checkpoint import save_hf
+    from .engine import RolloutEngine
+    from .replica import Replica, follow
+    from .tokenizer import CharTokenizer
+    from .weights import DirectoryStore
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1 if args.tiny else 4)
+    prompt_tokens = max(args.prompt_tokens)
+    run = RunConfig(name="bench-sharded", model=config, moe_compute="torch" if args.tiny else args.compute[-1],
+                    rollout=RolloutConfig(gpus_per_server=world, max_batch_size=max(args.batches),
+                                          max_new_tokens=args.new_tokens),
+                    rl=RLConfig(sampling=SamplingConfig(max_tokens=args.new_tokens, max_prompt_tokens=prompt_tokens),
+                                weights=WeightStoreConfig(kind="local", path=f"{tmp}/weights")))
+    replica = Replica.sharded(run) if world > 1 else Replica(run)
+    if replica.rank > 0:
+        follow(replica)
+        return
+    torch.manual_seed(0)
+    staging = Path(tmp) / "staging"
+    with replica.device:  # random weights made on the GPU where there is one: much faster than on the host
+        save_hf(MoETransformer(config).state_dict(), config, staging)
+    if replica.device.type == "cuda":
+        torch.cuda.empty_cache()  # the engine sizes its KV cache to what the served weights leave free
+    store = DirectoryStore(Path(tmp) / "weights")
+    store.publish(0, staging)
+    engine = RolloutEngine(run, store, Path(tmp) / "cache", CharTokenizer(), replica)
+    try:
+        engine.load_version(0)
+        rows = []
+        for i, batch in enumerate([min(args.batches), *args.batches]):  # the first is a warm-up
+            requests = [RowRequest(p, SamplingParams(args.new_tokens, seed=j), f"b{i}", j)
+                        for j, p in enumerate(prompts(batch, prompt_tokens, config.vocab_size, i))]
+            start = time.perf_counter()
+            outputs = engine.submit(requests).result()
+            seconds = time.perf_counter() - start
+            generated = sum(len(o.token_ids) for o in outputs)
+            if i:
+                rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens,
+                             "generated": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+                             "errors": sorted({o.error for o in outputs if o.error})})
+    finally:
+        engine.stop()  # stops the other ranks too
+    with open(os.path.join(tmp, "rows.json"), "w") as f:
+        json.dump(rows, f)
 
 
 def print_table(report: dict) -> None:

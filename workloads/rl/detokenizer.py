@@ -16,8 +16,13 @@ INCOMPLETE = "\ufffd"  # what a decoder yields for bytes that do not yet form a 
 
 
 class CompletionText:
-    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), hidden: Iterable[int] = ()) -> None:
+    """`incremental=False` (no stop strings, nobody reading along): tokens are only kept, and decoded once by
+    `finish` (the RL client's case: the cheapest)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), hidden: Iterable[int] = (), *,
+                 incremental: bool = True) -> None:
         self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.incremental = incremental or bool(self.stops)
         self.hidden = frozenset(hidden)  # stop/end-of-sequence token ids: part of token_ids, never of the text
         self.text = ""  # decoded so far (complete characters), before any stop string
         self.tokens = 0  # tokens fed, hidden ones included
@@ -35,6 +40,8 @@ class CompletionText:
         if token in self.hidden:
             return
         self._window.append(token)
+        if not self.incremental:
+            return
         before = self.tokenizer.decode(self._window[:self._window_start])
         after = self.tokenizer.decode(self._window)
         if len(after) <= len(before) or after.endswith(INCOMPLETE):

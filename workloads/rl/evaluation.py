@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from typing import Callable
 from .data import Prompt
 from .rewards import RewardScorer
 
+log = logging.getLogger(__name__)
 PREFIX = "eval/"
 PROMPTS_PER_CALL = 16  # prompts handed to `complete` at once: bounds memory of a local model's batch
 
@@ -186,8 +189,33 @@ def http_completer(url: str, tokenizer, *, model: str | None = None, timeout_s: 
     return complete
 
 
+class ScalarWriter:
+    """TensorBoard scalars without torch (the orchestrator's image has none): tensorboard's own event writer,
+    one event file of its own in the run's TensorBoard directory, next to the trainer's."""
+
+    def __init__(self, logdir: str | Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(logdir), filename_suffix=".eval")
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._writer.add_event(Event(wall_time=time.time(), step=step,
+                                     summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 def record(out_dir: str | Path, step: int, metrics: dict[str, float], writer=None) -> None:
-    """Append {"step", metrics...} to <out_dir>/eval.jsonl; with a TensorBoard SummaryWriter, add each scalar."""
+    """Append {"step", metrics...} to <out_dir>/eval.jsonl; with a TensorBoard writer (add_scalar), each scalar."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "eval.jsonl", "a") as f:
@@ -196,6 +224,69 @@ def record(out_dir: str | Path, step: int, metrics: dict[str, float], writer=Non
         for name, value in metrics.items():
             writer.add_scalar(name, value, step)
         writer.flush()
+
+
+class PeriodicEvaluator:
+    """A run's evaluation every rl.evaluation.every_steps, through a rollout server over HTTP, in a background
+    thread so rollouts and training go on meanwhile; results go to <out_dir>/eval.jsonl and TensorBoard.
+
+    One evaluation at a time: a step that comes due while one runs is skipped (counted in `skipped`). The
+    evaluation samples whatever version the server holds while it runs (normally the step's, or a newer one).
+    Locking: `_lock` guards `_thread` and `skipped`; the thread alone touches the prompts, scorer and writer."""
+
+    def __init__(self, run, out_dir: str | Path, tokenizer) -> None:
+        self.run, self.out_dir, self.tokenizer = run, Path(out_dir), tokenizer
+        self.every = run.rl.evaluation.every_steps
+        self.skipped = 0
+        self._prompts: list[Prompt] | None = None
+        self._scorer: RewardScorer | None = None
+        self._writer: ScalarWriter | None = None
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def maybe_start(self, step: int, server_url: str) -> bool:
+        """Start step `step`'s evaluation on `server_url` if it is due and none is running."""
+        if not self.due(step):
+            return False
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self.skipped += 1
+                return False
+            self._thread = threading.Thread(target=self._evaluate, args=(step, server_url), daemon=True,
+                                            name=f"evaluation-{step}")
+            self._thread.start()
+        return True
+
+    def _evaluate(self, step: int, server_url: str) -> None:
+        from .data import evaluation_prompts
+
+        try:
+            if self._prompts is None:
+                self._prompts = evaluation_prompts(self.run, self.tokenizer)
+                self._scorer = RewardScorer(self.run.rl.reward)
+                self._writer = ScalarWriter(self.out_dir / "tensorboard")
+            complete = http_completer(server_url, self.tokenizer, model=self.run.name)
+            metrics = evaluate_run(self.run, complete, self.tokenizer, self._scorer, self._prompts)
+            record(self.out_dir, step, metrics, self._writer)
+            log.info("evaluation at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
+        except Exception:  # noqa: BLE001 -- an evaluation that fails must not stop the run; it is logged
+            log.exception("evaluation at step %d failed", step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def close(self) -> None:
+        self.wait()
+        if self._scorer is not None:
+            self._scorer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_records(out_dir: str | Path) -> list[dict]:

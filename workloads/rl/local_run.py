@@ -183,38 +183,15 @@ def watch(cluster: LocalCluster, timeout_s: float) -> int:
     return cluster.trainer.proc.returncode
 
 
-def evaluate(run: RunConfig, directory: Path, prompts: int = 128, seed: int = 12345) -> dict:
-    """Mean reward and accuracy of the weights in `directory`, sampled as in training (group_size completions
-    per prompt at the training temperature) on prompts drawn with their own seed. Not held out: the built-in
-    task's problem space is small enough that training sees all of it, so this measures the policy, not
-    generalisation."""
-    import torch
+def evaluate(run: RunConfig, directory: Path) -> dict:
+    """rl.evaluation's metrics (eval/...) of the weights in `directory` on the run's evaluation prompts: a
+    dataset's evaluation split, or built-in problems drawn with their own seed (not held out: training covers the
+    built-in task's small problem space, so there this measures the policy, not generalisation); with
+    reward_mean and accuracy (pass@1) for the summary and the plot."""
+    from .evaluation import evaluate_checkpoint
 
-    from ..model import MoETransformer
-    from ..model.checkpoint import load_hf
-    from .generation import Row, generate
-    from .rewards import ArithmeticTask, RewardScorer
-    from .tokenizer import load_tokenizer
-
-    config, state = load_hf(directory)
-    model = MoETransformer(config)
-    model.load_full_state_dict(state)
-    model.eval()
-    task, tok, scorer = ArithmeticTask(run.rl.task, seed), load_tokenizer(run.rl.sampling.tokenizer), RewardScorer(run.rl.reward)
-    s, n = run.rl.sampling, run.rl.algorithm.group_size
-    rewards, correct = [], []
-    for start in range(0, prompts, 16):
-        problems = [task.problem(i) for i in range(start, min(start + 16, prompts))]
-        rows = [Row(tok.encode(p.prompt), s.max_tokens, s.temperature, s.top_p, seed * 1_000_003 + p.index * n + j)
-                for p in problems for j in range(n)]
-        with torch.no_grad():
-            results = generate(model, rows, tok.eos_id)
-        for k, r in enumerate(results):
-            p = problems[k // n]
-            text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
-            rewards.append(scorer.score(p.prompt, text, p.answer, r.finished))
-            correct.append(float(text == p.answer))
-    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(correct) / len(correct)}
+    metrics = evaluate_checkpoint(run, directory)
+    return {"reward_mean": metrics["eval/reward_mean"], "accuracy": metrics["eval/pass@1"], **metrics}
 
 
 def final_weights(run: RunConfig, out: Path) -> Path:
@@ -227,12 +204,19 @@ def final_weights(run: RunConfig, out: Path) -> Path:
 
 def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     import matplotlib
+
+    from .evaluation import read_records
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="batch mean reward")
     ax.plot([r["step"] for r in rows], [r["accuracy"] for r in rows], label="batch accuracy", alpha=0.6)
+    periodic = read_records(path.parent)  # every rl.evaluation.every_steps, when the run evaluates periodically
+    if periodic:
+        ax.plot([r["step"] for r in periodic], [r["eval/reward_mean"] for r in periodic], marker=".",
+                label="evaluation reward")
     for name, marker in (("initial", "x"), ("warmup", "o"), ("final", "s")):
         if name in evals:
             x = rows[-1]["step"] if name == "final" and rows else 0

@@ -201,7 +201,8 @@ class Row:
     def __init__(self, server: "RolloutServer", plan: Plan, index: int) -> None:
         self.prompt = plan.prompts[index // plan.n]
         self.text = CompletionText(server.model.tokenizer, plan.stops,
-                                   server.model.eos_ids + plan.params[index // plan.n].stop_token_ids)
+                                   server.model.eos_ids + plan.params[index // plan.n].stop_token_ids,
+                                   incremental=plan.stream)
         self.last_token: float | None = None
         self.offset = 0  # characters of token strings streamed so far (logprobs.text_offset)
 
@@ -540,18 +541,27 @@ async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     gen.cancel()
 
 
+class CountErrors:
+    """Counts answers of status >= 400 by status (plain ASGI: it only watches the status line go by)."""
+
+    def __init__(self, app, counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counter.labels(str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, watch if scope["type"] == "http" else send)
+
+
 ERRORS = {status: {"model": api.ErrorResponse} for status in (400, 401, 404, 409, 413, 500, 503)}
 
 
 def make_app(server: RolloutServer) -> FastAPI:
     app = json_api("moe-rl-eks rollout server", __doc__.split("\n\n")[0])
 
-    @app.middleware("http")
-    async def _count_errors(request: Request, call_next):
-        response = await call_next(request)
-        if response.status_code >= 400:
-            server.metrics.errors.labels(str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountErrors, counter=server.metrics.errors)
 
     def warn_unknown(path: str, body: api.Request) -> None:
         if unknown := body.unknown_fields():

@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,54 +83,6 @@ class HttpError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class JsonHandler(BaseHTTPRequestHandler):
-    """Small JSON request/response helpers; handlers raise HttpError for 4xx answers."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def send_json(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_bytes(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_error_json(self, err: HttpError) -> None:
-        self.send_json(err.status, err.body())
-
-    def read_json(self) -> Any:
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise HttpError(400, "Content-Length is not an integer") from None
-        if length > MAX_BODY_BYTES:
-            # Drain nothing: the connection is closed after answering, so the client's body is discarded.
-            self.close_connection = True
-            raise HttpError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}")
-        raw = self.rfile.read(length)
-        try:
-            return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HttpError(400, f"body is not valid JSON: {exc}") from None
-
-
-class HttpServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # The default backlog of 5 resets connections when an orchestrator opens dozens at once.
-    request_queue_size = 256
-
-
 def json_api(title: str, description: str) -> "FastAPI":
     """A FastAPI app whose every error is OpenAI's shape: HttpError as raised, schema violations as 400 naming the
     field (FastAPI's default is 422 without a `param`), unknown paths and methods as 404/405, a body over
@@ -163,16 +114,50 @@ def json_api(title: str, description: str) -> "FastAPI":
         log.exception("%s %s failed", request.method, request.url.path)
         return answer(HttpError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length", "0")
-        if not length.isdigit():
-            return answer(HttpError(400, f"Content-Length: {length!r} is not a byte count"))
-        if int(length) > MAX_BODY_BYTES:
-            return answer(HttpError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"))
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit)
     return app
+
+
+class BodyLimit:
+    """Refuses a body over MAX_BODY_BYTES with a 413: from its Content-Length before reading it, or (a chunked
+    upload, whose length is unknown) once the bytes read pass the limit; such a body is read here and handed on
+    whole. Plain ASGI (not starlette's BaseHTTPMiddleware, which relays every response through a memory stream and
+    delayed the disconnect a streamed answer listens for)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if b"content-length" in headers:  # the HTTP parser checked it is a number
+            if int(headers[b"content-length"]) > MAX_BODY_BYTES:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return whole.pop() if whole else await receive()
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send) -> None:
+        from fastapi.responses import JSONResponse
+
+        err = HttpError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", None, "body_too_large")
+        await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
 def validation_error(errors: list[dict]) -> HttpError:

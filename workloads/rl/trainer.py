@@ -137,8 +137,8 @@ class Announcer:
         try:
             self.source.version_published(version, self.lineage)
             self.announced = version
-        except (OSError, RuntimeError) as exc:  # the next version tries again
-            log.warning("announcing weight version %d failed: %s", version, exc)
+        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+            log.exception("announcing weight version %d failed", version)
 
 
 class Trainer:
@@ -614,6 +614,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=TRAINER_METRICS_PORT,
                         help="Prometheus /metrics of each node's first rank; 0 = none")
     args = parser.parse_args(argv)
+    if not args.orchestrator:
+        parser.error("--orchestrator (or $MOERL_ORCHESTRATOR) is required: the trainer's batches come from it")
     run = load(args.run)
     torch.set_num_threads(1)
     if torch.cuda.is_available():
@@ -622,7 +624,7 @@ def main(argv: list[str]) -> int:
     # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(run, HttpBatchSource(args.orchestrator) if args.orchestrator else None, rank, world)
+    trainer = Trainer(run, HttpBatchSource(args.orchestrator), rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
     if args.metrics_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         from prometheus_client import start_http_server

@@ -1,0 +1,44 @@
+"""`moerl bench-train --ranks N`: the trainer's step under expert parallelism, one process per rank (gloo on this
+CPU; NCCL one rank per GPU on a GPU machine: workloads/gpu_runs/ep.sh), and one publication through the
+Publisher with each rank writing its experts."""
+import json
+
+import pytest
+
+from moe_rl_eks.workloads.bench_train import TINY, main
+from moe_rl_eks.workloads.model.checkpoint import load_hf
+
+
+def test_two_ranks_train_every_ranks_tokens_and_publish_a_complete_version(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--tiny", "--ranks", "2", "--compute", "torch", "--checkpointing", "full", "--shapes", "2x32",
+                 "--steps", "1", "--publish", str(tmp_path / "store"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["ranks"], result["transport"], result["ep_backend"]) == (2, "gloo", "alltoall")
+    [row] = result["rows"]
+    assert row["status"] == "ok" and row["tokens"] == 2 * 2 * 32  # both ranks' micro-batches
+    assert len(row["rank_step_seconds"]) == 2 and row["step_seconds"] == max(row["rank_step_seconds"])
+    assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["step_seconds"])
+    assert "2 EP ranks (alltoall over gloo)" in capsys.readouterr().out
+    # Each rank wrote its own experts; rank 0 committed one version holding all of them.
+    published = result["publish"]["torch"]
+    assert published["version"] == [0, 1] and published["files"] == 2
+    [version_dir] = (tmp_path / "store" / "torch").glob("l*-v*")
+    config, state = load_hf(version_dir)
+    assert config.num_experts == TINY.num_experts
+    assert state["model.layers.0.mlp.experts.down_proj"].shape[0] == TINY.num_experts
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tiny", "--publish", "x"], "--publish measures expert-parallel publication: it needs --ranks >= 2"),
+    (["--tiny", "--ranks", "0"], "--ranks must be >= 1, got 0"),
+])
+def test_bad_rank_options_are_refused_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_ranks_that_do_not_divide_the_experts_are_refused(capsys):
+    assert main(["--tiny", "--ranks", "3"]) == 2
+    assert "--ranks 3 must divide the model's 8 experts" in capsys.readouterr().err
