@@ -219,7 +219,7 @@ class TokenRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.listeners: dict[str, Callable[[TokenEvent], None]] = {}  # request id -> its Generation's handler
+        self.listeners: dict[str, Callable[[list[TokenEvent]], None]] = {}  # request id -> its Generation's handler
         self._events: list[TokenEvent] = []
         self._pending = False
         self._lock = threading.Lock()
@@ -234,12 +234,16 @@ class TokenRelay:
         self.loop.call_soon_threadsafe(self.deliver)
 
     def deliver(self) -> None:
-        """On the loop: hand every waiting token to its request (a request already gone drops its tokens)."""
+        """On the loop: hand each request its waiting tokens, in order, in one call (a request already gone drops
+        its tokens)."""
         with self._lock:
             events, self._events, self._pending = self._events, [], False
+        by_request: dict[str, list[TokenEvent]] = {}
         for event in events:
-            if (listener := self.listeners.get(event.request_id)) is not None:
-                listener(event)
+            by_request.setdefault(event.request_id, []).append(event)
+        for request_id, burst in by_request.items():
+            if (listener := self.listeners.get(request_id)) is not None:
+                listener(burst)
 
 
 DONE = object()
@@ -258,7 +262,7 @@ class Generation:
 
     def start(self) -> None:
         loop, relay = asyncio.get_running_loop(), self.server.relay()
-        relay.listeners[self.request_id] = self._token
+        relay.listeners[self.request_id] = self._tokens
         try:
             self.future = self.server.engine.submit(self.plan.rows(self.request_id), relay.put)
         except RuntimeError as exc:  # the engine is stopping
@@ -280,38 +284,45 @@ class Generation:
         m.e2e.observe(time.monotonic() - self.arrival)
         self.queue.put_nowait(DONE)
 
-    def _token(self, event: TokenEvent) -> None:
-        row = self.rows[event.row]
-        if row.stopped:  # sampled before the engine saw the cancel: not part of the answer
-            return
+    def _tokens(self, events: list[TokenEvent]) -> None:
+        """A burst of this request's tokens, on the loop: latency marks, text and stop strings; a stream gets the
+        burst. The cheapest path is the RL client's (not streamed, no stop strings): bookkeeping only."""
         now, m = time.monotonic(), self.server.metrics
-        m.generation_tokens.inc()
-        if row.last_token is None:
-            m.ttft.observe(now - self.arrival)
-        else:
-            m.itl.observe(now - row.last_token)
-        row.last_token = now
-        row.text.add(event.token_id)
-        if row.stopped:
-            self.server.engine.cancel(self.request_id, [event.row])
-        self.queue.put_nowait(event)
+        kept = []
+        for event in events:
+            row = self.rows[event.row]
+            if row.stopped:  # sampled before the engine saw the cancel: not part of the answer
+                continue
+            if row.last_token is None:
+                m.ttft.observe(now - self.arrival)
+            else:  # as the server sees them: tokens of one burst arrive together
+                m.itl.observe(now - row.last_token)
+            row.last_token = now
+            row.text.add(event.token_id)
+            if row.stopped:
+                self.server.engine.cancel(self.request_id, [event.row])
+            kept.append(event)
+        m.generation_tokens.inc(len(kept))
+        if self.plan.stream and kept:
+            self.queue.put_nowait(kept)
 
     async def bursts(self) -> AsyncIterator[dict[int, list[TokenEvent]]]:
-        """The tokens that arrived together (one decode step's, usually), by row, until the request ends."""
-        while (event := await self.queue.get()) is not DONE:
+        """For a stream: the tokens that arrived since the last call, by row, until the request ends."""
+        while (item := await self.queue.get()) is not DONE:
             burst: dict[int, list[TokenEvent]] = {}
-            while event is not DONE:
-                burst.setdefault(event.row, []).append(event)
-                event = self.queue.get_nowait() if not self.queue.empty() else None
-                if event is None:
+            while item is not DONE:
+                for event in item:
+                    burst.setdefault(event.row, []).append(event)
+                if self.queue.empty():
                     break
+                item = self.queue.get_nowait()
             yield burst
-            if event is DONE:
+            if item is DONE:
                 return
 
     async def outputs(self) -> list[RowOutput]:
-        async for _ in self.bursts():
-            pass
+        """Not streamed: wait for the end (no token travels through the queue)."""
+        await self.queue.get()
         return self.result()
 
     def result(self) -> list[RowOutput]:
