@@ -1,6 +1,7 @@
 """The rollout engine's contract: rows join a running batch and sample as they would alone, cancelled rows leave
 it at once, stop tokens, top logprobs, compact routing, validated sampling parameters."""
 import threading
+import time
 
 import numpy as np
 import torch
@@ -133,13 +134,22 @@ def test_rows_never_mix_weight_versions_across_a_swap(engine, tmp_path):
     store = engine.store
     publish_initial(engine.run, store, version=1, seed=5)
     started = threading.Event()
-    before = engine.submit(rows("before", 1, 30, 2, stop_token_ids=()), lambda e: started.set())
+
+    def slow_row(event):  # keeps the row running (on the engine thread) while the load below queues its swap
+        started.set()
+        time.sleep(0.05)
+
+    before = engine.submit(rows("before", 1, 30, 0, stop_token_ids=()), slow_row)  # seed 0 runs all 30 tokens
     started.wait(timeout=60)
     swapped = threading.Thread(target=engine.load_version, args=(1,))
     swapped.start()
     (old,) = before.result(timeout=60)  # the running row finishes on the version it started with
+    assert len(old.token_ids) == 30  # it ran while the swap waited
     swapped.join(timeout=60)
-    (new,) = engine.submit(rows("after", 1, 30, 2, stop_token_ids=())).result(timeout=60)
+    # The swap held behind the running row happens once it finishes, with no new request to wake the engine
+    # (a server behind the published version gets none from the orchestrator).
+    assert not swapped.is_alive() and engine.version == 1
+    (new,) = engine.submit(rows("after", 1, 30, 0, stop_token_ids=())).result(timeout=60)
     assert old.weight_version == 0 and new.weight_version == 1 and engine.version == 1
     assert old.token_ids != new.token_ids  # same seed and prompt, other weights
 

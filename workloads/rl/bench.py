@@ -130,7 +130,7 @@ def plot(results: list[dict], path: Path) -> None:
                 label=f"{r['mode']} (max_staleness {r['max_staleness']})")
     ax.set_xlabel("wall-clock seconds from the first RL step (CPU, this machine)")
     ax.set_ylabel("evaluation mean reward")
-    ax.legend()
+    ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

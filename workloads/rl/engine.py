@@ -192,7 +192,7 @@ class RolloutEngine:
 
     def _iterate(self) -> bool:
         with self._lock:
-            while not (self._inbox or self._cancels or self._stopping or self._has_work()):
+            while not (self._inbox or self._cancels or self._stopping or self._pending or self._has_work()):
                 self._last_step = time.monotonic()
                 self._wake.wait(timeout=1.0)
             self._pending.extend(self._inbox)
