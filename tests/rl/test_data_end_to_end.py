@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from moe_rl_eks.workloads.rl import local_run
+from moe_rl_eks.workloads.rl.evaluation import read_records
 from moe_rl_eks.workloads.rl.example_data import write_example
 
 LOCAL_WORDS = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local-words.yaml"
@@ -18,7 +19,7 @@ def test_local_run_on_word_problems_through_a_chat_template_raises_the_evaluatio
     rl = run["rl"]
     rl["data"].update(train=str(tmp_path / "data" / "train.parquet"), eval=str(tmp_path / "data" / "eval.parquet"))
     rl["sampling"]["tokenizer"] = str(tmp_path / "data" / "tokenizer")
-    rl["evaluation"].update(prompts=48, every_steps=0)
+    rl["evaluation"].update(prompts=48, every_steps=20)
     rl["training"].update(steps=50, warmup_sft_steps=20, checkpoint_every=50, output_dir=str(tmp_path / "out"))
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(run))
@@ -34,3 +35,6 @@ def test_local_run_on_word_problems_through_a_chat_template_raises_the_evaluatio
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 50 and rows[-1]["reward_mean"] > 0
     assert "RL gain over post-warm-up" in capsys.readouterr().out
+    periodic = read_records(tmp_path / "out")  # the orchestrator evaluated through a rollout server meanwhile
+    assert periodic and all(r["step"] % 20 == 0 and r["eval/prompts"] == 48 for r in periodic), periodic
+    assert all(r["eval/weight_version_min"] >= r["step"] for r in periodic)

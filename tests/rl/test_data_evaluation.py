@@ -129,6 +129,7 @@ def test_periodic_evaluation_runs_when_due_against_a_server_and_records_it(rollo
         evaluator.close()
     (rec,) = read_records(tmp_path / "out")
     assert rec["step"] == 5 and rec["eval/prompts"] == 4.0 and "eval/pass@2" in rec
+    assert rec["eval/weight_version_min"] == rec["eval/weight_version_max"] == 0.0  # what the server sampled with
     events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [5]

@@ -54,3 +54,64 @@ def test_engine_serves_the_directory_in_place_and_stops_on_its_eos_ids(checkpoin
         store.fetch(1, tmp_path)
     with pytest.raises(RuntimeError, match="served as it is"):
         store.publish(1, checkpoint)
+
+
+def test_serve_rollout_model_serves_a_checkpoint_directory_over_openai_http(tmp_path):
+    """`moerl serve-rollout --model DIR`: a checkpoint (weights, config.json, tokenizer with a chat template,
+    generation_config.json) answers completions and chat completions without a run."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from rl_helpers import REPO
+
+    from moe_rl_eks.workloads.rl.example_data import write_tokenizer_dir
+
+    directory = tmp_path / "tiny-chat"
+    write_tokenizer_dir(directory, ["Ann has 3 apples. How many apples?"] * 20, vocab_size=280)
+    tokenizer = load_tokenizer(str(directory))
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=256, dtype="float32")
+    save_hf(MoETransformer(config), config, directory)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_rl_eks.core.cli", "serve-rollout", "--model", str(directory),
+                             "--host", "127.0.0.1", "--port", str(port), "--max-new-tokens", "8"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def post(path, body):
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.load(resp)
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
+                    if json.load(resp)["weight_version"] == 0:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.5)
+        chat = post("/v1/chat/completions", {"model": "tiny-chat", "n": 2, "max_tokens": 4, "seed": 1,
+                                             "messages": [{"role": "user", "content": "Ann has 3 apples."}]})
+        assert len(chat["choices"]) == 2 and chat["usage"]["prompt_tokens"] == len(tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": "Ann has 3 apples."}])))
+        plain = post("/v1/completions", {"model": "tiny-chat", "prompt": "Ann has", "max_tokens": 3})
+        assert plain["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()

@@ -11,11 +11,14 @@ from rl_helpers import rewarded_batch, tiny_run, write_run
 from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
                            run_ranks, step_gradients, train_and_checkpoint, trained_then_resumed)
 
+from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.rl.train_step import learning_rate
 from moe_rl_eks.workloads.rl.trainer import Trainer, expert_load_imbalance, resolved_backend, straggler_ratio
+from moe_rl_eks.workloads.rl.weights import open_store
 
 FAST = {"kl_coef": 0.0, "entropy_coef": 0.0}
 
@@ -183,6 +186,11 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step_and_exits_c
     announced = again[0]["announced"]
     assert announced[-1] == (1, 6) and announced == sorted(set(announced)) and {lin for lin, _ in announced} == {1}
     assert again[0]["store_latest"] == VersionRef(1, 6)
+    # every published version is a complete checkpoint: tokenizer files and generation_config.json beside the weights
+    run = load_run(path)
+    stored = open_store(run.rl.weights, output_dir(run) / "weights").fetch(VersionRef(1, 6), tmp_path / "cache")
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in stored.iterdir()}
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, world_of_one):

@@ -38,6 +38,7 @@ class Sample:
     text: str  # decoded completion without its stop token
     tokens: int  # completion length in tokens, stop token included
     finished: bool  # ended with a stop token (False: cut at max_tokens)
+    version: int | None = None  # the weight version that sampled it, when a server says (HTTP)
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,11 @@ def _summary(per_prompt, k: int, threshold: float) -> dict[str, float]:
         if len(scored) >= k:
             passk.append(pass_at_k(len(scored), correct, k))
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {f"{PREFIX}reward_mean": mean(scores), f"{PREFIX}pass@1": mean(pass1), f"{PREFIX}pass@{k}": mean(passk),
-            f"{PREFIX}response_tokens_mean": mean([s.tokens for s in samples]),
+    versions = [s.version for s in samples if s.version is not None]
+    sampled_with = ({f"{PREFIX}weight_version_min": float(min(versions)), f"{PREFIX}weight_version_max":
+                     float(max(versions))} if versions else {})
+    return {**sampled_with, f"{PREFIX}reward_mean": mean(scores), f"{PREFIX}pass@1": mean(pass1),
+            f"{PREFIX}pass@{k}": mean(passk), f"{PREFIX}response_tokens_mean": mean([s.tokens for s in samples]),
             f"{PREFIX}truncation_rate": mean([0.0 if s.finished else 1.0 for s in samples]),
             f"{PREFIX}rewards_failed": float(len(samples) - len(scores)), f"{PREFIX}prompts": float(len(per_prompt))}
 
@@ -181,7 +185,7 @@ def http_completer(url: str, tokenizer, *, model: str | None = None, timeout_s: 
             completion = Completion.from_response(json.load(resp))
         choices = sorted(completion.choices, key=lambda c: c.index)
         return [Sample(_text(tokenizer, c.token_ids, c.finish_reason == "stop"), len(c.token_ids),
-                       c.finish_reason == "stop") for c in choices]
+                       c.finish_reason == "stop", completion.version.version) for c in choices]
 
     def complete(prompts: list[Prompt], params: EvalParams) -> list[list[Sample]]:
         with ThreadPoolExecutor(concurrency) as pool:
@@ -231,7 +235,8 @@ class PeriodicEvaluator:
     thread so rollouts and training go on meanwhile; results go to <out_dir>/eval.jsonl and TensorBoard.
 
     One evaluation at a time: a step that comes due while one runs is skipped (counted in `skipped`). The
-    evaluation samples whatever version the server holds while it runs (normally the step's, or a newer one).
+    evaluation samples whatever version the server holds while it runs: the step's, or newer ones when the
+    orchestrator moves the server on meanwhile; eval/weight_version_min and _max record which it sampled.
     Locking: `_lock` guards `_thread` and `skipped`; the thread alone touches the prompts, scorer and writer."""
 
     def __init__(self, run, out_dir: str | Path, tokenizer) -> None:

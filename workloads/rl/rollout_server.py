@@ -16,6 +16,7 @@ there, streams are fed from there, and a client that disconnects has its rows ca
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -42,7 +43,7 @@ from . import openai_protocol as api
 from .detokenizer import CompletionText
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from .protocol import VersionRef, encode_routing
-from .runtime import HttpError, Registry, json_api, load, output_dir, run_argparser, serve
+from .runtime import HttpError, Registry, json_api, load, output_dir, serve
 from .tokenizer import Tokenizer, UnknownText
 
 log = logging.getLogger(__name__)
@@ -638,17 +639,29 @@ def main(argv: list[str]) -> int:
     import torch
 
     from .engine import RolloutEngine
+    from .model_dir import ModelDirectoryStore, model_run
     from .replica import Replica, follow
     from .tokenizer import load_tokenizer
     from .weights import open_store
 
-    parser = run_argparser("serve-rollout", "serve completions for a run")
+    parser = argparse.ArgumentParser(prog="moerl serve-rollout",
+                                     description="serve completions for a run, or a Hugging Face checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run configuration (configs/runs/<name>.yaml)")
+    source.add_argument("--model", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer "
+                        "files): served as it is, without a run, as version 0 under the directory's name")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="with --model: the completion length limit (default: a quarter of the context)")
     parser.add_argument("--port", type=int, default=ROLLOUT_PORT)
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args(argv)
-    run = load(args.run)
-    torch.set_num_threads(1)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.model:
+        logging.basicConfig(level=logging.INFO)
+        run = model_run(args.model, max_new_tokens=args.max_new_tokens, gpus_per_server=processes)
+    else:
+        run = load(args.run)
+    torch.set_num_threads(1)
     if processes != run.rollout.gpus_per_server:
         raise SystemExit(f"rollout.gpus_per_server is {run.rollout.gpus_per_server} but this server has {processes} "
                          "process(es); start one per GPU with torchrun (moe_rl_eks.core.cli.launch)")
@@ -656,7 +669,7 @@ def main(argv: list[str]) -> int:
     if replica.rank > 0:  # the HTTP server and the engine live on rank 0; this rank follows its operations
         follow(replica)
         return 0
-    store = open_store(run.rl.weights, output_dir(run) / "weights")
+    store = ModelDirectoryStore(args.model) if args.model else open_store(run.rl.weights, output_dir(run) / "weights")
     # Downloads go to the pod's own scratch space: the run's output directory is read-only for rollout pods.
     cache = Path(tempfile.mkdtemp(prefix="moerl-rollout-cache-"))
     tokenizer = load_tokenizer(run.rl.sampling.tokenizer)

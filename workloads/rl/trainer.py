@@ -10,6 +10,7 @@ branched on."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from .microbatch import Sequences, plan_microbatches
 from .protocol import Batch, TrainingSample, VersionRef
 from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, write_checkpoint_metadata
 from .train_step import Forward, TrainStep, learning_rate
 from .weights import open_store
 
@@ -332,7 +333,10 @@ class Trainer:
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
         self.lineage = 0 if box[0] is None else box[0].lineage + 1
-        self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep)
+        # Each version is a complete Hugging Face checkpoint: tokenizer files and generation_config.json beside the
+        # weights, so evaluation and other tools can load it as it is.
+        self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep,
+                                   extra_files=functools.partial(write_checkpoint_metadata, run=self.run))
         if self.rank == 0 and self.source is not None:
             self.announcer = Announcer(self.publisher, self.source, self.lineage,
                                        background=self.run.rl.orchestrator.max_staleness > 0)

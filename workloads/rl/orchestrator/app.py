@@ -110,12 +110,15 @@ def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: 
         return algorithm.sequence_advantages(torch.tensor([rewards]))[0].tolist()
 
     from ..data import make_prompt_source
+    from ..evaluation import PeriodicEvaluator
     from ..tokenizer import load_tokenizer
 
     pool = ServerPool(endpoints, run.rl.orchestrator.max_inflight_requests)
-    source = make_prompt_source(run, load_tokenizer(run.rl.sampling.tokenizer))
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    source = make_prompt_source(run, tokenizer)
     return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), source, reward_scorer(run),
-                        advantages, events_path=events_path, state=state)
+                        advantages, events_path=events_path, state=state,
+                        evaluator=PeriodicEvaluator(run, output_dir(run), tokenizer))
 
 
 def resume_state(resume: str | None, out: Path) -> OrchestratorState | None:

@@ -82,8 +82,10 @@ class Settings:
 class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
-                 events_path: Path | None = None, state: OrchestratorState | None = None) -> None:
+                 events_path: Path | None = None, state: OrchestratorState | None = None,
+                 evaluator: Any = None) -> None:
         self.s, self.pool, self.backend, self.source = settings, pool, backend, source
+        self.evaluator = evaluator  # evaluation.PeriodicEvaluator: evaluates a version on the first server holding it
         self.score_many, self.advantages = score_many, advantages
         if state is None:
             self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
@@ -116,6 +118,8 @@ class Orchestrator:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.backend.close()
+        if self.evaluator is not None:
+            await asyncio.to_thread(self.evaluator.close)  # lets a running evaluation finish and record
         if self.events:
             self.events.close()
 
@@ -372,6 +376,8 @@ class Orchestrator:
                 self.pool.unhealthy(url)
             return
         self.pool.pushed(url, ref, loaded=True)
+        if self.evaluator is not None:
+            self.evaluator.maybe_start(ref.version, url)
         self._wake.set()
 
 
