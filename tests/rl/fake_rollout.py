@@ -26,8 +26,12 @@ class Endpoint:
 
 
 class FakeRollouts:
-    def __init__(self, count: int, **defaults) -> None:
+    """`wave`: completions are held until this many are in flight across all endpoints (or `delay_s` passed),
+    then all answer: the whole wave is provably concurrent, whatever the machine's speed."""
+
+    def __init__(self, count: int, wave: int | None = None, **defaults) -> None:
         self.endpoints = [Endpoint(**defaults) for _ in range(count)]
+        self.wave, self.in_flight, self.peak = wave, 0, 0
         self.loop = asyncio.new_event_loop()
         self._runners: list[web.AppRunner] = []
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -39,9 +43,10 @@ class FakeRollouts:
         return [e.url for e in self.endpoints]
 
     async def _start(self) -> None:
+        self.wave_full = asyncio.Event()
         for e in self.endpoints:
             app = web.Application()
-            app.add_routes([web.post("/v1/completions", self._complete(e)), web.get("/ready", self._ready(e)),
+            app.add_routes([web.post("/v1/completions", self._complete(e, self)), web.get("/ready", self._ready(e)),
                             web.get("/health", self._ready(e)), web.post("/v1/weights/load", self._load(e))])
             runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
             await runner.setup()
@@ -68,22 +73,32 @@ class FakeRollouts:
         return handler
 
     @staticmethod
-    def _complete(e: Endpoint):
+    def _complete(e: Endpoint, all_: "FakeRollouts"):
         async def handler(request: web.Request) -> web.Response:
             body = await request.json()
             e.in_flight += 1
+            all_.in_flight += 1
             e.peak_in_flight = max(e.peak_in_flight, e.in_flight)
+            all_.peak = max(all_.peak, all_.in_flight)
             holds = e.holds  # the version every token is sampled with
             if e.lag > 0 and e.previous is not None:
                 e.lag -= 1
                 holds = e.previous
             try:
-                await asyncio.sleep(e.delay_s)
+                if all_.wave is None:
+                    await asyncio.sleep(e.delay_s)
+                else:
+                    if all_.in_flight >= all_.wave:
+                        all_.wave_full.set()
+                    await asyncio.wait_for(all_.wave_full.wait(), timeout=e.delay_s)
             except asyncio.CancelledError:  # aiohttp cancels the handler when the client closes the connection
                 e.cancelled += 1
                 raise
             finally:
                 e.in_flight -= 1
+                all_.in_flight -= 1
+                if all_.in_flight == 0:
+                    all_.wave_full.clear()  # the next wave is held again
             if e.status != 200:
                 return web.json_response({"error": {"message": "refused", "type": "invalid_request_error"}},
                                          status=e.status)
@@ -110,15 +125,12 @@ class FakeRollouts:
         self._thread.join(timeout=10)
 
 
-def serve(count: int, conn, **defaults) -> None:
-    """Child-process entry: serve `count` endpoints, send their URLs, then answer 'stats' requests with each
-    endpoint's (completions, peak in flight, cancelled) until told 'stop'."""
-    fakes = FakeRollouts(count, **defaults)
+def serve(count: int, conn, **options) -> None:
+    """Child-process entry: serve `count` endpoints, send their URLs, then answer 'stats' with the peak of
+    concurrent completions and each endpoint's (completions, peak in flight, cancelled) until told 'stop'."""
+    fakes = FakeRollouts(count, **options)
     conn.send(fakes.urls)
-    while (msg := conn.recv()) != "stop":
-        if msg == "in_flight":
-            conn.send(sum(e.in_flight for e in fakes.endpoints))
-        else:
-            conn.send([(e.completions, e.peak_in_flight, e.cancelled) for e in fakes.endpoints])
+    while conn.recv() != "stop":
+        conn.send((fakes.peak, [(e.completions, e.peak_in_flight, e.cancelled) for e in fakes.endpoints]))
     fakes.close()
     conn.send("stopped")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from .tokenizer import Tokenizer
 
 INCOMPLETE = "\ufffd"  # what a decoder yields for bytes that do not yet form a character
+MAX_UTF8_BYTES = 4
 
 
 class CompletionText:
@@ -44,7 +45,10 @@ class CompletionText:
             return
         before = self.tokenizer.decode(self._window[:self._window_start])
         after = self.tokenizer.decode(self._window)
-        if len(after) <= len(before) or after.endswith(INCOMPLETE):
+        # A UTF-8 character spans at most 4 byte tokens: past that, U+FFFD is a byte that never decodes, shown
+        # as it is rather than held (which would also make each decode longer than the last).
+        held = len(self._window) - self._window_start
+        if (len(after) <= len(before) or after.endswith(INCOMPLETE)) and held < MAX_UTF8_BYTES:
             return
         searched_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
         self.text += after[len(before):]

@@ -181,15 +181,19 @@ class Delta(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoiceFields(BaseModel):
+    """What a chat choice carries whole or streamed."""
     index: int
-    message: AssistantMessage
-    finish_reason: FinishReason
     stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None
+
+
+class ChatChoice(ChatChoiceFields):
+    message: AssistantMessage
+    finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(Versioned):
@@ -197,14 +201,9 @@ class ChatCompletionResponse(Versioned):
     choices: list[ChatChoice]
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(ChatChoiceFields):
     delta: Delta
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = None
-    routed_experts: str | None = None
 
 
 class ChatCompletionChunk(Versioned):

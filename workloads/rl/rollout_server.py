@@ -473,9 +473,8 @@ class RolloutServer:
                 for i, row in enumerate(gen.rows):
                     yield _sse(api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=i, text=self._echo(gen, row), finish_reason=None)]))
-            async for burst in gen.bursts():  # one chunk per row and burst: a client reads one line per step
-                for index, events in burst.items():
-                    yield _sse(self._token_chunk(gen, head, index, events))
+            async for burst in gen.bursts():  # a chunk per row and burst, all of a burst in one write
+                yield "".join(_sse(self._token_chunk(gen, head, index, events)) for index, events in burst.items())
             choices, head, usage = self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
