@@ -31,6 +31,20 @@ def test_run_is_derived_from_the_checkpoint_files(checkpoint):
         model_run(checkpoint / "nothing")
 
 
+def test_a_long_context_checkpoint_gives_a_valid_run(checkpoint, tmp_path):
+    """Qwen3-30B-A3B's context (40,960) is longer than the default micro-batch token budget."""
+    import json
+    import shutil
+
+    long = tmp_path / "long"
+    shutil.copytree(checkpoint, long)
+    config = json.loads((long / "config.json").read_text())
+    (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40960}))
+    run = model_run(long)
+    assert run.rollout.max_new_tokens == 8192 and run.rl.sampling.max_prompt_tokens == 40960 - 8192
+    assert run.rl.training.max_tokens_per_microbatch >= 40960 - 1
+
+
 def test_engine_serves_the_directory_in_place_and_stops_on_its_eos_ids(checkpoint, tmp_path):
     from moe_rl_eks.workloads.rl.engine import RolloutEngine, RowRequest, SamplingParams
 

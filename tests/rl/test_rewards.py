@@ -9,8 +9,8 @@ import pytest
 
 from moe_rl_eks.core.rl_config import RewardConfig, TaskConfig
 from moe_rl_eks.core.schema import ConfigError, parse
-from moe_rl_eks.workloads.rl.data import Prompt
-from moe_rl_eks.workloads.rl.rewards import ArithmeticTask, RewardResult, RewardScorer, math_answer_score
+from moe_rl_eks.workloads.rl.data import ArithmeticTask, Prompt
+from moe_rl_eks.workloads.rl.rewards import RewardResult, RewardScorer, math_answer_score
 
 USER_REWARDS = """
 import time
@@ -57,7 +57,6 @@ def test_exact_answer_and_format_rewards():
     scorer = RewardScorer(cfg(correct_weight=1.0, format_weight=0.1))
     scores = [r.score for r in scorer.score_many([item("7"), item("8"), item("7", finished=False), item("7+")])]
     assert scores == pytest.approx([1.1, 0.1, 1.0, 0.0])  # cut off: no format credit
-    assert scorer.score("3+4=", "7", "7", finished=True) == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize("completion,truth,correct,answered", [
@@ -107,8 +106,6 @@ def test_failed_rewards_are_none_with_the_reason_and_a_hung_call_is_killed(user_
     assert "RuntimeError" in results[4].error  # the replacement worker scores the next item
     assert pid_after == pid_again  # a failure that is not a timeout keeps its worker
     assert (scorer.failures, scorer.calls) == (6, 6)
-    with pytest.raises(RuntimeError, match="reward failed"):
-        RewardScorer(cfg(function="user_rewards:broken", workers=1)).score("1+1=", "boom", "2", True)
 
 
 def test_a_custom_function_that_cannot_be_imported_is_a_config_error_naming_it():

@@ -3,7 +3,9 @@ against the disk's own sequential bandwidth measured in the same run on the same
 
 Stages: snapshot (device -> pinned host, the trainer's critical path; first call includes pinning the buffers),
 write + commit (background writer: files, fsync, rename), fetch (manifest and sizes), load (files read in
-parallel straight to the GPU with checksums verified, page cache dropped first: a cold read). The trainer holds
+parallel straight to the GPU with checksums verified, page cache dropped first: a cold read), and the rollout
+server's own load (its replica reads the version to host memory, since the GPU holds the served weights and a KV
+cache, and copies it into the served model in place; page cache dropped first). The trainer holds
 float32 master weights and publishes bf16, as ours does. Layers are scaled down to what the disk holds (three
 versions and a baseline file); every figure is also extrapolated linearly in bytes to the 48-layer model.
 Run as `python3 -m moe_rl_eks.workloads.rl.bench_weights --dir DIR --out results.json`.
@@ -21,11 +23,14 @@ from pathlib import Path
 
 import torch
 
-from moe_rl_eks.core.run import ModelConfig
+from moe_rl_eks.core.run import ModelConfig, RunConfig
+from moe_rl_eks.core.schema import parse
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, published_dtype
+from .model_dir import model_run_data
 from .publisher import Publisher
+from .replica import Replica
 from .weights import DirectoryStore
 
 QWEN3_30B_A3B = ModelConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -75,6 +80,27 @@ def disk_bandwidth(directory: Path, nbytes: float) -> tuple[float, float]:
     os.close(fd)
     path.unlink()
     return write, read
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Forget the cached pages of a version's files, so the next read of them comes from the disk."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def serving_replica(directory: Path, device: torch.device) -> Replica:
+    """A one-GPU rollout server's replica of the checkpoint in `directory`, serving it (the first load builds the
+    model). The built-in tokenizer: this benchmark serves no text."""
+    data = model_run_data(directory)
+    data["rl"]["sampling"]["tokenizer"] = "builtin"
+    replica = Replica(parse(RunConfig, data, source=f"bench-weights {directory}"), device=device)
+    replica.begin_read(0, str(directory)).result()
+    replica.swap(0)
+    return replica
 
 
 def sync(device: torch.device) -> None:
@@ -169,19 +195,40 @@ def main(argv: list[str] | None = None) -> int:
         snapshots.append(publisher.snapshot_seconds)
     publisher.close()
 
+    served = store.latest()
+    directory = store.fetch(served, args.dir / "cache")
+    replica = serving_replica(directory, device)
+    drop_page_cache(directory)
+    start = time.perf_counter()
+    replica.begin_read(1, str(directory)).result()
+    read_host = time.perf_counter() - start
+    replica.swap(1)
+    sync(device)
+    serving_load = time.perf_counter() - start
+    print(f"rollout server load of version {served.version} (cold): host read {read_host:.2f} s, with the in-place "
+          f"copy to {device} {serving_load:.2f} s", flush=True)
+    held = replica.model.state_dict()
+    mismatched += [f"served {k}" for k, v in state.items()
+                   if k not in held or not torch.equal(held[k], v.to(held[k].dtype))]
+    del replica
+
     end_to_end = snapshot_steady + write + fetch + load
+    serving_end_to_end = snapshot_steady + write + fetch + serving_load
     floor = nbytes / 1e9 / write_bw + nbytes / 1e9 / read_bw
     gb = nbytes / 1e9
     rows = [("snapshot, first (pins buffers)", snapshot_first), ("snapshot (critical path)", snapshot_steady),
             ("write + fsync + commit (background)", write), ("fetch (manifest, sizes)", fetch),
             ("load to GPU, cold, checksums verified", load),
             ("end to end (snapshot + write + fetch + load)", end_to_end),
+            ("rollout server load, cold (host read + in-place copy)", serving_load),
+            ("end to end to a serving replica (snapshot + write + fetch + server load)", serving_end_to_end),
             ("disk floor: bytes/write_bw + bytes/read_bw", floor)]
     print(f"\n| stage | seconds ({layers} layers, {gb:.2f} GB) | GB/s | seconds for 48 layers ({full / 1e9:.1f} GB, "
           "linear) |\n|---|---|---|---|")
     for name, seconds in rows:
         print(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {seconds * scale:.1f} |")
-    print(f"\nend to end = {floor / end_to_end:.0%} of the disk's sequential bandwidth (target >= 70 %)")
+    print(f"\nend to end = {floor / end_to_end:.0%} of the disk's sequential bandwidth (target >= 70 %); "
+          f"to a serving replica {floor / serving_end_to_end:.0%}")
     print(f"training step ({matmuls} bf16 {side}^3 matmuls): {statistics.mean(without):.3f} s without publication, "
           f"{statistics.mean(with_publish):.3f} s with (snapshots {', '.join(f'{s:.2f}' for s in snapshots)} s); "
           f"published {publisher.published}, superseded {publisher.superseded}")
@@ -190,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "layers": layers, "bytes": nbytes, "bytes_48_layers": full,
         "disk": {"write_gb_s": write_bw, "read_gb_s": read_bw, "path": str(args.dir)},
         "seconds": {"snapshot_first": snapshot_first, "snapshot": snapshot_steady, "write_commit": write,
-                    "fetch": fetch, "load_cold": load, "end_to_end": end_to_end, "disk_floor": floor},
-        "efficiency": floor / end_to_end, "critical_path_48_layers_s": snapshot_steady * scale,
+                    "fetch": fetch, "load_cold": load, "end_to_end": end_to_end, "disk_floor": floor,
+                    "serving_read_host": read_host, "serving_load_cold": serving_load,
+                    "serving_end_to_end": serving_end_to_end},
+        "efficiency": floor / end_to_end, "serving_efficiency": floor / serving_end_to_end,
+        "critical_path_48_layers_s": snapshot_steady * scale,
         "step_s": {"without_publication": without, "with_publication": with_publish, "snapshots": snapshots},
         "published": publisher.published, "superseded": publisher.superseded, "mismatched": mismatched,
     }

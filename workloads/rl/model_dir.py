@@ -33,7 +33,9 @@ def model_run_data(directory: str | Path, *, name: str | None = None, max_new_to
             "rollout": {"max_new_tokens": new_tokens, "gpus_per_server": gpus_per_server,
                         "max_batch_size": max_batch_size},
             "rl": {"sampling": {"tokenizer": str(directory), "max_tokens": new_tokens,
-                                "max_prompt_tokens": max(1, context - new_tokens)}}}
+                                "max_prompt_tokens": max(1, context - new_tokens)},
+                   # Nothing trains here, but the run must stay valid: a micro-batch holds the longest sample.
+                   "training": {"max_tokens_per_microbatch": max(context, 16384)}}}
 
 
 def model_run(directory: str | Path, **options):

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.core.schema import ConfigError
 
-from .data import ArithmeticTask, Prompt  # noqa: F401 -- ArithmeticTask: trainer/orchestrator import it from here
+from .data import Prompt
 
 log = logging.getLogger(__name__)
 INTEGER = re.compile(r"-?\d+")
@@ -277,14 +277,6 @@ class RewardScorer:
         batches = [payload[i:i + size] for i in range(0, len(payload), size)]
         done = self._remote.map(lambda b: _remote_batch(self.cfg.remote_url, self.cfg.timeout_s, b), batches)
         return [r for batch in done for r in batch]
-
-    def score(self, prompt: str, completion: str, answer: str, finished: bool) -> float:
-        """One built-in-task completion; kept for the orchestrator until it calls score_many (raises on a failed
-        reward rather than inventing a score)."""
-        result = self.score_many([(Prompt(-1, (), prompt, "arithmetic", answer, {}), completion, finished)])[0]
-        if result.score is None:
-            raise RuntimeError(f"reward failed: {result.error}")
-        return result.score
 
     def close(self) -> None:
         if self._pool is not None:

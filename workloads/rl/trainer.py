@@ -35,7 +35,7 @@ from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
 from .algorithms import SequenceScores, make_algorithm
-from .data import ArithmeticTask
+from .data import format_examples
 from .losses import PolicyBatch, Totals
 from .microbatch import Sequences, plan_microbatches
 from .protocol import Batch, TrainingSample, VersionRef
@@ -218,14 +218,13 @@ class Trainer:
 
     # ---- the two kinds of step ----------------------------------------------------------------------------
     def sft_step(self, index: int) -> float:
-        """Warm-up: cross-entropy on well-formed answers with random values (teaches the format, not the task)."""
-        task, tok = ArithmeticTask(self.run.rl.task, self.cfg.seed + 1), load_tokenizer(self.run.rl.sampling.tokenizer)
+        """Warm-up: cross-entropy on answers of the right shape that are not the prompt's (data.format_examples:
+        teaches the format, not the task), on the run's own prompts (built-in task or dataset)."""
+        tok = load_tokenizer(self.run.rl.sampling.tokenizer)
         n = self.cfg.prompts_per_step * self.run.rl.algorithm.group_size
-        samples = []
-        for j in range(index * n, (index + 1) * n):
-            completion = _without_bos(tok, tok.encode(task.well_formed_example(j))) + [tok.eos_id]
-            samples.append(TrainingSample(f"sft/{j}", tok.encode(task.problem(j).prompt), completion,
-                                          [0.0] * len(completion), 0.0, 0.0, True, VersionRef(0, 0)))
+        samples = [TrainingSample(f"sft/{index * n + i}", list(prompt), completion, [0.0] * len(completion), 0.0,
+                                  0.0, True, VersionRef(0, 0))
+                   for i, (prompt, completion) in enumerate(format_examples(self.run, tok, index * n, n))]
         seqs = Sequences.of(samples[self.rank::self.world]).to(self.device)
         rows = list(range(len(seqs.lengths)))
         (plan,) = self._plan(seqs, [rows])
@@ -561,11 +560,6 @@ def initial_weights(run: RunConfig, experts: range | None = None) -> dict[str, t
                              f"run's model.{f.name} is {getattr(run.model, f.name)!r}; make the model section match "
                              f"the checkpoint's config.json")
     return state
-
-
-def _without_bos(tok, ids: list[int]) -> list[int]:
-    """A completion continues its prompt: drop the BOS a tokenizer puts in front of every encoded text."""
-    return ids[1:] if tok.bos_id is not None and ids[:1] == [tok.bos_id] else ids
 
 
 def expert_load_imbalance(load: torch.Tensor) -> float:
