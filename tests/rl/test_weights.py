@@ -153,11 +153,16 @@ def test_a_missing_shard_fails_the_fetch_and_the_load(tmp_path, model_config):
         load_hf(directory)
 
 
-def test_a_wrong_checksum_fails_the_load_naming_the_tensor(tmp_path, model_config):
+def published(tmp_path, model_config):
+    """A store holding version 0 of lineage 0, that version's directory and its one weights file."""
     store = DirectoryStore(tmp_path / "store")
     store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)
     directory = store.fetch(0, tmp_path)
-    shard = directory / "model.safetensors"
+    return store, directory, directory / "model.safetensors"
+
+
+def test_a_wrong_checksum_fails_the_load_naming_the_tensor(tmp_path, model_config):
+    store, directory, shard = published(tmp_path, model_config)
     facts = json.loads((directory / MANIFEST).read_text())["files"]["model.safetensors"]
     with open(shard, "r+b") as f:  # flip one byte of the last tensor: same size, so only a checksum sees it
         f.seek(facts["bytes"] - 3)
@@ -173,10 +178,7 @@ def test_an_ep_rank_reads_only_its_experts_bytes(tmp_path, model_config):
     """Expert 0's bytes are damaged: the rank holding experts 2-3 never reads them, so it loads; a whole read fails."""
     from moe_rl_eks.workloads.model.safetensors_io import read_header
 
-    store = DirectoryStore(tmp_path / "store")
-    store.publish(0, checkpoint(tmp_path, model_config, "a"), lineage=0)
-    directory = store.fetch(0, tmp_path)
-    shard = directory / "model.safetensors"
+    _, directory, shard = published(tmp_path, model_config)
     head, pieces = read_header(shard)
     piece = next(p for p in pieces if p.name == "model.layers.0.mlp.experts.0.up_proj.weight")
     with open(shard, "r+b") as f:
