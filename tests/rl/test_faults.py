@@ -82,10 +82,14 @@ def kill_trainer_and_orchestrator_after_first_checkpoint(cluster, steps):
     return at
 
 
-def test_trainer_and_orchestrator_killed_and_resumed_reach_bitwise_the_same_parameters_when_synchronous(tmp_path):
+def test_trainer_and_orchestrator_killed_and_resumed_train_the_same_batches_to_the_same_parameters_when_synchronous(
+        tmp_path):
     """Also bug 1 of issue 12: the servers hold the dead trainer's newer versions when both restart; one sample of
-    them trained would change the weights (the resumed trainer publishes in lineage 1, the orchestrator trains
-    only its history)."""
+    them trained would change the batches (the resumed trainer publishes in lineage 1, the orchestrator trains
+    only its history). The batches must be identical; the parameters equal to float32 rounding, not bitwise: the
+    engine batches rows continuously, so a row's behaviour logprobs depend on its batch neighbours at the last bit,
+    and those reach the loss through the importance weight (the trainer alone resumes bitwise:
+    tests/rl/test_trainer.py)."""
     steps = 10
     sections = dict(rollout={"min_servers": 1, "max_servers": 1, "max_batch_size": 8},
                     orchestrator={"max_staleness": 0}, training={**SHORT, "steps": steps, "checkpoint_every": 2})
@@ -103,9 +107,14 @@ def test_trainer_and_orchestrator_killed_and_resumed_reach_bitwise_the_same_para
     finally:
         resumed.stop()
     assert f"at step {at}" in (resumed.logs / "trainer.log").read_text()
+    assert trained_steps(resumed.out) == trained_steps(straight.out)  # the same samples at every step
     a, b = final_weights(straight.out, steps), final_weights(resumed.out, steps)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["lm_head.weight"], final_weights(straight.out, steps - 2)["lm_head.weight"])
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the last two steps moved the weights by far more than that tolerance
+    assert not torch.allclose(a["lm_head.weight"], final_weights(straight.out, steps - 2)["lm_head.weight"],
+                              rtol=1e-5, atol=1e-4)
 
 
 def test_trainer_preempted_by_sigterm_checkpoints_exits_and_resumes_asynchronously_with_no_sample_lost(tmp_path):
