@@ -7,7 +7,7 @@ import torch
 from moe_rl_eks.workloads.rl.algorithms import (SequenceScores, gae, grpo_advantages, make_algorithm,
                                                 terminal_rewards, varied_groups, whiten)
 from moe_rl_eks.core.rl_config import AlgorithmConfig, RLConfig, SamplingConfig
-from moe_rl_eks.workloads.rl.losses import (PolicyBatch, Totals, kl_estimate, token_logprobs_and_entropy,
+from moe_rl_eks.workloads.rl.losses import (PolicyBatch, Totals, kl_estimate,
                                             value_loss_per_token)
 
 
@@ -106,12 +106,6 @@ def test_clipped_value_loss():
     # v = 1.0, v_old = 0.5, R = 2: unclipped (1-2)^2 = 1; clipped v = 0.5 + 0.2 = 0.7 -> (0.7-2)^2 = 1.69; 0.5 * max
     loss = value_loss_per_token(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), clip=0.2)
     assert loss.item() == pytest.approx(0.845)
-
-
-def test_token_logprobs_and_entropy_of_uniform_logits():
-    logp, ent = token_logprobs_and_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 3]]))
-    assert torch.allclose(logp, torch.full((1, 2), -math.log(4)))
-    assert torch.allclose(ent, torch.full((1, 2), math.log(4)))
 
 
 def algorithm(name, max_tokens=4, **cfg):

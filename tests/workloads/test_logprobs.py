@@ -1,5 +1,7 @@
 """The chunked lm_head + log-softmax + gather + entropy against the plain computation on full logits, forward
 and backward, in float32 and under bf16 autocast; and what it keeps for the backward."""
+import math
+
 import pytest
 import torch
 
@@ -79,3 +81,8 @@ def test_bad_arguments_are_refused_with_what_is_allowed():
         token_logprobs_and_entropy(torch.randn(2, 4), torch.randn(8, 4), torch.zeros(2, dtype=torch.long), temperature=0)
     with pytest.raises(ValueError, match=r"hidden \(2, 4\) and targets \(3,\) disagree"):
         token_logprobs_and_entropy(torch.randn(2, 4), torch.randn(8, 4), torch.zeros(3, dtype=torch.long))
+
+
+def test_uniform_logits_give_every_token_log_v_and_the_entropy_log_v():
+    logp, ent = token_logprobs_and_entropy(torch.randn(2, 3), torch.zeros(4, 3), torch.tensor([0, 3]))
+    assert torch.allclose(logp, torch.full((2,), -math.log(4))) and torch.allclose(ent, torch.full((2,), math.log(4)))

@@ -167,11 +167,3 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
         loss = loss + cfg.value_coef * (weights * v_loss).sum()
         metrics["value_loss"] = token_mean(v_loss)
     return loss, metrics
-
-
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, T, V], targets [B, T] -> (log p(target) [B, T], entropy [B, T]), in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return chosen, entropy
