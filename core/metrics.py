@@ -48,7 +48,7 @@ ROLLOUT_WEIGHT_VERSION = Metric("moerl_rollout_weight_version", "gauge", "Weight
 ROLLOUT_WEIGHT_LINEAGE = Metric("moerl_rollout_weight_lineage", "gauge", "Trainer lineage of the weight version this rollout server serves")
 ROLLOUT_BUSY_SECONDS = Metric("moerl_rollout_busy_seconds_total", "counter", "Seconds this rollout server spent generating")
 ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion requests re-sent to another server (failure, deadline or straggler)")
-REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed and scored failure_reward")
+REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
