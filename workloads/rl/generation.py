@@ -651,7 +651,7 @@ def decode_all(model: MoETransformer, requests: list[RowRequest], eos_ids: Itera
 
 
 def generate(model: MoETransformer, rows: list[Row], eos_id: int) -> list[RowResult]:
-    """`decode_all` for plain rows (the tests' and bench-generation's form); routing as nested lists [layers][positions][k]."""
+    """`decode_all` for plain rows (tests, bench-generation); routing as nested lists [layers][positions][k]."""
     requests = [RowRequest(tuple(r.prompt), SamplingParams(r.max_tokens, r.temperature, r.top_p, seed=r.seed,
                                                            return_routing=r.want_routing), str(i), 0)
                 for i, r in enumerate(rows)]
