@@ -175,6 +175,21 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) 
     return row
 
 
+def profile_step(step: Step, sequence: int, sequences: int, title: str, path: str) -> None:
+    """One step under torch.profiler, its operators by total GPU time appended to `path`: where the MFU goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(0))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step.run(batch)
+        sync(step.device)
+    sort = "self_device_time_total" if step.device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)}\n")
+    step.free()
+
+
 def table(result: dict) -> str:
     lines = [f"{result['machine']}; dense matmul peak measured {result['dense_peak_tflops']:.0f} TFLOP/s; "
              f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB"
@@ -224,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--publish", metavar="DIR", help="under --ranks: publish the trained weights once through the "
                                                      "trainer's Publisher into a directory store at DIR")
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="after each row, one more step under torch.profiler; its kernels by GPU time go to FILE")
     args = ap.parse_args(argv)
     if args.ranks < 1:
         ap.error(f"--ranks must be >= 1, got {args.ranks}")
@@ -356,6 +373,9 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
             step.model.activation_checkpointing = checkpointing
             for sequences, sequence in args.shapes:
                 row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                if args.profile and lead and row["status"] == "ok" and ep is None:
+                    profile_step(step, sequence, sequences, f"{compute} {checkpointing} {sequences}x{sequence}",
+                                 args.profile)
                 if ep is not None:
                     row = _across_ranks(row, ep)
                 row.update(compute=compute, checkpointing=checkpointing)
