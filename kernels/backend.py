@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .grouped_gemm import swiglu_experts
+from .norm_training import rms_norm_training
 from .permute import PermuteHandle, permute, unpermute
 from .routing import route
 
@@ -23,3 +24,9 @@ class TritonCompute:
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2)
+
+    # Beyond the MoE contract (the model uses it when a backend has it): RMSNorm, or q/k RMSNorm followed by the
+    # rotary embedding, forward and backward one kernel each, for mixed-precision training.
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return rms_norm_training(x, weight, eps, out_dtype, rope)
