@@ -224,7 +224,7 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
         out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
         x, h = _add_norm(layer.post_attention_layernorm, h,
                          attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
-        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True)
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
