@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..model import MoETransformer
 from ..model.transformer import _rotate, rotary
+from ..moe.parallel import decode_phase
 from .engine_api import RowOutput, RowRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
         out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
         x, h = _add_norm(layer.post_attention_layernorm, h,
                          attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
-        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True)
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
@@ -434,7 +435,8 @@ class Decoder:
         if agree(bool(self.prefilling)) if agree is not None else self.prefilling:
             self._prefill_chunk(events)
         if agree(bool(self.decoding)) if agree is not None else self.decoding:
-            self._decode(events)
+            with decode_phase(self.model.ep):  # an expert-parallel server's decode dispatcher (DeepEP low-latency)
+                self._decode(events)
         return events
 
     # ---- internals ---------------------------------------------------------------------------------------
