@@ -50,11 +50,12 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key. On a CPU the
-    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead)."""
+    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead); on
+    a GPU in one Triton kernel (kernels/philox.py; tested bitwise against this path)."""
     if key_lo.is_cuda:
-        zero = torch.zeros_like(row)
-        word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
-        return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+        from moe_rl_eks.kernels.philox import row_uniform as philox_kernel
+
+        return philox_kernel(key_lo, key_hi, row, step)
     import numpy as np
 
     lo, hi, r, t = (x.numpy().astype(np.uint64) for x in (key_lo, key_hi, row, step))
@@ -194,6 +195,45 @@ def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fu
     return _rotate(module(x).transpose(1, 2), cos, sin)
 
 
+def share_qkv_weights(model: MoETransformer) -> None:
+    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (kept as `qkv_weight` on the
+    attention module), so that a decode step projects with one GEMM instead of three. Weight loads copy into the
+    parameters (load_state_dict), so they write through the views and the buffer stays current."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if _shared_qkv(attn) is not None:
+            continue
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        buffer = torch.cat([w.detach() for w in weights])
+        start = 0
+        for w in weights:
+            w.data = buffer[start:start + w.shape[0]]
+            start += w.shape[0]
+        attn.qkv_weight = buffer
+
+
+def _shared_qkv(attn) -> torch.Tensor | None:
+    """The [q; k; v] buffer if the three projection weights are still its views (a move to another device or
+    dtype, or an assignment of new tensors, makes copies: then None)."""
+    buffer = getattr(attn, "qkv_weight", None)
+    if buffer is None:
+        return None
+    row_bytes, start = buffer.stride(0) * buffer.element_size(), 0
+    for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        if w.device != buffer.device or w.dtype != buffer.dtype or w.data_ptr() != buffer.data_ptr() + start * row_bytes:
+            return None
+        start += w.shape[0]
+    return buffer
+
+
+def _project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    buffer = _shared_qkv(attn)
+    if buffer is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    kv = attn.kv_heads * attn.head_dim
+    return F.linear(x, buffer).split([attn.heads * attn.head_dim, kv, kv], -1)
+
+
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
                   start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None) -> torch.Tensor:
     """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
@@ -216,10 +256,11 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
-        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
-        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
+        q, k, v = _project_qkv(attn, x)
+        q = _norm_rope(attn.q_norm, q.view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
+        k = _norm_rope(attn.k_norm, k.view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
         cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
-        cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
+        cache.values[i][write_slot, write_pos] = v.view(b, s, attn.kv_heads, attn.head_dim)
         out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
         x, h = _add_norm(layer.post_attention_layernorm, h,
                          attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
@@ -361,6 +402,8 @@ class Decoder:
         self.prefill_tokens = prefill_tokens
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cuda":
+            share_qkv_weights(model)
         self.cache = SlotCache.allocate(model.config, slots, max_len, self.device, param.dtype)
         self.state = SlotState.allocate(slots, self.device)
         self.free = list(range(slots - 1, -1, -1))
