@@ -241,11 +241,12 @@ def test_a_client_that_disconnects_has_its_rows_cancelled(tmp_path, stream):
         sampled = []
         real_submit = engine.submit
 
-        def slow_submit(rows, on_token=None):  # sampling slower than the client's patience: it hangs up early
-            def on(event):
-                sampled.append(event)
+        def slow_submit(rows, on_tokens=None):  # sampling slower than the client's patience: it hangs up early
+            def on(events):
+                sampled.extend(events)
                 time.sleep(0.02)
-                on_token(event)
+                if on_tokens is not None:
+                    on_tokens(events)
             return real_submit(rows, on)
         engine.submit = slow_submit
         host, port = server["url"].removeprefix("http://").split(":")
@@ -336,7 +337,7 @@ def test_health_turns_503_while_the_engine_loop_is_stuck_in_a_step(tmp_path):
         unstuck = threading.Event()
         # The engine thread runs a row's token callback inside its step: one that never returns is a hung loop.
         done = engine.submit([RowRequest((1, 6), SamplingParams(max_tokens=2, seed=1), "stuck", 0)],
-                             on_token=lambda event: unstuck.wait(30))
+                             on_tokens=lambda events: unstuck.wait(30))
         time.sleep(2.5)
         status, body = call("GET", f"{url}/health")
         assert status == 503 and body["status"] == "hung" and body["seconds_since_step"] > 1.5

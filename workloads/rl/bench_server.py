@@ -1,7 +1,7 @@
 """`moerl bench-server`: what the HTTP server costs on top of the rollout engine it serves.
 
-The same requests (n rows of a distinct random prompt each, seeded, temperature 1) are sent at each concurrency
-three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
+The same requests (the orchestrator's: n rows of a distinct random prompt each, seeded, temperature 1, each
+token's logprob, the routed experts unless `--no-routing`) are sent at each concurrency three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
 `/v1/completions` over HTTP with keep-alive connections (httpx, in its own process), and as streamed
 `/v1/completions` (server-sent events). tokens/s = completion tokens / wall time of the whole batch of requests
 (the median of `--repeats` runs, the ways taking turns); the latency columns are per request. The seeds make every
@@ -36,6 +36,7 @@ import yaml
 from moe_rl_eks.core.run import load_run
 
 from .engine_api import RowRequest, SamplingParams
+from .protocol import CompletionRequest
 
 LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.yaml"
 
@@ -73,15 +74,20 @@ def build(args, root: Path):
 
 
 def requests(args, vocab: int, count: int) -> list[dict]:
+    """The orchestrator's own request record (its sampled token's logprob under the processed distribution, and
+    the routed experts when routing replay is on), one distinct random prompt each."""
     rng = random.Random(0)
-    return [{"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], "n": args.n,
-             "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i} for i in range(count)]
+    return [CompletionRequest(prompt=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], n=args.n,
+                              max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, seed=i,
+                              return_routing=args.routing).to_json() for i in range(count)]
 
 
 def direct(engine, bodies: list[dict], concurrency: int) -> tuple[int, list[float], float]:
     def one(i: int, body: dict) -> tuple[int, float]:
         start = time.monotonic()
-        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body["seed"])
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], top_p=body["top_p"],
+                                seed=body["seed"], logprob_mode=body["logprob_mode"],
+                                return_routing=body["return_routing"])
         rows = [RowRequest(tuple(body["prompt"]), params, f"bench-{i}", j) for j in range(body["n"])]
         outputs = engine.submit(rows).result()
         return sum(len(o.token_ids) for o in outputs), time.monotonic() - start
@@ -170,6 +176,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="new tokens per row (qwen3 default: 256)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt tokens per request (qwen3 default: 128)")
     parser.add_argument("--repeats", type=int, help="runs per way and concurrency (the median is kept)")
+    parser.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask for the routed experts, as the orchestrator does with routing replay on (default)")
     parser.add_argument("--json", help="also write the results here (after every run)")
     args = parser.parse_args(argv)
     if args.layers is not None and args.model != "qwen3":
@@ -189,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = f" --layers {args.layers}" if args.model == "qwen3" else ""
     command = (f"moerl bench-server --model {args.model}{layers} --compute {args.compute} "
                f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} --n {args.n} "
-               f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
+               f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}"
+               + ("" if args.routing else " --no-routing"))
     results: list[dict] = []  # the median run of each way and concurrency
     measured: list[dict] = []  # every run, saved as it ends: a run cut short by a time limit keeps what it measured
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..model import MoETransformer
 from ..model.transformer import _rotate, rotary
+from ..moe.parallel import decode_phase
 from .engine_api import RowOutput, RowRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -510,7 +511,8 @@ class Decoder:
         if agree(bool(self.prefilling)) if agree is not None else self.prefilling:
             self._prefill_chunk(events)
         if agree(bool(self.decoding)) if agree is not None else self.decoding:
-            self._decode(events)
+            with decode_phase(self.model.ep):  # an expert-parallel server's decode dispatcher (DeepEP low-latency)
+                self._decode(events)
         return events
 
     # ---- internals ---------------------------------------------------------------------------------------
