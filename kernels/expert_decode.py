@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, next_pow2
+from ._triton import INTERPRET, check_device, next_pow2, quick_bench
 from .routing import _first_argmax_free, _scores
 
 # Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine (kernels/BENCHMARKS.md,
@@ -122,10 +122,10 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, T_KEY, H
     tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["T_KEY", "E", "HIDDEN", "WIDTH", "TOP_K"])(
-    _decode_up_kernel)
-_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["T_KEY", "HIDDEN", "WIDTH", "TOP_K"])(
-    _decode_down_kernel)
+_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["T_KEY", "E", "HIDDEN", "WIDTH", "TOP_K"],
+                      do_bench=quick_bench)(_decode_up_kernel)
+_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["T_KEY", "HIDDEN", "WIDTH", "TOP_K"],
+                        do_bench=quick_bench)(_decode_down_kernel)
 
 
 def supports(spec, bias: torch.Tensor | None) -> bool:
