@@ -18,7 +18,8 @@ MAX_ROWS = 16
 def _configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
-    shapes = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 1024, 4)]
+    # column blocks of at least 16: the several-row path's tl.dot needs them
+    shapes = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (16, 1024, 8)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in shapes]
 
 
@@ -45,7 +46,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, M_KEY, BL
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows < M)[:, None] & (ks < K)[None, :],
                         other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-            acc = dot_acc(x, tl.trans(w.to(x.dtype)), acc)
+            if x.dtype == tl.float32:  # full fp32 products (tl.dot would round fp32 operands to tf32)
+                acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = dot_acc(x, tl.trans(w.to(x.dtype)), acc)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rows < M)[:, None] & col_ok[None, :])
 
