@@ -76,7 +76,7 @@ def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) ->
             dist.all_gather(parts, grad)
             grad = torch.cat(parts)
         full[name] = grad
-    return {"grads": full, "metrics": metrics, "samples": len(Batch.from_json(batch_json).samples[rank::world])}
+    return {"grads": full, "metrics": metrics, "samples": sorted(s.id for s in trainer._share(Batch.from_json(batch_json).samples))}
 
 
 class ListSource:
