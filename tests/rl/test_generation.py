@@ -222,6 +222,23 @@ def test_triton_decode_kernels_sample_each_row_as_alone_and_as_the_torch_backend
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
 
+def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_through(model):
+    rows = [Row([1, 6, 13, 7, 16], 4, 1.0, 1.0, 5, want_routing=True), Row([1, 9, 4], 3, 0.0, 1.0, 6)]
+    before = generate(model, rows, EOS)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    generation.share_qkv_weights(model)
+    attn = model.model.layers[0].self_attn
+    assert generation._shared_qkv(attn) is attn.qkv_weight
+    after = generate(model, rows, EOS)
+    for a, b in zip(before, after):
+        assert a.tokens == b.tokens and a.routing == b.routing and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    model.load_state_dict({name: t * 2 if name.endswith("k_proj.weight") else t for name, t in state.items()})
+    assert torch.equal(attn.qkv_weight[attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
+                       state["model.layers.0.self_attn.k_proj.weight"] * 2)
+    model.double()  # a dtype change copies the parameters: the stale buffer is no longer used
+    assert generation._shared_qkv(attn) is None
+
+
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
     from moe_rl_eks.workloads.rl.bench_rollout import main
 

@@ -51,11 +51,12 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key. On a CPU the
-    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead)."""
+    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead); on
+    a GPU in one Triton kernel (kernels/philox.py; tested bitwise against this path)."""
     if key_lo.is_cuda:
-        zero = torch.zeros_like(row)
-        word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
-        return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+        from moe_rl_eks.kernels.philox import row_uniform as philox_kernel
+
+        return philox_kernel(key_lo, key_hi, row, step)
     import numpy as np
 
     lo, hi, r, t = (x.numpy().astype(np.uint64) for x in (key_lo, key_hi, row, step))
@@ -195,6 +196,55 @@ def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fu
     return _rotate(module(x).transpose(1, 2), cos, sin)
 
 
+def share_qkv_weights(model: MoETransformer) -> None:
+    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (kept as `qkv_weight` on the
+    attention module), so that a decode step projects with one GEMM instead of three. Weight loads copy into the
+    parameters (load_state_dict), so they write through the views and the buffer stays current."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if _shared_qkv(attn) is not None:
+            continue
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        buffer = torch.cat([w.detach() for w in weights])
+        start = 0
+        for w in weights:
+            w.data = buffer[start:start + w.shape[0]]
+            start += w.shape[0]
+        attn.qkv_weight = buffer
+
+
+def _shared_qkv(attn) -> torch.Tensor | None:
+    """The [q; k; v] buffer if the three projection weights are still its views (a move to another device or
+    dtype, or an assignment of new tensors, makes copies: then None)."""
+    buffer = getattr(attn, "qkv_weight", None)
+    if buffer is None:
+        return None
+    row_bytes, start = buffer.stride(0) * buffer.element_size(), 0
+    for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        at = buffer.data_ptr() + start * row_bytes
+        if w.device != buffer.device or w.dtype != buffer.dtype or w.data_ptr() != at:
+            return None
+        start += w.shape[0]
+    return buffer
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x @ weight.T; `fused`: at a few rows through the Triton product where it beats cuBLAS (kernels/gemv.py)."""
+    if fused:
+        from moe_rl_eks.kernels.gemv import decode_linear
+
+        return decode_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def _project_qkv(attn, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    buffer = _shared_qkv(attn)
+    if buffer is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    kv = attn.kv_heads * attn.head_dim
+    return _linear(x, buffer, fused).split([attn.heads * attn.head_dim, kv, kv], -1)
+
+
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
                   start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None,
                   every: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,13 +269,15 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
-        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
-        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
+        q, k, v = _project_qkv(attn, x, fused)
+        q = _norm_rope(attn.q_norm, q.view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
+        k = _norm_rope(attn.k_norm, k.view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
         cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
-        cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
+        cache.values[i][write_slot, write_pos] = v.view(b, s, attn.kv_heads, attn.head_dim)
         out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
         x, h = _add_norm(layer.post_attention_layernorm, h,
-                         attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
+                         _linear(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim), attn.o_proj.weight,
+                                 fused), fused)
         moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True)
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
@@ -234,7 +286,7 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     if every is not None:
         rows, at = torch.cat([rows, every.repeat_interleave(s)]), torch.cat([at, offsets.repeat(len(every))])
     last_h, last_delta = h[rows, at], delta[rows, at]
-    return model.lm_head(_add_norm(model.model.norm, last_h, last_delta, fused)[0])
+    return _linear(_add_norm(model.model.norm, last_h, last_delta, fused)[0], model.lm_head.weight, fused)
 
 
 # ---- rows and the decoder ----------------------------------------------------------------------------------
@@ -324,13 +376,32 @@ class SlotState:
             target = getattr(self, name)
             target[idx] = torch.tensor(values, dtype=target.dtype).to(target.device, non_blocking=True)
 
-    def sampling(self, slot: torch.Tensor, seqs: list[Sequence]) -> SamplingRows:
-        params = [s.params for s in seqs]
+    def sampling(self, slot: torch.Tensor, flags: "SamplerFlags") -> SamplingRows:
         return SamplingRows(self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot],
                             self.raw[slot], self.key_lo[slot], self.key_hi[slot], self.row[slot], self.step[slot],
-                            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-                            any_raw=any(p.logprob_mode == "raw" for p in params),
-                            top_n=max(p.top_logprobs for p in params))
+                            filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """What the rows of a step ask of the sampler beyond plain sampling (it skips the work no row asked for)."""
+
+    filtered: bool  # some row has top-k, top-p < 1 or min-p > 0
+    any_raw: bool
+    top_n: int  # the largest top_logprobs asked for
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "SamplerFlags":
+        params = [s.params for s in seqs]
+        return cls(any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                   any(p.logprob_mode == "raw" for p in params), max(p.top_logprobs for p in params))
+
+
+# Decode steps of at most this many rows also replay the sampler from a CUDA graph (one per bucket and sampler
+# flags, captured on first use): at a few rows its two dozen small kernels cost more host time than GPU time.
+# Larger steps sample eagerly (their GPU step hides the host work, and the graphs' buffers would grow with the
+# vocabulary times the rows).
+SAMPLER_GRAPH_ROWS = 16
 
 
 def fitting_slots(model: MoETransformer, wanted: int, max_len: int, memory_fraction: float = 0.8) -> int:
@@ -371,6 +442,8 @@ class Decoder:
         self.prefill_tokens = prefill_tokens
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cuda":
+            share_qkv_weights(model)
         self.cache = SlotCache.allocate(model.config, slots, max_len, self.device, param.dtype)
         self.state = SlotState.allocate(slots, self.device)
         self.free = list(range(slots - 1, -1, -1))
@@ -379,6 +452,9 @@ class Decoder:
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
         self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
+        self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.pool = None
         if cuda_graphs and self.device.type == "cuda" and model.ep is None:
             self._capture(buckets or graph_buckets(slots))
 
@@ -557,10 +633,10 @@ class Decoder:
         except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
             # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
             log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
-            self.graphs = {}
+            self.graphs, self.sampler_graphs = {}, {}
 
     def _capture_buckets(self, buckets: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for size in sorted(set(buckets), reverse=True):
                 slot = torch.full((size,), self.slots, dtype=torch.long, device=self.device)
@@ -573,6 +649,8 @@ class Decoder:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._decode_forward(slot, self.max_len)
                 self.graphs[size] = (graph, slot, logits)
+                if size <= SAMPLER_GRAPH_ROWS:  # plain sampling (RL's temperature-only rows) ready from the start
+                    self._capture_sampler(size, SamplerFlags(filtered=False, any_raw=False, top_n=0))
         torch.cuda.synchronize(self.device)
 
     def _scratch_forward(self) -> None:
@@ -600,18 +678,58 @@ class Decoder:
         for r in rows:
             self.length[r.slot] += 1
         self.decoding = []
-        self._sample(rows, slot, logits, events)
+        self._sample(rows, slot, logits, events, bucket)
 
-    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents) -> None:
-        out = sample(logits, self.state.sampling(slot, rows))
+    def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
+        """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:
+        token (exact in float64), logprob, then the top alternatives' ids and logprobs (one copy to the host)."""
+        out = sample(logits, self.state.sampling(slot, flags))
         self.state.last_token[slot] = out.tokens
         self.state.step[slot] += 1
-        # One transfer to the host per step: tokens (exact in float64), logprobs and any alternatives.
         packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
-        top_n = 0 if out.top_ids is None else out.top_ids.shape[1]
-        if top_n:
+        if flags.top_n:
             packed += [out.top_ids.double(), out.top_logprobs.double()]
-        host = torch.cat(packed, 1).cpu().tolist()
+        return torch.cat(packed, 1)
+
+    def _sampler_graph(self, bucket: int | None, flags: SamplerFlags) -> torch.Tensor | None:
+        """Replay the sampler of decode bucket `bucket` (capturing it on first use); its packed output, or None
+        where the sampler runs eagerly."""
+        if bucket is None or bucket > SAMPLER_GRAPH_ROWS or flags.top_n:
+            return None
+        key = (bucket, flags.filtered, flags.any_raw)
+        if key not in self.sampler_graphs:
+            try:
+                self._capture_sampler(bucket, flags)
+            except RuntimeError as exc:  # sample eagerly from now on for these flags: slower but right
+                log.warning("the sampler runs without a CUDA graph: capturing it failed: %s", str(exc).splitlines()[0])
+                self.sampler_graphs[key] = None
+        if self.sampler_graphs[key] is None:
+            return None
+        graph, packed = self.sampler_graphs[key]
+        graph.replay()
+        return packed
+
+    def _capture_sampler(self, bucket: int, flags: SamplerFlags) -> None:
+        _, slot_in, logits = self.graphs[bucket]
+        scratch = torch.full_like(slot_in, self.slots)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (kernel compilation) on the scratch slot only
+            self._sample_packed(scratch, logits, flags)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            packed = self._sample_packed(slot_in, logits, flags)
+        self.sampler_graphs[(bucket, flags.filtered, flags.any_raw)] = (graph, packed)
+
+    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents,
+                bucket: int | None = None) -> None:
+        flags = SamplerFlags.of(rows)
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        host = packed[:len(rows)].cpu().tolist()
+        top_n = flags.top_n
         for r, values in zip(rows, host):
             token, logprob = int(values[0]), values[1]
             top = None

@@ -16,6 +16,7 @@ path runs with plain buffers.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from moe_rl_eks.core.run import ModelConfig
 from ..model.checkpoint import load_hf
 
 log = logging.getLogger(__name__)
+PAGE = mmap.PAGESIZE
 
 
 class HostStaging:
@@ -48,7 +50,11 @@ class HostStaging:
             if buffer is not None and buffer.numel() == nbytes:
                 return buffer
             self._drop(name)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        # Whole pages of its own: registering memory that shares a page with another registered buffer (small
+        # files come from the heap) would fail.
+        raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        buffer = raw[skip:skip + nbytes]
         pinned = self.pin and self._register(buffer)
         with self._lock:
             self.buffers[name] = buffer
@@ -73,7 +79,8 @@ class HostStaging:
                 self._drop(name)
 
     def _register(self, buffer: torch.Tensor) -> bool:
-        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+        pages = -(-buffer.numel() // PAGE) * PAGE
+        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), pages, 0))
         if error and not self._warned:
             # Still correct, only slower (a staged copy to the GPU): say so once rather than refuse every version.
             self._warned = True
