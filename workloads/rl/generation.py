@@ -455,6 +455,7 @@ class Decoder:
         # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
         self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = None
+        self.graph_slots: dict[int, tuple[int, ...]] = {}  # what each bucket's slot input holds
         if cuda_graphs and self.device.type == "cuda" and model.ep is None:
             self._capture(buckets or graph_buckets(slots))
 
@@ -667,9 +668,10 @@ class Decoder:
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
-            padded = torch.full((bucket,), self.slots, dtype=torch.long)
-            padded[:len(slots)] = torch.tensor(slots)
-            slot_in.copy_(padded.pin_memory(), non_blocking=True)
+            padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
+            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+                self.graph_slots[bucket] = padded
             graph.replay()
             slot, logits = slot_in[:len(slots)], logits[:len(slots)]
         else:
