@@ -72,8 +72,8 @@ def test_fused_training_norms_are_as_close_to_float32_as_the_plain_modules():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = net(ids, sequence_lengths=[300, 724], logits=False, routing_replay=replay, return_routing=True)
         out.hidden.float().square().mean().backward()
-        return out, {"hidden": out.hidden.detach().float(), **{n: p.grad.float().clone()
-                                                                for n, p in net.named_parameters() if p.grad is not None}}
+        grads = {n: p.grad.float().clone() for n, p in net.named_parameters() if p.grad is not None}
+        return out, {"hidden": out.hidden.detach().float(), **grads}
 
     reference, want = run(float32, False, False)
     errors = {}

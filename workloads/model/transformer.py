@@ -146,15 +146,17 @@ class Attention(nn.Module):
             k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
         gqa = self.heads != self.kv_heads
         if b == 0 or s == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
-            out = q.new_zeros(q.shape)
+            out = q.new_zeros(q.shape).transpose(1, 2)
         elif segments is not None:
             # Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs):
-            # no [S, S] mask over the packed row, and no token attends across a sequence boundary.
-            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-                             for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], 2)
+            # no [S, S] mask over the packed row, and no token attends across a sequence boundary. Each output is
+            # concatenated as [1, S_i, H, D], so the packed row is built in the o_proj's layout (no copy after).
+            parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+                             for qs, ks, vs in parts], 1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
