@@ -7,6 +7,7 @@ import torch
 from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
+from .norm_training import rms_norm_training
 from .permute import PermuteHandle, permute, unpermute
 from .routing import route
 
@@ -36,3 +37,9 @@ class TritonCompute:
         logits = decode_linear(x, router)
         out, _, ids = decode_experts(x, logits, spec, bias, w13, w2)
         return out, ids, logits
+
+    # Beyond the MoE contract (the model uses it when a backend has it): RMSNorm, or q/k RMSNorm followed by the
+    # rotary embedding, forward and backward one kernel each, for mixed-precision training.
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return rms_norm_training(x, weight, eps, out_dtype, rope)

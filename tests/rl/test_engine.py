@@ -133,11 +133,11 @@ def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_servi
 
     forward, calls = generation.forward_slots, []
 
-    def failing_once(*args):
+    def failing_once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:  # a decode step of the first request
             raise RuntimeError("CUDA out of memory (simulated)")
-        return forward(*args)
+        return forward(*args, **kwargs)
     monkeypatch.setattr(generation, "forward_slots", failing_once)
     out = engine.submit(rows("doomed", 2, 20, 1, stop_token_ids=())).result(timeout=60)
     assert [o.finish_reason for o in out] == ["error", "error"]

@@ -30,8 +30,8 @@ def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_
     other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
     fed = []
     forward = generation.forward_slots
-    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a: fed.append(tokens.shape) or
-                        forward(m, c, slot, tokens, *a))
+    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a, **kw: fed.append(tokens.shape) or
+                        forward(m, c, slot, tokens, *a, **kw))
     together = generate(model, group + other, EOS)
     if device == "cpu":  # on a GPU, decode steps replay CUDA graphs (captured with padding rows) instead
         assert fed[0] == (2, 6)  # two distinct prompts prefilled once each, the longer 6 tokens
@@ -88,6 +88,27 @@ def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_doe
     assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
     routing = torch.stack(out.routing, 2)[0, :-1]  # [positions fed, layers, k]
     assert torch.equal(seq.routing.long(), routing) and seq.routing.dtype == torch.uint8
+
+
+def test_prompt_logprobs_come_from_the_chunked_prefill_and_equal_a_plain_forwards(model):
+    prompt = [1, 6, 13, 7, 16, 9, 4, 11]
+    decoder = Decoder(model, slots=4, max_len=16, eos_ids=[99], prefill_tokens=3)  # the prompt takes 3 chunks
+    scored = [request(prompt, 2, 5, row=i, prompt_logprobs=True, top_logprobs=3, temperature=0.7) for i in range(2)]
+    plain = request([1, 9, 13], 2, 6, row=2)
+    seqs = run_to_end(decoder, [decoder.add(r) for r in [*scored, plain]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)  # the model's own
+    want = logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for seq in seqs[:2]:  # both rows of the group, one prefill
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(prompt)
+        assert seq.prompt_logprobs[1:] == pytest.approx(want.tolist(), abs=1e-5)
+        values, ids = logp.topk(3, -1)
+        assert seq.prompt_top_logprobs[0] is None
+        for got, i, v in zip(seq.prompt_top_logprobs[1:], ids.tolist(), values.tolist()):
+            assert [t for t, _ in got] == i and [lp for _, lp in got] == pytest.approx(v, abs=1e-5)
+    assert seqs[2].prompt_logprobs is None and seqs[2].prompt_top_logprobs is None
+    alone = run_to_end(decoder, [decoder.add(request(prompt, 2, 5, row=0, temperature=0.7))])  # not scored
+    assert alone[0].tokens == seqs[0].tokens
 
 
 def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_seed_row_and_step():

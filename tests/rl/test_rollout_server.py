@@ -135,7 +135,7 @@ def test_a_body_over_8_mib_is_refused_with_413(shared, chunked):
     (b'{"prompt": "1+1=", "stop": [""]}', "stop", 400),
     (b'{"prompt": "1+1=", "stop_token_ids": [32]}', "stop_token_ids", 400),
     (b'{"prompt": "1+1=", "logprob_mode": "sampled"}', "logprob_mode", 400),
-    (b'{"prompt": "1+1=", "echo": true, "logprobs": 1}', "echo", 400),  # no prompt logprobs
+    (b'{"prompt": "1+1=", "echo": true, "logprobs": 1, "stream": true}', "stream", 400),  # answered whole
     (b'{"prompt": "1+1=", "model": "gpt-4"}', "model", 404),
 ])
 def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_serving(shared, raw, param, status):

@@ -2,7 +2,7 @@
 
 The same requests (the orchestrator's: n rows of a distinct random prompt each, seeded, temperature 1, each
 token's logprob, the routed experts unless `--no-routing`) are sent at each concurrency three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
-`/v1/completions` over HTTP with keep-alive connections (httpx, in its own process), and as streamed
+`/v1/completions` over HTTP with keep-alive connections (aiohttp, the orchestrator's client, in its own process), and as streamed
 `/v1/completions` (server-sent events). tokens/s = completion tokens / wall time of the whole batch of requests
 (the median of `--repeats` runs, the ways taking turns); the latency columns are per request. The seeds make every
 way generate the same tokens, so the ratio is the server's overhead at that load.
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import multiprocessing
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -108,27 +109,38 @@ def _client(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tup
     return asyncio.run(_requests(url, bodies, concurrency, stream))
 
 
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+TOKEN_IDS = re.compile(rb'"token_ids":\[([\d,]*)\]')
+
+
 async def _requests(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tuple[int, list[float], float]:
-    import httpx
+    """The orchestrator's HTTP client (aiohttp, keep-alive). Every byte of each answer is read, but only the token
+    counts are decoded from it (usage, or each chunk's token ids): an RL answer with logprobs and routed experts
+    is ~1.6 MB of JSON at the Qwen3 shape, and parsing it into Python objects is the client's cost, not the
+    server's."""
+    import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
         async def one(body: dict) -> tuple[int, float]:
             async with limit:
                 start = time.monotonic()
                 if not stream:
-                    answer = (await client.post("/v1/completions", json=body)).raise_for_status().json()
-                    return answer["usage"]["completion_tokens"], time.monotonic() - start
+                    async with client.post("/v1/completions", json=body) as resp:
+                        answer = await resp.read()
+                        resp.raise_for_status()
+                    return int(COMPLETION_TOKENS.search(answer[:1024])[1]), time.monotonic() - start
                 tokens = 0
-                async with client.stream("POST", "/v1/completions",
-                                         json={**body, "stream": True, "return_token_ids": True}) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+                async with client.post("/v1/completions", json={**body, "stream": True, "return_token_ids": True}
+                                       ) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.content:
+                        tokens += sum(ids.count(b",") + 1 for ids in TOKEN_IDS.findall(line) if ids)
                 return tokens, time.monotonic() - start
 
-        await client.get("/v1/models")  # the connection pool's first connection is not part of the figure
+        async with client.get("/v1/models") as resp:  # the pool's first connection is not part of the figure
+            await resp.read()
         start = time.monotonic()
         results = await asyncio.gather(*(one(b) for b in bodies))
         wall = time.monotonic() - start

@@ -265,10 +265,12 @@ def _attention_inputs(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
-                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None) -> torch.Tensor:
+                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None,
+                  every: torch.Tensor | None = None) -> torch.Tensor:
     """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
     their keys, values and routed experts go into the cache. Returns the logits [B, V] after each row's last
-    real token. The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
+    real token; `every` (indices of rows) adds those rows' logits at each of their S positions after them, as
+    [B + len(every) * S, V] (a prompt's logprobs). The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
     GPU) computes the norms (with the residual adds and the rotary embedding around them) and decode attention
     with this project's Triton kernels instead of PyTorch ops."""
     fused = tokens.is_cuda if fused is None else fused
@@ -298,8 +300,10 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
-    rows = torch.arange(b, device=device)
-    last_h, last_delta = h[rows, count - 1], delta[rows, count - 1]
+    rows, at = torch.arange(b, device=device), count - 1
+    if every is not None:
+        rows, at = torch.cat([rows, every.repeat_interleave(s)]), torch.cat([at, offsets.repeat(len(every))])
+    last_h, last_delta = h[rows, at], delta[rows, at]
     return _linear(_add_norm(model.model.norm, last_h, last_delta, fused)[0], model.lm_head.weight, fused)
 
 
@@ -318,6 +322,8 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     routing: torch.Tensor | None = None  # [positions, layers, k] on the device, kept when the row finishes
+    prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs, once its prefill ended
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -334,6 +340,9 @@ class Group:
 
     rows: list[Sequence]
     prefilled: int = 0  # prompt tokens in the leader's cache so far
+    # when a row asked for them: the logprobs of prompt tokens 1.. (and their alternatives), chunk by chunk
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -573,7 +582,12 @@ class Decoder:
         start = torch.tensor([g.prefilled for g, _ in chunks], device=dev)
         count = torch.tensor([take for _, take in chunks], device=dev)
         key_len = max(g.prefilled + take for g, take in chunks)
-        logits = forward_slots(self.model, self.cache, slot, tokens.to(dev), start, count, key_len)
+        scored = [i for i, (g, _) in enumerate(chunks) if any(r.params.prompt_logprobs for r in g.rows)]
+        logits = forward_slots(self.model, self.cache, slot, tokens.to(dev), start, count, key_len,
+                               every=torch.tensor(scored, device=dev) if scored else None)
+        if scored:
+            self._score_prompts([chunks[i] for i in scored], logits[len(chunks):].view(len(scored), width, -1))
+            logits = logits[:len(chunks)]
         done, done_logits = [], []
         for i, (group, take) in enumerate(chunks):
             group.prefilled += take
@@ -592,6 +606,10 @@ class Decoder:
                 self.cache.copy_prefix(leader, others, length)
             for r in group.rows:
                 self.length[r.slot] = length
+                if r.params.prompt_logprobs:  # the first prompt token has nothing before it to be scored on
+                    n = r.params.top_logprobs
+                    r.prompt_logprobs = [None, *group.prompt_logprobs]
+                    r.prompt_top_logprobs = [None, *(alts[:n] for alts in group.prompt_top_logprobs)] if n else None
                 if r.finish_reason is None:
                     rows.append(r)
                     which.append(i)
@@ -601,6 +619,21 @@ class Decoder:
             slots = torch.tensor([r.slot for r in rows], device=dev)
             self.state.length[slots] = torch.tensor([self.length[r.slot] for r in rows], device=dev)
             self._sample(rows, slots, logits[torch.tensor(which, device=dev)], events)
+
+    def _score_prompts(self, chunks: list[tuple[Group, int]], logits: torch.Tensor) -> None:
+        """Logprobs of each group's prompt tokens that this chunk's positions predict (`logits` [groups, width, V],
+        before `prefilled` moves): position p scores prompt token p + 1, under softmax(logits)."""
+        top_n = max(r.params.top_logprobs for g, _ in chunks for r in g.rows if r.params.prompt_logprobs)
+        for (group, take), chunk in zip(chunks, logits):
+            targets = group.prompt[group.prefilled + 1:group.prefilled + take + 1]  # the last position: a new token
+            if not targets:
+                continue
+            logp = torch.log_softmax(chunk[:len(targets)].float(), -1)
+            chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0]
+            group.prompt_logprobs += chosen.tolist()
+            if top_n:
+                values, ids = logp.topk(top_n, -1)
+                group.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -754,7 +787,8 @@ def output(seq: Sequence, version: int | None, lineage: int | None) -> RowOutput
     """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
     routing = seq.routing.cpu().numpy() if seq.routing is not None else None
     return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
-                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0)
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0,
+                     seq.prompt_logprobs, seq.prompt_top_logprobs)
 
 
 # ---- one-shot decoding of a list of rows --------------------------------------------------------------------

@@ -128,6 +128,7 @@ class ServedModel:
 
     def plan(self, kind: Literal["completion", "chat"], req: api.SamplingFields, prompts: list[tuple[int, ...]],
              max_tokens: int | None, default_max_tokens: int, logprobs: int | None, echo: bool) -> Plan:
+        """`echo` with `logprobs`: the prompt's tokens are scored too (their logprobs from the prefill)."""
         self.check_model(req.model)
         n = 1 if req.n is None else req.n
         if n > self.max_n:
@@ -165,7 +166,8 @@ class ServedModel:
                     top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                     min_p=0.0 if req.min_p is None else float(req.min_p), seed=req.seed,
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprob_mode=req.logprob_mode or "raw",
-                    top_logprobs=logprobs or 0, return_routing=bool(req.return_routing)))
+                    top_logprobs=logprobs or 0, return_routing=bool(req.return_routing),
+                    prompt_logprobs=echo and logprobs is not None))
             except ValueError as exc:  # the engine's own limits, stricter than the protocol's
                 field = str(exc).split(":", 1)[0]
                 raise HttpError(400, str(exc), field) from None
@@ -174,9 +176,9 @@ class ServedModel:
                     bool(req.stream), include_usage)
 
     def completion_plan(self, req: api.CompletionRequest) -> Plan:
-        if req.echo and req.logprobs is not None:
-            raise HttpError(400, "echo: the prompt's logprobs are not computed by this server; send echo with "
-                                 "logprobs null", "echo")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise HttpError(400, "stream: echo with logprobs is answered whole (the prompt's logprobs come with the "
+                                 "answer); send stream false, or echo without logprobs", "stream")
         many = len(req.prompts()) > 1
         prompts = [self.prompt_ids(p, f"prompt[{i}]" if many else "prompt") for i, p in enumerate(req.prompts())]
         return self.plan("completion", req, prompts, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs,
@@ -447,14 +449,18 @@ class RolloutServer:
         choices, head, usage = self._choices(gen, outputs)
         if plan.kind == "completion":
             out = []
-            for row, c in zip(gen.rows, choices):
+            for row, c, o in zip(gen.rows, choices, outputs):
                 echo = self._echo(gen, row)
+                logprobs = None
+                if plan.logprobs is not None:
+                    logprobs = self._completion_logprobs(gen, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+                    if plan.echo:  # the prompt's tokens first, as OpenAI's echo lists them (the first one None)
+                        logprobs = self._joined(self._completion_logprobs(
+                            gen, list(row.prompt), o.prompt_logprobs, o.prompt_top_logprobs, 0), logprobs)
                 out.append(api.CompletionChoice(
                     index=c.index, text=echo + row.text.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing,
-                    prompt_token_ids=list(row.prompt) if plan.return_token_ids else None,
-                    logprobs=self._completion_logprobs(gen, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
-                    if plan.logprobs is not None else None))
+                    prompt_token_ids=list(row.prompt) if plan.return_token_ids else None, logprobs=logprobs))
             return api.CompletionResponse(**head, choices=out, usage=usage)
         out = [api.ChatChoice(
             index=c.index, message=api.AssistantMessage(content=row.text.text), finish_reason=c.finish_reason,
@@ -525,14 +531,21 @@ class RolloutServer:
     def _echo(self, gen: Generation, row: Row) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""
 
-    def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float],
-                             tops: list[list[tuple[int, float]]] | None, start: int) -> api.CompletionLogprobs:
+    def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float | None],
+                             tops: list[list[tuple[int, float]] | None] | None, start: int) -> api.CompletionLogprobs:
         tokens = [self.model.token_text(t) for t in ids]
         offsets = list(accumulate((len(t) for t in tokens), initial=start))[:len(tokens)]
         top = None
         if gen.plan.logprobs and tops is not None:
-            top = [{self.model.token_text(t): lp for t, lp in alts} for alts in tops]
+            top = [None if alts is None else {self.model.token_text(t): lp for t, lp in alts} for alts in tops]
         return api.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
+
+    @staticmethod
+    def _joined(first: api.CompletionLogprobs, then: api.CompletionLogprobs) -> api.CompletionLogprobs:
+        top = None if first.top_logprobs is None or then.top_logprobs is None else first.top_logprobs + then.top_logprobs
+        return api.CompletionLogprobs(tokens=first.tokens + then.tokens, top_logprobs=top,
+                                      token_logprobs=first.token_logprobs + then.token_logprobs,
+                                      text_offset=first.text_offset + then.text_offset)
 
     def _chat_logprobs(self, ids: list[int], logprobs: list[float],
                        tops: list[list[tuple[int, float]]] | None) -> api.ChatLogprobs:
