@@ -187,6 +187,23 @@ def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) 
     return module(h), h
 
 
+def _add_norm_router(layer, h: torch.Tensor, delta: torch.Tensor, fused: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(post-attention norm(h + delta), h + delta, the router's logits or None): on a GPU, at the few tokens of a
+    decode step, one kernel for all three (kernels/rmsnorm.py); else the norm alone (the MoE block routes)."""
+    norm, router = layer.post_attention_layernorm, layer.mlp.gate.weight
+    if fused and h.numel() // h.shape[-1] <= _FUSED_ROUTER_TOKENS and router.dtype == h.dtype:
+        from moe_rl_eks.kernels.rmsnorm import add_rms_norm_project
+
+        return add_rms_norm_project(delta, h, norm.weight, norm.eps, router)
+    return (*_add_norm(norm, h, delta, fused), None)
+
+
+# Up to this many tokens the router product is fused into the norm before it (its few rows per program spread
+# over the GPU); more tokens amortise one GEMM. The MoE decode kernels' own cut-over (DECODE_MAX_TOKENS) is 16.
+_FUSED_ROUTER_TOKENS = 16
+
+
 def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
     """x [..., heads, D] -> rotary(norm(x)) [..., heads, D] with each token's cos, sin [..., D] (the q/k path of the
     model's attention)."""
@@ -293,10 +310,10 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
         cache.keys[i][write_slot, write_pos] = k
         cache.values[i][write_slot, write_pos] = v
         out = attend(q.transpose(1, 2), cache.keys[i], cache.values[i], slot, positions, key_len, fused)
-        x, h = _add_norm(layer.post_attention_layernorm, h,
-                         _linear(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim), attn.o_proj.weight,
-                                 fused), fused)
-        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True)
+        attended = _linear(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim), attn.o_proj.weight, fused)
+        x, h, logits = _add_norm_router(layer, h, attended, fused)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True,
+                        router_logits=None if logits is None else logits.reshape(b * s, -1))
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
