@@ -76,18 +76,20 @@ def test_rows_joining_mid_decode_and_chunked_prefills_sample_as_they_would_alone
         assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
-def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_does(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_does(model, device):
+    model = model.to(device)
     row = request([1, 6, 13, 7, 16], 6, 5, return_routing=True, logprob_mode="raw")
     decoder = Decoder(model, slots=2, max_len=16, eos_ids=[99])
     (seq,) = run_to_end(decoder, [decoder.add(row)])
-    ids = torch.tensor([list(row.prompt_ids) + seq.tokens])
+    ids = torch.tensor([list(row.prompt_ids) + seq.tokens], device=device)
     with torch.no_grad():
         out = model(ids, return_routing=True)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), -1)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).cpu()
     want = logp[len(row.prompt_ids) - 1:].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
     assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
-    routing = torch.stack(out.routing, 2)[0, :-1]  # [positions fed, layers, k]
-    assert torch.equal(seq.routing.long(), routing) and seq.routing.dtype == torch.uint8
+    routing = torch.stack(out.routing, 2)[0, :-1].cpu()  # [positions fed, layers, k]
+    assert torch.equal(seq.routing.long().cpu(), routing) and seq.routing.dtype == torch.uint8
 
 
 def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_seed_row_and_step():
@@ -228,7 +230,9 @@ def assert_same(seq, ref):
     assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
-def test_a_groups_rows_share_the_prompts_full_blocks_copy_the_partial_one_and_return_every_block(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_groups_rows_share_the_prompts_full_blocks_copy_the_partial_one_and_return_every_block(model, device):
+    model = model.to(device)
     prompt = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # 10 tokens: two full blocks of 4 and a partial one
     rows = [request(prompt, n, seed, row=seed, return_routing=True) for seed, n in enumerate([7, 3, 5])]
     decoder = Decoder(model, slots=3, max_len=24, eos_ids=[99], block_size=4)
@@ -245,7 +249,9 @@ def test_a_groups_rows_share_the_prompts_full_blocks_copy_the_partial_one_and_re
         assert_same(seq, alone(model, row))
 
 
-def test_rows_wait_for_blocks_and_the_newest_decoding_row_is_preempted_then_recomputed_exactly(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_wait_for_blocks_and_the_newest_decoding_row_is_preempted_then_recomputed_exactly(model, device):
+    model = model.to(device)
     # 7 blocks of 4 positions for 4 rows of 5 prompt + 8 new tokens (up to 3 blocks each): the fourth row waits for
     # blocks although a slot is free; when the running rows cross into their third block there are not enough,
     # so the newest are preempted, recomputed later, and still sample exactly what they would alone
