@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
 from .grouped_gemm import swiglu_experts
 from .permute import PermuteHandle, permute, unpermute
 from .routing import route
@@ -23,3 +24,12 @@ class TritonCompute:
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2)
+
+    def decode(self, x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tensor | None, w13: torch.Tensor,
+               w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's whole MoE layer on one rank, without autograd: (out [T, h], expert ids [T, k]), or None
+        where the grouped path is faster (more than DECODE_MAX_TOKENS tokens) or the routing is not supported."""
+        if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias):
+            return None
+        out, _, ids = decode_experts(x, logits, spec, bias, w13, w2)
+        return out, ids

@@ -182,6 +182,27 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_decoding(model):
     assert torch.equal(outs[True][0].routing, outs[False][0].routing)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_kernels_sample_each_row_as_alone_and_as_the_torch_backend(model, monkeypatch):
+    from moe_rl_eks.kernels import backend
+
+    model = model.cuda()
+    triton_model = MoETransformer(model.config, compute="triton").eval().cuda()
+    triton_model.load_state_dict(model.state_dict())
+    calls = []
+    kernels = backend.decode_experts
+    monkeypatch.setattr(backend, "decode_experts", lambda *a: calls.append(a[0].shape[0]) or kernels(*a))
+    rows = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 2])]
+    rows.append(Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True))
+    together = generate(triton_model, rows, EOS)
+    assert calls and max(calls) <= backend.DECODE_MAX_TOKENS  # every MoE layer went through the decode kernels
+    for row, got, want in zip(rows, together, generate(model, rows, EOS)):
+        (alone,) = generate(triton_model, [row], EOS)
+        assert got.tokens == alone.tokens == want.tokens and got.routing == alone.routing == want.routing
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
     from moe_rl_eks.workloads.rl.bench_rollout import main
 

@@ -12,7 +12,7 @@ from torch import nn
 from moe_rl_eks.core.run import ModelConfig
 
 from .compute import MoECompute, RoutingSpec
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, LocalDispatcher
 from .router import expert_load, expert_scores, load_balancing_loss, node_limit_bias, weights_for
 
 
@@ -76,10 +76,12 @@ class MoEBlock(nn.Module):
         self.balance_loss = config.router_aux_loss_coef > 0
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None, *, statistics: bool = True) -> MoEOutput:
+                token_mask: torch.Tensor | None = None, *, statistics: bool = True, decode: bool = False) -> MoEOutput:
         """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
         but counts in neither the expert load nor the balance loss. statistics=False skips both (zeros instead):
-        decoding needs neither, and at one token per row their small kernels cost as much as the experts."""
+        decoding needs neither, and at one token per row their small kernels cost as much as the experts.
+        decode=True (a rollout's decode step, no autograd): on one rank, a compute backend with a `decode` op
+        (triton: routing, experts and combine in two kernels, no permutation) does the layer when it can."""
         gate, spec = self.gate, self.gate.spec
         if torch.is_autocast_enabled(x.device.type):
             # Mixed precision (the GPU trainer's bf16 autocast): the experts compute in the autocast dtype, as
@@ -94,11 +96,19 @@ class MoEBlock(nn.Module):
             bias = gate.e_score_correction_bias
             if gate.max_nodes is not None:
                 bias = node_limit_bias(logits, spec, bias, gate.node_groups, gate.max_nodes)
+            fast = (self.compute.decode(x, logits, spec, bias, self.experts.gate_up_proj, self.experts.down_proj)
+                    if decode and isinstance(self.dispatcher, LocalDispatcher) and hasattr(self.compute, "decode")
+                    else None)
+            if fast is not None:
+                return self._finish(fast[0], fast[1], x, logits, token_mask, statistics)
             weights, ids = self.compute.route(logits, spec, bias)
         x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         y_sorted = self.compute.experts(x_sorted, counts, w13.to(x_sorted.dtype), w2.to(x_sorted.dtype))
-        out = self.dispatcher.combine(y_sorted, handle)
+        return self._finish(self.dispatcher.combine(y_sorted, handle), ids, x, logits, token_mask, statistics)
+
+    def _finish(self, out, ids, x, logits, token_mask, statistics) -> MoEOutput:
+        spec = self.gate.spec
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if not statistics:

@@ -1,17 +1,20 @@
 """`moerl bench-server`: what the HTTP server costs on top of the rollout engine it serves.
 
 The same requests (n rows of a distinct random prompt each, seeded, temperature 1) are sent at each concurrency
-three ways: straight to `RolloutEngine.submit` from threads (no HTTP), as `/v1/completions` over HTTP with
-keep-alive connections (httpx), and as streamed `/v1/completions` (server-sent events, one chunk per token).
-tokens/s = completion tokens / wall time of the whole batch of requests (the median of `--repeats` runs, the ways
-taking turns); the latency columns are per request.
-The seeds make every way generate the same tokens, so the ratio is the server's overhead at that load.
+three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
+`/v1/completions` over HTTP with keep-alive connections (httpx, in its own process), and as streamed
+`/v1/completions` (server-sent events). tokens/s = completion tokens / wall time of the whole batch of requests
+(the median of `--repeats` runs, the ways taking turns); the latency columns are per request. The seeds make every
+way generate the same tokens, so the ratio is the server's overhead at that load.
 
-The model and weights are random (`--model tiny`: bench-rollout's small model; on a CPU this measures the server
-against a cheap model, the worst case for its relative overhead; `--model qwen3 --layers N`: Qwen3-30B-A3B's shape
-with N layers, for a GPU). The engine takes the GPU when there is
-one; on the GPU machine run it as a module (`python3 -m moe_rl_eks.workloads.rl.bench_server`), with fastapi,
-uvicorn and httpx brought as wheels.
+`--model qwen3`: issue 10's benchmark shape, Qwen3-30B-A3B (all 48 layers unless `--layers`), 128-token prompts,
+256 new tokens, groups of n = 8 (the orchestrator's request mix), concurrency 64 and 256, as many requests as the
+concurrency (every request in flight at once); `--layers 4` is the stress figure, where a step is cheap and the
+server's per-token work shows most. `--model tiny` (the default): bench-rollout's small model on the CPU, the worst
+case for the server's relative overhead. Weights are random, made on the engine's device (a GPU when there is one)
+and installed as version 0 directly: a 61 GB checkpoint's trip through a disk is bench-weights' subject, not this
+one's. On the GPU machine run it as a module (`python3 -m moe_rl_eks.workloads.rl.bench_server --model qwen3`),
+with fastapi, uvicorn and pydantic brought as wheels.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import json
 import multiprocessing
 import random
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -37,13 +41,13 @@ LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.ya
 
 
 def build(args, root: Path):
-    """A run of the benchmark's shape, random weights published as version 0, an engine and its server."""
+    """A run of the benchmark's shape (for the server's limits), an engine serving random weights as version 0, and
+    its server."""
     import torch
 
-    from ..model import MoETransformer
-    from ..model.checkpoint import save_hf
-    from .bench_rollout import QWEN3_30B_A3B, TINY
+    from .bench_rollout import QWEN3_30B_A3B, TINY, build_model
     from .engine import RolloutEngine
+    from .replica import Replica
     from .rollout_server import RolloutServer, make_app
     from .runtime import BackgroundServer
     from .tokenizer import CharTokenizer
@@ -58,21 +62,20 @@ def build(args, root: Path):
     data["rl"].setdefault("training", {})["output_dir"] = str(root / "out")
     (root / "run.yaml").write_text(yaml.safe_dump(data))
     run = load_run(root / "run.yaml")
+    replica = Replica(run)
     torch.manual_seed(0)
-    save_hf(MoETransformer(run.model).state_dict(), run.model, root / "src")
-    store = DirectoryStore(root / "weights")
-    store.publish(0, root / "src", lineage=0)
+    replica.model = build_model(run.model, replica.device, args.compute)
+    replica.version, replica.lineage = 0, 0
     # The built-in vocabulary's tokenizer only decodes text here: prompts are token ids over the model's vocabulary.
-    engine = RolloutEngine(run, store, root / "cache", CharTokenizer())
+    engine = RolloutEngine(run, DirectoryStore(root / "weights"), root / "cache", CharTokenizer(), replica)
     server = RolloutServer(run, engine, CharTokenizer(), token=None)
-    server.load_version(0)
     return engine, BackgroundServer(make_app(server)).start()
 
 
-def requests(args, vocab: int) -> list[dict]:
+def requests(args, vocab: int, count: int) -> list[dict]:
     rng = random.Random(0)
     return [{"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], "n": args.n,
-             "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i} for i in range(args.requests)]
+             "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i} for i in range(count)]
 
 
 def direct(engine, bodies: list[dict], concurrency: int) -> tuple[int, list[float], float]:
@@ -144,50 +147,99 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Per model: the figure it is for. qwen3 = issue 10's benchmark (concurrency 64 and 256, groups of n = 8, 128-token
+# prompts, 256 new tokens); tiny = a quick CPU run.
+DEFAULTS = {"qwen3": {"layers": 48, "concurrency": [64, 256], "requests": None, "n": 8, "max_tokens": 256,
+                      "prompt_tokens": 128, "repeats": 1},
+            "tiny": {"concurrency": [1, 8, 32], "requests": 64, "n": 4, "max_tokens": 32,
+                     "prompt_tokens": 32, "repeats": 3}}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="moerl bench-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("tiny", "qwen3"), default="tiny",
-                        help="tiny: bench-rollout's small model; qwen3: Qwen3-30B-A3B's shape with --layers layers")
-    parser.add_argument("--layers", type=int, default=4, help="layers of the qwen3 shape")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency and way")
-    parser.add_argument("--n", type=int, default=4, help="rows per request")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per way and concurrency (the median is kept)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--model", choices=tuple(DEFAULTS), default="tiny",
+                        help="qwen3: Qwen3-30B-A3B's shape with --layers layers; tiny: bench-rollout's small model")
+    parser.add_argument("--layers", type=int, help="layers of the qwen3 shape (default 48: the whole model)")
+    parser.add_argument("--compute", choices=("torch", "triton"),
+                        help="the MoE compute backend (default: triton on a GPU, torch on a CPU)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="requests in flight (qwen3 default: 64 256)")
+    parser.add_argument("--requests", type=int,
+                        help="requests per concurrency and way (qwen3 default: as many as the concurrency)")
+    parser.add_argument("--n", type=int, help="rows per request (qwen3 default: 8)")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per row (qwen3 default: 256)")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt tokens per request (qwen3 default: 128)")
+    parser.add_argument("--repeats", type=int, help="runs per way and concurrency (the median is kept)")
+    parser.add_argument("--json", help="also write the results here (after every run)")
     args = parser.parse_args(argv)
+    if args.layers is not None and args.model != "qwen3":
+        parser.error("--layers: only the qwen3 shape has a layer count to choose")
+    for name, value in DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.compute is None:
+        import torch
+
+        args.compute = "triton" if torch.cuda.is_available() else "torch"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    layers = f" --layers {args.layers}" if args.model == "qwen3" else ""
+    command = (f"moerl bench-server --model {args.model}{layers} --compute {args.compute} "
+               f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} --n {args.n} "
+               f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
+    results: list[dict] = []  # the median run of each way and concurrency
+    measured: list[dict] = []  # every run, saved as it ends: a run cut short by a time limit keeps what it measured
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command, "machine": machine(), "results": results,
+                                                   "runs": measured}, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="moerl-bench-server-") as tmp:
+        start = time.monotonic()
         engine, http = build(args, Path(tmp))
         try:
-            bodies = requests(args, engine.run.model.vocab_size)
-            direct(engine, bodies[:4], 4)  # warm-up: first steps allocate the decoder
-            results = []
+            bodies = requests(args, engine.run.model.vocab_size, max(args.requests or c for c in args.concurrency))
+            # Warm-up: the decoder is built (KV cache, CUDA graphs) and the prefill shapes of the largest load
+            # compile here, not inside the first way's figure.
+            direct(engine, [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]], max(args.concurrency))
+            log(f"engine built and warm in {time.monotonic() - start:.1f} s")
             for c in args.concurrency:
-                ways = {"engine": lambda: direct(engine, bodies, c),
-                        "HTTP": lambda: over_http(http.url, bodies, c, False),
-                        "HTTP stream": lambda: over_http(http.url, bodies, c, True)}
+                sent = bodies[:args.requests or c]
+                ways = {"engine": lambda: direct(engine, sent, c),
+                        "HTTP": lambda: over_http(http.url, sent, c, False),
+                        "HTTP stream": lambda: over_http(http.url, sent, c, True)}
                 # The ways take turns, and each reports its median run: a shared machine's load moves in between.
                 runs = {name: [] for name in ways}
                 for _ in range(args.repeats):
                     for name, call in ways.items():
                         runs[name].append(measure(name, c, call))
+                        measured.append(runs[name][-1])
+                        save()
+                        log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s")
                 for name in ways:
                     results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
+                save()
         finally:
             http.stop()
             engine.stop()
-    text = table(results)
-    print(text)
-    command = (f"moerl bench-server --model {args.model} --layers {args.layers} --concurrency " +
-               " ".join(map(str, args.concurrency)) +
-               f" --requests {args.requests} --n {args.n} --max-tokens {args.max_tokens} "
-               f"--prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
+    print(table(results))
     print(f"\n`{command}`")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "results": results}, indent=1))
     return 0
+
+
+def machine() -> dict:
+    import torch
+
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from .protocol import VersionRef
 from .generation import Decoder, Sequence, output
-from .replica import Replica, StepPlan
+from .replica import Replica, StepPlan, rows_per_rank
 from .runtime import Registry
 from .tokenizer import Tokenizer
 from .weights import WeightStore
@@ -360,7 +360,7 @@ class RolloutEngine:
             self._ep_rank[(request.request_id, request.row)] = rank
         self._batch = []
         cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
-        plan = StepPlan(admit, cancels, max(1, self.run.rollout.max_batch_size // size), self._max_len(),
+        plan = StepPlan(admit, cancels, rows_per_rank(self.run, size), self._max_len(),
                         self._eos_ids())
         produced = 0
         for report in self.replica.step(plan):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..model import MoETransformer
 from ..model.transformer import _rotate, rotary
+from ..moe.parallel import decode_phase
 from .engine_api import RowOutput, RowRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -313,7 +314,7 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
         out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
         x, h = _add_norm(layer.post_attention_layernorm, h, attn.o_proj(out.reshape(n, attn.heads * attn.head_dim)),
                          fused)
-        moe = layer.mlp(x, statistics=False)
+        moe = layer.mlp(x, statistics=False, decode=True)
         delta = moe.out.view(n, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(cache.routing.dtype)
@@ -570,7 +571,8 @@ class Decoder:
         if agree(bool(self.prefilling)) if agree is not None else self.prefilling:
             self._prefill_chunk(events)
         if agree(bool(self.decoding)) if agree is not None else self.decoding:
-            self._decode(events)
+            with decode_phase(self.model.ep):  # an expert-parallel server's decode dispatcher (DeepEP low-latency)
+                self._decode(events)
         return events
 
     # ---- internals ---------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A server with `rollout.gpus_per_server` > 1 runs one torchrun rank per GPU (`core.cli.launch`). The experts are
 split over the ranks in contiguous slices, as the trainer splits them, and the rest of the model is replicated.
 Each rank decodes its own rows with its own continuous-batching decoder (data-parallel attention: a rank's KV
-cache holds only its rows) and the MoE layers exchange tokens by all-to-all at every forward, so every rank runs
-every forward (one without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
+cache holds only its rows) and the MoE layers exchange tokens at every forward (prefill by all-to-all, decode by
+DeepEP's low-latency kernels where they apply: `ExpertParallel.for_serving`), so every rank runs every forward (one
+without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
 it runs on the replica (start reading a weight version, swap it in, one decoding step with the rows each rank
 takes on or cancels) it first broadcasts to the other ranks (`follow`), which then do their part in the same
 order.
@@ -79,14 +80,17 @@ class Replica:
     @classmethod
     def sharded(cls, run: RunConfig) -> "Replica":
         """This rank's part of a server started by torchrun with one rank per GPU."""
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-        if cuda:
+        # torchrun sets LOCAL_WORLD_SIZE; a server's ranks are one node's, so WORLD_SIZE is the same where it is not
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        transport, device, why = rank_placement(int(os.environ["LOCAL_RANK"]), local_ranks, torch.cuda.device_count())
+        log.info("sharded server rank on %s over %s: %s", device, transport, why)
+        if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(transport)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        # All-to-all on NCCL (gloo on a CPU): DeepEP's decode (low-latency) kernels are not verified yet.
-        ep = ExpertParallel(dist.group.WORLD, "alltoall", device=str(device))
+        # Prefill over the all-to-all; decode over DeepEP's low-latency kernels where the topology allows them.
+        ep = ExpertParallel.for_serving(dist.group.WORLD, run.model, device=str(device),
+                                        rows_per_rank=rows_per_rank(run, dist.get_world_size()))
         return cls(run, ep=ep, control=control, device=device)
 
     # ---- operations, run on every rank in the same order -------------------------------------------------
@@ -179,6 +183,23 @@ class Replica:
         flag = torch.tensor([int(local)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag)
+
+
+def rows_per_rank(run: RunConfig, ranks: int) -> int:
+    """KV-cache slots (so decode rows) per rank of a sharded server: rollout.max_batch_size split over its ranks."""
+    return max(1, run.rollout.max_batch_size // ranks)
+
+
+def rank_placement(local_rank: int, local_ranks: int, cuda_devices: int) -> tuple[str, torch.device, str]:
+    """(process-group backend, device, why) of one rank of a sharded server: a GPU per rank over NCCL; with fewer
+    GPUs than ranks (a test on one GPU) every rank on cuda:0 over gloo, since NCCL cannot put two ranks on one
+    GPU; gloo on CPUs."""
+    if cuda_devices == 0:
+        return "gloo", torch.device("cpu"), "no GPU"
+    if cuda_devices < local_ranks:
+        return "gloo", torch.device("cuda", 0), (f"{local_ranks} ranks share {cuda_devices} GPU(s): all on cuda:0 "
+                                                 f"(NCCL cannot put two ranks on one GPU; gloo moves through the host)")
+    return "nccl", torch.device("cuda", local_rank), "one GPU per rank"
 
 
 def check_fits(state: dict[str, torch.Tensor], served: dict[str, torch.Tensor]) -> None:
