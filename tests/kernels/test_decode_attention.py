@@ -6,10 +6,13 @@ import math
 import pytest
 import torch
 
+from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.kernels.decode_attention import decode_attention
 from moe_rl_eks.kernels.prefill_attention import prefill_attention, prefill_tiles
 
 PAGE = 8
+# On the CPU through Triton's interpreter (this directory's conftest); compiled on a GPU when run with --noconftest.
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def reference(q, keys, values, tables, slots, lengths):
@@ -35,16 +38,16 @@ def paged(dtype, kv_heads=2, dim=32):
     tables = torch.tensor([[4, 9, 0, 7, 2], [10, 1, 11, 11, 11], [3, 8, 6, 5, 11], [4, 9, 11, 11, 11]],
                           dtype=torch.int32)
     keys[11], values[11] = float("nan"), float("nan")
-    return keys, values, tables
+    return keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("splits", [None, 3])
 def test_decode_attention_reads_each_rows_blocks_up_to_its_length_and_equals_softmax_attention(dtype, tol, splits):
     keys, values, tables = paged(dtype)
-    slots = torch.tensor([3, 0, 2, 1])
-    lengths = torch.tensor([1, 37, 32, 11])  # one position, a partial block, whole blocks, a split boundary
-    q = torch.randn(4, 8, 32).to(dtype)
+    slots = torch.tensor([3, 0, 2, 1], device=DEVICE)
+    lengths = torch.tensor([1, 37, 32, 11], device=DEVICE)  # one position, a partial block, whole blocks, a split
+    q = torch.randn(4, 8, 32).to(dtype).to(DEVICE)
     for b in range(4):  # poison what no row may read: positions past each length in its last block
         last = tables[slots[b], (lengths[b] - 1) // PAGE]
         if lengths[b] % PAGE and slots[b] != 3:  # (slot 3's last block is shared with slot 0, which reads it)
@@ -61,15 +64,15 @@ def test_prefill_attention_is_causal_within_each_packed_prompt_and_reads_earlier
     # packed: slot 0's positions 0-36 (a whole prompt, three tiles), slot 2's positions 20-31 (a later chunk of a
     # prompt whose first 20 positions an earlier chunk wrote), slot 1's single position 0
     runs = [(0, 0, 37), (2, 20, 12), (1, 0, 1)]
-    slots = torch.cat([torch.full((n,), s) for s, _, n in runs])
-    positions = torch.cat([torch.arange(p, p + n) for _, p, n in runs])
+    slots = torch.cat([torch.full((n,), s) for s, _, n in runs]).to(DEVICE)
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in runs]).to(DEVICE)
     segments, first = [], 0
     for _, _, n in runs:
         segments.append((first, n))
         first += n
     keys[2, 37 % PAGE:] = float("nan")  # slot 0's positions past its last token: never read
-    q = torch.randn(len(slots), 8, 32).to(dtype)
-    got = prefill_attention(q, keys, values, tables, slots, positions, prefill_tiles(segments, "cpu"))
+    q = torch.randn(len(slots), 8, 32).to(dtype).to(DEVICE)
+    got = prefill_attention(q, keys, values, tables, slots, positions, prefill_tiles(segments, DEVICE))
     want = reference(q, keys, values, tables, slots, positions + 1)
     assert got.dtype == dtype and not got.isnan().any()
     assert ((got.double() - want).norm() / want.norm()).item() < tol
@@ -84,23 +87,23 @@ def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
     from moe_rl_eks.workloads.rl.generation import PagedCache, forward_tokens
 
     torch.manual_seed(0)
-    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval()
-    cache = PagedCache.allocate(model.config, 3, 24, 9, 4, "cpu", torch.float32)
+    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval().to(DEVICE)
+    cache = PagedCache.allocate(model.config, 3, 24, 9, 4, DEVICE, torch.float32)
     cache.grow(2, 8)
     cache.grow(0, 5)
     cache.sync_tables()
-    slot = torch.tensor([2] * 7 + [0] * 4)
-    positions = torch.cat([torch.arange(7), torch.arange(4)])
-    tokens = torch.randint(0, 512, (11,))
-    last = torch.tensor([6, 10])
+    slot = torch.tensor([2] * 7 + [0] * 4, device=DEVICE)
+    positions = torch.cat([torch.arange(7), torch.arange(4)]).to(DEVICE)
+    tokens = torch.randint(0, 512, (11,)).to(DEVICE)
+    last = torch.tensor([6, 10], device=DEVICE)
     results = []
     with torch.no_grad():  # two prompts of 7 and 4 tokens packed, then one decode step each
         for fused in (False, True):
             c = copy.deepcopy(cache)
-            tiles = prefill_tiles([(0, 7), (7, 4)], "cpu") if fused else None
+            tiles = prefill_tiles([(0, 7), (7, 4)], DEVICE) if fused else None
             prefill = forward_tokens(model, c, slot, tokens, positions, last, 7, fused, tiles)
-            decode = forward_tokens(model, c, torch.tensor([2, 0]), torch.tensor([5, 9]), torch.tensor([7, 4]),
-                                    torch.arange(2), 8, fused)
+            two = torch.tensor([[2, 0], [5, 9], [7, 4], [0, 1]], device=DEVICE)
+            decode = forward_tokens(model, c, *two, 8, fused)
             results.append((prefill, decode, c))
     (prefill, plain, a), (prefill_fused, fused, b) = results
     assert ((prefill_fused - prefill).norm() / prefill.norm()).item() < 1e-5
