@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, next_pow2
+from ._triton import INTERPRET, check_device, next_pow2, quick_bench
 from .routing import _first_argmax_free, _scores
 
 # Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine (kernels/BENCHMARKS.md,
@@ -66,7 +66,7 @@ def _route_token(logits_ptr, bias_ptr, t, scaling, E: tl.constexpr, SIGMOID: tl.
 
 
 @triton.jit
-def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr, ids_ptr, scaling, T_KEY,
+def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr, ids_ptr, scaling,
                       E: tl.constexpr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -101,7 +101,7 @@ def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr
 
 
 @triton.jit
-def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, T_KEY, HIDDEN: tl.constexpr,
+def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, HIDDEN: tl.constexpr,
                         WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,10 +122,13 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, T_KEY, H
     tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["T_KEY", "E", "HIDDEN", "WIDTH", "TOP_K"])(
-    _decode_up_kernel)
-_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["T_KEY", "HIDDEN", "WIDTH", "TOP_K"])(
-    _decode_down_kernel)
+# One block shape per layer shape, whatever the token count: a token's sums are then taken in the same order in
+# every step (the bitwise independence above). It is tuned at one token, the latency-bound case (decode_experts).
+_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["E", "HIDDEN", "WIDTH", "TOP_K"],
+                      do_bench=quick_bench)(_decode_up_kernel)
+_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["HIDDEN", "WIDTH", "TOP_K"],
+                        do_bench=quick_bench)(_decode_down_kernel)
+_TUNED: set[tuple] = set()  # layer shapes whose block shapes were tuned (at one token)
 
 
 def supports(spec, bias: torch.Tensor | None) -> bool:
@@ -159,12 +162,15 @@ def decode_experts(x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tens
     out = torch.empty(T, hidden, device=x.device, dtype=x.dtype)
     if T == 0:
         return out, weights, ids
-    t_key = next_pow2(T)
+    shape = (num_experts, hidden, width, top_k, x.dtype, w13.dtype, x.device)
+    if T > 1 and shape not in _TUNED:
+        decode_experts(x[:1], logits[:1], spec, bias, w13, w2)
+    _TUNED.add(shape)
     _up[lambda meta: (T * top_k, triton.cdiv(width, meta["BLOCK_N"]))](
-        x, logits, bias if bias is not None else logits, w13, act, weights, ids, float(spec.scaling), t_key,
+        x, logits, bias if bias is not None else logits, w13, act, weights, ids, float(spec.scaling),
         E=num_experts, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, SIGMOID=spec.scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORMALIZE=bool(spec.renormalize), BLOCK_E=next_pow2(num_experts),
         BLOCK_K=next_pow2(top_k))
     _down[lambda meta: (T, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        act, w2, weights, ids, out, t_key, HIDDEN=hidden, WIDTH=width, TOP_K=top_k)
+        act, w2, weights, ids, out, HIDDEN=hidden, WIDTH=width, TOP_K=top_k)
     return out, weights, ids

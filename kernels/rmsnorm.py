@@ -14,14 +14,17 @@ from ._triton import check_device, next_pow2
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, N, heads, eps,
+def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, N, heads, stride_t, eps,
                     HAS_RESIDUAL: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r is head r % heads of token r // heads; x's tokens are stride_t apart (its heads contiguous), every
+    other tensor is contiguous [rows, N]."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     row_ok = r < rows
     mask = row_ok[:, None] & (c[None, :] < N)
     at = r[:, None].to(tl.int64) * N + c[None, :]
-    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    x_row = (r // heads).to(tl.int64) * stride_t + (r % heads) * N
+    x = tl.load(x_ptr + x_row[:, None] + c[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:  # h + delta, rounded as the add would be, is both returned and normalised
         x = (x.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + at, x, mask=mask)
@@ -32,7 +35,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, r
     if HAS_ROPE:  # half rotation: out * cos + cat(-out[D/2:], out[:D/2]) * sin, each product rounded
         half = N // 2
         partner_c = tl.where(c < half, c + half, c - half)
-        partner = tl.load(x_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :], mask=mask, other=0.0)
+        partner = tl.load(x_ptr + x_row[:, None] + partner_c[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             partner = (partner.to(tl.float32) + tl.load(res_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :],
                                                         mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -60,19 +63,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         raise ValueError(f"rms_norm needs a weight [{x.shape[-1]}] of x's dtype {x.dtype}; got "
                          f"{tuple(weight.shape)} {weight.dtype}")
     n = x.shape[-1]
-    flat = x.reshape(-1, n).contiguous()
-    out = torch.empty_like(flat)
     heads = x.shape[-2] if rope is not None else 1
-    cos, sin = (t.reshape(-1, n).contiguous() for t in rope) if rope is not None else (flat, flat)
-    if rope is not None and (cos.shape[0] * heads != flat.shape[0] or n % 2):
+    # x may be a slice of wider token rows (the engine's fused q/k/v projection): read it in place when its heads
+    # are contiguous, whatever the tokens' stride
+    tokens = x.reshape(-1, heads, n)
+    if residual is not None or tokens.stride(2) != 1 or tokens.stride(1) != n:
+        tokens = tokens.contiguous()
+    rows = tokens.shape[0] * heads
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    cos, sin = (t.reshape(-1, n).contiguous() for t in rope) if rope is not None else (out, out)
+    if rope is not None and (cos.shape[0] != tokens.shape[0] or n % 2):
         raise ValueError(f"rope: cos/sin {tuple(rope[0].shape)} do not give one row of {n} per token of x "
                          f"{tuple(x.shape)}")
-    res = residual.reshape(-1, n).contiguous() if residual is not None else flat
-    total = torch.empty_like(flat) if residual is not None else flat
+    res = residual.reshape(-1, n).contiguous() if residual is not None else out
+    total = torch.empty_like(out) if residual is not None else out
     rows_per_program = max(1, min(16, 4096 // next_pow2(n)))
-    _rmsnorm_kernel[(triton.cdiv(flat.shape[0], rows_per_program),)](
-        flat, res, total, weight, cos, sin, out, flat.shape[0], n, heads, eps, HAS_RESIDUAL=residual is not None,
-        HAS_ROPE=rope is not None, ROWS=rows_per_program, BLOCK=next_pow2(n))
+    _rmsnorm_kernel[(triton.cdiv(rows, rows_per_program),)](
+        tokens, res, total, weight, cos, sin, out, rows, n, heads, tokens.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, HAS_ROPE=rope is not None, ROWS=rows_per_program, BLOCK=next_pow2(n))
     if residual is not None:
         return out.view(x.shape), total.view(x.shape)
     return out.view(x.shape)

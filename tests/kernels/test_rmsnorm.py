@@ -45,3 +45,18 @@ def test_rms_norm_with_rope_equals_the_norm_then_the_rotary_embedding(dtype, tol
     want = _rotate(module(x).transpose(1, 2), cos, sin).transpose(1, 2)
     got = rms_norm(x, module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0]))
     assert close(got, want, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+def test_rms_norm_with_rope_reads_heads_out_of_wider_token_rows_in_place(dtype, tol):
+    # the engine's fused q/k/v projection: q is the first `heads` x dim columns of each token's row
+    torch.manual_seed(2)
+    b, s, heads, dim, extra = 2, 3, 4, 16, 24
+    module = norm_module(dim, dtype)
+    rows = torch.randn(b, s, heads * dim + extra).to(dtype)
+    x = rows[..., :heads * dim].view(b, s, heads, dim)
+    assert not x.is_contiguous()
+    cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), dim, 10000.0, dtype)
+    got = rms_norm(x, module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0]))
+    assert torch.equal(got, rms_norm(x.contiguous(), module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0])))
+    assert close(got, _rotate(module(x).transpose(1, 2), cos, sin).transpose(1, 2), tol)

@@ -1,7 +1,8 @@
 """What each rank of an expert-parallel server does in test_deepep_ll_gpu.py (a module of its own so spawned
 workers can unpickle it): decode its share of the rows with its own continuous-batching Decoder, once with
 DeepEP's low-latency kernels for the decode forwards and once with the all-to-all, and run one MoE layer both
-ways; rank 0 also decodes every row in one single-GPU Decoder (all experts, CUDA graphs), the reference."""
+ways; rank 0 also decodes every row in one single-GPU Decoder (all experts, CUDA graphs), the reference.
+`phases_seen` (test_deepep_ll.py, CPU) records which side of the phased dispatcher each forward reaches."""
 from __future__ import annotations
 
 import torch
@@ -109,3 +110,32 @@ def serve_both_ways(rank: int, world: int, compute: str, decodes=("deepep_ll", "
             seqs = decode_all(single, [r for part in requests() for r in part], eos_ids=())
         result["single"] = {(s.request.request_id, s.request.row): (s.tokens, s.logprobs) for s in seqs}
     return result
+
+
+def phases_seen(rank: int, world: int) -> dict:
+    """Which dispatcher a sharded Decoder's forwards reach (CPU, all-to-all both ways): every layer's dispatcher is
+    a PhasedDispatcher whose two sides record the tokens of each call."""
+    from moe_rl_eks.workloads.moe.dispatch import AllToAllDispatcher, PhasedDispatcher
+
+    config = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=8,
+                         num_experts_per_tok=2, rope_theta=10000.0, dtype="float32")
+    torch.manual_seed(0)
+    ep = ExpertParallel(dist.group.WORLD, "alltoall")
+    model = MoETransformer(config, ep=ep).eval()
+    seen = {"prefill": [], "decode": []}
+
+    class Recorded(AllToAllDispatcher):
+        def __init__(self, phase):
+            super().__init__(model.compute, config.num_experts, dist.group.WORLD)
+            self.phase = phase
+
+        def dispatch(self, x, weights, ids):
+            seen[self.phase].append(x.shape[0])
+            return super().dispatch(x, weights, ids)
+
+    for layer in model.model.layers:
+        layer.mlp.dispatcher = PhasedDispatcher(ep, Recorded("prefill"), Recorded("decode"))
+    with torch.no_grad():
+        rows = decode_sharded(model, requests()[rank], world)
+    return {"rows": rows, "seen": _gather(seen, world)}

@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from ep_ranks import run_ranks
+from ll_ranks import SLOTS, phases_seen
 
 from moe_rl_eks.core.ep_backends import (DEEPEP_LL_HIDDEN, Topology, UnsupportedBackend, ll_tokens_per_rank,
                                          resolve_decode_backend)
@@ -83,6 +85,18 @@ def test_the_phased_dispatcher_uses_the_decode_dispatcher_only_inside_the_decode
     assert not phase.decoding and phased.dispatch(x, weights, ids)[2][0] is prefill
     with pytest.raises(ValueError, match="disagree on local experts: 4 vs 2"):
         PhasedDispatcher(phase, prefill, LocalDispatcher(compute, 2))
+
+
+def test_a_sharded_decoder_sends_decode_forwards_and_only_those_to_the_decode_dispatcher():
+    """Rank 0 decodes 3 rows (12 tokens), rank 1 one row (6) then feeds scratch tokens: each takes 11 decode forwards,
+    all of them through the decode side (at most SLOTS tokens), and its prefill through the other side."""
+    result = run_ranks(2, phases_seen)
+    assert len(result["rows"]) == 4
+    for rank, seen in enumerate(result["seen"]):
+        assert seen["decode"] == [3 if rank == 0 else 1] * (11 * 2), (rank, seen)  # 11 steps x 2 layers
+        assert all(n <= SLOTS for n in seen["decode"])
+        # one prefill chunk, 2 layers: rank 0's two prompts padded to 5 tokens (a group shares one), rank 1's 7
+        assert seen["prefill"] == [10 if rank == 0 else 7] * 2, (rank, seen)
 
 
 def test_packed_order_lists_each_experts_valid_rows_in_expert_order():

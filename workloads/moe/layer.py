@@ -88,6 +88,13 @@ class MoEBlock(nn.Module):
             # nn.Linear does, so tokens also travel in it (DeepEP moves bf16 only) and the float32 master
             # weights are cast on the way in (their gradients stay float32).
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if (decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher)
+                and hasattr(self.compute, "decode")):
+            fast = self.compute.decode(x, gate.weight, spec, gate.e_score_correction_bias, self.experts.gate_up_proj,
+                                       self.experts.down_proj)
+            if fast is not None:
+                out, ids, logits = fast
+                return self._finish(out, ids, x, logits, token_mask, statistics)
         logits = F.linear(x, gate.weight)
         if replay_ids is not None:
             ids = replay_ids.to(torch.int64)
@@ -96,11 +103,6 @@ class MoEBlock(nn.Module):
             bias = gate.e_score_correction_bias
             if gate.max_nodes is not None:
                 bias = node_limit_bias(logits, spec, bias, gate.node_groups, gate.max_nodes)
-            fast = (self.compute.decode(x, logits, spec, bias, self.experts.gate_up_proj, self.experts.down_proj)
-                    if decode and isinstance(self.dispatcher, LocalDispatcher) and hasattr(self.compute, "decode")
-                    else None)
-            if fast is not None:
-                return self._finish(fast[0], fast[1], x, logits, token_mask, statistics)
             weights, ids = self.compute.route(logits, spec, bias)
         x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj

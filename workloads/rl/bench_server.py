@@ -1,8 +1,8 @@
 """`moerl bench-server`: what the HTTP server costs on top of the rollout engine it serves.
 
-The same requests (n rows of a distinct random prompt each, seeded, temperature 1) are sent at each concurrency
-three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
-`/v1/completions` over HTTP with keep-alive connections (httpx, in its own process), and as streamed
+The same requests (the orchestrator's: n rows of a distinct random prompt each, seeded, temperature 1, each
+token's logprob, the routed experts unless `--no-routing`) are sent at each concurrency three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
+`/v1/completions` over HTTP with keep-alive connections (aiohttp, the orchestrator's client, in its own process), and as streamed
 `/v1/completions` (server-sent events). tokens/s = completion tokens / wall time of the whole batch of requests
 (the median of `--repeats` runs, the ways taking turns); the latency columns are per request. The seeds make every
 way generate the same tokens, so the ratio is the server's overhead at that load.
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import multiprocessing
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ import yaml
 from moe_rl_eks.core.run import load_run
 
 from .engine_api import RowRequest, SamplingParams
+from .protocol import CompletionRequest
 
 LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.yaml"
 
@@ -73,15 +75,20 @@ def build(args, root: Path):
 
 
 def requests(args, vocab: int, count: int) -> list[dict]:
+    """The orchestrator's own request record (its sampled token's logprob under the processed distribution, and
+    the routed experts when routing replay is on), one distinct random prompt each."""
     rng = random.Random(0)
-    return [{"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], "n": args.n,
-             "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i} for i in range(count)]
+    return [CompletionRequest(prompt=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], n=args.n,
+                              max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, seed=i,
+                              return_routing=args.routing).to_json() for i in range(count)]
 
 
 def direct(engine, bodies: list[dict], concurrency: int) -> tuple[int, list[float], float]:
     def one(i: int, body: dict) -> tuple[int, float]:
         start = time.monotonic()
-        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body["seed"])
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], top_p=body["top_p"],
+                                seed=body["seed"], logprob_mode=body["logprob_mode"],
+                                return_routing=body["return_routing"])
         rows = [RowRequest(tuple(body["prompt"]), params, f"bench-{i}", j) for j in range(body["n"])]
         outputs = engine.submit(rows).result()
         return sum(len(o.token_ids) for o in outputs), time.monotonic() - start
@@ -102,27 +109,38 @@ def _client(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tup
     return asyncio.run(_requests(url, bodies, concurrency, stream))
 
 
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+TOKEN_IDS = re.compile(rb'"token_ids":\[([\d,]*)\]')
+
+
 async def _requests(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tuple[int, list[float], float]:
-    import httpx
+    """The orchestrator's HTTP client (aiohttp, keep-alive). Every byte of each answer is read, but only the token
+    counts are decoded from it (usage, or each chunk's token ids): an RL answer with logprobs and routed experts
+    is ~1.6 MB of JSON at the Qwen3 shape, and parsing it into Python objects is the client's cost, not the
+    server's."""
+    import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
         async def one(body: dict) -> tuple[int, float]:
             async with limit:
                 start = time.monotonic()
                 if not stream:
-                    answer = (await client.post("/v1/completions", json=body)).raise_for_status().json()
-                    return answer["usage"]["completion_tokens"], time.monotonic() - start
+                    async with client.post("/v1/completions", json=body) as resp:
+                        answer = await resp.read()
+                        resp.raise_for_status()
+                    return int(COMPLETION_TOKENS.search(answer[:1024])[1]), time.monotonic() - start
                 tokens = 0
-                async with client.stream("POST", "/v1/completions",
-                                         json={**body, "stream": True, "return_token_ids": True}) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+                async with client.post("/v1/completions", json={**body, "stream": True, "return_token_ids": True}
+                                       ) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.content:
+                        tokens += sum(ids.count(b",") + 1 for ids in TOKEN_IDS.findall(line) if ids)
                 return tokens, time.monotonic() - start
 
-        await client.get("/v1/models")  # the connection pool's first connection is not part of the figure
+        async with client.get("/v1/models") as resp:  # the pool's first connection is not part of the figure
+            await resp.read()
         start = time.monotonic()
         results = await asyncio.gather(*(one(b) for b in bodies))
         wall = time.monotonic() - start
@@ -170,6 +188,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="new tokens per row (qwen3 default: 256)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt tokens per request (qwen3 default: 128)")
     parser.add_argument("--repeats", type=int, help="runs per way and concurrency (the median is kept)")
+    parser.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask for the routed experts, as the orchestrator does with routing replay on (default)")
     parser.add_argument("--json", help="also write the results here (after every run)")
     args = parser.parse_args(argv)
     if args.layers is not None and args.model != "qwen3":
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = f" --layers {args.layers}" if args.model == "qwen3" else ""
     command = (f"moerl bench-server --model {args.model}{layers} --compute {args.compute} "
                f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} --n {args.n} "
-               f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}")
+               f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}"
+               + ("" if args.routing else " --no-routing"))
     results: list[dict] = []  # the median run of each way and concurrency
     measured: list[dict] = []  # every run, saved as it ends: a run cut short by a time limit keeps what it measured
 

@@ -54,11 +54,12 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key. On a CPU the
-    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead)."""
+    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead); on
+    a GPU in one Triton kernel (kernels/philox.py; tested bitwise against this path)."""
     if key_lo.is_cuda:
-        zero = torch.zeros_like(row)
-        word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
-        return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+        from moe_rl_eks.kernels.philox import row_uniform as philox_kernel
+
+        return philox_kernel(key_lo, key_hi, row, step)
     import numpy as np
 
     lo, hi, r, t = (x.numpy().astype(np.uint64) for x in (key_lo, key_hi, row, step))
@@ -287,6 +288,55 @@ def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fu
     return _rotate(module(x), cos[:, None], sin[:, None])
 
 
+def share_qkv_weights(model: MoETransformer) -> None:
+    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (kept as `qkv_weight` on the
+    attention module), so that a decode step projects with one GEMM instead of three. Weight loads copy into the
+    parameters (load_state_dict), so they write through the views and the buffer stays current."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if _shared_qkv(attn) is not None:
+            continue
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        buffer = torch.cat([w.detach() for w in weights])
+        start = 0
+        for w in weights:
+            w.data = buffer[start:start + w.shape[0]]
+            start += w.shape[0]
+        attn.qkv_weight = buffer
+
+
+def _shared_qkv(attn) -> torch.Tensor | None:
+    """The [q; k; v] buffer if the three projection weights are still its views (a move to another device or
+    dtype, or an assignment of new tensors, makes copies: then None)."""
+    buffer = getattr(attn, "qkv_weight", None)
+    if buffer is None:
+        return None
+    row_bytes, start = buffer.stride(0) * buffer.element_size(), 0
+    for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        at = buffer.data_ptr() + start * row_bytes
+        if w.device != buffer.device or w.dtype != buffer.dtype or w.data_ptr() != at:
+            return None
+        start += w.shape[0]
+    return buffer
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x @ weight.T; `fused`: at a few rows through the Triton product where it beats cuBLAS (kernels/gemv.py)."""
+    if fused:
+        from moe_rl_eks.kernels.gemv import decode_linear
+
+        return decode_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def _project_qkv(attn, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    buffer = _shared_qkv(attn)
+    if buffer is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    kv = attn.kv_heads * attn.head_dim
+    return _linear(x, buffer, fused).split([attn.heads * attn.head_dim, kv, kv], -1)
+
+
 def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor, tokens: torch.Tensor,
                    positions: torch.Tensor, last: torch.Tensor, key_len: int, fused: bool | None = None,
                    tiles: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,18 +357,19 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
-        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(n, attn.heads, attn.head_dim), cos, sin, fused)
-        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(n, attn.kv_heads, attn.head_dim), cos, sin, fused)
+        q, k, v = _project_qkv(attn, x, fused)
+        q = _norm_rope(attn.q_norm, q.view(n, attn.heads, attn.head_dim), cos, sin, fused)
+        k = _norm_rope(attn.k_norm, k.view(n, attn.kv_heads, attn.head_dim), cos, sin, fused)
         cache.keys[i][block, offset] = k
-        cache.values[i][block, offset] = attn.v_proj(x).view(n, attn.kv_heads, attn.head_dim)
+        cache.values[i][block, offset] = v.view(n, attn.kv_heads, attn.head_dim)
         out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
-        x, h = _add_norm(layer.post_attention_layernorm, h, attn.o_proj(out.reshape(n, attn.heads * attn.head_dim)),
-                         fused)
+        x, h = _add_norm(layer.post_attention_layernorm, h,
+                         _linear(out.reshape(n, attn.heads * attn.head_dim), attn.o_proj.weight, fused), fused)
         moe = layer.mlp(x, statistics=False, decode=True)
         delta = moe.out.view(n, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(cache.routing.dtype)
-    return model.lm_head(_add_norm(model.model.norm, h[last], delta[last], fused)[0])
+    return _linear(_add_norm(model.model.norm, h[last], delta[last], fused)[0], model.lm_head.weight, fused)
 
 
 # ---- rows and the decoder ----------------------------------------------------------------------------------
@@ -338,6 +389,8 @@ class Sequence:
     routing: torch.Tensor | None = None  # [positions, layers, k] on the device, kept when the row finishes
     admitted: int = 0  # admission order (the newest decoding row is preempted first)
     preempted: int = 0  # times its blocks were taken back and it was queued to be recomputed
+    prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs, once its prefill ended
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -361,6 +414,9 @@ class Group:
 
     rows: list[Sequence]
     prefilled: int = 0  # context tokens in the leader's cache so far
+    # when a row asked for them: the logprobs of prompt tokens 1.. (and their alternatives), chunk by chunk
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -412,13 +468,32 @@ class SlotState:
             target = getattr(self, name)
             target[idx] = torch.tensor(values, dtype=target.dtype).to(target.device, non_blocking=True)
 
-    def sampling(self, slot: torch.Tensor, seqs: list[Sequence]) -> SamplingRows:
-        params = [s.params for s in seqs]
+    def sampling(self, slot: torch.Tensor, flags: "SamplerFlags") -> SamplingRows:
         return SamplingRows(self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot],
                             self.raw[slot], self.key_lo[slot], self.key_hi[slot], self.row[slot], self.step[slot],
-                            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-                            any_raw=any(p.logprob_mode == "raw" for p in params),
-                            top_n=max(p.top_logprobs for p in params))
+                            filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """What the rows of a step ask of the sampler beyond plain sampling (it skips the work no row asked for)."""
+
+    filtered: bool  # some row has top-k, top-p < 1 or min-p > 0
+    any_raw: bool
+    top_n: int  # the largest top_logprobs asked for
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "SamplerFlags":
+        params = [s.params for s in seqs]
+        return cls(any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                   any(p.logprob_mode == "raw" for p in params), max(p.top_logprobs for p in params))
+
+
+# Decode steps of at most this many rows also replay the sampler from a CUDA graph (one per bucket and sampler
+# flags, captured on first use): at a few rows its two dozen small kernels cost more host time than GPU time.
+# Larger steps sample eagerly (their GPU step hides the host work, and the graphs' buffers would grow with the
+# vocabulary times the rows).
+SAMPLER_GRAPH_ROWS = 16
 
 
 BLOCK_SIZE = 16  # positions per KV-cache block
@@ -474,6 +549,8 @@ class Decoder:
         self.prefill_tokens = prefill_tokens
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cuda":
+            share_qkv_weights(model)
         blocks = slots * -(-max_len // block_size) if blocks is None else blocks
         self.cache = PagedCache.allocate(model.config, slots, max_len, blocks, block_size, self.device, param.dtype)
         self.state = SlotState.allocate(slots, self.device)
@@ -485,6 +562,10 @@ class Decoder:
         self.preemptions = 0
         self._admissions = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
+        self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.pool = None
+        self.graph_slots: dict[int, tuple[int, ...]] = {}  # what each bucket's slot input holds
         if cuda_graphs and self.device.type == "cuda" and model.ep is None:
             self._capture(buckets or graph_buckets(slots))
 
@@ -631,6 +712,11 @@ class Decoder:
             positions += range(group.prefilled, group.prefilled + take)
             last.append(len(tokens) - 1)
         dev = self.device
+        scored = [i for i, (g, _) in enumerate(chunks)
+                  if any(r.params.prompt_logprobs and r.prompt_logprobs is None for r in g.rows)]
+        for i in scored:  # every position of a scored chunk: its logits score the prompt token after it
+            first, take = segments[i]
+            last += range(first, first + take)
         packed = torch.tensor([tokens, slots, positions], dtype=torch.long)
         packed = (packed.pin_memory() if dev.type == "cuda" else packed).to(dev, non_blocking=True)
         fused = dev.type == "cuda"
@@ -643,6 +729,10 @@ class Decoder:
         logits = forward_tokens(self.model, self.cache, packed[1], packed[0], packed[2],
                                 torch.tensor(last, device=dev), max(g.prefilled + take for g, take in chunks),
                                 fused, tiles)
+        if scored:
+            per_chunk = logits[len(chunks):].split([segments[i][1] for i in scored])
+            self._score_prompts([chunks[i] for i in scored], per_chunk)
+            logits = logits[:len(chunks)]
         done, done_logits = [], []
         for i, (group, take) in enumerate(chunks):
             group.prefilled += take
@@ -661,6 +751,11 @@ class Decoder:
                 if partial and r.slot != leader:
                     self.cache.copy_block(leader, r.slot, full)
                 self.length[r.slot] = length
+                if r.params.prompt_logprobs and r.prompt_logprobs is None:  # (a recomputed row has them)
+                    # the first prompt token has nothing before it to be scored on
+                    n = r.params.top_logprobs
+                    r.prompt_logprobs = [None, *group.prompt_logprobs]
+                    r.prompt_top_logprobs = [None, *(alts[:n] for alts in group.prompt_top_logprobs)] if n else None
                 if r.finish_reason is None:
                     rows.append(r)
                     which.append(i)
@@ -670,6 +765,21 @@ class Decoder:
             slots = torch.tensor([r.slot for r in rows], device=dev)
             self.state.length[slots] = torch.tensor([self.length[r.slot] for r in rows], device=dev)
             self._sample(rows, slots, logits[torch.tensor(which, device=dev)], events)
+
+    def _score_prompts(self, chunks: list[tuple[Group, int]], logits: Iterable[torch.Tensor]) -> None:
+        """Logprobs of each group's prompt tokens that this chunk's positions predict (`logits` [take, V] per
+        group, before `prefilled` moves): position p scores prompt token p + 1, under softmax(logits)."""
+        top_n = max(r.params.top_logprobs for g, _ in chunks for r in g.rows if r.params.prompt_logprobs)
+        for (group, take), chunk in zip(chunks, logits):
+            targets = group.context[group.prefilled + 1:group.prefilled + take + 1]  # the last position: a new token
+            if not targets:
+                continue
+            logp = torch.log_softmax(chunk[:len(targets)].float(), -1)
+            chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0]
+            group.prompt_logprobs += chosen.tolist()
+            if top_n:
+                values, ids = logp.topk(top_n, -1)
+                group.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -689,10 +799,10 @@ class Decoder:
         except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
             # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
             log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
-            self.graphs = {}
+            self.graphs, self.sampler_graphs = {}, {}
 
     def _capture_buckets(self, buckets: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for size in sorted(set(buckets), reverse=True):
                 slot = torch.full((size,), self.slots, dtype=torch.long, device=self.device)
@@ -705,6 +815,8 @@ class Decoder:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._decode_forward(slot, self.max_len)
                 self.graphs[size] = (graph, slot, logits)
+                if size <= SAMPLER_GRAPH_ROWS:  # plain sampling (RL's temperature-only rows) ready from the start
+                    self._capture_sampler(size, SamplerFlags(filtered=False, any_raw=False, top_n=0))
         torch.cuda.synchronize(self.device)
 
     def _scratch_forward(self) -> None:
@@ -749,9 +861,10 @@ class Decoder:
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
-            padded = torch.full((bucket,), self.slots, dtype=torch.long)
-            padded[:len(slots)] = torch.tensor(slots)
-            slot_in.copy_(padded.pin_memory(), non_blocking=True)
+            padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
+            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+                self.graph_slots[bucket] = padded
             graph.replay()
             slot, logits = slot_in[:len(slots)], logits[:len(slots)]
         else:
@@ -759,18 +872,58 @@ class Decoder:
             logits = self._decode_forward(slot, max(self.length[s] for s in slots) + 1)
         for r in rows:
             self.length[r.slot] += 1
-        self._sample(rows, slot, logits, events)
+        self._sample(rows, slot, logits, events, bucket)
 
-    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents) -> None:
-        out = sample(logits, self.state.sampling(slot, rows))
+    def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
+        """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:
+        token (exact in float64), logprob, then the top alternatives' ids and logprobs (one copy to the host)."""
+        out = sample(logits, self.state.sampling(slot, flags))
         self.state.last_token[slot] = out.tokens
         self.state.step[slot] += 1
-        # One transfer to the host per step: tokens (exact in float64), logprobs and any alternatives.
         packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
-        top_n = 0 if out.top_ids is None else out.top_ids.shape[1]
-        if top_n:
+        if flags.top_n:
             packed += [out.top_ids.double(), out.top_logprobs.double()]
-        host = torch.cat(packed, 1).cpu().tolist()
+        return torch.cat(packed, 1)
+
+    def _sampler_graph(self, bucket: int | None, flags: SamplerFlags) -> torch.Tensor | None:
+        """Replay the sampler of decode bucket `bucket` (capturing it on first use); its packed output, or None
+        where the sampler runs eagerly."""
+        if bucket is None or bucket > SAMPLER_GRAPH_ROWS or flags.top_n:
+            return None
+        key = (bucket, flags.filtered, flags.any_raw)
+        if key not in self.sampler_graphs:
+            try:
+                self._capture_sampler(bucket, flags)
+            except RuntimeError as exc:  # sample eagerly from now on for these flags: slower but right
+                log.warning("the sampler runs without a CUDA graph: capturing it failed: %s", str(exc).splitlines()[0])
+                self.sampler_graphs[key] = None
+        if self.sampler_graphs[key] is None:
+            return None
+        graph, packed = self.sampler_graphs[key]
+        graph.replay()
+        return packed
+
+    def _capture_sampler(self, bucket: int, flags: SamplerFlags) -> None:
+        _, slot_in, logits = self.graphs[bucket]
+        scratch = torch.full_like(slot_in, self.slots)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (kernel compilation) on the scratch slot only
+            self._sample_packed(scratch, logits, flags)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            packed = self._sample_packed(slot_in, logits, flags)
+        self.sampler_graphs[(bucket, flags.filtered, flags.any_raw)] = (graph, packed)
+
+    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents,
+                bucket: int | None = None) -> None:
+        flags = SamplerFlags.of(rows)
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        host = packed[:len(rows)].cpu().tolist()
+        top_n = flags.top_n
         for r, values in zip(rows, host):
             token, logprob = int(values[0]), values[1]
             top = None
@@ -809,7 +962,8 @@ def output(seq: Sequence, version: int | None, lineage: int | None) -> RowOutput
     """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
     routing = seq.routing.cpu().numpy() if seq.routing is not None else None
     return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
-                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0)
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0,
+                     seq.prompt_logprobs, seq.prompt_top_logprobs)
 
 
 # ---- one-shot decoding of a list of rows --------------------------------------------------------------------

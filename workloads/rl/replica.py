@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_rl_eks.core.run import RunConfig
+from moe_rl_eks.core.run import ModelConfig, RunConfig
 
 from ..model import MoETransformer
 from ..model.transformer import weights_dtype
-from ..model.checkpoint import cast_for_serving, load_hf
+from ..model.checkpoint import cast_for_serving
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
 from .generation import Decoder, Sequence, output
+from .weight_staging import HostStaging, install
 
 log = logging.getLogger(__name__)
 # The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
@@ -76,6 +77,7 @@ class Replica:
         self._rows: dict[tuple[str, int], Sequence] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
+        self.staging = HostStaging(pin=self.device.type == "cuda")
 
     @classmethod
     def sharded(cls, run: RunConfig) -> "Replica":
@@ -97,9 +99,10 @@ class Replica:
     def begin_read(self, version: int, path: str, lineage: int = 0) -> Future:
         """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
         self._tell("begin_read", version, path, lineage)
-        # Into host memory: the GPU holds the served weights and a KV cache sized to what they leave free, so a
-        # second copy of the weights would not fit there. The swap copies them in place.
-        read = self._reader.submit(load_hf, path, experts=local_experts(self.ep, self.run.model.num_experts))
+        # Into the host staging (pinned, verified as read; weight_staging says why not onto the GPU); the swap
+        # copies it into the served tensors in place. One reader thread: a read never overwrites the staging
+        # while another read's tensors are in use.
+        read = self._reader.submit(self.staging.read, path, local_experts(self.ep, self.run.model.num_experts))
         self._reading = ((lineage, version), read)
         return read
 
@@ -111,8 +114,7 @@ class Replica:
             if self._reading is None or self._reading[0] != (lineage, version):
                 raise RuntimeError(f"version {version} of lineage {lineage} was not read first")
             config, state = self._reading[1].result()
-            model = self.model or cast_for_serving(MoETransformer(config, ep=self.ep, compute=self.run.moe_compute),
-                                                   weights_dtype(config)).to(self.device)
+            model = self.model or empty_model(config, self.ep, self.run.moe_compute, self.device)
             check_fits(state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
@@ -120,7 +122,7 @@ class Replica:
         errors = [e for e in self._all(error) if e]
         if errors:
             raise SwapRefused("; ".join(errors))
-        model.load_state_dict(state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+        install(model, state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
         self.model = model.eval()
         self.version, self.lineage = version, lineage
 
@@ -165,7 +167,8 @@ class Replica:
 
     def stop(self) -> None:
         self._tell("stop")
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)  # a read in progress ends before its buffers go
+        self.staging.close()
 
     # ---- the control channel ---------------------------------------------------------------------------
     def _tell(self, op: str, *args) -> None:
@@ -183,6 +186,19 @@ class Replica:
         flag = torch.tensor([int(local)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag)
+
+
+def empty_model(config: ModelConfig, ep: ExpertParallel | None, compute: str, device: torch.device
+                ) -> MoETransformer:
+    """A model to serve, its tensors allocated on `device` in the serving dtypes and left uninitialized: the first
+    version overwrites every one of them (check_fits), so no random initialization is paid (for the whole 30B
+    model, minutes of a CPU and float32's twice the served bytes in host memory)."""
+    with torch.device("meta"):
+        model = cast_for_serving(MoETransformer(config, ep=ep, compute=compute), weights_dtype(config))
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty made each module its own parameter: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
 
 
 def rows_per_rank(run: RunConfig, ranks: int) -> int:
