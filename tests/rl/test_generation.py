@@ -230,7 +230,9 @@ def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_throug
     state = {name: t.clone() for name, t in model.state_dict().items()}
     generation.share_qkv_weights(model)
     attn = model.model.layers[0].self_attn
-    assert generation._shared_qkv(attn) is attn.qkv_weight
+    projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert generation._shared(attn, "qkv_weight", projections) is attn.qkv_weight
+    assert generation._shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight]) is not None
     after = generate(model, rows, EOS)
     for a, b in zip(before, after):
         assert a.tokens == b.tokens and a.routing == b.routing and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
@@ -238,7 +240,7 @@ def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_throug
     assert torch.equal(attn.qkv_weight[attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
                        state["model.layers.0.self_attn.k_proj.weight"] * 2)
     model.double()  # a dtype change copies the parameters: the stale buffer is no longer used
-    assert generation._shared_qkv(attn) is None
+    assert generation._shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
 
 
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):

@@ -113,8 +113,8 @@ class MoEBlock(nn.Module):
         spec = self.gate.spec
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if not statistics:
-            zero = logits.new_zeros((), dtype=torch.float32)
+        if not statistics:  # zeros on the host: no kernel launch per layer of a decode step
+            zero = torch.zeros((), dtype=torch.float32)
             return MoEOutput(out, ids, zero, zero.expand(self.num_experts))
         kept_logits, kept_ids = (logits, ids) if token_mask is None else (logits[token_mask], ids[token_mask])
         aux = (load_balancing_loss(expert_scores(kept_logits, spec), kept_ids, spec) if self.balance_loss

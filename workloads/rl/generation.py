@@ -280,43 +280,48 @@ def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) 
 
 
 def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    """x [N, heads, D] -> rotary(norm(x)) [N, heads, D] (the q/k path of the model's attention; cos, sin [N, D])."""
+    """x [..., heads, D] -> rotary(norm(x)) [..., heads, D] with each token's cos, sin [..., D] (the q/k path of the
+    model's attention)."""
     if fused:
         from moe_rl_eks.kernels.rmsnorm import rms_norm
 
         return rms_norm(x, module.weight, module.eps, rope=(cos, sin))
-    return _rotate(module(x), cos[:, None], sin[:, None])
+    return _rotate(module(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def share_qkv_weights(model: MoETransformer) -> None:
-    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (kept as `qkv_weight` on the
-    attention module), so that a decode step projects with one GEMM instead of three. Weight loads copy into the
-    parameters (load_state_dict), so they write through the views and the buffer stays current."""
+    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (`qkv_weight` on the attention
+    module), and its q_norm and k_norm weights views of one [2, D] buffer (`qk_norm_weight`), so that a decode step
+    projects with one GEMM and normalises queries and keys with one kernel. Weight loads copy into the parameters
+    (load_state_dict, weight_staging.install), so they write through the views and the buffers stay current."""
     for layer in model.model.layers:
         attn = layer.self_attn
-        if _shared_qkv(attn) is not None:
-            continue
-        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        buffer = torch.cat([w.detach() for w in weights])
-        start = 0
-        for w in weights:
-            w.data = buffer[start:start + w.shape[0]]
-            start += w.shape[0]
-        attn.qkv_weight = buffer
+        for name, weights in (("qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                              ("qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight])):
+            if _shared(attn, name, weights) is not None:
+                continue
+            if weights[0].dim() == 1:
+                buffer = torch.stack([w.detach() for w in weights])
+                views = buffer.unbind(0)
+            else:
+                buffer = torch.cat([w.detach() for w in weights])
+                views = buffer.split([w.shape[0] for w in weights])
+            for w, view in zip(weights, views):
+                w.data = view
+            setattr(attn, name, buffer)
 
 
-def _shared_qkv(attn) -> torch.Tensor | None:
-    """The [q; k; v] buffer if the three projection weights are still its views (a move to another device or
-    dtype, or an assignment of new tensors, makes copies: then None)."""
-    buffer = getattr(attn, "qkv_weight", None)
+def _shared(attn, name: str, weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """attn's buffer `name` if `weights` are still its consecutive views (a move to another device or dtype, or an
+    assignment of new tensors, makes copies: then None)."""
+    buffer = getattr(attn, name, None)
     if buffer is None:
         return None
-    row_bytes, start = buffer.stride(0) * buffer.element_size(), 0
-    for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
-        at = buffer.data_ptr() + start * row_bytes
+    at = buffer.data_ptr()
+    for w in weights:
         if w.device != buffer.device or w.dtype != buffer.dtype or w.data_ptr() != at:
             return None
-        start += w.shape[0]
+        at += w.numel() * w.element_size()
     return buffer
 
 
@@ -329,12 +334,26 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _project_qkv(attn, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    buffer = _shared_qkv(attn)
-    if buffer is None:
-        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    kv = attn.kv_heads * attn.head_dim
-    return _linear(x, buffer, fused).split([attn.heads * attn.head_dim, kv, kv], -1)
+def _attention_inputs(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D]) with
+    each token's cos, sin [..., D]. With shared buffers (share_qkv_weights): one product, and on a GPU one norm +
+    rotary kernel for queries and keys together."""
+    lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
+    qkv = _shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    if qkv is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        q, k, v = _linear(x, qkv, fused).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        norms = _shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight])
+        if fused and norms is not None and attn.q_norm.eps == attn.k_norm.eps:
+            from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+            qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))
+            qk = rms_norm(qk, norms, attn.q_norm.eps, rope=(cos, sin), second_weight_from=heads)
+            return qk[..., :heads, :], qk[..., heads:, :], v.view(*lead, kv_heads, dim)
+    return (_norm_rope(attn.q_norm, q.view(*lead, heads, dim), cos, sin, fused),
+            _norm_rope(attn.k_norm, k.view(*lead, kv_heads, dim), cos, sin, fused), v.view(*lead, kv_heads, dim))
 
 
 def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor, tokens: torch.Tensor,
@@ -357,11 +376,9 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
-        q, k, v = _project_qkv(attn, x, fused)
-        q = _norm_rope(attn.q_norm, q.view(n, attn.heads, attn.head_dim), cos, sin, fused)
-        k = _norm_rope(attn.k_norm, k.view(n, attn.kv_heads, attn.head_dim), cos, sin, fused)
+        q, k, v = _attention_inputs(attn, x, cos, sin, fused)  # [N, heads, D]
         cache.keys[i][block, offset] = k
-        cache.values[i][block, offset] = v.view(n, attn.kv_heads, attn.head_dim)
+        cache.values[i][block, offset] = v
         out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
         x, h = _add_norm(layer.post_attention_layernorm, h,
                          _linear(out.reshape(n, attn.heads * attn.head_dim), attn.o_proj.weight, fused), fused)
