@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             bodies = requests(args, engine.run.model.vocab_size, max(args.requests or c for c in args.concurrency))
             # Warm-up: the decoder is built (KV cache, CUDA graphs) and the prefill shapes of the largest load
             # compile here, not inside the first way's figure.
-            direct(engine, [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]], max(args.concurrency))
+            warm = [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]]
+            direct(engine, warm, max(args.concurrency))
+            over_http(http.url, warm[:4], 4, False)  # and the server's first requests (imports, first responses)
             log(f"engine built and warm in {time.monotonic() - start:.1f} s")
             for c in args.concurrency:
                 sent = bodies[:args.requests or c]
