@@ -109,3 +109,16 @@ def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
     assert ((prefill_fused - prefill).norm() / prefill.norm()).item() < 1e-5
     assert ((fused - plain).norm() / plain.norm()).item() < 1e-5
     assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.equal(a.routing, b.routing)
+
+
+def test_write_kv_puts_each_tokens_keys_and_values_at_its_block_and_offset_and_nowhere_else():
+    from moe_rl_eks.kernels.kv_write import write_kv
+
+    keys, values = (torch.zeros(5, PAGE, 2, 32, device=DEVICE) for _ in range(2))
+    kv = torch.randn(3, 2, 8, 32, device=DEVICE)  # q/k/v-like strided views: heads not adjacent to tokens
+    k, v = kv[:, 0, 1:3], kv[:, 0, 5:7]
+    blocks, offsets = torch.tensor([4, 0, 4], device=DEVICE), torch.tensor([7, 0, 1], device=DEVICE)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[blocks, offsets], want_v[blocks, offsets] = k, v
+    write_kv(keys, values, k, v, blocks, offsets)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)

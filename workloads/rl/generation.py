@@ -394,8 +394,13 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
         q, k, v = _attention_inputs(attn, x, cos, sin, fused)  # [N, heads, D]
-        cache.keys[i][block, offset] = k
-        cache.values[i][block, offset] = v
+        if fused:
+            from moe_rl_eks.kernels.kv_write import write_kv
+
+            write_kv(cache.keys[i], cache.values[i], k, v, block, offset)
+        else:
+            cache.keys[i][block, offset] = k
+            cache.values[i][block, offset] = v
         out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
         x, h, logits = _add_norm_router(layer, h, _linear(out.reshape(n, attn.heads * attn.head_dim),
                                                           attn.o_proj.weight, fused), fused)
