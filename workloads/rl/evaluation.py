@@ -132,14 +132,15 @@ def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None
             scorer.close()
 
 
-def evaluate_checkpoint(run, directory: str | Path) -> dict[str, float]:
+def evaluate_checkpoint(run, directory: str | Path, scorer: RewardScorer | None = None) -> dict[str, float]:
     """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
-    the local run's evaluation of its initial, post-warm-up and final weights."""
+    the local run's evaluation of its initial, post-warm-up and final weights. Pass `scorer` to score several
+    checkpoints with one set of reward workers."""
     from ..model.checkpoint import load_model
     from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
-    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer)
+    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer, scorer)
 
 
 def _text(tokenizer, tokens: list[int], finished: bool) -> str:
