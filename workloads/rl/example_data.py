@@ -32,7 +32,7 @@ THINGS = ("apples", "books", "coins", "shells", "stamps", "cards")
 def word_problem(rng: random.Random, max_operand: int) -> tuple[str, int, str]:
     """(question, answer, kind): addition, subtraction without negatives, or multiplication."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
     kind = rng.choice(("add", "sub", "mul"))
     if kind == "add":
         return f"{name} has {a} {thing} and finds {b} more. How many {thing} does {name} have?", a + b, kind
