@@ -305,8 +305,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moerl eval", description=main.__doc__.split(": ", 1)[1])
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory (weights, config.json, "
                         "tokenizer files, generation_config.json)")
-    parser.add_argument("--data", help="evaluation Parquet/JSONL file in verl's layout (path or s3://); default: "
-                        "the --run's evaluation prompts")
+    parser.add_argument("--data", help="evaluation data in verl's layout: a Parquet/JSONL file, a directory, a glob "
+                        "or an S3 prefix (path or s3://); default: the --run's evaluation prompts")
     parser.add_argument("--run", help="a run file whose rl.data/rl.reward/rl.evaluation settings to use")
     parser.add_argument("--reward", default=None, help="arithmetic, math or package.module:function (default: the "
                         "run's, else math)")
