@@ -14,30 +14,35 @@ from ._triton import check_device, next_pow2
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, N, heads, eps,
-                    HAS_RESIDUAL: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, N, heads, stride_t, split,
+                    eps, HAS_RESIDUAL: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Row r is head r % heads of token r // heads; x's tokens are stride_t apart (its heads contiguous), every
+    other tensor is contiguous [rows, N]. Heads from `split` on are scaled by the weight's second row."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     row_ok = r < rows
     mask = row_ok[:, None] & (c[None, :] < N)
     at = r[:, None].to(tl.int64) * N + c[None, :]
-    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    x_row = (r // heads).to(tl.int64) * stride_t + (r % heads) * N
+    w_row = tl.where((r % heads) >= split, N, 0)
+    x = tl.load(x_ptr + x_row[:, None] + c[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:  # h + delta, rounded as the add would be, is both returned and normalised
         x = (x.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + at, x, mask=mask)
     x32 = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / N + eps)
-    w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-    out = (w[None, :] * (x32 * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+    w = tl.load(w_ptr + w_row[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = (w * (x32 * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
     if HAS_ROPE:  # half rotation: out * cos + cat(-out[D/2:], out[:D/2]) * sin, each product rounded
         half = N // 2
         partner_c = tl.where(c < half, c + half, c - half)
-        partner = tl.load(x_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :], mask=mask, other=0.0)
+        partner = tl.load(x_ptr + x_row[:, None] + partner_c[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             partner = (partner.to(tl.float32) + tl.load(res_ptr + r[:, None].to(tl.int64) * N + partner_c[None, :],
                                                         mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        wp = tl.load(w_ptr + partner_c, mask=c < N, other=0.0).to(tl.float32)
-        partner = (wp[None, :] * (partner.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+        wp = tl.load(w_ptr + w_row[:, None] + partner_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        partner = (wp * (partner.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
         partner = tl.where(c[None, :] < half, -partner.to(tl.float32), partner.to(tl.float32)).to(x.dtype)
         token = (r // heads).to(tl.int64)
         cos = tl.load(cos_ptr + token[:, None] * N + c[None, :], mask=mask, other=0.0)
@@ -49,30 +54,39 @@ def _rmsnorm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, r
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None, second_weight_from: int | None = None):
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, in x's dtype (x, weight alike).
 
     residual: normalise x + residual instead and return (normalised, x + residual).
     rope: (cos, sin) [T, D] for x [T, heads, D] (or [B, S, heads, D] with T = B * S): apply the rotary embedding
-    of token t to its heads' normalised rows."""
+    of token t to its heads' normalised rows.
+    second_weight_from: weight is [2, D] and heads from this index on use its second row (the engine's queries and
+    keys, q_norm then k_norm, normalised in one launch)."""
     check_device("x", x)
-    if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm needs a weight [{x.shape[-1]}] of x's dtype {x.dtype}; got "
+    want = x.shape[-1:] if second_weight_from is None else (2, x.shape[-1])
+    if weight.dtype != x.dtype or tuple(weight.shape) != tuple(want) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm needs a contiguous weight {list(want)} of x's dtype {x.dtype}; got "
                          f"{tuple(weight.shape)} {weight.dtype}")
     n = x.shape[-1]
-    flat = x.reshape(-1, n).contiguous()
-    out = torch.empty_like(flat)
-    heads = x.shape[-2] if rope is not None else 1
-    cos, sin = (t.reshape(-1, n).contiguous() for t in rope) if rope is not None else (flat, flat)
-    if rope is not None and (cos.shape[0] * heads != flat.shape[0] or n % 2):
+    heads = x.shape[-2] if rope is not None or second_weight_from is not None else 1
+    split = heads if second_weight_from is None else second_weight_from
+    # x may be a slice of wider token rows (the engine's fused q/k/v projection): read it in place when its heads
+    # are contiguous, whatever the tokens' stride
+    tokens = x.reshape(-1, heads, n)
+    if residual is not None or tokens.stride(2) != 1 or tokens.stride(1) != n:
+        tokens = tokens.contiguous()
+    rows = tokens.shape[0] * heads
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    cos, sin = (t.reshape(-1, n).contiguous() for t in rope) if rope is not None else (out, out)
+    if rope is not None and (cos.shape[0] != tokens.shape[0] or n % 2):
         raise ValueError(f"rope: cos/sin {tuple(rope[0].shape)} do not give one row of {n} per token of x "
                          f"{tuple(x.shape)}")
-    res = residual.reshape(-1, n).contiguous() if residual is not None else flat
-    total = torch.empty_like(flat) if residual is not None else flat
+    res = residual.reshape(-1, n).contiguous() if residual is not None else out
+    total = torch.empty_like(out) if residual is not None else out
     rows_per_program = max(1, min(16, 4096 // next_pow2(n)))
-    _rmsnorm_kernel[(triton.cdiv(flat.shape[0], rows_per_program),)](
-        flat, res, total, weight, cos, sin, out, flat.shape[0], n, heads, eps, HAS_RESIDUAL=residual is not None,
-        HAS_ROPE=rope is not None, ROWS=rows_per_program, BLOCK=next_pow2(n))
+    _rmsnorm_kernel[(triton.cdiv(rows, rows_per_program),)](
+        tokens, res, total, weight, cos, sin, out, rows, n, heads, tokens.stride(0), split, eps,
+        HAS_RESIDUAL=residual is not None, HAS_ROPE=rope is not None, ROWS=rows_per_program, BLOCK=next_pow2(n))
     if residual is not None:
         return out.view(x.shape), total.view(x.shape)
     return out.view(x.shape)

@@ -30,8 +30,8 @@ def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_
     other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
     fed = []
     forward = generation.forward_slots
-    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a: fed.append(tokens.shape) or
-                        forward(m, c, slot, tokens, *a))
+    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a, **kw: fed.append(tokens.shape) or
+                        forward(m, c, slot, tokens, *a, **kw))
     together = generate(model, group + other, EOS)
     if device == "cpu":  # on a GPU, decode steps replay CUDA graphs (captured with padding rows) instead
         assert fed[0] == (2, 6)  # two distinct prompts prefilled once each, the longer 6 tokens
@@ -88,6 +88,27 @@ def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_doe
     assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
     routing = torch.stack(out.routing, 2)[0, :-1]  # [positions fed, layers, k]
     assert torch.equal(seq.routing.long(), routing) and seq.routing.dtype == torch.uint8
+
+
+def test_prompt_logprobs_come_from_the_chunked_prefill_and_equal_a_plain_forwards(model):
+    prompt = [1, 6, 13, 7, 16, 9, 4, 11]
+    decoder = Decoder(model, slots=4, max_len=16, eos_ids=[99], prefill_tokens=3)  # the prompt takes 3 chunks
+    scored = [request(prompt, 2, 5, row=i, prompt_logprobs=True, top_logprobs=3, temperature=0.7) for i in range(2)]
+    plain = request([1, 9, 13], 2, 6, row=2)
+    seqs = run_to_end(decoder, [decoder.add(r) for r in [*scored, plain]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)  # the model's own
+    want = logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for seq in seqs[:2]:  # both rows of the group, one prefill
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(prompt)
+        assert seq.prompt_logprobs[1:] == pytest.approx(want.tolist(), abs=1e-5)
+        values, ids = logp.topk(3, -1)
+        assert seq.prompt_top_logprobs[0] is None
+        for got, i, v in zip(seq.prompt_top_logprobs[1:], ids.tolist(), values.tolist()):
+            assert [t for t, _ in got] == i and [lp for _, lp in got] == pytest.approx(v, abs=1e-5)
+    assert seqs[2].prompt_logprobs is None and seqs[2].prompt_top_logprobs is None
+    alone = run_to_end(decoder, [decoder.add(request(prompt, 2, 5, row=0, temperature=0.7))])  # not scored
+    assert alone[0].tokens == seqs[0].tokens
 
 
 def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_seed_row_and_step():
@@ -178,6 +199,46 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_decoding(model):
     for a, b in zip(outs[True], outs[False]):
         assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert torch.equal(outs[True][0].routing, outs[False][0].routing)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_kernels_sample_each_row_as_alone_and_as_the_torch_backend(model, monkeypatch):
+    from moe_rl_eks.kernels import backend
+
+    model = model.cuda()
+    triton_model = MoETransformer(model.config, compute="triton").eval().cuda()
+    triton_model.load_state_dict(model.state_dict())
+    calls = []
+    kernels = backend.decode_experts
+    monkeypatch.setattr(backend, "decode_experts", lambda *a: calls.append(a[0].shape[0]) or kernels(*a))
+    rows = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 2])]
+    rows.append(Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True))
+    together = generate(triton_model, rows, EOS)
+    assert calls and max(calls) <= backend.DECODE_MAX_TOKENS  # every MoE layer went through the decode kernels
+    for row, got, want in zip(rows, together, generate(model, rows, EOS)):
+        (alone,) = generate(triton_model, [row], EOS)
+        assert got.tokens == alone.tokens == want.tokens and got.routing == alone.routing == want.routing
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_through(model):
+    rows = [Row([1, 6, 13, 7, 16], 4, 1.0, 1.0, 5, want_routing=True), Row([1, 9, 4], 3, 0.0, 1.0, 6)]
+    before = generate(model, rows, EOS)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    generation.share_qkv_weights(model)
+    attn = model.model.layers[0].self_attn
+    projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert generation._shared(attn, "qkv_weight", projections) is attn.qkv_weight
+    assert generation._shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight]) is not None
+    after = generate(model, rows, EOS)
+    for a, b in zip(before, after):
+        assert a.tokens == b.tokens and a.routing == b.routing and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    model.load_state_dict({name: t * 2 if name.endswith("k_proj.weight") else t for name, t in state.items()})
+    assert torch.equal(attn.qkv_weight[attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
+                       state["model.layers.0.self_attn.k_proj.weight"] * 2)
+    model.double()  # a dtype change copies the parameters: the stale buffer is no longer used
+    assert generation._shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
 
 
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..model import MoETransformer
 from ..model.transformer import _rotate, rotary
+from ..moe.parallel import decode_phase
 from .engine_api import RowOutput, RowRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,12 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 def row_uniform(key_lo: torch.Tensor, key_hi: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row from (seed, row, step): the seed's two 32-bit words are the key. On a CPU the
-    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead)."""
+    same function runs on numpy's uint64 arrays (one vectorised op per word instead of a tensor op's overhead); on
+    a GPU in one Triton kernel (kernels/philox.py; tested bitwise against this path)."""
     if key_lo.is_cuda:
-        zero = torch.zeros_like(row)
-        word = philox4x32((step & _MASK32, row & _MASK32, step >> 32, zero), (key_lo, key_hi))[0]
-        return (word >> 8).to(torch.float32) * (1.0 / (1 << 24))
+        from moe_rl_eks.kernels.philox import row_uniform as philox_kernel
+
+        return philox_kernel(key_lo, key_hi, row, step)
     import numpy as np
 
     lo, hi, r, t = (x.numpy().astype(np.uint64) for x in (key_lo, key_hi, row, step))
@@ -186,19 +188,89 @@ def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) 
 
 
 def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    """x [B, S, heads, D] -> rotary(norm(x)) as [B, heads, S, D] (the q/k path of the model's attention)."""
+    """x [..., heads, D] -> rotary(norm(x)) [..., heads, D] with each token's cos, sin [..., D] (the q/k path of the
+    model's attention)."""
     if fused:
         from moe_rl_eks.kernels.rmsnorm import rms_norm
 
-        return rms_norm(x, module.weight, module.eps, rope=(cos[:, 0], sin[:, 0])).transpose(1, 2)
-    return _rotate(module(x).transpose(1, 2), cos, sin)
+        return rms_norm(x, module.weight, module.eps, rope=(cos, sin))
+    return _rotate(module(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+
+def share_qkv_weights(model: MoETransformer) -> None:
+    """Make each layer's q, k and v projection weights views of one [q; k; v] buffer (`qkv_weight` on the attention
+    module), and its q_norm and k_norm weights views of one [2, D] buffer (`qk_norm_weight`), so that a decode step
+    projects with one GEMM and normalises queries and keys with one kernel. Weight loads copy into the parameters
+    (load_state_dict, weight_staging.install), so they write through the views and the buffers stay current."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name, weights in (("qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                              ("qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight])):
+            if _shared(attn, name, weights) is not None:
+                continue
+            if weights[0].dim() == 1:
+                buffer = torch.stack([w.detach() for w in weights])
+                views = buffer.unbind(0)
+            else:
+                buffer = torch.cat([w.detach() for w in weights])
+                views = buffer.split([w.shape[0] for w in weights])
+            for w, view in zip(weights, views):
+                w.data = view
+            setattr(attn, name, buffer)
+
+
+def _shared(attn, name: str, weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """attn's buffer `name` if `weights` are still its consecutive views (a move to another device or dtype, or an
+    assignment of new tensors, makes copies: then None)."""
+    buffer = getattr(attn, name, None)
+    if buffer is None:
+        return None
+    at = buffer.data_ptr()
+    for w in weights:
+        if w.device != buffer.device or w.dtype != buffer.dtype or w.data_ptr() != at:
+            return None
+        at += w.numel() * w.element_size()
+    return buffer
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x @ weight.T; `fused`: at a few rows through the Triton product where it beats cuBLAS (kernels/gemv.py)."""
+    if fused:
+        from moe_rl_eks.kernels.gemv import decode_linear
+
+        return decode_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def _attention_inputs(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D]) with
+    each token's cos, sin [..., D]. With shared buffers (share_qkv_weights): one product, and on a GPU one norm +
+    rotary kernel for queries and keys together."""
+    lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
+    qkv = _shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    if qkv is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        q, k, v = _linear(x, qkv, fused).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        norms = _shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight])
+        if fused and norms is not None and attn.q_norm.eps == attn.k_norm.eps:
+            from moe_rl_eks.kernels.rmsnorm import rms_norm
+
+            qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))
+            qk = rms_norm(qk, norms, attn.q_norm.eps, rope=(cos, sin), second_weight_from=heads)
+            return qk[..., :heads, :], qk[..., heads:, :], v.view(*lead, kv_heads, dim)
+    return (_norm_rope(attn.q_norm, q.view(*lead, heads, dim), cos, sin, fused),
+            _norm_rope(attn.k_norm, k.view(*lead, kv_heads, dim), cos, sin, fused), v.view(*lead, kv_heads, dim))
 
 
 def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, tokens: torch.Tensor,
-                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None) -> torch.Tensor:
+                  start: torch.Tensor, count: torch.Tensor, key_len: int, fused: bool | None = None,
+                  every: torch.Tensor | None = None) -> torch.Tensor:
     """Feed `tokens` [B, S] (row b's first count[b] are real) at positions start[b]... of slots `slot` [B]:
     their keys, values and routed experts go into the cache. Returns the logits [B, V] after each row's last
-    real token. The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
+    real token; `every` (indices of rows) adds those rows' logits at each of their S positions after them, as
+    [B + len(every) * S, V] (a prompt's logprobs). The layers are the model's own modules, so the numerics are the trainer's; `fused` (default: on a
     GPU) computes the norms (with the residual adds and the rotary embedding around them) and decode attention
     with this project's Triton kernels instead of PyTorch ops."""
     fused = tokens.is_cuda if fused is None else fused
@@ -212,24 +284,27 @@ def forward_slots(model: MoETransformer, cache: SlotCache, slot: torch.Tensor, t
     write_pos = torch.where(real, positions, 0)
     h = model.model.embed_tokens(tokens)
     cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
+    cos_t, sin_t = cos[:, 0], sin[:, 0]  # [B, S, D]: each token's
     routed, delta = [], None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = _add_norm(layer.input_layernorm, h, delta, fused)
-        q = _norm_rope(attn.q_norm, attn.q_proj(x).view(b, s, attn.heads, attn.head_dim), cos, sin, fused)
-        k = _norm_rope(attn.k_norm, attn.k_proj(x).view(b, s, attn.kv_heads, attn.head_dim), cos, sin, fused)
-        cache.keys[i][write_slot, write_pos] = k.transpose(1, 2)
-        cache.values[i][write_slot, write_pos] = attn.v_proj(x).view(b, s, attn.kv_heads, attn.head_dim)
-        out = attend(q, cache.keys[i], cache.values[i], slot, positions, key_len, fused)
+        q, k, v = _attention_inputs(attn, x, cos_t, sin_t, fused)  # [B, S, heads, D]
+        cache.keys[i][write_slot, write_pos] = k
+        cache.values[i][write_slot, write_pos] = v
+        out = attend(q.transpose(1, 2), cache.keys[i], cache.values[i], slot, positions, key_len, fused)
         x, h = _add_norm(layer.post_attention_layernorm, h,
-                         attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim)), fused)
-        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False)
+                         _linear(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim), attn.o_proj.weight,
+                                 fused), fused)
+        moe = layer.mlp(x.reshape(b * s, c.hidden_size), statistics=False, decode=True)
         delta = moe.out.view(b, s, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[write_slot, write_pos] = torch.stack(routed, 1).view(b, s, len(routed), -1).to(cache.routing.dtype)
-    rows = torch.arange(b, device=device)
-    last_h, last_delta = h[rows, count - 1], delta[rows, count - 1]
-    return model.lm_head(_add_norm(model.model.norm, last_h, last_delta, fused)[0])
+    rows, at = torch.arange(b, device=device), count - 1
+    if every is not None:
+        rows, at = torch.cat([rows, every.repeat_interleave(s)]), torch.cat([at, offsets.repeat(len(every))])
+    last_h, last_delta = h[rows, at], delta[rows, at]
+    return _linear(_add_norm(model.model.norm, last_h, last_delta, fused)[0], model.lm_head.weight, fused)
 
 
 # ---- rows and the decoder ----------------------------------------------------------------------------------
@@ -247,6 +322,8 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     routing: torch.Tensor | None = None  # [positions, layers, k] on the device, kept when the row finishes
+    prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs, once its prefill ended
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -263,6 +340,9 @@ class Group:
 
     rows: list[Sequence]
     prefilled: int = 0  # prompt tokens in the leader's cache so far
+    # when a row asked for them: the logprobs of prompt tokens 1.. (and their alternatives), chunk by chunk
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -314,13 +394,32 @@ class SlotState:
             target = getattr(self, name)
             target[idx] = torch.tensor(values, dtype=target.dtype).to(target.device, non_blocking=True)
 
-    def sampling(self, slot: torch.Tensor, seqs: list[Sequence]) -> SamplingRows:
-        params = [s.params for s in seqs]
+    def sampling(self, slot: torch.Tensor, flags: "SamplerFlags") -> SamplingRows:
         return SamplingRows(self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot],
                             self.raw[slot], self.key_lo[slot], self.key_hi[slot], self.row[slot], self.step[slot],
-                            filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-                            any_raw=any(p.logprob_mode == "raw" for p in params),
-                            top_n=max(p.top_logprobs for p in params))
+                            filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """What the rows of a step ask of the sampler beyond plain sampling (it skips the work no row asked for)."""
+
+    filtered: bool  # some row has top-k, top-p < 1 or min-p > 0
+    any_raw: bool
+    top_n: int  # the largest top_logprobs asked for
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "SamplerFlags":
+        params = [s.params for s in seqs]
+        return cls(any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                   any(p.logprob_mode == "raw" for p in params), max(p.top_logprobs for p in params))
+
+
+# Decode steps of at most this many rows also replay the sampler from a CUDA graph (one per bucket and sampler
+# flags, captured on first use): at a few rows its two dozen small kernels cost more host time than GPU time.
+# Larger steps sample eagerly (their GPU step hides the host work, and the graphs' buffers would grow with the
+# vocabulary times the rows).
+SAMPLER_GRAPH_ROWS = 16
 
 
 def fitting_slots(model: MoETransformer, wanted: int, max_len: int, memory_fraction: float = 0.8) -> int:
@@ -361,6 +460,8 @@ class Decoder:
         self.prefill_tokens = prefill_tokens
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cuda":
+            share_qkv_weights(model)
         self.cache = SlotCache.allocate(model.config, slots, max_len, self.device, param.dtype)
         self.state = SlotState.allocate(slots, self.device)
         self.free = list(range(slots - 1, -1, -1))
@@ -369,6 +470,10 @@ class Decoder:
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
         self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
+        self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.pool = None
+        self.graph_slots: dict[int, tuple[int, ...]] = {}  # what each bucket's slot input holds
         if cuda_graphs and self.device.type == "cuda" and model.ep is None:
             self._capture(buckets or graph_buckets(slots))
 
@@ -434,7 +539,8 @@ class Decoder:
         if agree(bool(self.prefilling)) if agree is not None else self.prefilling:
             self._prefill_chunk(events)
         if agree(bool(self.decoding)) if agree is not None else self.decoding:
-            self._decode(events)
+            with decode_phase(self.model.ep):  # an expert-parallel server's decode dispatcher (DeepEP low-latency)
+                self._decode(events)
         return events
 
     # ---- internals ---------------------------------------------------------------------------------------
@@ -476,7 +582,12 @@ class Decoder:
         start = torch.tensor([g.prefilled for g, _ in chunks], device=dev)
         count = torch.tensor([take for _, take in chunks], device=dev)
         key_len = max(g.prefilled + take for g, take in chunks)
-        logits = forward_slots(self.model, self.cache, slot, tokens.to(dev), start, count, key_len)
+        scored = [i for i, (g, _) in enumerate(chunks) if any(r.params.prompt_logprobs for r in g.rows)]
+        logits = forward_slots(self.model, self.cache, slot, tokens.to(dev), start, count, key_len,
+                               every=torch.tensor(scored, device=dev) if scored else None)
+        if scored:
+            self._score_prompts([chunks[i] for i in scored], logits[len(chunks):].view(len(scored), width, -1))
+            logits = logits[:len(chunks)]
         done, done_logits = [], []
         for i, (group, take) in enumerate(chunks):
             group.prefilled += take
@@ -495,6 +606,10 @@ class Decoder:
                 self.cache.copy_prefix(leader, others, length)
             for r in group.rows:
                 self.length[r.slot] = length
+                if r.params.prompt_logprobs:  # the first prompt token has nothing before it to be scored on
+                    n = r.params.top_logprobs
+                    r.prompt_logprobs = [None, *group.prompt_logprobs]
+                    r.prompt_top_logprobs = [None, *(alts[:n] for alts in group.prompt_top_logprobs)] if n else None
                 if r.finish_reason is None:
                     rows.append(r)
                     which.append(i)
@@ -504,6 +619,21 @@ class Decoder:
             slots = torch.tensor([r.slot for r in rows], device=dev)
             self.state.length[slots] = torch.tensor([self.length[r.slot] for r in rows], device=dev)
             self._sample(rows, slots, logits[torch.tensor(which, device=dev)], events)
+
+    def _score_prompts(self, chunks: list[tuple[Group, int]], logits: torch.Tensor) -> None:
+        """Logprobs of each group's prompt tokens that this chunk's positions predict (`logits` [groups, width, V],
+        before `prefilled` moves): position p scores prompt token p + 1, under softmax(logits)."""
+        top_n = max(r.params.top_logprobs for g, _ in chunks for r in g.rows if r.params.prompt_logprobs)
+        for (group, take), chunk in zip(chunks, logits):
+            targets = group.prompt[group.prefilled + 1:group.prefilled + take + 1]  # the last position: a new token
+            if not targets:
+                continue
+            logp = torch.log_softmax(chunk[:len(targets)].float(), -1)
+            chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0]
+            group.prompt_logprobs += chosen.tolist()
+            if top_n:
+                values, ids = logp.topk(top_n, -1)
+                group.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -522,10 +652,10 @@ class Decoder:
         except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
             # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
             log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
-            self.graphs = {}
+            self.graphs, self.sampler_graphs = {}, {}
 
     def _capture_buckets(self, buckets: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for size in sorted(set(buckets), reverse=True):
                 slot = torch.full((size,), self.slots, dtype=torch.long, device=self.device)
@@ -538,6 +668,8 @@ class Decoder:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._decode_forward(slot, self.max_len)
                 self.graphs[size] = (graph, slot, logits)
+                if size <= SAMPLER_GRAPH_ROWS:  # plain sampling (RL's temperature-only rows) ready from the start
+                    self._capture_sampler(size, SamplerFlags(filtered=False, any_raw=False, top_n=0))
         torch.cuda.synchronize(self.device)
 
     def _scratch_forward(self) -> None:
@@ -554,9 +686,10 @@ class Decoder:
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
-            padded = torch.full((bucket,), self.slots, dtype=torch.long)
-            padded[:len(slots)] = torch.tensor(slots)
-            slot_in.copy_(padded.pin_memory(), non_blocking=True)
+            padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
+            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+                self.graph_slots[bucket] = padded
             graph.replay()
             slot, logits = slot_in[:len(slots)], logits[:len(slots)]
         else:
@@ -565,18 +698,58 @@ class Decoder:
         for r in rows:
             self.length[r.slot] += 1
         self.decoding = []
-        self._sample(rows, slot, logits, events)
+        self._sample(rows, slot, logits, events, bucket)
 
-    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents) -> None:
-        out = sample(logits, self.state.sampling(slot, rows))
+    def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
+        """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:
+        token (exact in float64), logprob, then the top alternatives' ids and logprobs (one copy to the host)."""
+        out = sample(logits, self.state.sampling(slot, flags))
         self.state.last_token[slot] = out.tokens
         self.state.step[slot] += 1
-        # One transfer to the host per step: tokens (exact in float64), logprobs and any alternatives.
         packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
-        top_n = 0 if out.top_ids is None else out.top_ids.shape[1]
-        if top_n:
+        if flags.top_n:
             packed += [out.top_ids.double(), out.top_logprobs.double()]
-        host = torch.cat(packed, 1).cpu().tolist()
+        return torch.cat(packed, 1)
+
+    def _sampler_graph(self, bucket: int | None, flags: SamplerFlags) -> torch.Tensor | None:
+        """Replay the sampler of decode bucket `bucket` (capturing it on first use); its packed output, or None
+        where the sampler runs eagerly."""
+        if bucket is None or bucket > SAMPLER_GRAPH_ROWS or flags.top_n:
+            return None
+        key = (bucket, flags.filtered, flags.any_raw)
+        if key not in self.sampler_graphs:
+            try:
+                self._capture_sampler(bucket, flags)
+            except RuntimeError as exc:  # sample eagerly from now on for these flags: slower but right
+                log.warning("the sampler runs without a CUDA graph: capturing it failed: %s", str(exc).splitlines()[0])
+                self.sampler_graphs[key] = None
+        if self.sampler_graphs[key] is None:
+            return None
+        graph, packed = self.sampler_graphs[key]
+        graph.replay()
+        return packed
+
+    def _capture_sampler(self, bucket: int, flags: SamplerFlags) -> None:
+        _, slot_in, logits = self.graphs[bucket]
+        scratch = torch.full_like(slot_in, self.slots)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (kernel compilation) on the scratch slot only
+            self._sample_packed(scratch, logits, flags)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            packed = self._sample_packed(slot_in, logits, flags)
+        self.sampler_graphs[(bucket, flags.filtered, flags.any_raw)] = (graph, packed)
+
+    def _sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, events: StepEvents,
+                bucket: int | None = None) -> None:
+        flags = SamplerFlags.of(rows)
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        host = packed[:len(rows)].cpu().tolist()
+        top_n = flags.top_n
         for r, values in zip(rows, host):
             token, logprob = int(values[0]), values[1]
             top = None
@@ -614,7 +787,8 @@ def output(seq: Sequence, version: int | None, lineage: int | None) -> RowOutput
     """A finished row as the engine reports it; its routing leaves the device here, as [positions, layers, k]."""
     routing = seq.routing.cpu().numpy() if seq.routing is not None else None
     return RowOutput(seq.request.request_id, seq.request.row, list(seq.tokens), list(seq.logprobs),
-                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0)
+                     seq.top_logprobs, seq.finish_reason, seq.error, routing, version, lineage or 0,
+                     seq.prompt_logprobs, seq.prompt_top_logprobs)
 
 
 # ---- one-shot decoding of a list of rows --------------------------------------------------------------------
