@@ -147,21 +147,27 @@ async def _requests(url: str, bodies: list[dict], concurrency: int, stream: bool
     return sum(t for t, _ in results), [s for _, s in results], wall
 
 
-def measure(name: str, concurrency: int, call) -> dict:
+def measure(name: str, concurrency: int, call, engine) -> dict:
+    """One run of a way. Beside the client's wall time, the engine's own time in steps (busy seconds): a server
+    that starves the engine leaves it idle (busy < wall), one that competes with it for the GIL makes its steps
+    longer (more busy seconds for the same tokens)."""
+    busy = engine.busy_seconds
     tokens, latencies, wall = call()  # wall: first request sent to last answer, inside the sending process
     latencies.sort()
     return {"way": name, "concurrency": concurrency, "tokens": tokens, "seconds": wall,
             "tokens_per_second": tokens / wall, "p50_s": statistics.median(latencies),
-            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]}
+            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "engine_busy_s": engine.busy_seconds - busy}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| concurrency | way | tokens | tokens/s | vs engine | p50 latency (s) | p95 latency (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | way | tokens | tokens/s | vs engine | p50 latency (s) | p95 latency (s) | wall (s) | "
+             "engine busy (s) |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r["concurrency"]: r["tokens_per_second"] for r in results if r["way"] == "engine"}
     for r in results:
         lines.append(f"| {r['concurrency']} | {r['way']} | {r['tokens']} | {r['tokens_per_second']:.0f} | "
-                     f"{r['tokens_per_second'] / base[r['concurrency']]:.2f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} |")
+                     f"{r['tokens_per_second'] / base[r['concurrency']]:.2f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
+                     f"{r['seconds']:.2f} | {r['engine_busy_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -239,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {name: [] for name in ways}
                 for _ in range(args.repeats):
                     for name, call in ways.items():
-                        runs[name].append(measure(name, c, call))
+                        runs[name].append(measure(name, c, call, engine))
                         measured.append(runs[name][-1])
                         save()
-                        log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s")
+                        log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s, "
+                            f"{runs[name][-1]['seconds']:.2f} s, engine busy {runs[name][-1]['engine_busy_s']:.2f} s")
                 for name in ways:
                     results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
                 save()
