@@ -95,8 +95,8 @@ def test_a_sharded_decoder_sends_decode_forwards_and_only_those_to_the_decode_di
     for rank, seen in enumerate(result["seen"]):
         assert seen["decode"] == [3 if rank == 0 else 1] * (11 * 2), (rank, seen)  # 11 steps x 2 layers
         assert all(n <= SLOTS for n in seen["decode"])
-        # one prefill chunk, 2 layers: rank 0's two prompts padded to 5 tokens (a group shares one), rank 1's 7
-        assert seen["prefill"] == [10 if rank == 0 else 7] * 2, (rank, seen)
+        # one prefill chunk, 2 layers: rank 0's two prompts packed, 5 + 3 tokens (a group shares one), rank 1's 7
+        assert seen["prefill"] == [8 if rank == 0 else 7] * 2, (rank, seen)
 
 
 def test_packed_order_lists_each_experts_valid_rows_in_expert_order():

@@ -2,7 +2,7 @@
 
 The same requests (the orchestrator's: n rows of a distinct random prompt each, seeded, temperature 1, each
 token's logprob, the routed experts unless `--no-routing`) are sent at each concurrency three ways, in one run against one engine: straight to `RolloutEngine.submit` from threads (no HTTP), as
-`/v1/completions` over HTTP with keep-alive connections (httpx, in its own process), and as streamed
+`/v1/completions` over HTTP with keep-alive connections (aiohttp, the orchestrator's client, in its own process), and as streamed
 `/v1/completions` (server-sent events). tokens/s = completion tokens / wall time of the whole batch of requests
 (the median of `--repeats` runs, the ways taking turns); the latency columns are per request. The seeds make every
 way generate the same tokens, so the ratio is the server's overhead at that load.
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import multiprocessing
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -108,48 +109,65 @@ def _client(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tup
     return asyncio.run(_requests(url, bodies, concurrency, stream))
 
 
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+TOKEN_IDS = re.compile(rb'"token_ids":\[([\d,]*)\]')
+
+
 async def _requests(url: str, bodies: list[dict], concurrency: int, stream: bool) -> tuple[int, list[float], float]:
-    import httpx
+    """The orchestrator's HTTP client (aiohttp, keep-alive). Every byte of each answer is read, but only the token
+    counts are decoded from it (usage, or each chunk's token ids): an RL answer with logprobs and routed experts
+    is ~1.6 MB of JSON at the Qwen3 shape, and parsing it into Python objects is the client's cost, not the
+    server's."""
+    import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
         async def one(body: dict) -> tuple[int, float]:
             async with limit:
                 start = time.monotonic()
                 if not stream:
-                    answer = (await client.post("/v1/completions", json=body)).raise_for_status().json()
-                    return answer["usage"]["completion_tokens"], time.monotonic() - start
+                    async with client.post("/v1/completions", json=body) as resp:
+                        answer = await resp.read()
+                        resp.raise_for_status()
+                    return int(COMPLETION_TOKENS.search(answer[:1024])[1]), time.monotonic() - start
                 tokens = 0
-                async with client.stream("POST", "/v1/completions",
-                                         json={**body, "stream": True, "return_token_ids": True}) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+                async with client.post("/v1/completions", json={**body, "stream": True, "return_token_ids": True}
+                                       ) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.content:
+                        tokens += sum(ids.count(b",") + 1 for ids in TOKEN_IDS.findall(line) if ids)
                 return tokens, time.monotonic() - start
 
-        await client.get("/v1/models")  # the connection pool's first connection is not part of the figure
+        async with client.get("/v1/models") as resp:  # the pool's first connection is not part of the figure
+            await resp.read()
         start = time.monotonic()
         results = await asyncio.gather(*(one(b) for b in bodies))
         wall = time.monotonic() - start
     return sum(t for t, _ in results), [s for _, s in results], wall
 
 
-def measure(name: str, concurrency: int, call) -> dict:
+def measure(name: str, concurrency: int, call, engine) -> dict:
+    """One run of a way. Beside the client's wall time, the engine's own time in steps (busy seconds): a server
+    that starves the engine leaves it idle (busy < wall), one that competes with it for the GIL makes its steps
+    longer (more busy seconds for the same tokens)."""
+    busy = engine.busy_seconds
     tokens, latencies, wall = call()  # wall: first request sent to last answer, inside the sending process
     latencies.sort()
     return {"way": name, "concurrency": concurrency, "tokens": tokens, "seconds": wall,
             "tokens_per_second": tokens / wall, "p50_s": statistics.median(latencies),
-            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]}
+            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "engine_busy_s": engine.busy_seconds - busy}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| concurrency | way | tokens | tokens/s | vs engine | p50 latency (s) | p95 latency (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | way | tokens | tokens/s | vs engine | p50 latency (s) | p95 latency (s) | wall (s) | "
+             "engine busy (s) |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r["concurrency"]: r["tokens_per_second"] for r in results if r["way"] == "engine"}
     for r in results:
         lines.append(f"| {r['concurrency']} | {r['way']} | {r['tokens']} | {r['tokens_per_second']:.0f} | "
-                     f"{r['tokens_per_second'] / base[r['concurrency']]:.2f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} |")
+                     f"{r['tokens_per_second'] / base[r['concurrency']]:.2f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
+                     f"{r['seconds']:.2f} | {r['engine_busy_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -214,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             bodies = requests(args, engine.run.model.vocab_size, max(args.requests or c for c in args.concurrency))
             # Warm-up: the decoder is built (KV cache, CUDA graphs) and the prefill shapes of the largest load
             # compile here, not inside the first way's figure.
-            direct(engine, [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]], max(args.concurrency))
+            warm = [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]]
+            direct(engine, warm, max(args.concurrency))
+            over_http(http.url, warm[:4], 4, False)  # and the server's first requests (imports, first responses)
             log(f"engine built and warm in {time.monotonic() - start:.1f} s")
             for c in args.concurrency:
                 sent = bodies[:args.requests or c]
@@ -225,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {name: [] for name in ways}
                 for _ in range(args.repeats):
                     for name, call in ways.items():
-                        runs[name].append(measure(name, c, call))
+                        runs[name].append(measure(name, c, call, engine))
                         measured.append(runs[name][-1])
                         save()
-                        log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s")
+                        log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s, "
+                            f"{runs[name][-1]['seconds']:.2f} s, engine busy {runs[name][-1]['engine_busy_s']:.2f} s")
                 for name in ways:
                     results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
                 save()

@@ -35,7 +35,7 @@ from moe_rl_eks.core.run import RunConfig
 from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from .protocol import VersionRef
-from .generation import Decoder, Sequence, fitting_slots, output
+from .generation import Decoder, Sequence, output
 from .replica import Replica, StepPlan, rows_per_rank
 from .runtime import Registry
 from .tokenizer import Tokenizer
@@ -92,6 +92,7 @@ class RolloutEngine:
         self._ep_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
         self._ep_turn = 0
         self._counts = (0, 0)  # (running, waiting) rows, for health()
+        self._preemptions = 0  # the decoder's count already added to the metric
         self._last_step = time.monotonic()
         self._last_sampled = 0.0  # time.monotonic() of the last step that sampled
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
@@ -226,10 +227,18 @@ class RolloutEngine:
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
         decoder = self._decoder
+        if decoder is not None:
+            self._report_kv(decoder.stats())
         self._counts = ((decoder.running if decoder else 0) + len(self._batch) + len(self._ep_rank),
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
+
+    def _report_kv(self, stats: dict[str, int]) -> None:
+        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(stats["blocks_used"] / stats["blocks_total"])
+        if stats["preemptions"] > self._preemptions:
+            self.metrics[M.ROLLOUT_PREEMPTIONS].inc(stats["preemptions"] - self._preemptions)
+        self._preemptions = stats["preemptions"]
 
     def _fail_running(self, message: str) -> int:
         """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
@@ -287,16 +296,12 @@ class RolloutEngine:
         arrives; later versions load into the same tensors, so it stays."""
         if self._decoder is None or self._decoder.model is not model:
             self._decoder = None  # free the old cache before sizing the new one
-            max_len = self._max_len()
-            slots = fitting_slots(model, self.run.rollout.max_batch_size, max_len)
-            if slots < self.run.rollout.max_batch_size:
-                log.warning("KV cache: %d rows of %d positions fit in this GPU's free memory, not rollout.max_batch_size "
-                            "= %d; more rows wait for a free slot", slots, max_len, self.run.rollout.max_batch_size)
-            self._decoder = Decoder(model, slots=slots, max_len=max_len, eos_ids=self._eos_ids())
+            self._decoder = Decoder.in_free_memory(model, slots=self.run.rollout.max_batch_size,
+                                                   max_len=self._max_len(), eos_ids=self._eos_ids())
         return self._decoder
 
     def _max_len(self) -> int:
-        """Positions of a KV-cache slot: the longest prompt and completion a request may ask for."""
+        """Positions of a row: the longest prompt and completion a request may ask for."""
         s = self.run.rl.sampling
         return min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
 

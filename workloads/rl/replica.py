@@ -28,7 +28,7 @@ from ..model.transformer import weights_dtype
 from ..model.checkpoint import cast_for_serving
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
-from .generation import Decoder, Sequence, fitting_slots, output
+from .generation import Decoder, Sequence, output
 from .weight_staging import HostStaging, install
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class Replica:
 
     def _step(self, plan: StepPlan) -> list[RankReport] | None:
         if self.decoder is None or self.decoder.model is not self.model:
-            self.decoder = Decoder(self.model, slots=fitting_slots(self.model, plan.slots, plan.max_len),
-                                   max_len=plan.max_len, eos_ids=plan.eos_ids)
+            self.decoder = Decoder.in_free_memory(self.model, slots=plan.slots, max_len=plan.max_len,
+                                                  eos_ids=plan.eos_ids)
             self._rows = {}
         report = RankReport([], [])
         for request in plan.admit[self.rank]:

@@ -485,8 +485,12 @@ class RolloutServer:
                 for i, row in enumerate(gen.rows):
                     yield _sse(api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=i, text=self._echo(gen, row), finish_reason=None)]))
-            async for burst in gen.bursts():  # a chunk per row and burst, all of a burst in one write
-                yield "".join(_sse(self._token_chunk(gen, head, index, events)) for index, events in burst.items())
+            # A chunk per row and burst, all of a burst in one write; each chunk is the request's envelope (rendered
+            # once) around that row's choice, so a token costs one small model's checks and JSON.
+            before = _envelope(api.ChatCompletionChunk if plan.kind == "chat" else api.CompletionResponse, head)
+            async for burst in gen.bursts():
+                yield "".join(f"{before}{self._token_choice(gen, index, events).model_dump_json()}]}}\n\n"
+                              for index, events in burst.items())
             choices, head, usage = self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
@@ -510,7 +514,8 @@ class RolloutServer:
             gen.cancel()  # a client gone mid-stream: its rows stop (a no-op once they finished)
         yield "data: [DONE]\n\n"
 
-    def _token_chunk(self, gen: Generation, head: dict, index: int, events: list[TokenEvent]):
+    def _token_choice(self, gen: Generation, index: int, events: list[TokenEvent]):
+        """Row `index`'s choice in a stream chunk: the text its new tokens released, and their ids and logprobs."""
         plan, row = gen.plan, gen.rows[index]
         text = row.text.take()
         ids = [e.token_id for e in events]
@@ -519,14 +524,14 @@ class RolloutServer:
         tops = None if events[0].top_logprobs is None else [e.top_logprobs for e in events]
         if plan.kind == "chat":
             chat_logprobs = self._chat_logprobs(ids, logprobs, tops) if plan.logprobs is not None else None
-            return api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
-                index=index, delta=api.Delta(content=text), logprobs=chat_logprobs, token_ids=token_ids)])
+            return api.ChatChunkChoice(index=index, delta=api.Delta(content=text), logprobs=chat_logprobs,
+                                       token_ids=token_ids)
         completion_logprobs = None
         if plan.logprobs is not None:
             completion_logprobs = self._completion_logprobs(gen, ids, logprobs, tops, row.offset)
             row.offset += sum(len(t) for t in completion_logprobs.tokens)
-        return api.CompletionResponse(**head, choices=[api.CompletionChoice(
-            index=index, text=text, finish_reason=None, logprobs=completion_logprobs, token_ids=token_ids)])
+        return api.CompletionChoice(index=index, text=text, finish_reason=None, logprobs=completion_logprobs,
+                                    token_ids=token_ids)
 
     def _echo(self, gen: Generation, row: Row) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""
@@ -555,6 +560,15 @@ class RolloutServer:
         return api.ChatLogprobs(content=[
             api.TokenLogprob(**entry(t, lp), top_logprobs=[api.TopLogprob(**entry(a, alp)) for a, alp in alts])
             for t, lp, alts in zip(ids, logprobs, tops or [[] for _ in ids])])
+
+
+def _envelope(cls, head: dict) -> str:
+    """`data: ` and a chunk of `cls` with `head`'s fields up to its choices' opening bracket: a choice's JSON and
+    `]}` complete it (the models list `choices` last)."""
+    empty = cls(**head, choices=[]).model_dump_json()
+    if not empty.endswith('"choices":[]}'):
+        raise RuntimeError(f"{cls.__name__} no longer serializes its choices last: {empty}")
+    return f"data: {empty[:-2]}"
 
 
 def _sse(chunk) -> str:
