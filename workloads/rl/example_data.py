@@ -1,8 +1,8 @@
 """`moerl example-data`: the local real-data example, made here instead of downloaded. Writes a Hugging Face
 style tokenizer directory (a byte-level BPE trained on the problems as rendered through the chat template, a
 ChatML chat template with a thinking switch as Qwen3 has, tokenizer_config.json and generation_config.json with
-two stop ids) and train/eval Parquet files of generated word problems in verl's column layout (prompt as chat messages, data_source,
-reward_model.ground_truth, extra_info)."""
+two stop ids) and train/eval Parquet files of generated word problems in verl's column layout (prompt as chat
+messages, data_source, reward_model.ground_truth, extra_info)."""
 from __future__ import annotations
 
 import argparse
