@@ -28,13 +28,14 @@ class TritonCompute:
         return swiglu_experts(x_sorted, counts, w13, w2)
 
     def decode(self, x: torch.Tensor, router: torch.Tensor, spec, bias: torch.Tensor | None, w13: torch.Tensor,
-               w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+               w2: torch.Tensor, logits: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A decode step's whole MoE layer on one rank, without autograd: router weight [E, h] -> (out [T, h],
-        expert ids [T, k], router logits [T, E]), or None where the grouped path is faster (more than
-        DECODE_MAX_TOKENS tokens) or the routing is not supported."""
+        expert ids [T, k], router logits [T, E] (`logits` when given)), or None where the grouped path is faster
+        (more than DECODE_MAX_TOKENS tokens) or the routing is not supported."""
         if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias):
             return None
-        logits = decode_linear(x, router)
+        logits = decode_linear(x, router) if logits is None else logits
         out, _, ids = decode_experts(x, logits, spec, bias, w13, w2)
         return out, ids, logits
 

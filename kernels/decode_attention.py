@@ -110,7 +110,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
                          f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
-    q = q.contiguous()
+    if q.stride(-1) != 1:  # rows and heads are read through their strides (the engine's q is a view of q and k)
+        q = q.contiguous()
     group = heads // kv_heads
     max_len = tables.shape[1] * page
     splits = splits or decode_splits(rows, kv_heads, max_len, q.device)
@@ -124,6 +125,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         G=group, SPLITS=splits, D=dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_N=16 if INTERPRET else 64, EXACT=q.dtype == torch.float32,
         num_warps=4, num_stages=2)
-    out = torch.empty_like(q)
+    out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
     _merge_kernel[(rows * heads,)](partial, ml, out, SPLITS=splits, BLOCK_S=next_pow2(splits), D=dim)
     return out

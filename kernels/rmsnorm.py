@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import check_device, next_pow2
+from ._triton import INTERPRET, check_device, next_pow2
 
 
 @triton.jit
@@ -90,3 +90,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     if residual is not None:
         return out.view(x.shape), total.view(x.shape)
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_norm_project_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, p_ptr, proj_ptr, N, P, eps,
+                             BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program (t, j): token t's x + res and its RMSNorm (the same arithmetic as _rmsnorm_kernel; program j = 0
+    stores both), then outputs j * BLOCK_P... of normed @ p.T (fp32 sums, rounded to proj's dtype)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < N
+    x = tl.load(x_ptr + t * N + c, mask=ok, other=0.0)
+    x = (x.to(tl.float32) + tl.load(res_ptr + t * N + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+    x32 = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    normed = (w * (x32 * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+    if tl.program_id(1) == 0:
+        tl.store(sum_ptr + t * N + c, x, mask=ok)
+        tl.store(out_ptr + t * N + c, normed, mask=ok)
+    rows = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p = tl.load(p_ptr + rows.to(tl.int64)[:, None] * N + c[None, :], mask=(rows < P)[:, None] & ok[None, :],
+                other=0.0)
+    proj = tl.sum(p.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
+    tl.store(proj_ptr + t * P + rows, proj.to(proj_ptr.dtype.element_ty), mask=rows < P)
+
+
+def add_rms_norm_project(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, x + residual, normed @ proj.T) in one launch, normed = rms_norm(x + residual) as `rms_norm` computes
+    it: a decode step's post-attention norm with the router product that follows it (proj [E, h], a few experts'
+    rows per program, so the small product is spread over the GPU instead of one GEMM's few tiles)."""
+    for name, t in (("x", x), ("residual", residual), ("proj", proj)):
+        check_device(name, t)
+    n = x.shape[-1]
+    if residual.shape != x.shape or weight.shape != (n,) or proj.dim() != 2 or proj.shape[1] != n \
+            or weight.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm_project needs x = residual [..., {n}], weight [{n}] of x's dtype and proj "
+                         f"[P, {n}]; got x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, proj {tuple(proj.shape)}")
+    flat, res = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
+    tokens, outputs = flat.shape[0], proj.shape[0]
+    normed, total = torch.empty_like(flat), torch.empty_like(flat)
+    projected = torch.empty(tokens, outputs, device=x.device, dtype=proj.dtype)
+    block_p = 2 if INTERPRET else 4
+    if tokens:
+        _add_norm_project_kernel[(tokens, triton.cdiv(outputs, block_p))](
+            flat, res, total, weight, normed, proj.contiguous(), projected, n, outputs, eps, BLOCK=next_pow2(n),
+            BLOCK_P=block_p)
+    return normed.view(x.shape), total.view(x.shape), projected.view(*x.shape[:-1], outputs)

@@ -56,6 +56,9 @@ def test_decode_attention_reads_each_rows_blocks_up_to_its_length_and_equals_sof
     want = reference(q, keys, values, tables, slots, lengths)
     assert got.dtype == dtype and not got.isnan().any()
     assert ((got.double() - want).norm() / want.norm()).item() < tol
+    # q read in place as a view of wider rows (the engine's queries share a row with its keys)
+    wide = torch.cat([q, torch.randn(4, 2, 32).to(dtype).to(DEVICE)], 1)
+    assert torch.equal(decode_attention(wide[:, :8], keys, values, tables, slots, lengths, splits), got)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -93,3 +93,18 @@ def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_p
     for g, w, heads in zip(got, want, (4, 2, 2)):
         assert g.shape == (2, 3, heads, 16)
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+def test_add_norm_and_the_router_product_in_one_launch_equal_the_separate_ops(dtype, tol):
+    from moe_rl_eks.kernels.rmsnorm import add_rms_norm_project
+
+    torch.manual_seed(4)
+    module = norm_module(48, dtype)
+    h, delta = torch.randn(3, 48).to(dtype), torch.randn(3, 48).to(dtype)
+    router = (torch.randn(7, 48) / 7).to(dtype)
+    normed, total, logits = add_rms_norm_project(delta, h, module.weight, 1e-6, router)
+    want_normed, want_total = rms_norm(delta, module.weight, 1e-6, residual=h)
+    assert torch.equal(normed, want_normed) and torch.equal(total, want_total)
+    assert logits.shape == (3, 7) and logits.dtype == dtype
+    assert close(logits, module(h + delta).float() @ router.float().t(), tol)

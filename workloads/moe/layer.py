@@ -76,12 +76,14 @@ class MoEBlock(nn.Module):
         self.balance_loss = config.router_aux_loss_coef > 0
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None, *, statistics: bool = True, decode: bool = False) -> MoEOutput:
+                token_mask: torch.Tensor | None = None, *, statistics: bool = True, decode: bool = False,
+                router_logits: torch.Tensor | None = None) -> MoEOutput:
         """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
         but counts in neither the expert load nor the balance loss. statistics=False skips both (zeros instead):
         decoding needs neither, and at one token per row their small kernels cost as much as the experts.
         decode=True (a rollout's decode step, no autograd): on one rank, a compute backend with a `decode` op
-        (triton: routing, experts and combine in two kernels, no permutation) does the layer when it can."""
+        (triton: routing, experts and combine in two kernels, no permutation) does the layer when it can.
+        router_logits: x's router product, already computed (a decode step fuses it with the norm before it)."""
         gate, spec = self.gate, self.gate.spec
         if torch.is_autocast_enabled(x.device.type):
             # Mixed precision (the GPU trainer's bf16 autocast): the experts compute in the autocast dtype, as
@@ -91,11 +93,11 @@ class MoEBlock(nn.Module):
         if (decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher)
                 and hasattr(self.compute, "decode")):
             fast = self.compute.decode(x, gate.weight, spec, gate.e_score_correction_bias, self.experts.gate_up_proj,
-                                       self.experts.down_proj)
+                                       self.experts.down_proj, router_logits)
             if fast is not None:
                 out, ids, logits = fast
                 return self._finish(out, ids, x, logits, token_mask, statistics)
-        logits = F.linear(x, gate.weight)
+        logits = F.linear(x, gate.weight) if router_logits is None else router_logits
         if replay_ids is not None:
             ids = replay_ids.to(torch.int64)
             weights = weights_for(expert_scores(logits, spec), ids, spec)

@@ -279,6 +279,23 @@ def _add_norm(module, h: torch.Tensor, delta: torch.Tensor | None, fused: bool) 
     return module(h), h
 
 
+def _add_norm_router(layer, h: torch.Tensor, delta: torch.Tensor, fused: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(post-attention norm(h + delta), h + delta, the router's logits or None): on a GPU, at the few tokens of a
+    decode step, one kernel for all three (kernels/rmsnorm.py); else the norm alone (the MoE block routes)."""
+    norm, router = layer.post_attention_layernorm, layer.mlp.gate.weight
+    if fused and h.numel() // h.shape[-1] <= _FUSED_ROUTER_TOKENS and router.dtype == h.dtype:
+        from moe_rl_eks.kernels.rmsnorm import add_rms_norm_project
+
+        return add_rms_norm_project(delta, h, norm.weight, norm.eps, router)
+    return (*_add_norm(norm, h, delta, fused), None)
+
+
+# Up to this many tokens the router product is fused into the norm before it (its few rows per program spread
+# over the GPU); more tokens amortise one GEMM. The MoE decode kernels' own cut-over (DECODE_MAX_TOKENS) is 16.
+_FUSED_ROUTER_TOKENS = 16
+
+
 def _norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
     """x [..., heads, D] -> rotary(norm(x)) [..., heads, D] with each token's cos, sin [..., D] (the q/k path of the
     model's attention)."""
@@ -385,9 +402,9 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
             cache.keys[i][block, offset] = k
             cache.values[i][block, offset] = v
         out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
-        x, h = _add_norm(layer.post_attention_layernorm, h,
-                         _linear(out.reshape(n, attn.heads * attn.head_dim), attn.o_proj.weight, fused), fused)
-        moe = layer.mlp(x, statistics=False, decode=True)
+        x, h, logits = _add_norm_router(layer, h, _linear(out.reshape(n, attn.heads * attn.head_dim),
+                                                          attn.o_proj.weight, fused), fused)
+        moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
         delta = moe.out.view(n, c.hidden_size)
         routed.append(moe.ids)
     cache.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(cache.routing.dtype)
