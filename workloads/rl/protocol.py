@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import io
 import math
@@ -52,7 +53,11 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ProtocolError(path, value, "expected a list")
         item = get_args(tp)[0]
-        items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        fast = _FAST_ITEMS.get(item)
+        if fast is not None and all(map(fast, value)):  # token ids, logprobs: no per-item path unless one is bad
+            items = [float(v) for v in value] if item is float else list(value)
+        else:
+            items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
@@ -89,6 +94,18 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"protocol: unsupported field type {tp!r} at {path}")
 
 
+# Item checks for the long lists (token ids, logprobs): exactly what _decode accepts for int and float.
+_FAST_ITEMS = {int: lambda v: type(v) is int,
+               float: lambda v: (type(v) is float and math.isfinite(v)) or type(v) is int}
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A record class's resolved field types and its fields (resolving the annotations per record costs more
+    than decoding a batch's numbers)."""
+    return get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, Record):
         return value.to_json()
@@ -115,8 +132,7 @@ class Record:
     def _from_json(cls: type[R], data: Any, path: str) -> R:
         if not isinstance(data, dict):
             raise ProtocolError(path, data, f"expected an object ({cls.__name__})")
-        hints = get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints, fields = _schema(cls)
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ProtocolError(f"{path}.{unknown[0]}", data[unknown[0]], "unknown field; known: " + ", ".join(fields))
