@@ -39,6 +39,11 @@ def test_summary_measures_async_mean_curve_against_the_sync_runs_mean_final_rewa
     assert s["async_seconds"] == pytest.approx(12.0)
     assert s["fraction"] == pytest.approx(0.6)
     assert s["throughput_ratio"] == pytest.approx(1.75)
+    # sync mean curve: (0 s, 0.2), (10 s, 0.45), (20 s, 0.6); async mean: (0 s, 0.2), (6 s, 0.5), (12 s, 0.65)
+    # (three points: the quarters fall on indices 0, 1, 2, 2)
+    assert [(x["target"], x["sync_seconds"], x["async_seconds"]) for x in s["levels"]] == [
+        (0, 0.0, 0.0), (20, 10.0, 6.0), (40, 20.0, 12.0), (40, 20.0, 12.0)]
+    assert [x["ratio"] for x in s["levels"]] == [None, pytest.approx(0.6), pytest.approx(0.6), pytest.approx(0.6)]
     pairs = {p["seed"]: p for p in s["pairs"]}
     assert pairs[0]["async_seconds"] == 10.0 and pairs[0]["fraction"] == pytest.approx(0.5)  # 0.75 >= 0.7 at 10 s
     assert pairs[1]["async_seconds"] == 14.0 and pairs[1]["fraction"] == pytest.approx(0.7)  # 0.55 >= 0.5 at 14 s

@@ -1,7 +1,9 @@
 """`moerl bench-rl`: the same local job synchronous (max_staleness 0) and asynchronous, for several seeds, the
 two modes interleaved (seed 0 sync then async, seed 1 async then sync, ...) so that the machine's load drifts over
-both alike. Every run has one rollout server, the orchestrator and the trainer's launcher on one core and the
-trainer's worker alone on the other, so the two modes differ in overlap only.
+both alike. By default (`--layout split`) every run has one rollout server, the orchestrator and the trainer's
+launcher on one core and the trainer's worker alone on the other, so the two modes differ in overlap only;
+`--layout shared` runs two rollout servers and two trainer ranks placed by the OS (each synchronous phase may use
+both cores).
 
 Prints per run: samples/s, trainer idle, rollout idle, mean staleness, final evaluation reward, wall time; then
 the goal: when the asynchronous runs' mean evaluation curve first reaches the synchronous runs' mean final
@@ -88,38 +90,57 @@ def move_launcher(cluster: LocalCluster, cpu: int, timeout_s: float = 120) -> No
         os.sched_setaffinity(int(task.name), {cpu})
 
 
+LAYOUTS = {
+    # one rollout server (with the orchestrator and torchrun's launcher) on one core, one trainer rank on the
+    # other: the deployment's split of roles onto their own hardware, each role one process of one thread
+    "split": {"servers": 1, "ranks": 1, "pinned": True},
+    # two rollout servers and two trainer ranks (EP=2 over gloo), placed by the OS: in synchronous mode each phase
+    # can use both cores (a colocated baseline, which the EKS deployment's separate pools do not have)
+    "shared": {"servers": 2, "ranks": 2, "pinned": False},
+}
+
+
 def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every: int, root: Path,
-              seed: int = 0) -> dict:
-    name = f"{mode}-seed{seed}"
-    path = run_file(base, name, root, parallelism={"ep_backend": "local", "ranks_per_node": 1},
-                    rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": max_staleness},
+              seed: int = 0, layout: str = "split") -> dict:
+    name = f"{mode}-seed{seed}" + ("" if layout == "split" else f"-{layout}")
+    shape = LAYOUTS[layout]
+    parallelism = ({"ep_backend": "local", "ranks_per_node": 1} if shape["ranks"] == 1
+                   else {"ep_backend": "alltoall", "ranks_per_node": shape["ranks"]})
+    path = run_file(base, name, root, parallelism=parallelism,
+                    rollout={"min_servers": shape["servers"], "max_servers": shape["servers"]},
+                    orchestrator={"max_staleness": max_staleness},
                     training={"steps": steps, "checkpoint_every": steps, "seed": seed},
                     weights={"keep_versions": steps + 1})  # every version stays, for the evaluation afterwards
     run = load(str(path))
     cluster = LocalCluster(str(path), run)
     load_before = os.getloadavg()[0]
+    shared_cpus, trainer_cpus = ({SHARED_CPU}, {TRAINER_CPU}) if shape["pinned"] else (None, None)
     try:
-        server = cluster.start_server(0, cpus={SHARED_CPU})
-        cluster.start_orchestrator(cpus={SHARED_CPU})
-        cluster.start_trainer(cpus={TRAINER_CPU})
-        move_launcher(cluster, SHARED_CPU)
+        for i in range(shape["servers"]):
+            cluster.start_server(i, cpus=shared_cpus)
+        cluster.start_orchestrator(cpus=shared_cpus)
+        cluster.start_trainer(cpus=trainer_cpus)
+        if shape["pinned"]:
+            move_launcher(cluster, SHARED_CPU)
         # Measure from the first RL step (after start-up and warm-up) to the last.
         while not read_metrics(cluster.out):
             if cluster.trainer.proc.poll() is not None:
                 raise RuntimeError(f"{name}: trainer exited early; see {cluster.logs}")
             time.sleep(0.05)
         first = read_metrics(cluster.out)[0]
-        # CPU time of the trainer's worker and of the shared core's processes over the window: what each core
+        # CPU time of the trainer's workers and of the other roles' processes over the window: what each side
         # had to do, independent of how long other jobs on this machine kept it waiting.
-        worker = descendants(cluster.trainer.proc.pid)[0]
-        shared = [server.proc.pid, cluster.orchestrator.proc.pid, cluster.trainer.proc.pid]
-        busy0, t0 = busy_seconds(server.url), time.monotonic()
-        cpu0 = cpu_seconds(worker), sum(map(cpu_seconds, shared))
+        workers = descendants(cluster.trainer.proc.pid)
+        others = [s.proc.pid for s in cluster.servers] + [cluster.orchestrator.proc.pid, cluster.trainer.proc.pid]
+
+        def sample() -> tuple[float, float, float, float]:
+            return (sum(busy_seconds(s.url) for s in cluster.servers), time.monotonic(),
+                    sum(map(cpu_seconds, workers)), sum(map(cpu_seconds, others)))
+
+        start = sample()
         while cluster.trainer.proc.poll() is None and last_step(cluster.out) < steps:
             time.sleep(0.05)
-        # at the last step, before the worker checkpoints and exits
-        busy1, t1 = busy_seconds(server.url), time.monotonic()
-        cpu1 = cpu_seconds(worker), sum(map(cpu_seconds, shared))
+        end = sample()  # at the last step, before the workers checkpoint and exit
         cluster.trainer.proc.wait(timeout=3600)
     finally:
         cluster.stop()
@@ -129,12 +150,17 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every:
     wall = last["wall_seconds"] - first["wall_seconds"]
     waited = (last["trainer_idle_fraction"] * last["wall_seconds"] - first["trainer_idle_fraction"] * first["wall_seconds"])
     curve = evaluation_curve(run, cluster.out, rows, first["wall_seconds"] - first["step_seconds"], eval_every)
-    return {"mode": mode, "seed": seed, "max_staleness": max_staleness, "steps": len(rows),
+    busy, seconds, trainer_cpu, shared_cpu = (b - a for a, b in zip(start, end))
+    return {"mode": mode, "seed": seed, "layout": layout, "max_staleness": max_staleness, "steps": len(rows),
             "samples_per_second": sum(r["samples"] for r in rows[1:]) / wall,
-            "trainer_idle_fraction": waited / wall, "rollout_idle_fraction": 1 - (busy1 - busy0) / (t1 - t0),
+            "trainer_idle_fraction": waited / wall,
+            "rollout_idle_fraction": 1 - busy / (seconds * shape["servers"]),
             "mean_staleness": sum(r["staleness_mean"] for r in rows) / len(rows),
-            "trainer_cpu_per_step": (cpu1[0] - cpu0[0]) / (len(rows) - 1),
-            "shared_cpu_per_step": (cpu1[1] - cpu0[1]) / (len(rows) - 1),
+            "dropped_stale_groups": last["dropped_stale_groups"],  # generated, then too old to train
+            # the off-policy correction at work: tokens whose importance weight pi/pi_behaviour hit the cap
+            "importance_truncated_fraction": statistics.fmean(r["importance_truncated_fraction"] for r in rows),
+            "trainer_cpu_per_step": trainer_cpu / (len(rows) - 1),
+            "shared_cpu_per_step": shared_cpu / (len(rows) - 1),
             "final_reward": curve[-1]["reward"], "wall_seconds": curve[-1]["seconds"],
             "load_average": [round(load_before, 2), round(load_after, 2)], "curve": curve}
 
@@ -198,7 +224,17 @@ def summarize(results: list[dict]) -> dict:
     mean = {m: {k: statistics.fmean(r[k] for r in runs) for k in
                 ("samples_per_second", "trainer_idle_fraction", "rollout_idle_fraction", "mean_staleness",
                  "final_reward", "wall_seconds", "trainer_cpu_per_step", "shared_cpu_per_step")} for m, runs in modes.items()}
-    return {"sync_final_reward": target, "sync_wall_seconds": sync_wall, "async_seconds": reached,
+    # Along the way: for the sync mean curve's reward at each quarter of the run, when each mode's mean curve
+    # first reached it (how much sooner async gets to the same reward, not only to the final one).
+    sync_curve, async_curve = mean_curve(modes["sync"]), mean_curve(modes["async"])
+    levels = []
+    for quarter in (1, 2, 3, 4):
+        point = sync_curve[round(quarter * (len(sync_curve) - 1) / 4)]
+        t_sync, t_async = time_to_reach(sync_curve, point["reward"]), time_to_reach(async_curve, point["reward"])
+        levels.append({"target": point["target"], "reward": point["reward"], "sync_seconds": t_sync,
+                       "async_seconds": t_async,
+                       "ratio": None if t_async is None or not t_sync else t_async / t_sync})
+    return {"sync_final_reward": target, "sync_wall_seconds": sync_wall, "async_seconds": reached, "levels": levels,
             "fraction": None if reached is None else reached / sync_wall,
             "throughput_ratio": mean["async"]["samples_per_second"] / mean["sync"]["samples_per_second"],
             "pairs": pairs, "mean": mean}
@@ -254,8 +290,12 @@ def table(results: list[dict]) -> str:
                      f"{m['wall_seconds']:.0f} | {m['trainer_cpu_per_step']:.3f}, {m['shared_cpu_per_step']:.3f} | |")
     lines.append(f"\nasync / sync throughput (means): {s['throughput_ratio']:.2f}x")
     lines.append(f"async mean curve reached the sync runs' mean final evaluation reward {s['sync_final_reward']:.3f}: "
-                 f"{_fraction(s['async_seconds'], s['sync_wall_seconds'])} of sync's mean "
-                 f"{s['sync_wall_seconds']:.0f} s (goal <= {GOAL_FRACTION:.0%})")
+                 f"{_fraction(s['async_seconds'], s['sync_wall_seconds'])} (sync's mean wall time "
+                 f"{s['sync_wall_seconds']:.0f} s; goal <= {GOAL_FRACTION:.0%})")
+    lines.append("sync mean curve's reward at versions " + ", ".join(
+        f"{x['target']} ({x['reward']:.3f}): async first at " +
+        ("never" if x["async_seconds"] is None else f"{x['async_seconds']:.0f} s") +
+        f" vs sync {x['sync_seconds']:.0f} s" for x in s["levels"]))
     lines.append("per seed pair (async reaching its pair's sync final reward, over that sync run's wall time): " +
                  "; ".join(f"seed {p['seed']}: {p['sync_final_reward']:.3f}, "
                            f"{_fraction(p['async_seconds'], p['sync_wall_seconds'])}" for p in s["pairs"]))
@@ -316,6 +356,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--async-staleness", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many versions")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rl.training.seed of each pair")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="split",
+                        help="split: one rollout server and one trainer rank, each on its own core; shared: two of "
+                             "each, placed by the OS")
     parser.add_argument("--chaos", action="store_true", help="measure rollout-server kills instead")
     parser.add_argument("--duration", type=float, default=90, help="--chaos: seconds of each run")
     parser.add_argument("--kill-every", type=float, default=20, help="--chaos: seconds between kills")
@@ -334,12 +377,13 @@ def main(argv: list[str]) -> int:
         raise SystemExit("bench-rl pins a rollout server and a trainer to two different cores; this process "
                          f"may use {len(os.sched_getaffinity(0))}")
     command = (f"moerl bench-rl --run {args.run} --steps {args.steps} --async-staleness {args.async_staleness} "
-               f"--eval-every {args.eval_every} --seeds {' '.join(map(str, args.seeds))}")
+               f"--eval-every {args.eval_every} --seeds {' '.join(map(str, args.seeds))} --layout {args.layout}")
     modes = (("sync", 0), ("async", args.async_staleness))
     results = []
     for i, seed in enumerate(args.seeds):
         for mode, staleness in (modes if i % 2 == 0 else modes[::-1]):  # interleaved: load drift hits both
-            results.append(bench_run(base, mode, staleness, args.steps, args.eval_every, root, seed=seed))
+            results.append(bench_run(base, mode, staleness, args.steps, args.eval_every, root, seed=seed,
+                                     layout=args.layout))
             r = results[-1]
             print(f"seed {seed} {mode}: {r['samples_per_second']:.1f} samples/s, final eval reward "
                   f"{r['final_reward']:.3f}, {r['wall_seconds']:.0f} s", flush=True)
