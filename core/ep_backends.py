@@ -10,10 +10,18 @@ from typing import Literal
 
 EpBackend = Literal["local", "alltoall", "deepep"]
 EpBackendChoice = Literal["auto", "local", "alltoall", "deepep"]
+# What an expert-parallel rollout server's decode forwards dispatch with (its prefill keeps the all-to-all).
+DecodeBackend = Literal["local", "alltoall", "deepep_ll"]
 
 # DeepEP V1 limits (DeepEP README and source; ../shared/REFERENCE.md).
 DEEPEP_INTRANODE_RANKS = (2, 4, 8)
 DEEPEP_INTERNODE_RANKS = tuple(range(16, 161, 8))
+# DeepEP V1's low-latency kernels: the hidden sizes they are compiled for, their top-k bound, and the largest fixed
+# tokens-per-rank M its asserts allow with the NVSHMEM QP depth it sets (1024 >= (M + 1) * 2). All ranks hold the
+# same M, and M * ranks must be a multiple of 4 (TMA).
+DEEPEP_LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+DEEPEP_LL_MAX_TOP_K = 11
+DEEPEP_LL_MAX_TOKENS_PER_RANK = 511
 
 
 @dataclass(frozen=True)
@@ -107,3 +115,46 @@ def resolve_backend(choice: EpBackendChoice, topo: Topology) -> tuple[EpBackend,
             backend, why = "alltoall", f"{rule.why}, but {exc}; falling back to NCCL all-to-all"
     check_backend(backend, topo)
     return backend, why
+
+
+def ll_tokens_per_rank(rows: int, ranks: int) -> int:
+    """DeepEP low-latency's fixed tokens per rank for decode batches of up to `rows` rows a rank: `rows` rounded up
+    so that it times `ranks` is a multiple of 4."""
+    m = max(1, rows)
+    while (m * ranks) % 4:
+        m += 1
+    return m
+
+
+def resolve_decode_backend(topo: Topology, *, hidden_size: int, top_k: int, rows_per_rank: int,
+                           deepep_importable: bool) -> tuple[DecodeBackend, str]:
+    """The dispatcher of an expert-parallel server's decode forwards and why: DeepEP's low-latency kernels where
+    this topology and model allow them, else the all-to-all (the reason names the first limit that fails)."""
+    if topo.ep_size == 1:
+        return "local", "one rank: no expert parallelism"
+    check_backend("alltoall", topo)
+
+    def refused(why: str) -> tuple[DecodeBackend, str]:
+        return "alltoall", f"DeepEP low-latency refused: {why}; decode uses the all-to-all"
+
+    if topo.device != "cuda":
+        return refused("needs CUDA GPUs (this is a CPU run over gloo)")
+    if not deepep_importable:
+        return refused("the deep_ep package cannot be imported (images/scripts/build_deepep.sh builds it)")
+    if topo.dtype != "bfloat16":
+        return refused(f"it moves bfloat16 tokens; the model's dtype is {topo.dtype}")
+    if hidden_size not in DEEPEP_LL_HIDDEN:
+        return refused(f"hidden_size {hidden_size} is not one of its compiled sizes {DEEPEP_LL_HIDDEN}")
+    if top_k > DEEPEP_LL_MAX_TOP_K:
+        return refused(f"num_experts_per_tok {top_k} is above its top-k bound {DEEPEP_LL_MAX_TOP_K}")
+    m = ll_tokens_per_rank(rows_per_rank, topo.ep_size)
+    if m > DEEPEP_LL_MAX_TOKENS_PER_RANK:
+        return refused(f"{rows_per_rank} decode rows per rank need {m} tokens per rank, above its "
+                       f"{DEEPEP_LL_MAX_TOKENS_PER_RANK} (NVSHMEM QP depth); lower rollout.max_batch_size")
+    if topo.nvlink_domain is not None and topo.nvlink_domain < topo.ranks_per_node:
+        return refused(f"a node's ranks must share NVLink (PCIe peers break its memory ordering); this node type's "
+                       f"GPUs share NVLink in groups of {topo.nvlink_domain}, not {topo.ranks_per_node}")
+    if topo.nodes > 1 and not topo.deepep_internode:
+        return refused(f"{topo.nodes} nodes: {DEEPEP_INTERNODE_REQUIREMENT}")
+    return "deepep_ll", (f"DeepEP low-latency kernels: {topo.ep_size} ranks, up to {m} tokens per rank, "
+                         f"hidden {hidden_size}, top-{top_k}")

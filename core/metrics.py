@@ -27,6 +27,8 @@ ROLLOUT_REQUESTS = Metric("moerl_rollout_requests_total", "counter", "Completion
 # request with n choices is n rows.
 ROLLOUT_RUNNING = Metric("moerl_rollout_num_requests_running", "gauge", "Rows decoding on this rollout server")
 ROLLOUT_WAITING = Metric("moerl_rollout_num_requests_waiting", "gauge", "Rows waiting for a batch slot on this rollout server")
+ROLLOUT_KV_CACHE_USAGE = Metric("moerl_rollout_kv_cache_usage_perc", "gauge", "Fraction of the KV-cache blocks that rows hold on this rollout server (1 = full; vLLM's kv_cache_usage_perc)")
+ROLLOUT_PREEMPTIONS = Metric("moerl_rollout_num_preemptions_total", "counter", "Decoding rows whose KV-cache blocks were taken back (KV cache full) to be recomputed later")
 ROLLOUT_PROMPT_TOKENS = Metric("moerl_rollout_prompt_tokens_total", "counter", "Prompt tokens of the requests a rollout server accepted")
 ROLLOUT_GENERATION_TOKENS = Metric("moerl_rollout_generation_tokens_total", "counter", "Tokens a rollout server generated")
 ROLLOUT_REQUEST_SUCCESS = Metric("moerl_rollout_request_success_total", "counter", "Rows finished, by finish reason (stop, length, abort)", ("finished_reason",))
@@ -53,6 +55,7 @@ SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dr
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,
+       ROLLOUT_KV_CACHE_USAGE, ROLLOUT_PREEMPTIONS,
        ROLLOUT_PROMPT_TOKENS, ROLLOUT_GENERATION_TOKENS, ROLLOUT_REQUEST_SUCCESS, ROLLOUT_E2E_LATENCY,
        ROLLOUT_TIME_TO_FIRST_TOKEN, ROLLOUT_INTER_TOKEN_LATENCY, ROLLOUT_REQUEST_ERRORS, ROLLOUT_WEIGHT_LINEAGE,
        TRAINER_STEP_SECONDS,

@@ -78,6 +78,24 @@ class TaskConfig:
 
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
+GLOB_CHARS = "*?["
+DATA_LOCATIONS = ("expected a .parquet or .jsonl file, a directory or S3 prefix holding them (end a name that has a "
+                  "dot with /), or a glob such as data/train-*.parquet")
+
+
+def data_location_problem(entry: str) -> str | None:
+    """Why `entry` cannot name dataset files (None when it can): a file, a directory or S3 prefix, or a glob."""
+    if not entry:
+        return DATA_LOCATIONS
+    if entry.startswith("s3://"):
+        bucket, slash, _ = entry[len("s3://"):].partition("/")
+        if not bucket or not slash or any(c in bucket for c in GLOB_CHARS):
+            return "expected s3://bucket/key, s3://bucket/prefix/ or s3://bucket/dir/*.parquet"
+    name = entry.rstrip("/").rsplit("/", 1)[-1]
+    if (not entry.endswith("/") and "." in name and not name.endswith(DATA_SUFFIXES)
+            and not any(c in name for c in GLOB_CHARS)):
+        return DATA_LOCATIONS
+    return None
 
 
 @dataclass(frozen=True)
@@ -98,11 +116,14 @@ class DataColumns:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The prompts: the built-in arithmetic task (`rl.task`) unless `train` names a dataset file: Parquet or JSONL
-    (one JSON object per line) on a local path, the FSx mount or `s3://bucket/key`."""
+    """The prompts: the built-in arithmetic task (`rl.task`) unless `train` names a dataset: Parquet or JSONL (one
+    JSON object per line) on a local path, the FSx mount or S3. A split is one location or a list of them; a
+    location is a file, a directory or S3 prefix (its .parquet/.jsonl files, not its subdirectories), or a glob
+    (`**` for any depth). The files of a split are read back to back: each location's in name order, the
+    locations in the order listed."""
 
-    train: str | None = None
-    eval: str | None = None  # evaluation split; default: none for a dataset, fresh problems for the built-in task
+    train: str | tuple[str, ...] | None = None
+    eval: str | tuple[str, ...] | None = None  # evaluation split; default: none for a dataset, fresh built-in problems
     columns: DataColumns = field(default_factory=DataColumns)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} (Qwen3)
     shuffle: bool = True  # a seeded permutation per epoch (seed: rl.training.seed); false = file order
@@ -110,13 +131,22 @@ class DataConfig:
 
     def validate(self) -> None:
         for name in ("train", "eval"):
-            uri = getattr(self, name)
-            if uri is not None and not uri.endswith(DATA_SUFFIXES):
-                fail(name, uri, "expected a .parquet or .jsonl file (a local path, under the FSx mount, or s3://)")
-            if uri is not None and uri.startswith("s3://") and len(uri[5:].split("/", 1)) < 2:
-                fail(name, uri, "expected s3://bucket/key")
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not value:
+                fail(name, value, "list at least one file, directory, S3 prefix or glob")
+            for i, entry in enumerate(self.locations(name)):
+                problem = data_location_problem(entry)
+                if problem:
+                    fail(name if isinstance(value, str) else f"{name}[{i}]", entry, problem)
         if self.eval is not None and self.train is None:
             fail("eval", self.eval, "an evaluation split needs a training dataset (rl.data.train)")
+
+    def locations(self, split: str) -> tuple[str, ...]:
+        """The split's locations as a tuple (empty when the split is unset)."""
+        value = getattr(self, split)
+        return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
     @property
     def builtin(self) -> bool:

@@ -110,13 +110,16 @@ def check_run_storage(run: RunConfig, outputs: StackOutputs, source: str) -> Non
         if f"{weights.prefix.strip('/')}/" != cluster.WEIGHTS_PREFIX:
             raise ConfigError(source, "rl.weights.prefix", weights.prefix,
                               f"the trainer may write and rollout servers read only {cluster.WEIGHTS_PREFIX!r}")
-    for field in ("train", "eval"):
-        uri = getattr(run.rl.data, field)
-        if uri is None or not uri.startswith("s3://"):
-            continue
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        if bucket != outputs.bucket_name or not key.startswith(cluster.PROMPTS_PREFIX):
-            raise ConfigError(source, f"rl.data.{field}", uri,
+    for split in ("train", "eval"):
+        value = getattr(run.rl.data, split)
+        for i, uri in enumerate(run.rl.data.locations(split)):
+            if not uri.startswith("s3://"):
+                continue
+            field = f"rl.data.{split}" if isinstance(value, str) else f"rl.data.{split}[{i}]"
+            bucket, _, key = uri[len("s3://"):].partition("/")
+            if bucket == outputs.bucket_name and key.startswith(cluster.PROMPTS_PREFIX):
+                continue
+            raise ConfigError(source, field, uri,
                               f"the orchestrator's role may read only s3://{outputs.bucket_name}/"
                               f"{cluster.PROMPTS_PREFIX}... ({outputs.stack}.{cluster.OUTPUT_BUCKET_NAME}); the "
                               f"bucket is also linked at {cluster.FSX_MOUNT_PATH}/, so "

@@ -1,10 +1,12 @@
 """What every kernel module shares: the interpreter switch and the device check."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
+import triton.testing
 import triton.language as tl
 
 # TRITON_INTERPRET=1 (the CPU test path) decides at import time how kernels are built.
@@ -21,6 +23,11 @@ def dot_acc(a, b, acc):
     if UPCAST_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+# Autotuning of the decode kernels, which run for microseconds: a short timing per config (the default, 25 ms of
+# warm-up and 100 ms of repetitions per config and shape, would add tens of seconds to an engine's start).
+quick_bench = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
 
 
 def check_device(name: str, t: torch.Tensor) -> None:

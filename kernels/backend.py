@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
+from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
+from .norm_training import rms_norm_training
 from .permute import PermuteHandle, permute, unpermute
 from .routing import route
 
@@ -23,3 +26,21 @@ class TritonCompute:
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2)
+
+    def decode(self, x: torch.Tensor, router: torch.Tensor, spec, bias: torch.Tensor | None, w13: torch.Tensor,
+               w2: torch.Tensor, logits: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step's whole MoE layer on one rank, without autograd: router weight [E, h] -> (out [T, h],
+        expert ids [T, k], router logits [T, E] (`logits` when given)), or None where the grouped path is faster
+        (more than DECODE_MAX_TOKENS tokens) or the routing is not supported."""
+        if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias):
+            return None
+        logits = decode_linear(x, router) if logits is None else logits
+        out, _, ids = decode_experts(x, logits, spec, bias, w13, w2)
+        return out, ids, logits
+
+    # Beyond the MoE contract (the model uses it when a backend has it): RMSNorm, or q/k RMSNorm followed by the
+    # rotary embedding, forward and backward one kernel each, for mixed-precision training.
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return rms_norm_training(x, weight, eps, out_dtype, rope)

@@ -1,10 +1,12 @@
-"""Decode attention over a slot KV cache: one query token per row, each row reading only its own slot's first
-`lengths[b]` positions (flash-decoding: the positions are split over programs, the partial softmaxes merged by a
-second kernel). Static shapes: the rows' slots and lengths are device tensors, so a CUDA graph can hold it and
-replay it while lengths grow.
+"""Decode attention over a paged KV cache: one query token per row, each row reading only its own first
+`lengths[b]` positions through its block table (flash-decoding: the positions are split over programs, the partial
+softmaxes merged by a second kernel). Static shapes: the rows' slots, block tables and lengths are device tensors,
+so a CUDA graph can hold it and replay it while lengths grow and blocks are added.
 
-Layouts: q [B, H, D]; keys/values [slots, max_len, H_kv, D] (a layer of the rollout engine's cache); slots [B],
-lengths [B] int; H = G * H_kv (grouped-query attention: query head h reads kv head h // G).
+Layouts: q [B, H, D]; keys/values [blocks, block_size, H_kv, D] (a layer of the rollout engine's block pool);
+tables [slots, max_blocks] int (position p of slot s lives at block tables[s, p // block_size], offset
+p % block_size); slots [B], lengths [B] int; H = G * H_kv (grouped-query attention: query head h reads kv head
+h // G).
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from ._triton import INTERPRET, check_device, dot_acc, next_pow2
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_scale, split_len,
-                    stride_qb, stride_qh, stride_ks, stride_kn, stride_kh, stride_vs, stride_vn, stride_vh,
-                    G: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                    BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_scale, split_len,
+                    stride_qb, stride_qh, stride_t, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    G: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
     """Program (row b, kv head, split): softmax-weighted sum of V over positions [split * split_len, ...) below
     the row's length, unnormalised, with its running max and sum (o [B, H, SPLITS, D], ml [B, H, SPLITS, 2])."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -36,12 +38,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_sc
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     s_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
-    k_base = k_ptr + slot * stride_ks + kvh * stride_kh
-    v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    table = table_ptr + slot * stride_t
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < hi
-        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
+        block = tl.load(table + n // PAGE, mask=valid, other=0).to(tl.int64)
+        offset = (n % PAGE).to(tl.int64)
+        k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
         if EXACT:  # float32 caches: full-precision products, not TF32 (the engine's logprobs must match the trainer's)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -52,7 +56,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_sc
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
         if EXACT:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -81,40 +86,45 @@ def _merge_kernel(o_ptr, ml_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.cons
 
 
 def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Enough programs to cover the GPU's multiprocessors about twice, at least 64 positions per split."""
+    """Enough programs to cover the GPU's multiprocessors about twice, at least 64 positions per split (a short
+    context or a large batch gets one split: no merge work where it does not pay)."""
     if INTERPRET:
         return 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(2 * sms, rows * kv_heads), triton.cdiv(max_len, 64)))
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """q [B, H, D], keys/values [slots, max_len, H_kv, D], slots [B], lengths [B] (>= 1) -> [B, H, D]: softmax(q
-    k^T / sqrt(D)) v over each row's slot's first lengths[b] positions. `splits` fixes how many programs share a
-    row's positions (default: from the GPU's size); under a CUDA graph it must not change between replays."""
-    for name, t in (("q", q), ("keys", keys), ("values", values)):
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D], keys/values [blocks, block_size, H_kv, D], tables [slots, max_blocks], slots [B], lengths [B]
+    (>= 1) -> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first lengths[b] positions of row b's slot, read
+    through its block table. `splits` fixes how many programs share a row's positions (default: from the GPU's
+    size); under a CUDA graph it must not change between replays."""
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("tables", tables)):
         check_device(name, t)
     rows, heads, dim = q.shape
-    _, max_len, kv_heads, _ = keys.shape
+    _, page, kv_heads, _ = keys.shape
     if heads % kv_heads or keys.shape != values.shape or keys.shape[-1] != dim or keys.stride(-1) != 1 \
-            or values.stride(-1) != 1 or dim != next_pow2(dim):
+            or values.stride(-1) != 1 or dim != next_pow2(dim) or tables.dim() != 2 or tables.stride(-1) != 1:
         raise ValueError(f"decode_attention needs q [B, H, D] with D a power of two and H a multiple of H_kv, "
-                         f"keys = values [slots, max_len, H_kv, D] with unit last stride; got q {tuple(q.shape)}, "
-                         f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    q = q.contiguous()
+                         f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
+                         f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
+    if q.stride(-1) != 1:  # rows and heads are read through their strides (the engine's q is a view of q and k)
+        q = q.contiguous()
     group = heads // kv_heads
+    max_len = tables.shape[1] * page
     splits = splits or decode_splits(rows, kv_heads, max_len, q.device)
     split_len = triton.cdiv(max_len, splits)
     partial = torch.empty(rows, heads, splits, dim, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, heads, splits, 2, device=q.device, dtype=torch.float32)
     _partial_kernel[(rows, kv_heads, splits)](
-        q, keys, values, slots, lengths, partial, ml, 1.0 / math.sqrt(dim), split_len,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        q, keys, values, tables, slots, lengths, partial, ml, 1.0 / math.sqrt(dim), split_len,
+        q.stride(0), q.stride(1), tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        G=group, SPLITS=splits, D=dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=16 if INTERPRET else 64,
-        EXACT=q.dtype == torch.float32,
+        G=group, SPLITS=splits, D=dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_N=16 if INTERPRET else 64, EXACT=q.dtype == torch.float32,
         num_warps=4, num_stages=2)
-    out = torch.empty_like(q)
+    out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
     _merge_kernel[(rows * heads,)](partial, ml, out, SPLITS=splits, BLOCK_S=next_pow2(splits), D=dim)
     return out

@@ -67,6 +67,8 @@ def manifests(tmp_path, run: dict, *extra: str, outputs=EXAMPLE_OUTPUTS) -> tupl
      "the orchestrator's role may read only s3://moe-rl-dev-artifacts-111111111111/prompts/"),
     ({"rl.data.eval": "s3://moe-rl-dev-artifacts-111111111111/runs/x/test.parquet"}, "rl.data.eval",
      "/fsx/prompts/... reads the same files"),
+    ({"rl.data.train": ["s3://moe-rl-dev-artifacts-111111111111/prompts/math/", "s3://other/math/*.parquet"]},
+     "rl.data.train[1]", "the orchestrator's role may read only s3://moe-rl-dev-artifacts-111111111111/prompts/"),
     ({"deploy.images.orchestrator": "latest"}, "deploy.images.orchestrator", "floating tags"),
     ({"parallelism.trainer_nodes": 2, "parallelism.ep_backend": "deepep"}, "parallelism.ep_backend",
      "deploy.images.deepep_efa: true"),

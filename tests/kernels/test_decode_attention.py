@@ -1,17 +1,27 @@
-"""The decode attention kernel reads each row's own slot up to its length and equals softmax attention there."""
+"""The paged attention kernels: decode reads each row's own blocks up to its length, prefill attends causally over
+packed prompts of several rows; both equal softmax attention there. The engine's forward with them equals its plain
+forward."""
 import math
 
 import pytest
 import torch
 
+from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.kernels.decode_attention import decode_attention
+from moe_rl_eks.kernels.prefill_attention import prefill_attention, prefill_tiles
+
+PAGE = 8
+# On the CPU through Triton's interpreter (this directory's conftest); compiled on a GPU when run with --noconftest.
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-def reference(q, keys, values, slots, lengths):
+def reference(q, keys, values, tables, slots, lengths):
+    """Row b of q [B, H, D] over the first lengths[b] positions of slot slots[b], in float64."""
     out = []
     for b in range(q.shape[0]):
-        k = keys[slots[b], :lengths[b]].double()  # [n, H_kv, D]
-        v = values[slots[b], :lengths[b]].double()
+        blocks = tables[slots[b]].long()
+        k = keys[blocks].flatten(0, 1)[:lengths[b]].double()  # [n, H_kv, D]
+        v = values[blocks].flatten(0, 1)[:lengths[b]].double()
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("hd,nhd->hn", q[b].double(), k) / math.sqrt(q.shape[-1])
@@ -19,47 +29,99 @@ def reference(q, keys, values, slots, lengths):
     return torch.stack(out)
 
 
+def paged(dtype, kv_heads=2, dim=32):
+    """A pool of 12 blocks of 8 positions (block 11 poisoned: nobody's), 4 slots' tables of 5 blocks, scattered
+    and out of order, slot 3 sharing slot 0's first two blocks."""
+    torch.manual_seed(0)
+    keys = torch.randn(12, PAGE, kv_heads, dim).to(dtype)
+    values = torch.randn(12, PAGE, kv_heads, dim).to(dtype)
+    tables = torch.tensor([[4, 9, 0, 7, 2], [10, 1, 11, 11, 11], [3, 8, 6, 5, 11], [4, 9, 11, 11, 11]],
+                          dtype=torch.int32)
+    keys[11], values[11] = float("nan"), float("nan")
+    return keys.to(DEVICE), values.to(DEVICE), tables.to(DEVICE)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_decode_attention_equals_softmax_attention_over_each_rows_valid_positions(dtype, tol, splits):
-    torch.manual_seed(0)
-    slots_total, max_len, kv_heads, dim = 5, 40, 2, 32
-    keys = torch.randn(slots_total, max_len, kv_heads, dim).to(dtype)
-    values = torch.randn(slots_total, max_len, kv_heads, dim).to(dtype)
-    slots = torch.tensor([3, 0, 4, 1])
-    lengths = torch.tensor([1, 17, 40, 33])  # one position, a partial block, the whole slot, split boundaries
-    q = torch.randn(4, 8, dim).to(dtype)
-    # poison what no row may read: positions past each length, and the slot nobody uses
-    for b in range(4):
-        keys[slots[b], lengths[b]:] = float("nan")
-        values[slots[b], lengths[b]:] = float("nan")
-    keys[2], values[2] = float("nan"), float("nan")
-    got = decode_attention(q, keys, values, slots, lengths, splits)
-    want = reference(q, keys, values, slots, lengths)
+def test_decode_attention_reads_each_rows_blocks_up_to_its_length_and_equals_softmax_attention(dtype, tol, splits):
+    keys, values, tables = paged(dtype)
+    slots = torch.tensor([3, 0, 2, 1], device=DEVICE)
+    lengths = torch.tensor([1, 37, 32, 11], device=DEVICE)  # one position, a partial block, whole blocks, a split
+    q = torch.randn(4, 8, 32).to(dtype).to(DEVICE)
+    for b in range(4):  # poison what no row may read: positions past each length in its last block
+        last = tables[slots[b], (lengths[b] - 1) // PAGE]
+        if lengths[b] % PAGE and slots[b] != 3:  # (slot 3's last block is shared with slot 0, which reads it)
+            keys[last, lengths[b] % PAGE:] = float("nan")
+    got = decode_attention(q, keys, values, tables, slots, lengths, splits)
+    want = reference(q, keys, values, tables, slots, lengths)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert ((got.double() - want).norm() / want.norm()).item() < tol
+    # q read in place as a view of wider rows (the engine's queries share a row with its keys)
+    wide = torch.cat([q, torch.randn(4, 2, 32).to(dtype).to(DEVICE)], 1)
+    assert torch.equal(decode_attention(wide[:, :8], keys, values, tables, slots, lengths, splits), got)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_attention_is_causal_within_each_packed_prompt_and_reads_earlier_chunks(dtype, tol):
+    keys, values, tables = paged(dtype)
+    # packed: slot 0's positions 0-36 (a whole prompt, three tiles), slot 2's positions 20-31 (a later chunk of a
+    # prompt whose first 20 positions an earlier chunk wrote), slot 1's single position 0
+    runs = [(0, 0, 37), (2, 20, 12), (1, 0, 1)]
+    slots = torch.cat([torch.full((n,), s) for s, _, n in runs]).to(DEVICE)
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in runs]).to(DEVICE)
+    segments, first = [], 0
+    for _, _, n in runs:
+        segments.append((first, n))
+        first += n
+    keys[2, 37 % PAGE:] = float("nan")  # slot 0's positions past its last token: never read
+    q = torch.randn(len(slots), 8, 32).to(dtype).to(DEVICE)
+    got = prefill_attention(q, keys, values, tables, slots, positions, prefill_tiles(segments, DEVICE))
+    want = reference(q, keys, values, tables, slots, positions + 1)
     assert got.dtype == dtype and not got.isnan().any()
     assert ((got.double() - want).norm() / want.norm()).item() < tol
 
 
-def test_the_engines_decode_forward_with_these_kernels_equals_its_plain_forward():
+def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
     import copy
     import dataclasses
 
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.workloads.rl.bench_rollout import TINY
-    from moe_rl_eks.workloads.rl.generation import SlotCache, forward_slots
+    from moe_rl_eks.workloads.rl.generation import PagedCache, forward_tokens
 
     torch.manual_seed(0)
-    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval()
-    cache = SlotCache.allocate(model.config, 3, 24, "cpu", torch.float32)
-    slot, start = torch.tensor([2, 0]), torch.tensor([0, 0])
-    with torch.no_grad():  # two prompts of 7 and 4 tokens, then one decode step each
-        forward_slots(model, cache, slot, torch.randint(0, 512, (2, 7)), start, torch.tensor([7, 4]), 7, False)
-        results = []
+    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval().to(DEVICE)
+    cache = PagedCache.allocate(model.config, 3, 24, 9, 4, DEVICE, torch.float32)
+    cache.grow(2, 8)
+    cache.grow(0, 5)
+    cache.sync_tables()
+    slot = torch.tensor([2] * 7 + [0] * 4, device=DEVICE)
+    positions = torch.cat([torch.arange(7), torch.arange(4)]).to(DEVICE)
+    tokens = torch.randint(0, 512, (11,)).to(DEVICE)
+    last = torch.tensor([6, 10], device=DEVICE)
+    results = []
+    with torch.no_grad():  # two prompts of 7 and 4 tokens packed, then one decode step each
         for fused in (False, True):
             c = copy.deepcopy(cache)
-            logits = forward_slots(model, c, slot, torch.tensor([[5], [9]]), torch.tensor([7, 4]),
-                                   torch.ones(2, dtype=torch.long), 8, fused)
-            results.append((logits, c))
-    (plain, a), (fused, b) = results
+            tiles = prefill_tiles([(0, 7), (7, 4)], DEVICE) if fused else None
+            prefill = forward_tokens(model, c, slot, tokens, positions, last, 7, fused, tiles)
+            two = torch.tensor([[2, 0], [5, 9], [7, 4], [0, 1]], device=DEVICE)
+            decode = forward_tokens(model, c, *two, 8, fused)
+            results.append((prefill, decode, c))
+    (prefill, plain, a), (prefill_fused, fused, b) = results
+    assert ((prefill_fused - prefill).norm() / prefill.norm()).item() < 1e-5
     assert ((fused - plain).norm() / plain.norm()).item() < 1e-5
     assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.equal(a.routing, b.routing)
+
+
+def test_write_kv_puts_each_tokens_keys_and_values_at_its_block_and_offset_and_nowhere_else():
+    from moe_rl_eks.kernels.kv_write import write_kv
+
+    keys, values = (torch.zeros(5, PAGE, 2, 32, device=DEVICE) for _ in range(2))
+    kv = torch.randn(3, 2, 8, 32, device=DEVICE)  # q/k/v-like strided views: heads not adjacent to tokens
+    k, v = kv[:, 0, 1:3], kv[:, 0, 5:7]
+    blocks, offsets = torch.tensor([4, 0, 4], device=DEVICE), torch.tensor([7, 0, 1], device=DEVICE)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[blocks, offsets], want_v[blocks, offsets] = k, v
+    write_kv(keys, values, k, v, blocks, offsets)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)

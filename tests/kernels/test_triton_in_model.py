@@ -31,3 +31,39 @@ def test_model_with_triton_compute_matches_torch_compute(router):
         assert p_tri.grad is not None, name
         err = (p_tri.grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-12)
         assert err < 2e-2, f"{name}: relative gradient error {err:.3g}"
+
+
+def test_fused_training_norms_under_autocast_match_the_plain_modules():
+    # The trainer's forward (packed sequences, bf16 autocast over float32 weights, save_attention checkpointing):
+    # the `triton` backend's fused norms (q/k norm with the rotary embedding) against the plain modules, same model.
+    config = ModelConfig(**{**TINY, "num_hidden_layers": 1})
+    torch.manual_seed(0)
+    model = MoETransformer(config, compute="triton")
+    model.activation_checkpointing = "save_attention"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    ids = torch.randint(0, 64, (1, 11))
+    norms = [m for m in model.modules() if getattr(m, "fused", None) is not None]
+    assert len(norms) == 4 * config.num_hidden_layers  # input, post-attention, q and k norms of every layer
+    calls = []
+    fused = norms[0].fused
+    results = []
+    for use_fused in (True, False):
+        for m in norms:
+            m.fused = (lambda *a, **k: calls.append(1) or fused(*a, **k)) if use_fused else None
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, sequence_lengths=[4, 7], logits=False)
+        out.hidden.float().square().mean().backward()
+        results.append((out.hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+        if use_fused:  # forward and recomputation, four norms a layer
+            assert len(calls) == 2 * 4 * config.num_hidden_layers
+    (h_fused, g_fused), (h_plain, g_plain) = results
+    torch.testing.assert_close(h_fused, h_plain, atol=3e-2, rtol=3e-2)
+    assert g_fused.keys() == g_plain.keys()
+    for name, want in g_plain.items():
+        err = (g_fused[name] - want).abs().max() / want.abs().max().clamp_min(1e-12)
+        assert err < 5e-2, f"{name}: relative gradient error {err:.3g}"

@@ -8,7 +8,7 @@ import pytest
 
 from moe_rl_eks.core.rl_config import DataConfig, TaskConfig
 from moe_rl_eks.core.schema import ConfigError, parse
-from moe_rl_eks.workloads.rl.data import (ArithmeticSource, ArithmeticTask, DataError, DatasetSource, Rows,
+from moe_rl_eks.workloads.rl.data import (ArithmeticSource, ArithmeticTask, DataError, DatasetSource, FormatExamples,
                                           evaluation_prompts, load_split, make_prompt_source, permutation)
 from moe_rl_eks.workloads.rl.example_data import problems, write_example, write_parquet
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer, load_model_tokenizer
@@ -67,7 +67,111 @@ def test_parquet_and_jsonl_from_s3_read_as_from_disk(example, tok, s3_endpoint, 
     assert [p.ground_truth for p in (load_split(cfg, "eval", tok).prompt(i, i) for i in range(5))] == \
         [r["reward_model"]["ground_truth"] for r in problems(5, 0, 4, "eval")]
     with pytest.raises(DataError, match="s3://datasets/math/missing.parquet: cannot read it from S3"):
-        Rows("s3://datasets/math/missing.parquet", s3_endpoint_url=s3_endpoint)
+        load_split(data_cfg(train="s3://datasets/math/missing.parquet", s3_endpoint_url=s3_endpoint), "train", tok)
+
+
+def shards(rows: list[dict], directory, sizes: list[int], suffix: str = "parquet") -> list[str]:
+    """`rows` cut into files of `sizes` rows named part-0.parquet, part-1.parquet, ... in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names, start = [], 0
+    for i, size in enumerate(sizes):
+        path = directory / f"part-{i}.{suffix}"
+        if suffix == "parquet":
+            write_parquet(rows[start:start + size], path)
+        else:
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows[start:start + size]))
+        names.append(str(path))
+        start += size
+    return names
+
+
+def test_a_split_of_several_files_reads_as_one_in_name_order(example, tok, tmp_path):
+    rows = problems(12, 0, 4, "train")
+    whole = load_split(data_cfg(train=str(example / "train.parquet")), "train", tok)
+    expected = [whole.prompt(i, i) for i in range(12)]
+    files = shards(rows, tmp_path / "parts", [5, 4, 3])
+    (tmp_path / "parts" / "_SUCCESS").write_text("")  # metadata beside the data, as Spark writes it, is skipped
+    (tmp_path / "parts" / ".part-0.parquet.crc").write_text("")
+    (tmp_path / "parts" / "nested").mkdir()  # a directory's subdirectories are not read
+    shards(rows[:2], tmp_path / "parts" / "nested", [2])
+    for train in (str(tmp_path / "parts"), str(tmp_path / "parts") + "/", str(tmp_path / "parts" / "part-*.parquet"),
+                  files, [files[0], str(tmp_path / "parts" / "part-[12].parquet")]):
+        dataset = load_split(data_cfg(train=train), "train", tok)
+        assert len(dataset) == 12 and [dataset.prompt(i, i) for i in range(12)] == expected, train
+    deep = load_split(data_cfg(train=str(tmp_path / "parts" / "**" / "*.parquet")), "train", tok)
+    assert len(deep) == 14  # ** reaches the nested directory too
+    mixed = [files[0], *shards(rows[5:], tmp_path / "jsonl", [7], suffix="jsonl")]  # Parquet and JSONL in one split
+    assert [load_split(data_cfg(train=mixed), "train", tok).prompt(i, i) for i in range(12)] == expected
+
+
+def test_the_permutation_and_cursor_span_every_file_of_a_split(tok, tmp_path):
+    rows = problems(23, 0, 4, "train")
+    dataset = load_split(data_cfg(train=shards(rows, tmp_path / "parts", [10, 1, 12])), "train", tok)
+    source = DatasetSource(dataset, seed=3)
+    first_epoch = [source.next().extra_info["index"] for _ in range(23)]
+    assert sorted(first_epoch) == list(range(23))  # every row of every file, once
+    assert first_epoch == [permutation(23, seed=3, epoch=0)[i] for i in range(23)]
+    source.next()
+    state = json.loads(json.dumps(source.state()))
+    expected = [source.next() for _ in range(30)]  # the rest of epoch 1 and into epoch 2
+    resumed = DatasetSource(load_split(data_cfg(train=str(tmp_path / "parts")), "train", tok), seed=3)
+    resumed.restore(state)
+    assert [resumed.next() for _ in range(30)] == expected
+    fewer = load_split(data_cfg(train=str(tmp_path / "parts" / "part-[02].parquet")), "train", tok)
+    with pytest.raises(DataError, match=r"rl.data.train \(2 files from .*part-0.parquet\): the checkpoint's data "
+                                        r"cursor was taken with \{'rows': 23"):
+        DatasetSource(fewer, seed=3).restore(state)
+
+
+def test_several_files_from_an_s3_prefix_a_glob_and_a_list(tok, s3_endpoint, tmp_path):
+    import boto3
+
+    rows = problems(12, 0, 4, "train")
+    files = shards(rows, tmp_path / "parts", [5, 4, 3])
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="shards")
+    for f in files:
+        s3.upload_file(f, "shards", f"math/train/{f.rsplit('/', 1)[1]}")
+    s3.put_object(Bucket="shards", Key="math/train/_SUCCESS", Body=b"")
+    s3.upload_file(files[0], "shards", "math/train/old/part-9.parquet")  # below the prefix: not read
+    s3.upload_file(files[0], "shards", "math/train-copy.parquet")  # beside the prefix: not read
+    expected = [load_split(data_cfg(train=files), "train", tok).prompt(i, i) for i in range(12)]
+    for train in ("s3://shards/math/train", "s3://shards/math/train/", "s3://shards/math/train/part-*.parquet",
+                  "s3://shards/math/*/part-?.parquet",
+                  ["s3://shards/math/train/part-0.parquet", "s3://shards/math/train/part-[12].parquet"]):
+        dataset = load_split(data_cfg(train=train, s3_endpoint_url=s3_endpoint), "train", tok)
+        assert [dataset.prompt(i, i) for i in range(len(dataset))] == expected, train
+    deep = load_split(data_cfg(train="s3://shards/math/**/*.parquet", s3_endpoint_url=s3_endpoint), "train", tok)
+    assert len(deep) == 22  # train-copy, the three parts and old/part-9
+    source = DatasetSource(load_split(data_cfg(train="s3://shards/math/train/", s3_endpoint_url=s3_endpoint),
+                                      "train", tok), seed=1)
+    assert sorted(source.next().extra_info["index"] for _ in range(12)) == list(range(12))
+    with pytest.raises(DataError, match=r"rl.data.train: 's3://shards/nothing/' matched no .parquet or .jsonl"):
+        load_split(data_cfg(train="s3://shards/nothing/", s3_endpoint_url=s3_endpoint), "train", tok)
+    with pytest.raises(DataError, match=r"rl.data.eval\[1\]: cannot list 's3://missing-bucket/x/' in S3"):
+        load_split(data_cfg(train="t.parquet", eval=["s3://shards/math/train/", "s3://missing-bucket/x/"],
+                            s3_endpoint_url=s3_endpoint), "eval", tok)
+
+
+def test_split_locations_that_match_nothing_or_repeat_a_file_are_named(tok, tmp_path):
+    files = shards(problems(6, 0, 4, "train"), tmp_path / "parts", [3, 3])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"rl.data.train: '.*empty' matched no .parquet or .jsonl file"):
+        load_split(data_cfg(train=str(tmp_path / "empty")), "train", tok)
+    with pytest.raises(DataError, match=r"rl.data.train\[1\]: '.*part-\*.parquet' matched no"):
+        load_split(data_cfg(train=[files[0], str(tmp_path / "empty" / "part-*.parquet")]), "train", tok)
+    with pytest.raises(DataError, match=r"rl.data.train\[1\]: '.*parts' names .*part-0.parquet again; list each "
+                                        r"file once"):
+        load_split(data_cfg(train=[files[0], str(tmp_path / "parts")]), "train", tok)
+    with pytest.raises(DataError, match=r"rl.data.train: '.*missing-dir': no such file or directory"):
+        load_split(data_cfg(train=str(tmp_path / "missing-dir")), "train", tok)
+    (tmp_path / "parts" / "part-1.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"part-1.parquet: not a readable Parquet file"):
+        load_split(data_cfg(train=str(tmp_path / "parts")), "train", tok)
+    write_parquet([{"question": "q", "answer": "1"}], tmp_path / "parts" / "part-1.parquet")
+    with pytest.raises(DataError, match=r"part-1.parquet: no column 'prompt' \(rl.data.columns.prompt\); columns: "
+                                        r"question, answer"):
+        load_split(data_cfg(train=str(tmp_path / "parts")), "train", tok)
 
 
 def test_column_mapping_reaches_nested_fields_and_optional_columns_default(tok, tmp_path):
@@ -166,10 +270,19 @@ def test_data_config_errors_name_the_field():
         data_cfg(train="data.csv")
     with pytest.raises(ConfigError, match=r"train: 's3://bucket.parquet' is not allowed; expected s3://bucket/key"):
         data_cfg(train="s3://bucket.parquet")
+    with pytest.raises(ConfigError, match=r"train\[1\]: 'x/data.json' is not allowed; expected a .parquet or .jsonl "
+                                          r"file, a directory or S3 prefix"):
+        data_cfg(train=["a.parquet", "x/data.json"])
+    with pytest.raises(ConfigError, match=r"train\[0\]: 's3://b\*/k/' is not allowed; expected s3://bucket/key"):
+        data_cfg(train=["s3://b*/k/"])
+    with pytest.raises(ConfigError, match=r"train: \(\) is not allowed; list at least one file"):
+        data_cfg(train=[])
     with pytest.raises(ConfigError, match=r"eval: .* needs a training dataset"):
         data_cfg(eval="e.parquet")
     with pytest.raises(ConfigError, match=r"columns.prompt: 'a..b' is not allowed"):
         data_cfg(train="t.parquet", columns={"prompt": "a..b"})
+    # directories, prefixes and globs are locations too; a directory whose name has a dot ends with /
+    assert data_cfg(train=["/fsx/data/", "/fsx/v1.2/", "s3://b/p", "s3://b/p/*.parquet", "d/**/*.jsonl"]).train
 
 
 def test_a_dataset_with_the_builtin_tokenizer_is_refused(tmp_path):
@@ -179,25 +292,28 @@ def test_a_dataset_with_the_builtin_tokenizer_is_refused(tmp_path):
         tiny_run(tmp_path, data={"train": "t.parquet"})
 
 
-def test_warmup_pairs_have_an_answers_shape_but_not_the_prompts_answer(example, tmp_path):
+def test_warmup_pairs_have_an_answers_shape_but_no_knowledge_of_the_task(example, tmp_path):
     from rl_helpers import tiny_run
-
-    from moe_rl_eks.workloads.rl.data import format_examples
 
     builtin = tiny_run(tmp_path)
     char = CharTokenizer()
-    pairs = format_examples(builtin, char, 0, 20)
-    assert pairs == format_examples(builtin, char, 0, 20) and len(pairs) == 20
+    pairs = FormatExamples(builtin, char).pairs(0, 20)
+    assert pairs == FormatExamples(builtin, char).pairs(0, 20) and len(pairs) == 20
     assert all(c[-1] == char.eos_id and char.decode(c[:-1]).lstrip("-").isdigit() for _, c in pairs)
     assert all(char.decode(list(p)).endswith("=") for p, _ in pairs)
     run = tiny_run(tmp_path, data={"train": str(example / "train.parquet")},
                    sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
     tok = load_model_tokenizer(example / "tokenizer")
-    truths = {r["reward_model"]["ground_truth"] for r in problems(12, 0, 4, "train")}
-    pairs = format_examples(run, tok, 5, 30)
-    assert all(c[-1] == tok.eos_id and tok.decode(c[:-1]) in truths for _, c in pairs)
+    warmup = FormatExamples(run, tok)
+    truths = sorted({r["reward_model"]["ground_truth"] for r in problems(12, 0, 4, "train")})
+    assert warmup.answers == truths
+    pairs = warmup.pairs(5, 600)
+    answers = [tok.decode(c[:-1]) for _, c in pairs]
+    assert all(c[-1] == tok.eos_id for _, c in pairs) and set(answers) == set(truths)
+    # uniform over the distinct answers, not weighted by how often each is right: every answer about equally often
+    assert max(answers.count(a) for a in truths) < 2.5 * min(answers.count(a) for a in truths)
     assert all(tok.decode(list(p)).endswith("assistant\n") for p, _ in pairs)
-    assert pairs[:3] == format_examples(run, tok, 5, 3)
+    assert pairs[:3] == warmup.pairs(5, 3)
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(example, tmp_path):

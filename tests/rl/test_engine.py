@@ -34,13 +34,14 @@ def test_a_request_joins_a_running_batch_and_each_row_samples_as_it_would_alone(
     seen = []
     second_started = threading.Event()
 
-    def on_token(event):
-        seen.append((event.request_id, event.row, event.token_id))
-        if event.request_id == "long" and len(seen) == 3:
-            later.append(engine.submit(rows("short", 2, 3, 9, prompt=(1, 4, 13, 5, 16)), on_token))
-            second_started.set()
+    def on_tokens(events):
+        for event in events:
+            seen.append((event.request_id, event.row, event.token_id))
+            if event.request_id == "long" and len(seen) == 3:
+                later.append(engine.submit(rows("short", 2, 3, 9, prompt=(1, 4, 13, 5, 16)), on_tokens))
+                second_started.set()
     later = []
-    first = engine.submit(rows("long", 1, 40, 1, stop_token_ids=()), on_token).result(timeout=60)
+    first = engine.submit(rows("long", 1, 40, 1, stop_token_ids=()), on_tokens).result(timeout=60)
     second = later[0].result(timeout=60)
     assert second_started.is_set()
     long_tokens = [i for i, s in enumerate(seen) if s[0] == "long"]
@@ -55,13 +56,19 @@ def test_a_request_joins_a_running_batch_and_each_row_samples_as_it_would_alone(
         assert [t for rid, row, t in seen if (rid, row) == (o.request_id, o.row)] == o.token_ids
 
 
+def kv_usage(engine) -> float | None:
+    return engine.metrics.registry.get_sample_value("moerl_rollout_kv_cache_usage_perc")
+
+
 def test_a_cancelled_row_leaves_the_batch_and_its_slot_serves_the_next_request(engine):
     started = threading.Event()
+    usage = []
 
-    def on_token(event):
-        if event.row == 0:
+    def on_tokens(events):
+        usage.append(kv_usage(engine))
+        if any(event.row == 0 for event in events):
             started.set()
-    future = engine.submit(rows("gone", 4, 40, 3, temperature=0.0, stop_token_ids=()), on_token)
+    future = engine.submit(rows("gone", 4, 40, 3, temperature=0.0, stop_token_ids=()), on_tokens)
     started.wait(timeout=60)
     engine.cancel("gone", rows=[0, 1, 2])
     engine.cancel("gone", rows=[0])  # idempotent
@@ -73,6 +80,27 @@ def test_a_cancelled_row_leaves_the_batch_and_its_slot_serves_the_next_request(e
     assert all(o.finish_reason in ("stop", "length") for o in again)
     health = engine.health()
     assert health.running_rows == 0 and health.waiting_rows == 0 and health.version == 0
+    assert max(u or 0 for u in usage) > 0  # the metrics gauge followed the blocks the rows held...
+    deadline = time.monotonic() + 10
+    while kv_usage(engine) != 0 and time.monotonic() < deadline:  # (set after the step that finished them)
+        time.sleep(0.01)
+    assert kv_usage(engine) == 0  # ... and every block came back
+
+
+def test_tokens_arrive_once_per_step_per_call_and_the_engine_counts_them_itself(engine):
+    bursts = []
+    listened = engine.submit(rows("heard", 4, 12, 5, stop_token_ids=()), bursts.append).result(timeout=60)
+    quiet = engine.submit(rows("quiet", 2, 12, 6, stop_token_ids=())).result(timeout=60)  # no callback at all
+    assert all({e.request_id for e in burst} == {"heard"} for burst in bursts)
+    assert len(bursts) <= max(len(o.token_ids) for o in listened)  # a call per step, not per token
+    for o in listened:
+        assert [e.token_id for b in bursts for e in b if e.row == o.row] == o.token_ids
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in engine.metrics.exposition().decode().splitlines() if line and not line.startswith("#")}
+    generated = sum(len(o.token_ids) for o in listened + quiet)
+    assert samples["moerl_rollout_generation_tokens_total"] == generated
+    assert samples["moerl_rollout_time_to_first_token_seconds_count"] == 6  # one per row
+    assert samples["moerl_rollout_inter_token_latency_seconds_count"] == generated - 6
 
 
 def test_stop_tokens_top_logprobs_and_routing_come_back_compact(engine):
@@ -114,14 +142,14 @@ def test_rows_that_cannot_run_fail_alone_and_sampling_params_name_the_bad_field(
 def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_serving(engine, monkeypatch):
     from moe_rl_eks.workloads.rl import generation
 
-    forward, calls = generation.forward_slots, []
+    forward, calls = generation.forward_tokens, []
 
-    def failing_once(*args):
+    def failing_once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:  # a decode step of the first request
             raise RuntimeError("CUDA out of memory (simulated)")
-        return forward(*args)
-    monkeypatch.setattr(generation, "forward_slots", failing_once)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(generation, "forward_tokens", failing_once)
     out = engine.submit(rows("doomed", 2, 20, 1, stop_token_ids=())).result(timeout=60)
     assert [o.finish_reason for o in out] == ["error", "error"]
     assert "CUDA out of memory (simulated)" in out[0].error and 1 <= len(out[0].token_ids) < 20

@@ -29,12 +29,12 @@ def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_
     group = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 1, 2])]
     other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
     fed = []
-    forward = generation.forward_slots
-    monkeypatch.setattr(generation, "forward_slots", lambda m, c, slot, tokens, *a: fed.append(tokens.shape) or
-                        forward(m, c, slot, tokens, *a))
+    forward = generation.forward_tokens
+    monkeypatch.setattr(generation, "forward_tokens", lambda m, c, slot, tokens, *a, **kw: fed.append(tokens.shape)
+                        or forward(m, c, slot, tokens, *a, **kw))
     together = generate(model, group + other, EOS)
     if device == "cpu":  # on a GPU, decode steps replay CUDA graphs (captured with padding rows) instead
-        assert fed[0] == (2, 6)  # two distinct prompts prefilled once each, the longer 6 tokens
+        assert fed[0] == (11,)  # two distinct prompts prefilled once each, packed: 5 + 6 tokens, no padding
         decode = [shape[0] for shape in fed[1:]]
         assert decode[0] == 3 and decode == sorted(decode, reverse=True) and decode[-1] == 1, decode  # rows left
     for row, got in zip(group + other, together):
@@ -76,18 +76,41 @@ def test_rows_joining_mid_decode_and_chunked_prefills_sample_as_they_would_alone
         assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
-def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_does(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_does(model, device):
+    model = model.to(device)
     row = request([1, 6, 13, 7, 16], 6, 5, return_routing=True, logprob_mode="raw")
     decoder = Decoder(model, slots=2, max_len=16, eos_ids=[99])
     (seq,) = run_to_end(decoder, [decoder.add(row)])
-    ids = torch.tensor([list(row.prompt_ids) + seq.tokens])
+    ids = torch.tensor([list(row.prompt_ids) + seq.tokens], device=device)
     with torch.no_grad():
         out = model(ids, return_routing=True)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), -1)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).cpu()
     want = logp[len(row.prompt_ids) - 1:].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
     assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
-    routing = torch.stack(out.routing, 2)[0, :-1]  # [positions fed, layers, k]
-    assert torch.equal(seq.routing.long(), routing) and seq.routing.dtype == torch.uint8
+    routing = torch.stack(out.routing, 2)[0, :-1].cpu()  # [positions fed, layers, k]
+    assert torch.equal(seq.routing.long().cpu(), routing) and seq.routing.dtype == torch.uint8
+
+
+def test_prompt_logprobs_come_from_the_chunked_prefill_and_equal_a_plain_forwards(model):
+    prompt = [1, 6, 13, 7, 16, 9, 4, 11]
+    decoder = Decoder(model, slots=4, max_len=16, eos_ids=[99], prefill_tokens=3)  # the prompt takes 3 chunks
+    scored = [request(prompt, 2, 5, row=i, prompt_logprobs=True, top_logprobs=3, temperature=0.7) for i in range(2)]
+    plain = request([1, 9, 13], 2, 6, row=2)
+    seqs = run_to_end(decoder, [decoder.add(r) for r in [*scored, plain]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)  # the model's own
+    want = logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for seq in seqs[:2]:  # both rows of the group, one prefill
+        assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(prompt)
+        assert seq.prompt_logprobs[1:] == pytest.approx(want.tolist(), abs=1e-5)
+        values, ids = logp.topk(3, -1)
+        assert seq.prompt_top_logprobs[0] is None
+        for got, i, v in zip(seq.prompt_top_logprobs[1:], ids.tolist(), values.tolist()):
+            assert [t for t, _ in got] == i and [lp for _, lp in got] == pytest.approx(v, abs=1e-5)
+    assert seqs[2].prompt_logprobs is None and seqs[2].prompt_top_logprobs is None
+    alone = run_to_end(decoder, [decoder.add(request(prompt, 2, 5, row=0, temperature=0.7))])  # not scored
+    assert alone[0].tokens == seqs[0].tokens
 
 
 def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_seed_row_and_step():
@@ -180,6 +203,46 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_decoding(model):
     assert torch.equal(outs[True][0].routing, outs[False][0].routing)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_kernels_sample_each_row_as_alone_and_as_the_torch_backend(model, monkeypatch):
+    from moe_rl_eks.kernels import backend
+
+    model = model.cuda()
+    triton_model = MoETransformer(model.config, compute="triton").eval().cuda()
+    triton_model.load_state_dict(model.state_dict())
+    calls = []
+    kernels = backend.decode_experts
+    monkeypatch.setattr(backend, "decode_experts", lambda *a: calls.append(a[0].shape[0]) or kernels(*a))
+    rows = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 2])]
+    rows.append(Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True))
+    together = generate(triton_model, rows, EOS)
+    assert calls and max(calls) <= backend.DECODE_MAX_TOKENS  # every MoE layer went through the decode kernels
+    for row, got, want in zip(rows, together, generate(model, rows, EOS)):
+        (alone,) = generate(triton_model, [row], EOS)
+        assert got.tokens == alone.tokens == want.tokens and got.routing == alone.routing == want.routing
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_through(model):
+    rows = [Row([1, 6, 13, 7, 16], 4, 1.0, 1.0, 5, want_routing=True), Row([1, 9, 4], 3, 0.0, 1.0, 6)]
+    before = generate(model, rows, EOS)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    generation.share_qkv_weights(model)
+    attn = model.model.layers[0].self_attn
+    projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert generation._shared(attn, "qkv_weight", projections) is attn.qkv_weight
+    assert generation._shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight]) is not None
+    after = generate(model, rows, EOS)
+    for a, b in zip(before, after):
+        assert a.tokens == b.tokens and a.routing == b.routing and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    model.load_state_dict({name: t * 2 if name.endswith("k_proj.weight") else t for name, t in state.items()})
+    assert torch.equal(attn.qkv_weight[attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
+                       state["model.layers.0.self_attn.k_proj.weight"] * 2)
+    model.double()  # a dtype change copies the parameters: the stale buffer is no longer used
+    assert generation._shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+
+
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
     from moe_rl_eks.workloads.rl.bench_rollout import main
 
@@ -215,3 +278,69 @@ def test_greedy_decoding_equals_transformers_generate_on_its_checkpoint(tmp_path
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=95, pad_token_id=0)
         assert seq.tokens == want[0, len(p):].tolist()
+
+
+def alone(model, row, **sizes):
+    decoder = Decoder(model, slots=1, max_len=32, eos_ids=[EOS], **sizes)
+    (seq,) = run_to_end(decoder, [decoder.add(row)])
+    return seq
+
+
+def assert_same(seq, ref):
+    assert seq.tokens == ref.tokens and torch.equal(seq.routing, ref.routing)
+    assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_groups_rows_share_the_prompts_full_blocks_copy_the_partial_one_and_return_every_block(model, device):
+    model = model.to(device)
+    prompt = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # 10 tokens: two full blocks of 4 and a partial one
+    rows = [request(prompt, n, seed, row=seed, return_routing=True) for seed, n in enumerate([7, 3, 5])]
+    decoder = Decoder(model, slots=3, max_len=24, eos_ids=[99], block_size=4)
+    seqs = [decoder.add(r) for r in rows]
+    decoder.step()  # admission and the group's one prefill
+    owned = [decoder.cache.owned[s.slot] for s in seqs]
+    assert owned[1][:2] == owned[2][:2] == owned[0][:2]  # the full blocks, shared
+    assert len({o[2] for o in owned}) == 3  # the partial block, one copy per row
+    assert [decoder.cache.refs[b] for b in owned[0]] == [3, 3, 1]
+    assert decoder.stats()["blocks_used"] == 5  # not 3 x 3 as separate prefills would hold
+    run_to_end(decoder, seqs)
+    assert decoder.stats()["blocks_free"] == decoder.stats()["blocks_total"] and not any(decoder.cache.refs)
+    for seq, row in zip(seqs, rows):
+        assert_same(seq, alone(model, row))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_wait_for_blocks_and_the_newest_decoding_row_is_preempted_then_recomputed_exactly(model, device):
+    model = model.to(device)
+    # 7 blocks of 4 positions for 4 rows of 5 prompt + 8 new tokens (up to 3 blocks each): the fourth row waits for
+    # blocks although a slot is free; when the running rows cross into their third block there are not enough,
+    # so the newest are preempted, recomputed later, and still sample exactly what they would alone
+    rows = [request([1, 5 + i, 6, 7, 8], 8, i, row=i, return_routing=True, top_p=0.9) for i in range(4)]
+    decoder = Decoder(model, slots=4, max_len=16, eos_ids=[99], block_size=4, blocks=7)
+    seqs = [decoder.add(r) for r in rows]
+    decoder.step()
+    assert [s.slot is None for s in seqs] == [False, False, False, True] and decoder.free
+    assert decoder.stats()["blocks_free"] == 1
+    run_to_end(decoder, seqs)
+    assert decoder.preemptions >= 1 and sum(s.preempted for s in seqs) == decoder.preemptions
+    assert seqs[2].preempted and not seqs[0].preempted  # the newest decoding row goes first, never the oldest
+    assert decoder.stats()["blocks_free"] == 7
+    for seq, row in zip(seqs, rows):
+        assert len(seq.tokens) == 8 and seq.finish_reason == "length"
+        assert_same(seq, alone(model, row))
+
+
+def test_a_cancelled_row_returns_its_blocks_and_a_row_that_can_never_fit_is_refused(model):
+    decoder = Decoder(model, slots=2, max_len=16, eos_ids=[99], block_size=4, blocks=5)
+    with pytest.raises(ValueError, match=r"^max_tokens: 12 with 5 prompt tokens needs 5 KV-cache blocks"):
+        Decoder(model, slots=2, max_len=24, eos_ids=[99], block_size=4, blocks=4).add(request([1, 2, 3, 4, 5], 12, 0))
+    doomed, kept = decoder.add(request([1, 2, 3, 4, 5], 10, 0)), decoder.add(request([1, 7], 6, 1, row=1))
+    for _ in range(2):
+        decoder.step()
+    held = len(decoder.cache.owned[doomed.slot])
+    assert held == 2 and decoder.stats()["blocks_used"] == 3
+    assert decoder.cancel(doomed) and doomed.finish_reason == "abort"
+    assert decoder.stats()["blocks_used"] == 1
+    run_to_end(decoder, [kept])
+    assert decoder.stats()["blocks_free"] == 5 and kept.finish_reason == "length"

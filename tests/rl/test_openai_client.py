@@ -25,6 +25,37 @@ def test_completions_with_n_logprobs_alternatives_and_seed_reproduce(client):
     assert first.model_extra["weight_version"] == 0  # our field, kept by the client
 
 
+@pytest.fixture
+def served(rollout):
+    return rollout, openai.OpenAI(base_url=f"{rollout['url']}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_plain_forward_does(served):
+    import torch
+
+    rollout, client = served
+    answer = client.completions.create(model="local", prompt="3+4=", max_tokens=3, n=2, logprobs=2, echo=True,
+                                       seed=7, temperature=0.8)
+    prompt = rollout["server"].model.tokenizer.encode("3+4=")
+    with torch.no_grad():
+        logp = torch.log_softmax(rollout["engine"].model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    want = logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    plain = client.completions.create(model="local", prompt="3+4=", max_tokens=3, n=2, logprobs=2, seed=7,
+                                      temperature=0.8)
+    for choice, alone in zip(answer.choices, plain.choices):
+        lp, p = choice.logprobs, len(prompt)
+        assert choice.text == "3+4=" + alone.text  # scoring the prompt changes no sampled token
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+        assert lp.token_logprobs[1:p] == pytest.approx(want, abs=1e-5)
+        assert lp.token_logprobs[p:] == pytest.approx(alone.logprobs.token_logprobs, abs=1e-5)
+        assert lp.tokens[p:] == alone.logprobs.tokens
+        for top, best in zip(lp.top_logprobs[1:p], logp.topk(2, -1).values.tolist()):
+            assert sorted(top.values(), reverse=True) == pytest.approx(best, abs=1e-5)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == p + 3
+        assert lp.text_offset[:p] == [0] + [*range(p - 1)]  # "<bos>" shows as no text, then one character each
+        assert lp.text_offset[p] == len("3+4=")
+
+
 def test_streamed_completions_match_and_stop_strings_cut(client):
     whole = client.completions.create(model="local", prompt="1+", max_tokens=8, seed=4)
     text = whole.choices[0].text

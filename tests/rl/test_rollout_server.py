@@ -135,7 +135,7 @@ def test_a_body_over_8_mib_is_refused_with_413(shared, chunked):
     (b'{"prompt": "1+1=", "stop": [""]}', "stop", 400),
     (b'{"prompt": "1+1=", "stop_token_ids": [32]}', "stop_token_ids", 400),
     (b'{"prompt": "1+1=", "logprob_mode": "sampled"}', "logprob_mode", 400),
-    (b'{"prompt": "1+1=", "echo": true, "logprobs": 1}', "echo", 400),  # no prompt logprobs
+    (b'{"prompt": "1+1=", "echo": true, "logprobs": 1, "stream": true}', "stream", 400),  # answered whole
     (b'{"prompt": "1+1=", "model": "gpt-4"}', "model", 404),
 ])
 def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_serving(shared, raw, param, status):
@@ -241,11 +241,12 @@ def test_a_client_that_disconnects_has_its_rows_cancelled(tmp_path, stream):
         sampled = []
         real_submit = engine.submit
 
-        def slow_submit(rows, on_token=None):  # sampling slower than the client's patience: it hangs up early
-            def on(event):
-                sampled.append(event)
+        def slow_submit(rows, on_tokens=None):  # sampling slower than the client's patience: it hangs up early
+            def on(events):
+                sampled.extend(events)
                 time.sleep(0.02)
-                on_token(event)
+                if on_tokens is not None:
+                    on_tokens(events)
             return real_submit(rows, on)
         engine.submit = slow_submit
         host, port = server["url"].removeprefix("http://").split(":")
@@ -336,7 +337,7 @@ def test_health_turns_503_while_the_engine_loop_is_stuck_in_a_step(tmp_path):
         unstuck = threading.Event()
         # The engine thread runs a row's token callback inside its step: one that never returns is a hung loop.
         done = engine.submit([RowRequest((1, 6), SamplingParams(max_tokens=2, seed=1), "stuck", 0)],
-                             on_token=lambda event: unstuck.wait(30))
+                             on_tokens=lambda events: unstuck.wait(30))
         time.sleep(2.5)
         status, body = call("GET", f"{url}/health")
         assert status == 503 and body["status"] == "hung" and body["seconds_since_step"] > 1.5

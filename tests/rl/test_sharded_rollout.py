@@ -86,6 +86,8 @@ def test_a_server_sharded_over_two_ranks_answers_as_one_process_does_and_swaps_v
     sharded, single = servers["sharded"], servers["single"]
     log = (servers["logs"] / "rollout-0.log").read_text()
     assert "expert parallelism: backend=alltoall ranks=2 rank=1" in log  # each rank holds 2 of the 4 experts
+    # decode too: DeepEP's low-latency kernels refuse this model (a CPU; on a GPU its hidden size), saying why
+    assert "ep decode backend alltoall: DeepEP low-latency refused: " in log
     assert_same(completions(sharded, REQUESTS, together=False), completions(single, REQUESTS, together=False))
     assert_same(completions(sharded, REQUESTS, together=True), completions(single, REQUESTS, together=False))
 

@@ -13,7 +13,7 @@ from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_sto
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches
+from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
 from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.rl.train_step import learning_rate
@@ -68,6 +68,21 @@ def test_micro_batch_plans_fill_the_token_budget_longest_first_and_refuse_longer
         plan_microbatches([3, 11], 10)
 
 
+def test_rank_shares_balance_tokens_not_sample_counts():
+    counts = [100, 90, 80, 10, 10, 10]
+    shares = rank_shares(counts, 2)
+    # every other sample would give 190 and 110 tokens; the greedy split 130 and 170 (the best possible here)
+    assert shares == [[0, 3, 4, 5], [1, 2]]
+    assert [sum(counts[i] for i in share) for share in shares] == [130, 170]
+    assert rank_shares(counts, 2) == shares  # every rank computes the same split
+    # ties go to the rank with fewer samples, then the lower rank; a rank may get nothing
+    assert rank_shares([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert rank_shares([7, 3], 3) == [[0], [1], []]
+    assert rank_shares([], 2) == [[], []]
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        rank_shares([1], 0)
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, world_of_one, algorithm):
     run = tiny_run(tmp_path, algorithm={"name": algorithm, **FAST}, training={"learning_rate": 0.01})
@@ -120,7 +135,8 @@ def test_ep_ranks_with_one_rank_empty_give_the_gradient_of_one_rank(tmp_path):
     for batch in (varied_batch(), Batch(0, 0, varied_batch().samples[2:3], varied_batch().stats)):
         want, want_metrics = step_gradients(Trainer(run, None, rank=0, world=1), batch)
         ranks = run_ranks(2, ep_step_gradients, str(path), batch.to_json())
-        assert [r["samples"] for r in ranks] == [len(batch.samples[0::2]), len(batch.samples[1::2])]
+        shares = rank_shares([sequence_tokens(s) for s in batch.samples], 2)
+        assert [r["samples"] for r in ranks] == [sorted(batch.samples[i].id for i in share) for share in shares]
         for r in ranks:
             assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5)
             for name, grad in want.items():

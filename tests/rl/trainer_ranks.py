@@ -76,7 +76,8 @@ def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) ->
             dist.all_gather(parts, grad)
             grad = torch.cat(parts)
         full[name] = grad
-    return {"grads": full, "metrics": metrics, "samples": len(Batch.from_json(batch_json).samples[rank::world])}
+    share = trainer._share(Batch.from_json(batch_json).samples)
+    return {"grads": full, "metrics": metrics, "samples": sorted(s.id for s in share)}
 
 
 class ListSource:

@@ -14,7 +14,7 @@ from torch import nn
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
-from .safetensors_io import CHECKSUM, IntegrityError, Source, fill, plan_files, read_files, write_file
+from .safetensors_io import CHECKSUM, IntegrityError, Into, Source, fill, plan_files, read_files, write_file
 
 # Our router options beyond Qwen3-MoE go under this key of config.json (Hugging Face keeps unknown keys).
 EXTRA_KEY = "moe_rl_eks"
@@ -254,11 +254,12 @@ def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: Mo
 
 
 def load_hf(directory: str | Path, *, experts: range | None = None, device: str | torch.device = "cpu",
-            drop_cache: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+            drop_cache: bool = False, into: Into | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face Qwen3-MoE checkpoint -> (ModelConfig, state dict with fused experts), straight onto
     `device` (files in parallel, through pinned buffers; no host copy of the whole model). With `experts` (an EP
     rank's contiguous slice) only those experts' bytes are read. When the directory holds the store's manifest,
-    every byte read is checked against it (IntegrityError otherwise). Dtypes are kept as stored."""
+    every byte read is checked against it (IntegrityError otherwise). Dtypes are kept as stored. `into` reads
+    each file into a host buffer the caller supplies instead (safetensors_io.read_file)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -283,7 +284,7 @@ def load_hf(directory: str | Path, *, experts: range | None = None, device: str 
         return match is None or int(match.group(2)) in wanted_experts
 
     tensors = read_files([directory / name for name in shard_names], wanted, torch.device(device), facts,
-                         drop_cache)
+                         drop_cache, into)
     if experts is not None:  # transformers 5's fused layout: read whole, then cut to this rank's slice
         tensors = {k: t[experts.start:experts.stop] if FUSED.match(k) else t for k, t in tensors.items()}
     return config, from_hf_tensors(tensors, config, experts)

@@ -10,8 +10,9 @@ against truncation, torn and corrupted files; it is not a signature: who may wri
 question (IAM, POSIX permissions), not one a hash answers.
 
 Reading: each file's wanted byte ranges are read into a small ring of pinned bounce buffers and copied to the
-device asynchronously while the next chunk is read; files are read in parallel, one thread each. On the CPU the
-bytes are read straight into the destination tensors. Tensors come back as views of one flat buffer per file, so
+device asynchronously while the next chunk is read; files are read in parallel, one thread each. On the CPU, or
+into host buffers the caller supplies (a serving replica's pinned staging), the bytes are read straight into the
+destination. Tensors come back as views of one flat buffer per file, so
 the model's fused experts ([E, 2I, h]) are views too when the file holds a layer's experts in order (ours do).
 
 Layout rule: tensors of larger element size come first (8-byte header padding keeps every tensor aligned to its
@@ -251,12 +252,16 @@ class PinnedRing:
         self.stream.synchronize()
 
 
+Into = Callable[[str, int], torch.Tensor]  # (file name, bytes) -> a uint8 host buffer of that many bytes
+
+
 def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, facts: dict | None = None,
-              drop_cache: bool = False) -> dict[str, torch.Tensor]:
+              drop_cache: bool = False, into: Into | None = None) -> dict[str, torch.Tensor]:
     """The wanted tensors of one safetensors file, on `device`, as views of one flat buffer. With `facts` (the
     manifest's entry) the size, the header and every tensor read are checked against it; a mismatch raises
     IntegrityError naming the file and tensor. `drop_cache` asks the kernel to forget the file's cached pages
-    first (benchmarks: a cold read)."""
+    first (benchmarks: a cold read). `into(name, nbytes)`, when given, supplies that flat buffer instead (host
+    memory the caller keeps, e.g. a serving replica's pinned staging): the bytes are read straight into it."""
     if facts is not None and path.stat().st_size != facts["bytes"]:
         raise IntegrityError(f"{path}: {path.stat().st_size} bytes, the manifest says {facts['bytes']}")
     head, pieces = read_header(path)
@@ -271,7 +276,7 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
     for start, end in runs:
         places.append(total)
         total += -(-(end - start) // 16) * 16
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    flat = into(path.name, total) if into is not None else torch.empty(total, dtype=torch.uint8, device=device)
     hashers = {}
     if facts is not None:
         import xxhash
@@ -282,7 +287,7 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
     try:
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        ring = PinnedRing(device) if device.type == "cuda" else None
+        ring = PinnedRing(flat.device) if flat.is_cuda else None
         for (start, end), placed in zip(runs, places):
             offset = start
             while offset < end:
@@ -347,9 +352,10 @@ def _feed(hashers: dict, pieces: list[Piece], ends: list[int], offset: int, chun
 
 
 def read_files(paths: list[Path], wanted: Callable[[str], bool], device: torch.device,
-               facts: dict[str, dict] | None = None, drop_cache: bool = False) -> dict[str, torch.Tensor]:
+               facts: dict[str, dict] | None = None, drop_cache: bool = False, into: Into | None = None
+               ) -> dict[str, torch.Tensor]:
     """`read_file` over several files in parallel, one thread each (at most 8)."""
     with ThreadPoolExecutor(min(8, max(1, len(paths))), thread_name_prefix="safetensors-read") as pool:
         parts = list(pool.map(lambda p: read_file(p, wanted, device, None if facts is None else facts[p.name],
-                                                  drop_cache), paths))
+                                                  drop_cache, into), paths))
     return {k: v for part in parts for k, v in part.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,24 @@ def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, fused: Callable | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # The compute backend's fused training norm (forward and backward one kernel each, same numerics; the
+        # `triton` backend's `norm`), used under autocast only: it returns the autocast dtype, which is what the
+        # next matmul or attention would have cast the float32 result to.
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mixed_precision(self, x: torch.Tensor) -> bool:
+        return self.fused is not None and torch.is_autocast_enabled(x.device.type)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: (cos, sin) [tokens, D] for x [..., heads, D], applied after the norm (fused path only)."""
+        if self.mixed_precision(x):
+            return self.fused(x, self.weight, self.eps, torch.get_autocast_dtype(x.device.type), rope)
+        if rope is not None:
+            raise ValueError("RMSNorm applies the rotary embedding only through a fused kernel under autocast")
         # As Hugging Face: normalise in float32, cast back, then scale.
         x32 = x.float()
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -103,7 +116,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fused_norm: Callable | None = None):
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -111,16 +124,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, segments: list[int] | None = None):
         """segments: packed sequences (B = 1, no cache): each attends causally within itself only."""
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.q_norm.mixed_precision(q):  # norm and rotary embedding in one kernel per direction
+            table = (cos[:, 0].reshape(b * s, self.head_dim), sin[:, 0].reshape(b * s, self.head_dim))
+            q, k = self.q_norm(q, rope=table).transpose(1, 2), self.k_norm(k, rope=table).transpose(1, 2)
+        else:
+            q = _rotate(self.q_norm(q).transpose(1, 2), cos, sin)
+            k = _rotate(self.k_norm(k).transpose(1, 2), cos, sin)
         if cache is not None:
             end = cache.length + s
             cache.keys[layer, :, :, cache.length:end] = k
@@ -128,23 +146,25 @@ class Attention(nn.Module):
             k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
         gqa = self.heads != self.kv_heads
         if b == 0 or s == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
-            out = q.new_zeros(q.shape)
+            out = q.new_zeros(q.shape).transpose(1, 2)
         elif segments is not None:
             # Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs):
-            # no [S, S] mask over the packed row, and no token attends across a sequence boundary.
-            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-                             for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))], 2)
+            # no [S, S] mask over the packed row, and no token attends across a sequence boundary. Each output is
+            # concatenated as [1, S_i, H, D], so the packed row is built in the o_proj's layout (no copy after).
+            parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+                             for qs, ks, vs in parts], 1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, mlp: MoEBlock):
+    def __init__(self, config: ModelConfig, mlp: MoEBlock, fused_norm: Callable | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_norm)
+        self.self_attn = Attention(config, fused_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_norm)
         self.mlp = mlp
 
     def forward(self, h, cos, sin, mask, cache, index: int, replay, token_mask, segments):
@@ -162,7 +182,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # plain: a value head reads its float32 output
 
 
 class MoETransformer(nn.Module):
@@ -175,7 +195,8 @@ class MoETransformer(nn.Module):
         for _ in range(config.num_hidden_layers):
             dispatcher = (ep.dispatcher(self.compute, config.num_experts, config.hidden_size) if ep is not None
                           else LocalDispatcher(self.compute, config.num_experts))
-            layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute)))
+            layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute),
+                                       getattr(self.compute, "norm", None)))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Recompute decoder layers' activations in the backward instead of keeping them (training only): "full"

@@ -4,7 +4,7 @@ Autograd flows through both directions. Experts sit on ranks in contiguous range
 [r * E / R, (r + 1) * E / R), so node-limited routing (contiguous expert ranges) keeps traffic inside nodes.
 
 `local` (one rank) and `alltoall` (torch.distributed.all_to_all_single, NCCL or gloo) live here; `deepep` in
-deepep.py. ExpertParallel (parallel.py) builds the right one.
+deepep.py, `deepep_ll` (a server's decode) in deepep_ll.py. ExpertParallel (parallel.py) builds the right one.
 """
 from __future__ import annotations
 
@@ -124,3 +124,32 @@ class AllToAllDispatcher(Dispatcher):
 
     def received_rows(self, handle):
         return sum(handle[4])
+
+
+class PhasedDispatcher(Dispatcher):
+    """An expert-parallel server's dispatcher: `prefill` (the all-to-all) outside `ExpertParallel.decode_phase()`,
+    `decode` (DeepEP low-latency) inside it. Every rank of a step runs the same phase, so they all call the same
+    collective kernels."""
+
+    def __init__(self, phase_source, prefill: Dispatcher, decode: Dispatcher):
+        if prefill.num_local_experts != decode.num_local_experts:
+            raise ValueError(f"prefill and decode dispatchers disagree on local experts: "
+                             f"{prefill.num_local_experts} vs {decode.num_local_experts}")
+        self.phase_source, self.prefill, self.decode = phase_source, prefill, decode
+        self.num_local_experts = prefill.num_local_experts
+
+    def _chosen(self) -> Dispatcher:
+        return self.decode if self.phase_source.decoding else self.prefill
+
+    def dispatch(self, x, weights, ids):
+        chosen = self._chosen()
+        x_sorted, counts, handle = chosen.dispatch(x, weights, ids)
+        return x_sorted, counts, (chosen, handle)
+
+    def combine(self, y_sorted, handle: Any):
+        chosen, inner = handle
+        return chosen.combine(y_sorted, inner)
+
+    def received_rows(self, handle):
+        chosen, inner = handle
+        return chosen.received_rows(inner)

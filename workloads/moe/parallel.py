@@ -1,18 +1,26 @@
 """Expert parallelism: which experts this rank owns and which dispatcher moves tokens to them."""
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
 
 import torch
 import torch.distributed as dist
 
-from moe_rl_eks.core.ep_backends import EpBackend, Topology, check_backend
+from moe_rl_eks.core.ep_backends import (DecodeBackend, EpBackend, Topology, check_backend, ll_tokens_per_rank,
+                                         resolve_decode_backend)
 from moe_rl_eks.core.run import ResolvedRun
 
 from .compute import MoECompute
-from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, through_host
+from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, PhasedDispatcher, through_host
 
 log = logging.getLogger(__name__)
+
+
+def decode_phase(ep: "ExpertParallel | None"):
+    """`ep.decode_phase()`, or nothing to switch without expert parallelism."""
+    return ep.decode_phase() if ep is not None else contextlib.nullcontext()
 
 
 def local_experts(ep: "ExpertParallel | None", num_experts: int) -> range | None:
@@ -26,13 +34,45 @@ class ExpertParallel:
     replicated and each rank routes its own tokens."""
 
     def __init__(self, group: dist.ProcessGroup, backend: EpBackend, *, ranks_per_node: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", decode: DecodeBackend | None = None, decode_rows_per_rank: int = 0):
+        """decode: a server's decode forwards (inside `decode_phase()`) dispatch with this instead of `backend`;
+        "deepep_ll" sizes DeepEP's low-latency buffer for `decode_rows_per_rank` tokens per rank."""
         self.group, self.backend = group, backend
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks_per_node = ranks_per_node or self.size
         self.device = device
+        self.decode_backend = decode or backend
+        self.decode_tokens_per_rank = ll_tokens_per_rank(decode_rows_per_rank, self.size)
+        self.decoding = False  # set by decode_phase(): read by the PhasedDispatcher of every layer
         self._deepep_buffer = None  # one DeepEP Buffer shared by every layer
+        self._ll_buffer = None  # and one low-latency Buffer
         log.info("expert parallelism: backend=%s ranks=%d rank=%d", backend, self.size, self.rank)
+        if self.decode_backend != backend:
+            log.info("expert parallelism: decode backend=%s tokens per rank=%d", self.decode_backend,
+                     self.decode_tokens_per_rank)
+
+    @classmethod
+    def for_serving(cls, group: dist.ProcessGroup, config, *, device: str, rows_per_rank: int) -> "ExpertParallel":
+        """A sharded rollout server's EP: prefill over the all-to-all, decode over DeepEP's low-latency kernels
+        where resolve_decode_backend allows them (logged with the reason either way). `config` is the ModelConfig;
+        the server's GPUs are one node's."""
+        size = dist.get_world_size(group)
+        topo = Topology(nodes=1, ranks_per_node=size, device="cuda" if device.startswith("cuda") else "cpu",
+                        num_experts=config.num_experts, dtype=config.dtype)
+        decode, why = resolve_decode_backend(topo, hidden_size=config.hidden_size, top_k=config.num_experts_per_tok,
+                                             rows_per_rank=rows_per_rank,
+                                             deepep_importable=importlib.util.find_spec("deep_ep") is not None)
+        log.info("ep decode backend %s: %s", decode, why)
+        return cls(group, "alltoall", device=device, decode=decode, decode_rows_per_rank=rows_per_rank)
+
+    @contextlib.contextmanager
+    def decode_phase(self):
+        """Forwards inside run as decode steps (every rank enters it for the same forwards)."""
+        self.decoding = True
+        try:
+            yield
+        finally:
+            self.decoding = False
 
     @classmethod
     def for_run(cls, resolved: ResolvedRun, group: dist.ProcessGroup) -> "ExpertParallel":
@@ -55,6 +95,17 @@ class ExpertParallel:
 
     def dispatcher(self, compute: MoECompute, num_experts: int, hidden_size: int) -> Dispatcher:
         check_backend(self.backend, self.topology(num_experts))
+        base = self._dispatcher(compute, num_experts, hidden_size)
+        if self.decode_backend != "deepep_ll":
+            return base
+        from .deepep_ll import DeepEPLowLatencyDispatcher, make_ll_buffer  # deep_ep and CUDA: only when chosen
+
+        if self._ll_buffer is None:
+            self._ll_buffer = make_ll_buffer(self.group, self.decode_tokens_per_rank, hidden_size, num_experts)
+        return PhasedDispatcher(self, base, DeepEPLowLatencyDispatcher(compute, num_experts, self._ll_buffer,
+                                                                       self.decode_tokens_per_rank))
+
+    def _dispatcher(self, compute: MoECompute, num_experts: int, hidden_size: int) -> Dispatcher:
         if self.backend == "local":
             return LocalDispatcher(compute, num_experts)
         if self.backend == "alltoall":

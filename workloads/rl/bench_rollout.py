@@ -124,6 +124,7 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
         if decode_start is None and not decoder.prefilling and not decoder.waiting:
             sync(device)
             decode_start, tokens_at_decode = time.perf_counter(), sum(len(s.tokens) for s in seqs)
+            kv = decoder.stats()  # blocks held once every prompt is in: memory follows the tokens present
             continue
         steps += 1
         if decode_start is not None and time.perf_counter() - decode_start > max_seconds:
@@ -137,7 +138,9 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
            "seconds": end - start, "tokens_per_s": generated / (end - start), "prefill_s": decode_start - start,
            "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
            "step_ms": 1000 * decode_s / max(steps, 1), "graph_capture_s": capture_s,
-           "complete": generated == batch * new_tokens, "cuda_graphs": bool(decoder.graphs)}
+           "complete": generated == batch * new_tokens, "cuda_graphs": bool(decoder.graphs),
+           "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
+           "kv_block_size": kv["block_size"], "preemptions": decoder.preemptions}
     del decoder
     return out
 

@@ -9,15 +9,19 @@ messages through the tokenizer's chat template, plain text as it is. A prompt lo
 Torch-free: the orchestrator imports it."""
 from __future__ import annotations
 
+import fnmatch
+import glob
 import json
 import random
 import threading
-from itertools import islice
+from bisect import bisect_right
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from moe_rl_eks.core.rl_config import DataColumns, DataConfig, TaskConfig
+from moe_rl_eks.core.rl_config import DATA_SUFFIXES, GLOB_CHARS, DataColumns, DataConfig, TaskConfig
 
 from .tokenizer import CharTokenizer, HFTokenizer
 
@@ -105,12 +109,12 @@ class ArithmeticSource:
 
 # --- datasets ----------------------------------------------------------------------------------------------------
 
-class Rows:
+class DataFile:
     """The rows of one dataset file, read once, each converted to Python objects when asked for."""
 
-    def __init__(self, uri: str, *, s3_endpoint_url: str | None = None) -> None:
+    def __init__(self, uri: str, *, s3=None) -> None:
         self.uri = uri
-        data = _read_bytes(uri, s3_endpoint_url)
+        data = _read_bytes(uri, s3)
         if uri.endswith(".parquet"):
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -140,6 +144,18 @@ class Rows:
             raise DataError(f"{self.uri}: line {i + 1}: expected a JSON object per line, got {type(row).__name__}")
         return row
 
+    def values(self, dotted: str) -> list:
+        """Every row's value of a (possibly nested) column that has_column found."""
+        if self._table is None:
+            return [_get(self.row(i), dotted) for i in range(len(self))]
+        import pyarrow.compute as pc
+
+        head, *rest = dotted.split(".")
+        column = self._table.column(head)
+        for name in rest:
+            column = pc.struct_field(column, name)
+        return column.to_pylist()
+
     def has_column(self, dotted: str) -> bool:
         """Whether the (possibly nested) column exists: Parquet answers from its schema, JSONL from its first row."""
         head, *rest = dotted.split(".")
@@ -157,7 +173,32 @@ class Rows:
         return True
 
 
+class Rows:
+    """The rows of one split: its files back to back (row i of the split is row i - start of the file it falls
+    in), so the permutation and cursor of DatasetSource span every file."""
+
+    def __init__(self, files: list[DataFile], description: str) -> None:
+        self.files, self.description = files, description
+        self._starts = list(accumulate((len(f) for f in files), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def locate(self, i: int) -> tuple[DataFile, int]:
+        """The file holding row i of the split, and the row's index in it."""
+        f = bisect_right(self._starts, i) - 1
+        return self.files[f], i - self._starts[f]
+
+    def row(self, i: int) -> dict:
+        file, j = self.locate(i)
+        return file.row(j)
+
+    def values(self, dotted: str) -> list:
+        return [v for f in self.files for v in f.values(dotted)]
+
+
 _MISSING = object()
+_READERS = 8  # files of a split read at once (S3 and FSx reward concurrent reads)
 
 
 def _get(row: dict, dotted: str) -> Any:
@@ -169,20 +210,104 @@ def _get(row: dict, dotted: str) -> Any:
     return value
 
 
-def _read_bytes(uri: str, s3_endpoint_url: str | None) -> bytes:
+def _s3_client(endpoint_url: str | None):
+    """One client per split, shared by its reading threads (boto3 clients are thread-safe, creating them is not)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint_url)
+
+
+def _read_bytes(uri: str, s3) -> bytes:
     if uri.startswith("s3://"):
-        import boto3
         from botocore.exceptions import BotoCoreError, ClientError
 
         bucket, key = uri[5:].split("/", 1)
         try:
-            return boto3.client("s3", endpoint_url=s3_endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+            return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         except (BotoCoreError, ClientError) as exc:
             raise DataError(f"{uri}: cannot read it from S3 ({exc})") from None
     path = Path(uri)
     if not path.is_file():
         raise DataError(f"{uri}: no such file")
     return path.read_bytes()
+
+
+def _is_data_file(name: str) -> bool:
+    """A dataset file by its name; names starting with . or _ are metadata (Spark's _SUCCESS, .crc), as pyarrow
+    skips them."""
+    return name.endswith(DATA_SUFFIXES) and not name.startswith((".", "_"))
+
+
+def _glob_match(pattern: list[str], parts: list[str]) -> bool:
+    """Path segments against glob segments as glob.glob matches them: * ? [..] within a segment, ** any depth."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(pattern[1:], parts[1:])
+
+
+def _s3_files(entry: str, s3, where: str) -> list[str]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = entry[5:].split("/", 1)
+    if not any(c in key for c in GLOB_CHARS):
+        if _is_data_file(key.rsplit("/", 1)[-1]):
+            return [entry]
+        prefix, delimiter = (key if key.endswith("/") or not key else key + "/"), "/"
+    else:  # list from the last / before the first wildcard, then match whole keys
+        prefix, delimiter = key[:min(key.find(c) for c in GLOB_CHARS if c in key)].rpartition("/")[0], ""
+        prefix = prefix + "/" if prefix else ""
+    try:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter=delimiter)
+        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    except (BotoCoreError, ClientError) as exc:
+        raise DataError(f"{where}: cannot list {entry!r} in S3 ({exc})") from None
+    if delimiter == "":
+        keys = [k for k in keys if _glob_match(key.split("/"), k.split("/"))]
+    return [f"s3://{bucket}/{k}" for k in sorted(keys) if _is_data_file(k.rsplit("/", 1)[-1])]
+
+
+def _local_files(entry: str, where: str) -> list[str]:
+    if any(c in entry for c in GLOB_CHARS):
+        return sorted(p for p in glob.glob(entry, recursive=True) if _is_data_file(Path(p).name) and Path(p).is_file())
+    path = Path(entry)
+    if path.is_dir():  # also a Spark-style directory named x.parquet
+        return sorted(str(p) for p in path.iterdir() if _is_data_file(p.name) and p.is_file())
+    if entry.endswith(DATA_SUFFIXES):
+        return [entry]  # a missing file is reported when it is read
+    raise DataError(f"{where}: {entry!r}: no such file or directory")
+
+
+def resolve_files(cfg: DataConfig, split: str, s3=None) -> list[str]:
+    """The files of rl.data.<split>: each location expanded (a directory or prefix to its data files, a glob to
+    its matches, both in name order), in the order listed. A location that matches nothing, or a file that two
+    locations name, is an error naming the field."""
+    field = f"rl.data.{split}"
+    files: list[str] = []
+    value = getattr(cfg, split)
+    for i, entry in enumerate(cfg.locations(split)):
+        where = field if isinstance(value, str) else f"{field}[{i}]"
+        found = _s3_files(entry, s3, where) if entry.startswith("s3://") else _local_files(entry, where)
+        if not found:
+            raise DataError(f"{where}: {entry!r} matched no .parquet or .jsonl file (names starting with . or _ "
+                            "are skipped)")
+        for uri in found:
+            if uri in files:
+                raise DataError(f"{where}: {entry!r} names {uri} again; list each file once")
+        files += found
+    return files
+
+
+def read_split(cfg: DataConfig, split: str) -> Rows:
+    """rl.data.<split>'s rows: its files resolved and read (_READERS at once)."""
+    uses_s3 = any(entry.startswith("s3://") for entry in cfg.locations(split))
+    s3 = _s3_client(cfg.s3_endpoint_url) if uses_s3 else None
+    uris = resolve_files(cfg, split, s3)
+    with ThreadPoolExecutor(min(_READERS, len(uris))) as pool:
+        files = list(pool.map(lambda uri: DataFile(uri, s3=s3), uris))
+    description = uris[0] if len(uris) == 1 else f"rl.data.{split} ({len(uris)} files from {uris[0]})"
+    return Rows(files, description)
 
 
 class Dataset:
@@ -194,23 +319,25 @@ class Dataset:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.max_prompt_tokens = max_prompt_tokens
         if not len(rows):
-            raise DataError(f"{rows.uri}: the dataset has no rows")
-        for name in ("prompt", "ground_truth"):
-            column = getattr(columns, name)
-            if not rows.has_column(column):
-                raise DataError(f"{rows.uri}: no column {column!r} (rl.data.columns.{name}); columns: "
-                                f"{', '.join(rows.columns)}")
-        self._data_source = rows.has_column(columns.data_source)
-        self._extra_info = rows.has_column(columns.extra_info)
-        self.default_source = Path(rows.uri).stem
+            raise DataError(f"{rows.description}: the dataset has no rows")
+        for file in rows.files:
+            for name in ("prompt", "ground_truth"):
+                column = getattr(columns, name)
+                if len(file) and not file.has_column(column):
+                    raise DataError(f"{file.uri}: no column {column!r} (rl.data.columns.{name}); columns: "
+                                    f"{', '.join(file.columns)}")
+        # Optional columns per file; a file without data_source is named after itself.
+        self._optional = {id(f): (f.has_column(columns.data_source) if len(f) else False,
+                                  f.has_column(columns.extra_info) if len(f) else False) for f in rows.files}
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def prompt(self, row_index: int, index: int) -> Prompt | None:
         """Row `row_index` as the prompt of draw `index`; None when it is longer than max_prompt_tokens."""
-        row = self.rows.row(row_index)
-        where = f"{self.rows.uri}: row {row_index}"
+        file, j = self.rows.locate(row_index)
+        row = file.row(j)
+        where = f"{file.uri}: row {j}"
         raw, truth = _get(row, self.columns.prompt), _get(row, self.columns.ground_truth)
         if truth is _MISSING:
             raise DataError(f"{where}: no {self.columns.ground_truth!r} (rl.data.columns.ground_truth)")
@@ -224,8 +351,9 @@ class Dataset:
         ids = tuple(self.tokenizer.encode(text))
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             return None
-        source = _get(row, self.columns.data_source) if self._data_source else self.default_source
-        extra = _get(row, self.columns.extra_info) if self._extra_info else {}
+        has_source, has_extra = self._optional[id(file)]
+        source = _get(row, self.columns.data_source) if has_source else Path(file.uri).stem
+        extra = _get(row, self.columns.extra_info) if has_extra else {}
         return Prompt(index, ids, text, str(source), truth, extra if isinstance(extra, dict) else {})
 
 
@@ -266,7 +394,7 @@ class DatasetSource:
                 if prompt is not None:
                     return prompt
                 self.skipped += 1
-        raise DataError(f"{self.dataset.rows.uri}: every prompt is longer than rl.sampling.max_prompt_tokens "
+        raise DataError(f"{self.dataset.rows.description}: every prompt is longer than rl.sampling.max_prompt_tokens "
                         f"({self.dataset.max_prompt_tokens})")
 
     def state(self) -> dict:
@@ -279,8 +407,8 @@ class DatasetSource:
         mine = {"rows": len(self.dataset), "seed": self.seed, "shuffle": self.shuffle}
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
-            raise DataError(f"{self.dataset.rows.uri}: the checkpoint's data cursor was taken with {theirs}, this run "
-                            f"has {mine}; the dataset or rl.training.seed changed, so it cannot resume exactly")
+            raise DataError(f"{self.dataset.rows.description}: the checkpoint's data cursor was taken with {theirs}, "
+                            f"this run has {mine}; the dataset or rl.training.seed changed, so it cannot resume exactly")
         with self._lock:
             self.epoch, self.position = int(state["epoch"]), int(state["position"])
             self._order = self._epoch_order(self.epoch)
@@ -294,8 +422,7 @@ def _expect_kind(state: dict, kind: str) -> None:
 
 def load_split(cfg: DataConfig, split: str, tokenizer: CharTokenizer | HFTokenizer,
                max_prompt_tokens: int | None = None) -> Dataset:
-    uri = getattr(cfg, split)
-    return Dataset(Rows(uri, s3_endpoint_url=cfg.s3_endpoint_url), cfg.columns, tokenizer,
+    return Dataset(read_split(cfg, split), cfg.columns, tokenizer,
                    chat_template_kwargs=cfg.chat_template_kwargs, max_prompt_tokens=max_prompt_tokens)
 
 
@@ -328,30 +455,40 @@ def evaluation_prompts(run, tokenizer: CharTokenizer | HFTokenizer, limit: int |
     return list(islice((p for p in found if p is not None), limit))
 
 
-def format_examples(run, tokenizer: CharTokenizer | HFTokenizer, start: int, count: int
-                    ) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Supervised warm-up pairs j = start .. start+count-1: (prompt ids, completion ids ending with the EOS id)
-    whose completion has the shape of an answer but is not this prompt's (the built-in task: a random value; a
-    dataset: another row's ground truth), so warm-up teaches the format and the RL that follows is measured on
-    the task. Pure functions of (rl.training.seed, j)."""
-    rl = run.rl
-    pairs = []
-    if rl.data.builtin:
-        task = ArithmeticTask(rl.task, rl.training.seed + 1)
-        texts = [(task.problem(j).prompt, task.well_formed_example(j)) for j in range(start, start + count)]
-        pairs = [(tuple(tokenizer.encode(p)), answer) for p, answer in texts]
-    else:
-        dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
-        for j in range(start, start + count):
-            rng = random.Random(f"moerl-warmup:{rl.training.seed}:{j}")
-            prompt = None
-            while prompt is None:
-                prompt = dataset.prompt(rng.randrange(len(dataset)), j)
-            other = dataset.rows.row(rng.randrange(len(dataset)))
-            pairs.append((prompt.prompt_ids, str(_get(other, rl.data.columns.ground_truth))))
-    # The built-in tokenizer starts every encoded text with <bos>; a completion continues its prompt without one.
-    skip = 1 if isinstance(tokenizer, CharTokenizer) else 0
-    return [(p, tokenizer.encode(answer)[skip:] + [tokenizer.eos_id]) for p, answer in pairs]
+class FormatExamples:
+    """Supervised warm-up pairs: (prompt ids, completion ids ending with the EOS id) whose completion has the shape
+    of an answer but no knowledge of the task: the built-in task's is a random value in its answers' range; a
+    dataset's is drawn uniformly from the split's distinct ground truths, so the warm-up teaches the format and
+    which answers exist, not which prompt has which answer nor how often an answer is right. Correctness is left to
+    RL, and the evaluation after the warm-up measures what RL adds. Pair j is a pure function of
+    (rl.training.seed, j). Built once (a dataset is read here, not at every warm-up step)."""
+
+    def __init__(self, run, tokenizer: CharTokenizer | HFTokenizer) -> None:
+        self.run, self.tokenizer = run, tokenizer
+        rl = run.rl
+        if rl.data.builtin:
+            self.task = ArithmeticTask(rl.task, rl.training.seed + 1)
+        else:
+            self.dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
+            self.answers = sorted({str(v) for v in self.dataset.rows.values(rl.data.columns.ground_truth)})
+
+    def pairs(self, start: int, count: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Pairs j = start .. start + count - 1."""
+        tokenizer, pairs = self.tokenizer, []
+        if self.run.rl.data.builtin:
+            texts = [(self.task.problem(j).prompt, self.task.well_formed_example(j))
+                     for j in range(start, start + count)]
+            pairs = [(tuple(tokenizer.encode(p)), answer) for p, answer in texts]
+        else:
+            for j in range(start, start + count):
+                rng = random.Random(f"moerl-warmup:{self.run.rl.training.seed}:{j}")
+                prompt = None
+                while prompt is None:
+                    prompt = self.dataset.prompt(rng.randrange(len(self.dataset)), j)
+                pairs.append((prompt.prompt_ids, rng.choice(self.answers)))
+        # The built-in tokenizer starts every encoded text with <bos>; a completion continues its prompt without one.
+        skip = 1 if isinstance(tokenizer, CharTokenizer) else 0
+        return [(p, tokenizer.encode(answer)[skip:] + [tokenizer.eos_id]) for p, answer in pairs]
 
 
 def check_vocabulary(run, tokenizer: CharTokenizer | HFTokenizer) -> None:

@@ -1,9 +1,11 @@
 """The rollout engine: rows in, tokens streamed out, continuous batching over one model replica.
 
-`RolloutEngine.submit(rows, on_token)` queues rows and returns a Future of their `RowOutput`s; one engine thread
+`RolloutEngine.submit(rows, on_tokens)` queues rows and returns a Future of their `RowOutput`s; one engine thread
 owns the replica and its `Decoder` and loops: take what was submitted or cancelled, admit rows into free KV-cache
-slots, run one step (a prefill chunk and/or one decode forward for every running row), report each sampled
-token and each finished row. Rows join and leave the batch at every step.
+slots, run one step (a prefill chunk and/or one decode forward for every running row), hand each call its tokens
+of the step (one `on_tokens` call, only to calls that asked) and report each finished row. Rows join and leave the
+batch at every step. The engine counts its tokens and their latencies itself (generation tokens, time to first
+token, inter-token latency), once per step, so a caller that only wants the result costs nothing per token.
 
 Locking rule: callers only append to the inbox under `_lock` (and wake the loop); everything else (the decoder,
 the replica, the rows' state) belongs to the engine thread alone.
@@ -33,8 +35,8 @@ from moe_rl_eks.core.run import RunConfig
 from ..model import MoETransformer
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from .protocol import VersionRef
-from .generation import Decoder, Sequence, fitting_slots, output
-from .replica import Replica, StepPlan
+from .generation import Decoder, Sequence, output
+from .replica import Replica, StepPlan, rows_per_rank
 from .runtime import Registry
 from .tokenizer import Tokenizer
 from .weights import WeightStore
@@ -48,11 +50,13 @@ class _Call:
     """One submit(): its rows, where their outputs go, and the Future that resolves when all have finished."""
 
     rows: list[RowRequest]
-    on_token: Callable[[TokenEvent], None] | None
+    on_tokens: Callable[[list[TokenEvent]], None] | None
     future: Future = field(default_factory=Future)
     outputs: list[RowOutput | None] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)  # rows cancelled before they were admitted
     left: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+    sampled: list[int] = field(default_factory=list)  # tokens sampled so far, per row
 
 
 @dataclass(eq=False)
@@ -88,7 +92,11 @@ class RolloutEngine:
         self._ep_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
         self._ep_turn = 0
         self._counts = (0, 0)  # (running, waiting) rows, for health()
+        self._preemptions = 0  # the decoder's count already added to the metric
         self._last_step = time.monotonic()
+        self._last_sampled = 0.0  # time.monotonic() of the last step that sampled
+        self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
+        self._ttft, self._itl = self.metrics[M.ROLLOUT_TIME_TO_FIRST_TOKEN], self.metrics[M.ROLLOUT_INTER_TOKEN_LATENCY]
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -102,15 +110,17 @@ class RolloutEngine:
         """The weight version rows admitted now sample from (set by the engine thread as it swaps)."""
         return self.replica.version
 
-    def submit(self, rows: list[RowRequest], on_token: Callable[[TokenEvent], None] | None = None
+    def submit(self, rows: list[RowRequest], on_tokens: Callable[[list[TokenEvent]], None] | None = None
                ) -> Future[list[RowOutput]]:
-        """Queue `rows`; they join the running batch at the next step. `on_token` is called from the engine
-        thread for every sampled token. The Future resolves with one RowOutput per row, in order, once all have
-        finished (cancelled rows with finish_reason "abort"); it fails only if the engine cannot serve at all
-        (no weights loaded yet, stopped)."""
+        """Queue `rows`; they join the running batch at the next step. `on_tokens` is called from the engine
+        thread once per step in which any of the rows sampled, with their tokens of that step; a row's tokens
+        arrive in order (a row may have two in one step: its prompt's last prefill chunk and a decode), before its
+        Future resolves. The Future resolves with one RowOutput per row,
+        in order, once all have finished (cancelled rows with finish_reason "abort"); it fails only if the engine
+        cannot serve at all (no weights loaded yet, stopped)."""
         if not rows:
             raise ValueError("rows: an empty list; submit at least one row")
-        call = _Call(list(rows), on_token, outputs=[None] * len(rows), left=len(rows))
+        call = _Call(list(rows), on_tokens, outputs=[None] * len(rows), left=len(rows), sampled=[0] * len(rows))
         self._put(call)
         return call.future
 
@@ -217,10 +227,18 @@ class RolloutEngine:
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
         decoder = self._decoder
+        if decoder is not None:
+            self._report_kv(decoder.stats())
         self._counts = ((decoder.running if decoder else 0) + len(self._batch) + len(self._ep_rank),
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
+
+    def _report_kv(self, stats: dict[str, int]) -> None:
+        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(stats["blocks_used"] / stats["blocks_total"])
+        if stats["preemptions"] > self._preemptions:
+            self.metrics[M.ROLLOUT_PREEMPTIONS].inc(stats["preemptions"] - self._preemptions)
+        self._preemptions = stats["preemptions"]
 
     def _fail_running(self, message: str) -> int:
         """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
@@ -278,16 +296,12 @@ class RolloutEngine:
         arrives; later versions load into the same tensors, so it stays."""
         if self._decoder is None or self._decoder.model is not model:
             self._decoder = None  # free the old cache before sizing the new one
-            max_len = self._max_len()
-            slots = fitting_slots(model, self.run.rollout.max_batch_size, max_len)
-            if slots < self.run.rollout.max_batch_size:
-                log.warning("KV cache: %d rows of %d positions fit in this GPU's free memory, not rollout.max_batch_size "
-                            "= %d; more rows wait for a free slot", slots, max_len, self.run.rollout.max_batch_size)
-            self._decoder = Decoder(model, slots=slots, max_len=max_len, eos_ids=self._eos_ids())
+            self._decoder = Decoder.in_free_memory(model, slots=self.run.rollout.max_batch_size,
+                                                   max_len=self._max_len(), eos_ids=self._eos_ids())
         return self._decoder
 
     def _max_len(self) -> int:
-        """Positions of a KV-cache slot: the longest prompt and completion a request may ask for."""
+        """Positions of a row: the longest prompt and completion a request may ask for."""
         s = self.run.rl.sampling
         return min(self.run.model.max_position_embeddings, s.max_prompt_tokens + self.run.rollout.max_new_tokens)
 
@@ -326,9 +340,8 @@ class RolloutEngine:
 
     def _step(self) -> int:
         events = self._decoder.step()
-        for seq, token, logprob, top in events.sampled:
-            _, call, _ = self._live[(seq.request.request_id, seq.request.row)]
-            self._emit(call, TokenEvent(seq.request.request_id, seq.request.row, token, logprob, top))
+        self._emit([(seq.request.request_id, seq.request.row, token, logprob, top)
+                    for seq, token, logprob, top in events.sampled])
         for seq in events.finished:
             _, call, index = self._live[(seq.request.request_id, seq.request.row)]
             self._deliver(call, index, output(seq, self.version, self.lineage))
@@ -355,26 +368,53 @@ class RolloutEngine:
             self._ep_rank[(request.request_id, request.row)] = rank
         self._batch = []
         cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
-        plan = StepPlan(admit, cancels, max(1, self.run.rollout.max_batch_size // size), self._max_len(),
+        plan = StepPlan(admit, cancels, rows_per_rank(self.run, size), self._max_len(),
                         self._eos_ids())
         produced = 0
         for report in self.replica.step(plan):
-            for request_id, row, token, logprob, top in report.sampled:
-                self._emit(self._live[(request_id, row)][1], TokenEvent(request_id, row, token, logprob, top))
-                produced += 1
+            self._emit(report.sampled)
+            produced += len(report.sampled)
             for out in report.finished:
                 del self._ep_rank[(out.request_id, out.row)]
                 _, call, index = self._live[(out.request_id, out.row)]
                 self._deliver(call, index, out)
         return produced
 
-    @staticmethod
-    def _emit(call: _Call, event: TokenEvent) -> None:
-        if call.on_token is not None:
+    def _emit(self, sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]) -> None:
+        """One step's tokens (request id, row, token, logprob, alternatives): counted, and handed to each call that
+        asked for them in one `on_tokens` call. Tokens leave when the step ends, so that is their time: a row's
+        first token counts from its submission; a later one from the step before (every running row samples in
+        every step), or 0 when the row's previous token came in this same step (a prefill finished, then the
+        step's decode ran)."""
+        if not sampled:
+            return
+        now = time.monotonic()
+        bursts: dict[_Call, list[TokenEvent]] = {}
+        first, fresh, again = [], set(), 0
+        for request_id, row, token, logprob, top in sampled:
+            _, call, index = self._live[(request_id, row)]
+            count = call.sampled[index]
+            if not count:
+                first.append(now - call.submitted)
+                fresh.add((request_id, row))
+            elif count == 1 and (request_id, row) in fresh:
+                again += 1
+            call.sampled[index] = count + 1
+            if call.on_tokens is not None:
+                bursts.setdefault(call, []).append(TokenEvent(request_id, row, token, logprob, top))
+        self._tokens.inc(len(sampled))
+        for seconds in first:
+            self._ttft.observe(seconds)
+        if again:
+            self._itl.observe(0.0, again)
+        if len(sampled) > len(first) + again:
+            self._itl.observe(now - self._last_sampled, len(sampled) - len(first) - again)
+        self._last_sampled = now
+        for call, events in bursts.items():
             try:
-                call.on_token(event)
+                call.on_tokens(events)
             except Exception:  # noqa: BLE001 -- a listener's bug must not stop other rows
-                log.exception("on_token failed for request %s", event.request_id)
+                log.exception("on_tokens failed for request %s", events[0].request_id)
 
     def _finish_unstarted(self, call: _Call, index: int, reason: str, error: str | None = None) -> None:
         """Report a row that produced nothing: cancelled before it ran, or refused (`error` says why)."""

@@ -40,6 +40,10 @@ class SamplingParams:
     logprob_mode: Literal["processed", "raw"] = "processed"  # processed = of the distribution sampled from
     top_logprobs: int = 0  # alternatives per token (0 = only the sampled token's logprob)
     return_routing: bool = False
+    # The prompt's tokens' logprobs too (OpenAI's echo with logprobs), computed from the prefill, with top_logprobs
+    # alternatives each. Under the model's own distribution (softmax of the logits) whatever logprob_mode says: no
+    # prompt token was sampled, so there is no processed distribution it was drawn from.
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -62,6 +66,8 @@ class SamplingParams:
             raise _bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if not isinstance(self.return_routing, bool):
             raise _bad("return_routing", self.return_routing, "true or false")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "true or false")
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,9 @@ class RowOutput:
     routing: "numpy.ndarray | None"
     weight_version: int
     weight_lineage: int = 0  # with weight_version: the published version (protocol.VersionRef) it sampled from
+    # with params.prompt_logprobs: one per prompt token, the first None (nothing precedes it), and the alternatives
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

@@ -132,14 +132,15 @@ def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None
             scorer.close()
 
 
-def evaluate_checkpoint(run, directory: str | Path) -> dict[str, float]:
+def evaluate_checkpoint(run, directory: str | Path, scorer: RewardScorer | None = None) -> dict[str, float]:
     """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
-    the local run's evaluation of its initial, post-warm-up and final weights."""
+    the local run's evaluation of its initial, post-warm-up and final weights. Pass `scorer` to score several
+    checkpoints with one set of reward workers."""
     from ..model.checkpoint import load_model
     from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
-    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer)
+    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer, scorer)
 
 
 def _text(tokenizer, tokens: list[int], finished: bool) -> str:
@@ -304,8 +305,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moerl eval", description=main.__doc__.split(": ", 1)[1])
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory (weights, config.json, "
                         "tokenizer files, generation_config.json)")
-    parser.add_argument("--data", help="evaluation Parquet/JSONL file in verl's layout (path or s3://); default: "
-                        "the --run's evaluation prompts")
+    parser.add_argument("--data", help="evaluation data in verl's layout: a Parquet/JSONL file, a directory, a glob "
+                        "or an S3 prefix (path or s3://); default: the --run's evaluation prompts")
     parser.add_argument("--run", help="a run file whose rl.data/rl.reward/rl.evaluation settings to use")
     parser.add_argument("--reward", default=None, help="arithmetic, math or package.module:function (default: the "
                         "run's, else math)")

@@ -1,8 +1,8 @@
 """`moerl example-data`: the local real-data example, made here instead of downloaded. Writes a Hugging Face
-style tokenizer directory (a byte-level BPE trained on the problems, a ChatML chat template with a thinking
-switch as Qwen3 has, tokenizer_config.json and generation_config.json with two stop ids) and train/eval Parquet
-files of generated word problems in verl's column layout (prompt as chat messages, data_source,
-reward_model.ground_truth, extra_info)."""
+style tokenizer directory (a byte-level BPE trained on the problems as rendered through the chat template, a
+ChatML chat template with a thinking switch as Qwen3 has, tokenizer_config.json and generation_config.json with
+two stop ids) and train/eval Parquet files of generated word problems in verl's column layout (prompt as chat
+messages, data_source, reward_model.ground_truth, extra_info)."""
 from __future__ import annotations
 
 import argparse
@@ -67,7 +67,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def write_tokenizer_dir(directory: Path, texts: list[str], vocab_size: int = 320) -> None:
+def write_tokenizer_dir(directory: Path, texts: list[str], vocab_size: int = 448) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, eos <|im_end|>) + generation_config.json listing
     both stop ids, as a Qwen3 checkpoint has them."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -94,10 +94,20 @@ def write_parquet(rows: list[dict], path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def conversations(rows: list[dict]) -> list[str]:
+    """The training rows as the model sees them: each prompt rendered through the chat template, the answer
+    after it (the tokenizer learns the template's own text, so role names and markers are whole tokens)."""
+    from .tokenizer import compile_chat_template
+
+    template = compile_chat_template(CHAT_TEMPLATE)
+    return [template.render(messages=r["prompt"], add_generation_prompt=True, enable_thinking=False)
+            + r["reward_model"]["ground_truth"] for r in rows]
+
+
 def write_example(out: Path, *, train: int = 2000, eval_: int = 128, seed: int = 0, max_operand: int = 4,
-                  vocab_size: int = 320) -> None:
+                  vocab_size: int = 448) -> None:
     train_rows, eval_rows = problems(train, seed, max_operand, "train"), problems(eval_, seed, max_operand, "eval")
-    corpus = [m["content"] for r in train_rows for m in r["prompt"]] + [str(n) for n in range(max_operand ** 2 + 1)]
+    corpus = conversations(train_rows)
     write_tokenizer_dir(out / "tokenizer", corpus, vocab_size)
     write_parquet(train_rows, out / "train.parquet")
     write_parquet(eval_rows, out / "eval.parquet")

@@ -184,15 +184,21 @@ def watch(cluster: LocalCluster, timeout_s: float) -> int:
     return cluster.trainer.proc.returncode
 
 
-def evaluate(run: RunConfig, directory: Path) -> dict:
-    """rl.evaluation's metrics (eval/...) of the weights in `directory` on the run's evaluation prompts: a
+def evaluate(run: RunConfig, directories: dict[str, Path]) -> dict[str, dict]:
+    """rl.evaluation's metrics (eval/...) of the weights in each directory on the run's evaluation prompts: a
     dataset's evaluation split, or built-in problems drawn with their own seed (not held out: training covers the
     built-in task's small problem space, so there this measures the policy, not generalisation); with
-    reward_mean and accuracy (pass@1) for the summary and the plot."""
+    reward_mean and accuracy (pass@1) for the summary and the plot. One set of reward workers scores them all."""
     from .evaluation import evaluate_checkpoint
+    from .rewards import RewardScorer
 
-    metrics = evaluate_checkpoint(run, directory)
-    return {"reward_mean": metrics["eval/reward_mean"], "accuracy": metrics["eval/pass@1"], **metrics}
+    scorer = RewardScorer(run.rl.reward)
+    try:
+        evals = {name: evaluate_checkpoint(run, directory, scorer) for name, directory in directories.items()}
+    finally:
+        scorer.close()
+    return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
+            for name, m in evals.items()}
 
 
 def final_weights(run: RunConfig, out: Path) -> Path:
@@ -257,8 +263,8 @@ def main(argv: list[str]) -> int:
         print(f"local-run: trainer exited with {rc}; see {cluster.logs / 'trainer.log'}", file=sys.stderr)
         return rc
     rows = read_metrics(out)
-    evals = {name: evaluate(run, out / "eval" / name) for name in ("initial", "warmup") if (out / "eval" / name).exists()}
-    evals["final"] = evaluate(run, final_weights(run, out))
+    points = {name: out / "eval" / name for name in ("initial", "warmup") if (out / "eval" / name).exists()}
+    evals = evaluate(run, {**points, "final": final_weights(run, out)})
     plot(rows, evals, out / "reward_curve.png")
     summary = {"seconds": time.monotonic() - start, "steps": len(rows), "evaluation": evals,
                "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],

@@ -1,6 +1,7 @@
 """Training samples as tensors: per-token tensors padded to [B, S] (what the losses read), the packed row the
-model runs on (sequences back to back, no padding: model/transformer.py's `sequence_lengths`), and the plan that
-splits a rank's share of a mini-batch into micro-batches under a token budget."""
+model runs on (sequences back to back, no padding: model/transformer.py's `sequence_lengths`), how a batch's samples
+are shared among trainer ranks (balanced by tokens), and the plan that splits a rank's share of a mini-batch into
+micro-batches under a token budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -122,3 +123,20 @@ def plan_microbatches(token_counts: list[int], max_tokens: int) -> list[list[int
         else:
             bins.append((n, [i]))
     return [sorted(members) for _, members in bins]
+
+
+def rank_shares(token_counts: list[int], ranks: int) -> list[list[int]]:
+    """Indices of the samples each of `ranks` trainer ranks trains on, balanced by tokens (a step lasts as long as
+    its busiest rank): longest first, each to the rank with the fewest tokens so far (then the fewest samples, then
+    the lowest rank): the greedy longest-processing-time partition, within 4/3 of the best possible busiest rank.
+    Deterministic, so every rank computes the same split of the same batch without talking; indices ascending
+    inside a share. A rank may get no sample (more ranks than samples)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        r = min(range(ranks), key=lambda r: (loads[r], len(shares[r]), r))
+        shares[r].append(i)
+        loads[r] += token_counts[i]
+    return [sorted(share) for share in shares]

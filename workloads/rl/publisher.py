@@ -71,6 +71,7 @@ class Publisher:
         self._unmarked: list[int] = []  # of those, the ones the store has not been told about yet (EP)
         self.failures = 0
         self.snapshot_seconds = 0.0  # the last publish()'s critical-path time
+        self.write_seconds = 0.0  # the last version written: its files, fsync and commit (not pinning a spare)
         self._writer = threading.Thread(target=self._write_loop, name="weights-publisher", daemon=True)
         self._writer.start()
 
@@ -233,5 +234,6 @@ class Publisher:
                 staging.facts.update(shards)
         with self._cond:
             self._published = snapshot.version
+            self.write_seconds = time.perf_counter() - start
             self._cond.notify_all()
-        log.info("published weight version %d in %.2f s", snapshot.version, time.perf_counter() - start)
+        log.info("published weight version %d in %.2f s", snapshot.version, self.write_seconds)

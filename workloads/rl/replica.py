@@ -3,8 +3,9 @@
 A server with `rollout.gpus_per_server` > 1 runs one torchrun rank per GPU (`core.cli.launch`). The experts are
 split over the ranks in contiguous slices, as the trainer splits them, and the rest of the model is replicated.
 Each rank decodes its own rows with its own continuous-batching decoder (data-parallel attention: a rank's KV
-cache holds only its rows) and the MoE layers exchange tokens by all-to-all at every forward, so every rank runs
-every forward (one without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
+cache holds only its rows) and the MoE layers exchange tokens at every forward (prefill by all-to-all, decode by
+DeepEP's low-latency kernels where they apply: `ExpertParallel.for_serving`), so every rank runs every forward (one
+without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
 it runs on the replica (start reading a weight version, swap it in, one decoding step with the rows each rank
 takes on or cancels) it first broadcasts to the other ranks (`follow`), which then do their part in the same
 order.
@@ -20,14 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_rl_eks.core.run import RunConfig
+from moe_rl_eks.core.run import ModelConfig, RunConfig
 
 from ..model import MoETransformer
 from ..model.transformer import weights_dtype
-from ..model.checkpoint import cast_for_serving, load_hf
+from ..model.checkpoint import cast_for_serving
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
-from .generation import Decoder, Sequence, fitting_slots, output
+from .generation import Decoder, Sequence, output
+from .weight_staging import HostStaging, install
 
 log = logging.getLogger(__name__)
 # The other ranks wait on the control group for rank 0's next operation, and a server may sit idle for days.
@@ -75,27 +77,32 @@ class Replica:
         self._rows: dict[tuple[str, int], Sequence] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
+        self.staging = HostStaging(pin=self.device.type == "cuda")
 
     @classmethod
     def sharded(cls, run: RunConfig) -> "Replica":
         """This rank's part of a server started by torchrun with one rank per GPU."""
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-        if cuda:
+        # torchrun sets LOCAL_WORLD_SIZE; a server's ranks are one node's, so WORLD_SIZE is the same where it is not
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        transport, device, why = rank_placement(int(os.environ["LOCAL_RANK"]), local_ranks, torch.cuda.device_count())
+        log.info("sharded server rank on %s over %s: %s", device, transport, why)
+        if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(transport)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        # All-to-all on NCCL (gloo on a CPU): DeepEP's decode (low-latency) kernels are not verified yet.
-        ep = ExpertParallel(dist.group.WORLD, "alltoall", device=str(device))
+        # Prefill over the all-to-all; decode over DeepEP's low-latency kernels where the topology allows them.
+        ep = ExpertParallel.for_serving(dist.group.WORLD, run.model, device=str(device),
+                                        rows_per_rank=rows_per_rank(run, dist.get_world_size()))
         return cls(run, ep=ep, control=control, device=device)
 
     # ---- operations, run on every rank in the same order -------------------------------------------------
     def begin_read(self, version: int, path: str, lineage: int = 0) -> Future:
         """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
         self._tell("begin_read", version, path, lineage)
-        # Into host memory: the GPU holds the served weights and a KV cache sized to what they leave free, so a
-        # second copy of the weights would not fit there. The swap copies them in place.
-        read = self._reader.submit(load_hf, path, experts=local_experts(self.ep, self.run.model.num_experts))
+        # Into the host staging (pinned, verified as read; weight_staging says why not onto the GPU); the swap
+        # copies it into the served tensors in place. One reader thread: a read never overwrites the staging
+        # while another read's tensors are in use.
+        read = self._reader.submit(self.staging.read, path, local_experts(self.ep, self.run.model.num_experts))
         self._reading = ((lineage, version), read)
         return read
 
@@ -107,8 +114,7 @@ class Replica:
             if self._reading is None or self._reading[0] != (lineage, version):
                 raise RuntimeError(f"version {version} of lineage {lineage} was not read first")
             config, state = self._reading[1].result()
-            model = self.model or cast_for_serving(MoETransformer(config, ep=self.ep, compute=self.run.moe_compute),
-                                                   weights_dtype(config)).to(self.device)
+            model = self.model or empty_model(config, self.ep, self.run.moe_compute, self.device)
             check_fits(state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
@@ -116,7 +122,7 @@ class Replica:
         errors = [e for e in self._all(error) if e]
         if errors:
             raise SwapRefused("; ".join(errors))
-        model.load_state_dict(state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+        install(model, state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
         self.model = model.eval()
         self.version, self.lineage = version, lineage
 
@@ -135,8 +141,8 @@ class Replica:
 
     def _step(self, plan: StepPlan) -> list[RankReport] | None:
         if self.decoder is None or self.decoder.model is not self.model:
-            self.decoder = Decoder(self.model, slots=fitting_slots(self.model, plan.slots, plan.max_len),
-                                   max_len=plan.max_len, eos_ids=plan.eos_ids)
+            self.decoder = Decoder.in_free_memory(self.model, slots=plan.slots, max_len=plan.max_len,
+                                                  eos_ids=plan.eos_ids)
             self._rows = {}
         report = RankReport([], [])
         for request in plan.admit[self.rank]:
@@ -161,7 +167,8 @@ class Replica:
 
     def stop(self) -> None:
         self._tell("stop")
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)  # a read in progress ends before its buffers go
+        self.staging.close()
 
     # ---- the control channel ---------------------------------------------------------------------------
     def _tell(self, op: str, *args) -> None:
@@ -179,6 +186,36 @@ class Replica:
         flag = torch.tensor([int(local)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag)
+
+
+def empty_model(config: ModelConfig, ep: ExpertParallel | None, compute: str, device: torch.device
+                ) -> MoETransformer:
+    """A model to serve, its tensors allocated on `device` in the serving dtypes and left uninitialized: the first
+    version overwrites every one of them (check_fits), so no random initialization is paid (for the whole 30B
+    model, minutes of a CPU and float32's twice the served bytes in host memory)."""
+    with torch.device("meta"):
+        model = cast_for_serving(MoETransformer(config, ep=ep, compute=compute), weights_dtype(config))
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty made each module its own parameter: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def rows_per_rank(run: RunConfig, ranks: int) -> int:
+    """KV-cache slots (so decode rows) per rank of a sharded server: rollout.max_batch_size split over its ranks."""
+    return max(1, run.rollout.max_batch_size // ranks)
+
+
+def rank_placement(local_rank: int, local_ranks: int, cuda_devices: int) -> tuple[str, torch.device, str]:
+    """(process-group backend, device, why) of one rank of a sharded server: a GPU per rank over NCCL; with fewer
+    GPUs than ranks (a test on one GPU) every rank on cuda:0 over gloo, since NCCL cannot put two ranks on one
+    GPU; gloo on CPUs."""
+    if cuda_devices == 0:
+        return "gloo", torch.device("cpu"), "no GPU"
+    if cuda_devices < local_ranks:
+        return "gloo", torch.device("cuda", 0), (f"{local_ranks} ranks share {cuda_devices} GPU(s): all on cuda:0 "
+                                                 f"(NCCL cannot put two ranks on one GPU; gloo moves through the host)")
+    return "nccl", torch.device("cuda", local_rank), "one GPU per rank"
 
 
 def check_fits(state: dict[str, torch.Tensor], served: dict[str, torch.Tensor]) -> None:

@@ -10,9 +10,11 @@
        version; 409 when it cannot be loaded (the served weights stay as they were)
 
 Every value is checked before it reaches the engine (the pydantic models of openai_protocol, then the served
-model's limits here), so no request can fail a batch; a row that still fails inside the engine fails alone. The
-engine's thread hands each sampled token to the event loop (loop.call_soon_threadsafe): stop strings are found
-there, streams are fed from there, and a client that disconnects has its rows cancelled.
+model's limits here), so no request can fail a batch; a row that still fails inside the engine fails alone. Only
+a request that reads its tokens as they come (a stream, or stop strings to find) gets them from the engine's thread,
+once per engine step, handed to the event loop in bursts; any other request costs the loop nothing per token (the
+engine counts tokens and their latencies itself) and waits for its result. A client that disconnects has its rows
+cancelled.
 """
 from __future__ import annotations
 
@@ -82,6 +84,15 @@ class ServedModel:
         self.max_prompt_tokens, self.max_n = s.max_prompt_tokens, s.max_n
         # Every id that ends a row (the engine adds them to each row's stop ids): never part of the text.
         self.eos_ids = tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
+        self._texts: dict[int, str] = {}  # token id -> its text alone, as logprobs show it (at most the vocabulary)
+
+    def token_text(self, token: int) -> str:
+        """A token's text on its own (logprobs' `tokens`): decoded once per id, as a real tokenizer's decode call
+        costs microseconds and an RL response lists thousands of tokens."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -117,6 +128,7 @@ class ServedModel:
 
     def plan(self, kind: Literal["completion", "chat"], req: api.SamplingFields, prompts: list[tuple[int, ...]],
              max_tokens: int | None, default_max_tokens: int, logprobs: int | None, echo: bool) -> Plan:
+        """`echo` with `logprobs`: the prompt's tokens are scored too (their logprobs from the prefill)."""
         self.check_model(req.model)
         n = 1 if req.n is None else req.n
         if n > self.max_n:
@@ -154,7 +166,8 @@ class ServedModel:
                     top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                     min_p=0.0 if req.min_p is None else float(req.min_p), seed=req.seed,
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprob_mode=req.logprob_mode or "raw",
-                    top_logprobs=logprobs or 0, return_routing=bool(req.return_routing)))
+                    top_logprobs=logprobs or 0, return_routing=bool(req.return_routing),
+                    prompt_logprobs=echo and logprobs is not None))
             except ValueError as exc:  # the engine's own limits, stricter than the protocol's
                 field = str(exc).split(":", 1)[0]
                 raise HttpError(400, str(exc), field) from None
@@ -163,9 +176,9 @@ class ServedModel:
                     bool(req.stream), include_usage)
 
     def completion_plan(self, req: api.CompletionRequest) -> Plan:
-        if req.echo and req.logprobs is not None:
-            raise HttpError(400, "echo: the prompt's logprobs are not computed by this server; send echo with "
-                                 "logprobs null", "echo")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise HttpError(400, "stream: echo with logprobs is answered whole (the prompt's logprobs come with the "
+                                 "answer); send stream false, or echo without logprobs", "stream")
         many = len(req.prompts()) > 1
         prompts = [self.prompt_ids(p, f"prompt[{i}]" if many else "prompt") for i, p in enumerate(req.prompts())]
         return self.plan("completion", req, prompts, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs,
@@ -181,30 +194,28 @@ class ServedModel:
 
 
 class RolloutMetrics:
-    """The server's request metrics, in the engine's registry: one /metrics shows both (the engine counts its
-    busy seconds and sets the served version)."""
+    """The server's request metrics, in the engine's registry: one /metrics shows both (the engine counts
+    generated tokens, time to first token, inter-token latency and busy seconds, and sets the served version)."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.requests, self.errors = self.registry[M.ROLLOUT_REQUESTS], self.registry[M.ROLLOUT_REQUEST_ERRORS]
         self.prompt_tokens = self.registry[M.ROLLOUT_PROMPT_TOKENS]
-        self.generation_tokens = self.registry[M.ROLLOUT_GENERATION_TOKENS]
         self.finished = self.registry[M.ROLLOUT_REQUEST_SUCCESS]
-        self.e2e, self.ttft = self.registry[M.ROLLOUT_E2E_LATENCY], self.registry[M.ROLLOUT_TIME_TO_FIRST_TOKEN]
-        self.itl = self.registry[M.ROLLOUT_INTER_TOKEN_LATENCY]
+        self.e2e = self.registry[M.ROLLOUT_E2E_LATENCY]
         self.running, self.waiting = self.registry[M.ROLLOUT_RUNNING], self.registry[M.ROLLOUT_WAITING]
         self.lineage = self.registry[M.ROLLOUT_WEIGHT_LINEAGE]
 
 
 class Row:
-    """One choice on the event loop as its tokens arrive: its text (stop strings), timing, streamed offsets."""
+    """One choice on the event loop: its text (stop strings, as tokens arrive when someone reads along) and
+    streamed offsets."""
 
     def __init__(self, server: "RolloutServer", plan: Plan, index: int) -> None:
         self.prompt = plan.prompts[index // plan.n]
         self.text = CompletionText(server.model.tokenizer, plan.stops,
                                    server.model.eos_ids + plan.params[index // plan.n].stop_token_ids,
                                    incremental=plan.stream)
-        self.last_token: float | None = None
         self.offset = 0  # characters of token strings streamed so far (logprobs.text_offset)
 
     @property
@@ -213,37 +224,33 @@ class Row:
 
 
 class TokenRelay:
-    """Sampled tokens from the engine thread to the event loop, in bursts: the engine thread appends and wakes the
-    loop only when no hand-over is already pending, so a decode step of many rows costs one wake-up (one GIL
-    hand-over between the two threads), not one per token. Locking rule: `_events` and `_pending` only under
-    `_lock`; `listeners` only on the loop."""
+    """Sampled tokens from the engine thread to the event loop: the engine hands over each request's tokens of a
+    step (its `on_tokens`), and wakes the loop only when no hand-over is already pending, so a step costs at most
+    one wake-up (one GIL hand-over between the two threads), however many requests and rows it served. Locking
+    rule: `_bursts` and `_pending` only under `_lock`; `listeners` only on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.listeners: dict[str, Callable[[list[TokenEvent]], None]] = {}  # request id -> its Generation's handler
-        self._events: list[TokenEvent] = []
+        self._bursts: list[list[TokenEvent]] = []  # one request's tokens of one step each
         self._pending = False
         self._lock = threading.Lock()
 
-    def put(self, event: TokenEvent) -> None:
-        """The engine's on_token (engine thread)."""
+    def put(self, events: list[TokenEvent]) -> None:
+        """The engine's on_tokens (engine thread)."""
         with self._lock:
-            self._events.append(event)
+            self._bursts.append(events)
             if self._pending:
                 return
             self._pending = True
         self.loop.call_soon_threadsafe(self.deliver)
 
     def deliver(self) -> None:
-        """On the loop: hand each request its waiting tokens, in order, in one call (a request already gone drops
-        its tokens)."""
+        """On the loop: hand each request its waiting tokens, in order (a request already gone drops its tokens)."""
         with self._lock:
-            events, self._events, self._pending = self._events, [], False
-        by_request: dict[str, list[TokenEvent]] = {}
-        for event in events:
-            by_request.setdefault(event.request_id, []).append(event)
-        for request_id, burst in by_request.items():
-            if (listener := self.listeners.get(request_id)) is not None:
+            bursts, self._bursts, self._pending = self._bursts, [], False
+        for burst in bursts:
+            if (listener := self.listeners.get(burst[0].request_id)) is not None:
                 listener(burst)
 
 
@@ -263,11 +270,15 @@ class Generation:
 
     def start(self) -> None:
         loop, relay = asyncio.get_running_loop(), self.server.relay()
-        relay.listeners[self.request_id] = self._tokens
+        # Tokens as they come only for a reader of them: a stream, or stop strings to find (the engine cannot).
+        self.listening = self.plan.stream or bool(self.plan.stops)
+        if self.listening:
+            relay.listeners[self.request_id] = self._tokens
         try:
-            self.future = self.server.engine.submit(self.plan.rows(self.request_id), relay.put)
+            self.future = self.server.engine.submit(self.plan.rows(self.request_id),
+                                                    relay.put if self.listening else None)
         except RuntimeError as exc:  # the engine is stopping
-            del relay.listeners[self.request_id]
+            relay.listeners.pop(self.request_id, None)
             raise HttpError(503, f"the rollout engine cannot take requests: {exc}", None, "engine_stopped") from None
         self.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, relay))
         self.server.metrics.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
@@ -275,8 +286,9 @@ class Generation:
     def _finished(self, relay: "TokenRelay") -> None:
         """The engine resolved the request (after its last token): count how its rows ended, whether or not
         anyone still listens (a client that hung up leaves aborted rows)."""
-        relay.deliver()  # the request's last tokens come before its end
-        del relay.listeners[self.request_id]
+        if self.listening:
+            relay.deliver()  # the request's last tokens come before its end
+            del relay.listeners[self.request_id]
         m = self.server.metrics
         if self.future.exception() is None:
             for out in self.future.result():
@@ -286,24 +298,17 @@ class Generation:
         self.queue.put_nowait(DONE)
 
     def _tokens(self, events: list[TokenEvent]) -> None:
-        """A burst of this request's tokens, on the loop: latency marks, text and stop strings; a stream gets the
-        burst. The cheapest path is the RL client's (not streamed, no stop strings): bookkeeping only."""
-        now, m = time.monotonic(), self.server.metrics
+        """A burst of this request's tokens (one engine step's), on the loop: text and stop strings; a stream gets
+        the burst."""
         kept = []
         for event in events:
             row = self.rows[event.row]
             if row.stopped:  # sampled before the engine saw the cancel: not part of the answer
                 continue
-            if row.last_token is None:
-                m.ttft.observe(now - self.arrival)
-            else:  # as the server sees them: tokens of one burst arrive together
-                m.itl.observe(now - row.last_token)
-            row.last_token = now
             row.text.add(event.token_id)
             if row.stopped:
                 self.server.engine.cancel(self.request_id, [event.row])
             kept.append(event)
-        m.generation_tokens.inc(len(kept))
         if self.plan.stream and kept:
             self.queue.put_nowait(kept)
 
@@ -335,7 +340,10 @@ class Generation:
         if failed:
             raise HttpError(500, f"choice {failed[0].row} failed in the engine: {failed[0].error}", None,
                             "row_failed")
-        for row in self.rows:
+        for row, out in zip(self.rows, outputs):
+            if not self.listening:  # no token came as it was sampled: the text is made once, here
+                for token in out.token_ids:
+                    row.text.add(token)
             row.text.finish()
         return outputs
 
@@ -441,14 +449,18 @@ class RolloutServer:
         choices, head, usage = self._choices(gen, outputs)
         if plan.kind == "completion":
             out = []
-            for row, c in zip(gen.rows, choices):
+            for row, c, o in zip(gen.rows, choices, outputs):
                 echo = self._echo(gen, row)
+                logprobs = None
+                if plan.logprobs is not None:
+                    logprobs = self._completion_logprobs(gen, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+                    if plan.echo:  # the prompt's tokens first, as OpenAI's echo lists them (the first one None)
+                        logprobs = self._joined(self._completion_logprobs(
+                            gen, list(row.prompt), o.prompt_logprobs, o.prompt_top_logprobs, 0), logprobs)
                 out.append(api.CompletionChoice(
                     index=c.index, text=echo + row.text.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing,
-                    prompt_token_ids=list(row.prompt) if plan.return_token_ids else None,
-                    logprobs=self._completion_logprobs(gen, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
-                    if plan.logprobs is not None else None))
+                    prompt_token_ids=list(row.prompt) if plan.return_token_ids else None, logprobs=logprobs))
             return api.CompletionResponse(**head, choices=out, usage=usage)
         out = [api.ChatChoice(
             index=c.index, message=api.AssistantMessage(content=row.text.text), finish_reason=c.finish_reason,
@@ -473,8 +485,12 @@ class RolloutServer:
                 for i, row in enumerate(gen.rows):
                     yield _sse(api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=i, text=self._echo(gen, row), finish_reason=None)]))
-            async for burst in gen.bursts():  # a chunk per row and burst, all of a burst in one write
-                yield "".join(_sse(self._token_chunk(gen, head, index, events)) for index, events in burst.items())
+            # A chunk per row and burst, all of a burst in one write; each chunk is the request's envelope (rendered
+            # once) around that row's choice, so a token costs one small model's checks and JSON.
+            before = _envelope(api.ChatCompletionChunk if plan.kind == "chat" else api.CompletionResponse, head)
+            async for burst in gen.bursts():
+                yield "".join(f"{before}{self._token_choice(gen, index, events).model_dump_json()}]}}\n\n"
+                              for index, events in burst.items())
             choices, head, usage = self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
@@ -498,7 +514,8 @@ class RolloutServer:
             gen.cancel()  # a client gone mid-stream: its rows stop (a no-op once they finished)
         yield "data: [DONE]\n\n"
 
-    def _token_chunk(self, gen: Generation, head: dict, index: int, events: list[TokenEvent]):
+    def _token_choice(self, gen: Generation, index: int, events: list[TokenEvent]):
+        """Row `index`'s choice in a stream chunk: the text its new tokens released, and their ids and logprobs."""
         plan, row = gen.plan, gen.rows[index]
         text = row.text.take()
         ids = [e.token_id for e in events]
@@ -507,38 +524,51 @@ class RolloutServer:
         tops = None if events[0].top_logprobs is None else [e.top_logprobs for e in events]
         if plan.kind == "chat":
             chat_logprobs = self._chat_logprobs(ids, logprobs, tops) if plan.logprobs is not None else None
-            return api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
-                index=index, delta=api.Delta(content=text), logprobs=chat_logprobs, token_ids=token_ids)])
+            return api.ChatChunkChoice(index=index, delta=api.Delta(content=text), logprobs=chat_logprobs,
+                                       token_ids=token_ids)
         completion_logprobs = None
         if plan.logprobs is not None:
             completion_logprobs = self._completion_logprobs(gen, ids, logprobs, tops, row.offset)
             row.offset += sum(len(t) for t in completion_logprobs.tokens)
-        return api.CompletionResponse(**head, choices=[api.CompletionChoice(
-            index=index, text=text, finish_reason=None, logprobs=completion_logprobs, token_ids=token_ids)])
+        return api.CompletionChoice(index=index, text=text, finish_reason=None, logprobs=completion_logprobs,
+                                    token_ids=token_ids)
 
     def _echo(self, gen: Generation, row: Row) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""
 
-    def _token_text(self, token: int) -> str:
-        return self.model.tokenizer.decode([token])
-
-    def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float],
-                             tops: list[list[tuple[int, float]]] | None, start: int) -> api.CompletionLogprobs:
-        tokens = [self._token_text(t) for t in ids]
+    def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float | None],
+                             tops: list[list[tuple[int, float]] | None] | None, start: int) -> api.CompletionLogprobs:
+        tokens = [self.model.token_text(t) for t in ids]
         offsets = list(accumulate((len(t) for t in tokens), initial=start))[:len(tokens)]
         top = None
         if gen.plan.logprobs and tops is not None:
-            top = [{self._token_text(t): lp for t, lp in alts} for alts in tops]
+            top = [None if alts is None else {self.model.token_text(t): lp for t, lp in alts} for alts in tops]
         return api.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
+
+    @staticmethod
+    def _joined(first: api.CompletionLogprobs, then: api.CompletionLogprobs) -> api.CompletionLogprobs:
+        top = None if first.top_logprobs is None or then.top_logprobs is None else first.top_logprobs + then.top_logprobs
+        return api.CompletionLogprobs(tokens=first.tokens + then.tokens, top_logprobs=top,
+                                      token_logprobs=first.token_logprobs + then.token_logprobs,
+                                      text_offset=first.text_offset + then.text_offset)
 
     def _chat_logprobs(self, ids: list[int], logprobs: list[float],
                        tops: list[list[tuple[int, float]]] | None) -> api.ChatLogprobs:
         def entry(token: int, logprob: float) -> dict:
-            text = self._token_text(token)
+            text = self.model.token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return api.ChatLogprobs(content=[
             api.TokenLogprob(**entry(t, lp), top_logprobs=[api.TopLogprob(**entry(a, alp)) for a, alp in alts])
             for t, lp, alts in zip(ids, logprobs, tops or [[] for _ in ids])])
+
+
+def _envelope(cls, head: dict) -> str:
+    """`data: ` and a chunk of `cls` with `head`'s fields up to its choices' opening bracket: a choice's JSON and
+    `]}` complete it (the models list `choices` last)."""
+    empty = cls(**head, choices=[]).model_dump_json()
+    if not empty.endswith('"choices":[]}'):
+        raise RuntimeError(f"{cls.__name__} no longer serializes its choices last: {empty}")
+    return f"data: {empty[:-2]}"
 
 
 def _sse(chunk) -> str:

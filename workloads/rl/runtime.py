@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import logging
 import socket
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from moe_rl_eks.core.metrics import Metric
 from moe_rl_eks.core.run import RunConfig, load_run
@@ -42,6 +45,39 @@ def load(path: str) -> RunConfig:
     return load_run(path)
 
 
+class CountedHistogram:
+    """A Prometheus histogram (no labels) whose `observe` takes a count: the rollout engine observes one
+    inter-token latency for all the rows of a decode step in one call, not one call per token. Exposed exactly as
+    the client library's Histogram (`_bucket`, `_count`, `_sum`, `_created`)."""
+
+    def __init__(self, metric: Metric, registry: CollectorRegistry) -> None:
+        if metric.labels:
+            raise ValueError(f"{metric.name}: labels {metric.labels} on a histogram; histograms here take none")
+        self.metric = metric
+        self.bounds = [*metric.buckets, float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.created = time.time()
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        at = bisect.bisect_left(self.bounds, value)  # the first bucket whose upper bound (le) holds the value
+        with self._lock:
+            self.counts[at] += count
+            self.sum += value * count
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip(self.bounds, counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.metric.name, self.metric.help, buckets=buckets, sum_value=total)
+        yield GaugeMetricFamily(f"{self.metric.name}_created", self.metric.help, value=self.created)
+
+
 class Registry:
     """One Prometheus registry per role, so several roles (and tests) can live in one process."""
 
@@ -52,8 +88,7 @@ class Registry:
     def __getitem__(self, metric: Metric):
         if metric.name not in self._made:
             if metric.kind == "histogram":
-                made = Histogram(metric.name, metric.help, metric.labels, registry=self.registry,
-                                 buckets=metric.buckets)
+                made = CountedHistogram(metric, self.registry)
             elif metric.kind == "counter":  # the client library appends _total itself
                 made = Counter(metric.name.removesuffix("_total"), metric.help, metric.labels, registry=self.registry)
             else:

@@ -35,9 +35,9 @@ from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from . import checkpoint as ckpt
 from .algorithms import SequenceScores, make_algorithm
-from .data import format_examples
+from .data import FormatExamples
 from .losses import PolicyBatch, Totals
-from .microbatch import Sequences, plan_microbatches
+from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from .protocol import Batch, TrainingSample, VersionRef
 from .publisher import Publisher
 from .runtime import Registry, http_json, load, output_dir, run_argparser
@@ -178,6 +178,7 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
                                     device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
         self.reference: MoETransformer | None = None
+        self._format_examples: FormatExamples | None = None  # the warm-up's pairs, made at its first step
         # Checkpoints are written in the background over a gloo group of their own (never interleaved with the
         # training collectives of the default group).
         self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
@@ -216,16 +217,22 @@ class Trainer:
             local.append(torch.cat([Totals.local(part.mask), part.valid.sum().reshape(1).double()]))
         return self._all_reduce(torch.stack(local).to(self.device) if local else torch.zeros(0, 3, device=self.device))
 
+    def _share(self, samples: list) -> list:
+        """This rank's samples of a batch: shares balanced by tokens across ranks (microbatch.rank_shares)."""
+        share = rank_shares([sequence_tokens(s) for s in samples], self.world)[self.rank]
+        return [samples[i] for i in share]
+
     # ---- the two kinds of step ----------------------------------------------------------------------------
     def sft_step(self, index: int) -> float:
-        """Warm-up: cross-entropy on answers of the right shape that are not the prompt's (data.format_examples:
+        """Warm-up: cross-entropy on answers of the right shape that are not the prompt's (data.FormatExamples:
         teaches the format, not the task), on the run's own prompts (built-in task or dataset)."""
-        tok = load_tokenizer(self.run.rl.sampling.tokenizer)
+        if self._format_examples is None:
+            self._format_examples = FormatExamples(self.run, load_tokenizer(self.run.rl.sampling.tokenizer))
         n = self.cfg.prompts_per_step * self.run.rl.algorithm.group_size
         samples = [TrainingSample(f"sft/{index * n + i}", list(prompt), completion, [0.0] * len(completion), 0.0,
                                   0.0, True, VersionRef(0, 0))
-                   for i, (prompt, completion) in enumerate(format_examples(self.run, tok, index * n, n))]
-        seqs = Sequences.of(samples[self.rank::self.world]).to(self.device)
+                   for i, (prompt, completion) in enumerate(self._format_examples.pairs(index * n, n))]
+        seqs = Sequences.of(self._share(samples)).to(self.device)
         rows = list(range(len(seqs.lengths)))
         (plan,) = self._plan(seqs, [rows])
         tokens, _, real = self._totals(seqs, [rows])[0].tolist()
@@ -245,7 +252,7 @@ class Trainer:
         later mini-batches' ratios move and the clip constrains them)."""
         algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
         temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
-        seqs = Sequences.of(batch.samples[self.rank::self.world]).to(self.device)
+        seqs = Sequences.of(self._share(batch.samples)).to(self.device)
         rows = list(range(len(seqs.lengths)))
         parts = [rows[m::m_count] for m in range(m_count)]
         plans = self._plan(seqs, parts)
