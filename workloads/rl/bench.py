@@ -131,7 +131,8 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every:
         # CPU time of the trainer's workers and of the other roles' processes over the window: what each side
         # had to do, independent of how long other jobs on this machine kept it waiting.
         workers = descendants(cluster.trainer.proc.pid)
-        others = [s.proc.pid for s in cluster.servers] + [cluster.orchestrator.proc.pid, cluster.trainer.proc.pid]
+        roles = [s.proc.pid for s in cluster.servers] + [cluster.orchestrator.proc.pid]
+        others = [*roles, *(c for pid in roles for c in descendants(pid)), cluster.trainer.proc.pid]
 
         def sample() -> tuple[float, float, float, float]:
             return (sum(busy_seconds(s.url) for s in cluster.servers), time.monotonic(),
@@ -169,6 +170,7 @@ def evaluation_curve(run, out: Path, rows: list[dict], origin: float, every: int
     """Evaluation reward of versions 0, every, 2 x every, ..., and the last (`target`), each at the wall time
     (seconds from the start of the first RL step) its step finished."""
     from .evaluation import evaluate_checkpoint
+    from .rewards import RewardScorer
     from .weights import IncompleteVersion, open_store
 
     store = open_store(run.rl.weights, out / "weights")
@@ -176,17 +178,21 @@ def evaluation_curve(run, out: Path, rows: list[dict], origin: float, every: int
     finished = {r["step"]: r["wall_seconds"] - origin for r in rows}
     finished[0] = 0.0
     curve = []
-    for target in sorted({*range(0, latest.version + 1, every), latest.version}):
-        # The background publisher may skip a version a newer one superseded: take the next one published.
-        for v in range(target, latest.version + 1):
-            try:
-                directory = store.fetch(v, out / "weights-cache")
-            except (FileNotFoundError, IncompleteVersion):
-                continue
-            if not curve or curve[-1]["version"] != v:
-                reward = evaluate_checkpoint(run, directory)["eval/reward_mean"]
-                curve.append({"target": target, "version": v, "seconds": finished[v], "reward": reward})
-            break
+    scorer = RewardScorer(run.rl.reward)  # one set of reward workers for every version
+    try:
+        for target in sorted({*range(0, latest.version + 1, every), latest.version}):
+            # The background publisher may skip a version a newer one superseded: take the next one published.
+            for v in range(target, latest.version + 1):
+                try:
+                    directory = store.fetch(v, out / "weights-cache")
+                except (FileNotFoundError, IncompleteVersion):
+                    continue
+                if not curve or curve[-1]["version"] != v:
+                    reward = evaluate_checkpoint(run, directory, scorer)["eval/reward_mean"]
+                    curve.append({"target": target, "version": v, "seconds": finished[v], "reward": reward})
+                break
+    finally:
+        scorer.close()
     return curve
 
 
