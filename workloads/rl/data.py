@@ -407,8 +407,8 @@ class DatasetSource:
         mine = {"rows": len(self.dataset), "seed": self.seed, "shuffle": self.shuffle}
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
-            raise DataError(f"{self.dataset.rows.description}: the checkpoint's data cursor was taken with {theirs}, this run "
-                            f"has {mine}; the dataset or rl.training.seed changed, so it cannot resume exactly")
+            raise DataError(f"{self.dataset.rows.description}: the checkpoint's data cursor was taken with {theirs}, "
+                            f"this run has {mine}; the dataset or rl.training.seed changed, so it cannot resume exactly")
         with self._lock:
             self.epoch, self.position = int(state["epoch"]), int(state["position"])
             self._order = self._epoch_order(self.epoch)
@@ -476,7 +476,8 @@ class FormatExamples:
         """Pairs j = start .. start + count - 1."""
         tokenizer, pairs = self.tokenizer, []
         if self.run.rl.data.builtin:
-            texts = [(self.task.problem(j).prompt, self.task.well_formed_example(j)) for j in range(start, start + count)]
+            texts = [(self.task.problem(j).prompt, self.task.well_formed_example(j))
+                     for j in range(start, start + count)]
             pairs = [(tuple(tokenizer.encode(p)), answer) for p, answer in texts]
         else:
             for j in range(start, start + count):

@@ -1,8 +1,8 @@
 """`moerl example-data`: the local real-data example, made here instead of downloaded. Writes a Hugging Face
-style tokenizer directory (a byte-level BPE trained on the problems, a ChatML chat template with a thinking
-switch as Qwen3 has, tokenizer_config.json and generation_config.json with two stop ids) and train/eval Parquet
-files of generated word problems in verl's column layout (prompt as chat messages, data_source,
-reward_model.ground_truth, extra_info)."""
+style tokenizer directory (a byte-level BPE trained on the problems as rendered through the chat template, a
+ChatML chat template with a thinking switch as Qwen3 has, tokenizer_config.json and generation_config.json with
+two stop ids) and train/eval Parquet files of generated word problems in verl's column layout (prompt as chat
+messages, data_source, reward_model.ground_truth, extra_info)."""
 from __future__ import annotations
 
 import argparse
@@ -67,7 +67,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def write_tokenizer_dir(directory: Path, texts: list[str], vocab_size: int = 320) -> None:
+def write_tokenizer_dir(directory: Path, texts: list[str], vocab_size: int = 448) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, eos <|im_end|>) + generation_config.json listing
     both stop ids, as a Qwen3 checkpoint has them."""
     directory.mkdir(parents=True, exist_ok=True)

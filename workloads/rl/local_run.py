@@ -196,7 +196,8 @@ def evaluate(run: RunConfig, directories: dict[str, Path]) -> dict[str, dict]:
         evals = {name: evaluate_checkpoint(run, directory, scorer) for name, directory in directories.items()}
     finally:
         scorer.close()
-    return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m} for name, m in evals.items()}
+    return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
+            for name, m in evals.items()}
 
 
 def final_weights(run: RunConfig, out: Path) -> Path:
