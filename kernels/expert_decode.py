@@ -25,17 +25,20 @@ import triton.language as tl
 from ._triton import INTERPRET, check_device, next_pow2, quick_bench
 from .routing import _first_argmax_free, _scores
 
-# Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine (kernels/BENCHMARKS.md,
-# `python3 -m moe_rl_eks.kernels.bench_decode` on the H200); beyond it the engine uses the grouped path.
-DECODE_MAX_TOKENS = 16
+# Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine; beyond it the engine uses
+# the grouped path. H200, Qwen3-30B-A3B's layer (`python3 -m moe_rl_eks.kernels.bench_decode`, 2026-12-01): 37 vs 74
+# us at 1 token, 100 vs 137 at 4, 172 vs 195 at 8, 301 vs 263 at 16 (workloads/BENCHMARKS-rl.md).
+DECODE_MAX_TOKENS = 8
 
 
 def _configs(block_n: str, block_k: str) -> list[triton.Config]:
     if INTERPRET:  # small blocks so CPU tests cover several column and reduction blocks
         return [triton.Config({block_n: 8, block_k: 16}, num_warps=4)]
-    # (column rows, reduction block, warps): enough programs to fill the GPU at one token (I = 768 gives 8 x 48
-    # programs at 16 rows), and wide loads per program to keep bytes in flight
-    shapes = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 4), (4, 1024, 4)]
+    # (column rows, reduction block, warps): enough programs to fill the GPU at one token (I = 768 gives 8 x 96
+    # programs at 8 rows), and wide loads per program to keep bytes in flight. On the H200 the smallest row blocks
+    # won (8 for gate/up, 4 for down, of the first six shapes), hence the smaller ones too.
+    shapes = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (8, 1024, 4), (4, 1024, 4), (4, 512, 2), (2, 1024, 2),
+              (2, 1024, 4), (1, 1024, 2), (4, 2048, 4), (2, 2048, 4)]
     return [triton.Config({block_n: n, block_k: k}, num_warps=w) for n, k, w in shapes]
 
 
