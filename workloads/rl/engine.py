@@ -370,15 +370,15 @@ class RolloutEngine:
         cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
         plan = StepPlan(admit, cancels, rows_per_rank(self.run, size), self._max_len(),
                         self._eos_ids())
-        produced = 0
-        for report in self.replica.step(plan):
-            self._emit(report.sampled)
-            produced += len(report.sampled)
+        reports = self.replica.step(plan)
+        sampled = [token for report in reports for token in report.sampled]
+        self._emit(sampled)  # all ranks' tokens of the step at once: one step, one inter-token latency
+        for report in reports:
             for out in report.finished:
                 del self._ep_rank[(out.request_id, out.row)]
                 _, call, index = self._live[(out.request_id, out.row)]
                 self._deliver(call, index, out)
-        return produced
+        return len(sampled)
 
     def _emit(self, sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]) -> None:
         """One step's tokens (request id, row, token, logprob, alternatives): counted, and handed to each call that
