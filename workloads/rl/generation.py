@@ -498,7 +498,8 @@ class SlotState:
 
     def admit(self, seqs: list[Sequence]) -> None:
         idx = torch.tensor([s.slot for s in seqs], device=self.length.device)
-        columns = {"length": [0] * len(seqs), "step": [len(s.tokens) for s in seqs], "row": [s.request.row for s in seqs],
+        columns = {"length": [0] * len(seqs), "step": [len(s.tokens) for s in seqs],
+                   "row": [s.request.row for s in seqs],
                    "key_lo": [s.seed & 0xFFFFFFFF for s in seqs], "key_hi": [s.seed >> 32 for s in seqs],
                    "top_k": [s.params.top_k for s in seqs], "temperature": [s.params.temperature for s in seqs],
                    "top_p": [s.params.top_p for s in seqs], "min_p": [s.params.min_p for s in seqs],
