@@ -110,6 +110,8 @@ def _encode(value: Any) -> Any:
     if isinstance(value, Record):
         return value.to_json()
     if isinstance(value, (list, tuple)):
+        if all(type(v) in (int, float) for v in value):  # token ids, logprobs: nothing to convert
+            return list(value)
         return [_encode(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _encode(v) for k, v in value.items()}
@@ -121,7 +123,7 @@ class Record:
 
     def to_json(self) -> dict:
         """Plain JSON types; an optional field that is None (its default) is left out."""
-        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)
+        return {f.name: _encode(getattr(self, f.name)) for f in _schema(type(self))[1].values()
                 if not (f.default is None and getattr(self, f.name) is None)}
 
     @classmethod
