@@ -517,8 +517,8 @@ class Trainer:
             self.writer.close()
         if self.world > 1:
             # A rank whose checkpoint part is written returns while rank 0 may still finish the checkpoint over
-            # the checkpoint group; tearing the groups down under it aborted a gloo rank (seen once in a clean-clone `make test`,
-            # at the last step's checkpoint). Every rank leaves together.
+            # the checkpoint group; tearing the groups down under it aborted a gloo rank at the last step's
+            # checkpoint (seen once in a clean-clone `make test`). Every rank leaves together.
             dist.barrier()
         return 0
 
