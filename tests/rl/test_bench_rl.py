@@ -47,6 +47,8 @@ def test_summary_measures_async_mean_curve_against_the_sync_runs_mean_final_rewa
     pairs = {p["seed"]: p for p in s["pairs"]}
     assert pairs[0]["async_seconds"] == 10.0 and pairs[0]["fraction"] == pytest.approx(0.5)  # 0.75 >= 0.7 at 10 s
     assert pairs[1]["async_seconds"] == 14.0 and pairs[1]["fraction"] == pytest.approx(0.7)  # 0.55 >= 0.5 at 14 s
+    assert pairs[0]["reward_gap_per_version"] == pytest.approx((0.0 + 0.05 + 0.05) / 3)
+    assert pairs[1]["reward_gap_last_quarter"] == pytest.approx(0.05)  # the last point: 0.55 - 0.5
 
 
 def test_summary_says_never_when_async_does_not_reach_the_sync_reward():

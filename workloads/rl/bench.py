@@ -225,8 +225,13 @@ def summarize(results: list[dict]) -> dict:
         a = next((r for r in modes["async"] if r["seed"] == s["seed"]), None)
         if a is not None:
             t = time_to_reach(a["curve"], s["final_reward"])
+            # learning per sample: async minus sync evaluation reward at the same versions
+            mine, theirs = {p["target"]: p["reward"] for p in a["curve"]}, {p["target"]: p["reward"] for p in s["curve"]}
+            gaps = [mine[k] - theirs[k] for k in sorted(set(mine) & set(theirs))]
             pairs.append({"seed": s["seed"], "sync_final_reward": s["final_reward"], "sync_wall_seconds": s["wall_seconds"],
-                          "async_seconds": t, "fraction": None if t is None else t / s["wall_seconds"]})
+                          "async_seconds": t, "fraction": None if t is None else t / s["wall_seconds"],
+                          "reward_gap_per_version": statistics.fmean(gaps),
+                          "reward_gap_last_quarter": statistics.fmean(gaps[-max(1, len(gaps) // 4):])})
     mean = {m: {k: statistics.fmean(r[k] for r in runs) for k in
                 ("samples_per_second", "trainer_idle_fraction", "rollout_idle_fraction", "mean_staleness",
                  "final_reward", "wall_seconds", "trainer_cpu_per_step", "shared_cpu_per_step")} for m, runs in modes.items()}
@@ -305,6 +310,10 @@ def table(results: list[dict]) -> str:
     lines.append("per seed pair (async reaching its pair's sync final reward, over that sync run's wall time): " +
                  "; ".join(f"seed {p['seed']}: {p['sync_final_reward']:.3f}, "
                            f"{_fraction(p['async_seconds'], p['sync_wall_seconds'])}" for p in s["pairs"]))
+    lines.append("async minus sync evaluation reward at the same versions (learning per sample), mean over "
+                 "versions / over the last quarter: " + "; ".join(
+                     f"seed {p['seed']}: {p['reward_gap_per_version']:+.3f} / {p['reward_gap_last_quarter']:+.3f}"
+                     for p in s["pairs"]))
     return "\n".join(lines)
 
 

@@ -515,6 +515,11 @@ class Trainer:
         self.stop_publishing()
         if self.rank == 0 and self.writer:
             self.writer.close()
+        if self.world > 1:
+            # A rank whose checkpoint part is written returns while rank 0 may still finish the checkpoint over
+            # the checkpoint group; tearing the groups down under it aborted a gloo rank at the last step's
+            # checkpoint (seen once in a clean-clone `make test`). Every rank leaves together.
+            dist.barrier()
         return 0
 
     def _save_eval_weights(self, name: str) -> None:
