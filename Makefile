@@ -110,8 +110,8 @@ run-words: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli example-data --out runs/word-problems
 	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local-words.yaml
 
-# Synchronous vs asynchronous RL, one rollout server and one trainer rank on their own cores; results go in
-# workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--steps 80 --async-staleness 2".
+# Synchronous vs asynchronous RL (3 seeds each, interleaved), one rollout server and one trainer rank on their own
+# cores; results go in workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--seeds 0 1 2 3 4".
 .PHONY: bench-rl
 bench-rl: $(STAMP)
 	$(PY) -m moe_rl_eks.core.cli bench-rl $(BENCH_RL_ARGS)

@@ -33,7 +33,7 @@ ROLLOUT_PROMPT_TOKENS = Metric("moerl_rollout_prompt_tokens_total", "counter", "
 ROLLOUT_GENERATION_TOKENS = Metric("moerl_rollout_generation_tokens_total", "counter", "Tokens a rollout server generated")
 ROLLOUT_REQUEST_SUCCESS = Metric("moerl_rollout_request_success_total", "counter", "Rows finished, by finish reason (stop, length, abort)", ("finished_reason",))
 ROLLOUT_E2E_LATENCY = Metric("moerl_rollout_e2e_request_latency_seconds", "histogram", "Completion request latency, arrival to last token", buckets=_SECONDS)
-ROLLOUT_TIME_TO_FIRST_TOKEN = Metric("moerl_rollout_time_to_first_token_seconds", "histogram", "Time from a request's arrival to each row's first token", buckets=_SECONDS)
+ROLLOUT_TIME_TO_FIRST_TOKEN = Metric("moerl_rollout_time_to_first_token_seconds", "histogram", "Time from a request's submission to the engine (after HTTP parsing and validation) to each row's first token", buckets=_SECONDS)
 ROLLOUT_INTER_TOKEN_LATENCY = Metric("moerl_rollout_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a row", buckets=_SECONDS)
 ROLLOUT_REQUEST_ERRORS = Metric("moerl_rollout_request_errors_total", "counter", "Requests a rollout server answered with an error, by HTTP status", ("status",))
 TRAINER_STEP_SECONDS = Metric("moerl_trainer_step_seconds", "gauge", "Wall time of the last optimizer step")

@@ -38,3 +38,11 @@ def check_device(name: str, t: torch.Tensor) -> None:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def within(configs: list, block: str, size: int) -> list:
+    """The autotune configs whose `block` (a reduction block) is no wider than `size` rounded up to a power of 2,
+    or the narrowest ones when none is: a wider block only adds masked lanes, and small test shapes then compile one
+    or two configs instead of all."""
+    limit = max(next_pow2(size), min(c.kwargs[block] for c in configs))
+    return [c for c in configs if c.kwargs[block] <= limit]

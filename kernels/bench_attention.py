@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.prefill:
         r = bench_prefill(*map(int, spec.split("x")), device)
         results.append(r)
-        print(f"| prefill (packed, paged) | {r['prompts']} prompts, {r['tokens']} tokens | {r['paged_packed_ms']:.3f} | "
+        print(f"| prefill (packed, paged) | {r['prompts']} prompts, {r['tokens']} tokens | "
+              f"{r['paged_packed_ms']:.3f} | "
               f"{r['sdpa_padded_ms']:.3f} (padded) | {r['sdpa_per_prompt_ms']:.3f} | "
               f"{r['paged_packed_tflops']:.0f} TFLOP/s | {r['rel_err']:.1e} |", flush=True)
     for spec in args.decode:

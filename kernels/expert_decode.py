@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, next_pow2, quick_bench
+from ._triton import INTERPRET, check_device, next_pow2, quick_bench, within
 from .routing import _first_argmax_free, _scores
 
 # Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine; beyond it the engine uses
@@ -127,10 +127,12 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, HIDDEN: 
 
 # One block shape per layer shape, whatever the token count: a token's sums are then taken in the same order in
 # every step (the bitwise independence above). It is tuned at one token, the latency-bound case (decode_experts).
-_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["E", "HIDDEN", "WIDTH", "TOP_K"],
-                      do_bench=quick_bench)(_decode_up_kernel)
-_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["HIDDEN", "WIDTH", "TOP_K"],
-                        do_bench=quick_bench)(_decode_down_kernel)
+_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["E", "HIDDEN", "WIDTH", "TOP_K"], do_bench=quick_bench,
+                      prune_configs_by={"early_config_prune": lambda configs, named, **kw: within(
+                          configs, "BLOCK_H", kw["HIDDEN"])})(_decode_up_kernel)
+_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["HIDDEN", "WIDTH", "TOP_K"], do_bench=quick_bench,
+                        prune_configs_by={"early_config_prune": lambda configs, named, **kw: within(
+                            configs, "BLOCK_I", kw["WIDTH"])})(_decode_down_kernel)
 _TUNED: set[tuple] = set()  # layer shapes whose block shapes were tuned (at one token)
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, dot_acc, next_pow2, quick_bench
+from ._triton import INTERPRET, check_device, dot_acc, next_pow2, quick_bench, within
 
 MAX_ROWS = 16
 
@@ -26,8 +26,9 @@ def _configs() -> list[triton.Config]:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The several-row path's tl.dot needs column blocks of at least 16."""
-    return [c for c in configs if kwargs.get("BLOCK_M", 1) == 1 or c.kwargs["BLOCK_N"] >= 16]
+    """The several-row path's tl.dot needs column blocks of at least 16; no reduction block much wider than K."""
+    configs = [c for c in configs if kwargs.get("BLOCK_M", 1) == 1 or c.kwargs["BLOCK_N"] >= 16]
+    return within(configs, "BLOCK_K", named_args["K"])
 
 
 @triton.autotune(_configs(), key=["M_KEY", "N", "K"], do_bench=quick_bench,

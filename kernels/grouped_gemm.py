@@ -56,6 +56,7 @@ def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
         shapes += [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
     else:
         shapes += [(128, 64, 64, 4, 4), (64, 128, 64, 4, 5)]
+    shapes.append((64, 64, 32, 4, 2))  # fits where the others do not (float32 operands: _fitting)
     configs = []
     for bm, bn, bk, w, s in shapes:
         for flatten in ((False, True) if persistent and bm == 128 and w == 8 else (False,)):
@@ -143,9 +144,34 @@ def _grouped_gemm_kernel(a_desc, b_desc, c_ptr, aux_ptr, counts_ptr, N_OUT, K, B
             tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+def _shared_memory_per_block() -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"]
+
+
+def _fitting(configs, named_args, **kwargs):
+    """The configs whose pipelined operand tiles fit the GPU's shared memory at these operands' element size:
+    tiles tuned for bf16 need twice the memory with float32 operands, and a launch that does not fit fails
+    instead of being skipped by the autotuner. The fused gate/up kernel loads two weight tiles per step."""
+    if INTERPRET:
+        return configs
+    limit = _shared_memory_per_block()
+    element = named_args["a_desc"].base.element_size()
+    weight_tiles = 2 if kwargs.get("SWIGLU") else 1
+
+    def shared(c):
+        bm, bn, bk = (c.kwargs[k] for k in ("BM", "BN", "BK"))
+        return c.num_stages * (bm * bk + weight_tiles * bn * bk) * element
+
+    fitting = [c for c in configs if shared(c) <= limit]
+    return fitting or [min(configs, key=shared)]
+
+
 _KEY = ["N_OUT", "K", "SWIGLU", "B_NK"]
-_gemm_swiglu = triton.autotune(_configs(wide_ok=False, persistent=True), key=_KEY)(_grouped_gemm_kernel)
-_gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY)(_grouped_gemm_kernel)
+_PRUNE = {"early_config_prune": _fitting}
+_gemm_swiglu = triton.autotune(_configs(wide_ok=False, persistent=True), key=_KEY, prune_configs_by=_PRUNE)(
+    _grouped_gemm_kernel)
+_gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY, prune_configs_by=_PRUNE)(
+    _grouped_gemm_kernel)
 
 
 @triton.jit
@@ -177,7 +203,7 @@ def _swiglu_backward(d_act, gate_up):
     return out
 
 
-@triton.autotune(_configs(wide_ok=True, persistent=False), key=["M_OUT", "N_OUT"])
+@triton.autotune(_configs(wide_ok=True, persistent=False), key=["M_OUT", "N_OUT"], prune_configs_by=_PRUNE)
 @triton.jit
 def _grouped_wgrad_kernel(a_desc, b_desc, c_ptr, counts_ptr, M_OUT, N_OUT, stride_ce,
                           E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,

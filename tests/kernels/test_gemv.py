@@ -26,3 +26,14 @@ def test_gemv_keeps_leading_dimensions_and_names_what_it_cannot_take():
     torch.testing.assert_close(gemv(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         gemv(torch.randn(MAX_ROWS + 1, 32, device=DEVICE), w)
+
+
+def test_autotuning_skips_reduction_blocks_wider_than_the_reduction():
+    from triton import Config
+
+    from moe_rl_eks.kernels._triton import within
+
+    configs = [Config({"B": b, "N": n}) for b, n in ((256, 16), (256, 32), (512, 8), (1024, 4), (2048, 2))]
+    assert [c.kwargs["B"] for c in within(configs, "B", 2048)] == [256, 256, 512, 1024, 2048]
+    assert [c.kwargs["B"] for c in within(configs, "B", 768)] == [256, 256, 512, 1024]
+    assert [c.kwargs["N"] for c in within(configs, "B", 40)] == [16, 32]  # the narrowest, when none fits

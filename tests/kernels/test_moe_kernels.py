@@ -215,3 +215,25 @@ def test_a_rank_with_no_tokens_gets_empty_outputs_and_zero_weight_grads():
     out.sum().backward()
     assert torch.equal(w13.grad, torch.zeros_like(w13)) and torch.equal(w2.grad, torch.zeros_like(w2))
     assert x.grad.shape == (0, h) and logits.grad.shape == (0, E)
+
+
+def test_grouped_gemm_configs_that_overflow_shared_memory_are_pruned_for_float32_operands(monkeypatch):
+    """bf16-tuned tiles need twice the shared memory with float32 operands; on a GPU such a launch fails rather than
+    being skipped, so only fitting configs are tried (the H200's 232,448 bytes here), the smallest if none fits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moe_rl_eks.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "INTERPRET", False)
+    monkeypatch.setattr(grouped_gemm, "_shared_memory_per_block", lambda: 232_448)
+    configs = grouped_gemm._configs(wide_ok=False, persistent=True)
+
+    def kept(dtype, swiglu):
+        a = torch.empty(16, 16, dtype=dtype)
+        desc = TensorDescriptor(a, [16, 16], [16, 1], [16, 16])
+        return [(c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], c.num_stages)
+                for c in grouped_gemm._fitting(configs, {"a_desc": desc}, SWIGLU=swiglu)]
+
+    assert len(kept(torch.bfloat16, True)) == len(configs)  # every tuned bf16 tile fits an H200
+    assert kept(torch.float32, True) == [(64, 64, 32, 2)]
+    assert (64, 64, 32, 2) in kept(torch.float32, False) and len(kept(torch.float32, False)) < len(configs)

@@ -109,6 +109,16 @@ def test_a_server_sharded_over_two_ranks_answers_as_one_process_does_and_swaps_v
     assert call("GET", f"{sharded}/health")[1]["weight_version"] == 1
     assert_same(completions(sharded, REQUESTS[:2], together=True), after[:2])
 
+    # The engine counts every rank's tokens of a step as one step: each token is a row's first or follows the
+    # row's previous one by a step (0 only when both came in one step: a prefill's token, then a decode's).
+    text = call("GET", f"{sharded}/metrics")[1]
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    rows = samples["moerl_rollout_time_to_first_token_seconds_count"]
+    later = samples["moerl_rollout_inter_token_latency_seconds_count"]
+    assert rows > 0 and rows + later == samples["moerl_rollout_generation_tokens_total"]
+    assert samples['moerl_rollout_inter_token_latency_seconds_bucket{le="0.001"}'] <= rows
+
 
 def publish_lacking_experts(run, store, version, lacking):
     staging = store.root.parent / f"src-{version}"

@@ -1,11 +1,11 @@
 """The rollout engine: rows in, tokens streamed out, continuous batching over one model replica.
 
 `RolloutEngine.submit(rows, on_tokens)` queues rows and returns a Future of their `RowOutput`s; one engine thread
-owns the replica and its `Decoder` and loops: take what was submitted or cancelled, admit rows into free KV-cache
-slots, run one step (a prefill chunk and/or one decode forward for every running row), hand each call its tokens
-of the step (one `on_tokens` call, only to calls that asked) and report each finished row. Rows join and leave the
-batch at every step. The engine counts its tokens and their latencies itself (generation tokens, time to first
-token, inter-token latency), once per step, so a caller that only wants the result costs nothing per token.
+owns the replica and its `Decoder` and loops: take what was submitted or cancelled, admit rows into free row slots
+and KV-cache blocks, run one step (a prefill chunk and/or one decode forward for every running row), hand each call
+its tokens of the step (one `on_tokens` call, only to calls that asked) and report each finished row. Rows join and
+leave the batch at every step. The engine counts its tokens and their latencies itself (generation tokens, time to
+first token, inter-token latency), once per step, so a caller that only wants the result costs nothing per token.
 
 Locking rule: callers only append to the inbox under `_lock` (and wake the loop); everything else (the decoder,
 the replica, the rows' state) belongs to the engine thread alone.
@@ -125,8 +125,8 @@ class RolloutEngine:
         return call.future
 
     def cancel(self, request_id: str, rows: Iterable[int] | None = None) -> None:
-        """Finish the request's rows (all, or those listed) with "abort" at the next step; their slots are
-        freed. Idempotent, thread-safe; rows already finished are left as they are."""
+        """Finish the request's rows (all, or those listed) with "abort" at the next step; their slots and
+        KV-cache blocks are freed. Idempotent, thread-safe; rows already finished are left as they are."""
         with self._lock:
             self._cancels.append((request_id, None if rows is None else frozenset(rows)))
             self._wake.notify()
@@ -370,15 +370,15 @@ class RolloutEngine:
         cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
         plan = StepPlan(admit, cancels, rows_per_rank(self.run, size), self._max_len(),
                         self._eos_ids())
-        produced = 0
-        for report in self.replica.step(plan):
-            self._emit(report.sampled)
-            produced += len(report.sampled)
+        reports = self.replica.step(plan)
+        sampled = [token for report in reports for token in report.sampled]
+        self._emit(sampled)  # all ranks' tokens of the step at once: one step, one inter-token latency
+        for report in reports:
             for out in report.finished:
                 del self._ep_rank[(out.request_id, out.row)]
                 _, call, index = self._live[(out.request_id, out.row)]
                 self._deliver(call, index, out)
-        return produced
+        return len(sampled)
 
     def _emit(self, sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]) -> None:
         """One step's tokens (request id, row, token, logprob, alternatives): counted, and handed to each call that

@@ -1,5 +1,6 @@
-"""The rollout engine's request and result types (CONTRACTS.md, "Engine <-> server"). Torch-free, so the HTTP
-protocol modules can import them; `engine.py` re-exports them next to the RolloutEngine that consumes them."""
+"""The rollout engine's request and result types (README, "Architecture": the engine behind the rollout server).
+Torch-free, so the HTTP protocol modules can import them; `engine.py` re-exports them next to the RolloutEngine
+that consumes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

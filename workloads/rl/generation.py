@@ -243,11 +243,12 @@ class PagedCache:
 
 
 def attend(q: torch.Tensor, cache: PagedCache, layer: int, slot: torch.Tensor, positions: torch.Tensor,
-           key_len: int, fused: bool, tiles: torch.Tensor | None) -> torch.Tensor:
+           key_len: int, fused: bool, tiles: torch.Tensor | None, seen: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D] of tokens at `positions` [N] of slots `slot` [N] -> [N, H, D], causal over each slot's cache.
     `fused`: the Triton kernels read through the block tables, only the positions each token sees (a prefill's
     packed prompts by their `tiles`, a decode step one token per row: static shapes, CUDA graphs replay it);
-    otherwise the first `key_len` positions of each token's slot are gathered for PyTorch's attention."""
+    otherwise the first `key_len` positions of each token's slot are gathered for PyTorch's attention. `seen`:
+    positions + 1, when the caller computed it once for all layers (one kernel fewer per layer of a decode step)."""
     keys, values = cache.keys[layer], cache.values[layer]
     if fused:
         if tiles is not None:
@@ -256,7 +257,7 @@ def attend(q: torch.Tensor, cache: PagedCache, layer: int, slot: torch.Tensor, p
             return prefill_attention(q, keys, values, cache.tables, slot, positions, tiles)
         from moe_rl_eks.kernels.decode_attention import decode_attention
 
-        return decode_attention(q, keys, values, cache.tables, slot, positions + 1)
+        return decode_attention(q, keys, values, cache.tables, slot, positions + 1 if seen is None else seen)
     n = q.shape[0]
     blocks = cache.tables[slot, :cache.blocks_for(key_len)].long()  # [N, blocks]
     k = keys[blocks].flatten(1, 2)[:, :key_len].transpose(1, 2)  # [N, H_kv, key_len, D]
@@ -389,6 +390,7 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
     block, offset = cache.locate(slot, positions)
     h = model.model.embed_tokens(tokens)
     cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
+    seen = positions + 1 if fused and tiles is None else None  # what decode attention reads, once for all layers
     routed, delta = [], None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -401,7 +403,7 @@ def forward_tokens(model: MoETransformer, cache: PagedCache, slot: torch.Tensor,
         else:
             cache.keys[i][block, offset] = k
             cache.values[i][block, offset] = v
-        out = attend(q, cache, i, slot, positions, key_len, fused, tiles)
+        out = attend(q, cache, i, slot, positions, key_len, fused, tiles, seen)
         x, h, logits = _add_norm_router(layer, h, _linear(out.reshape(n, attn.heads * attn.head_dim),
                                                           attn.o_proj.weight, fused), fused)
         moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
@@ -498,7 +500,8 @@ class SlotState:
 
     def admit(self, seqs: list[Sequence]) -> None:
         idx = torch.tensor([s.slot for s in seqs], device=self.length.device)
-        columns = {"length": [0] * len(seqs), "step": [len(s.tokens) for s in seqs], "row": [s.request.row for s in seqs],
+        columns = {"length": [0] * len(seqs), "step": [len(s.tokens) for s in seqs],
+                   "row": [s.request.row for s in seqs],
                    "key_lo": [s.seed & 0xFFFFFFFF for s in seqs], "key_hi": [s.seed >> 32 for s in seqs],
                    "top_k": [s.params.top_k for s in seqs], "temperature": [s.params.temperature for s in seqs],
                    "top_p": [s.params.top_p for s in seqs], "min_p": [s.params.min_p for s in seqs],

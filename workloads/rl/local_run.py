@@ -123,7 +123,8 @@ class LocalCluster:
 
     def start_trainer(self, cpus: set[int] | None = None) -> Role:
         ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
-        argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}",
+        # The agent checks its workers every second, not every 0.1 s (its default): it shares a core with a role.
+        argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--monitor-interval=1",
                 # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
                 "-m", "--", "moe_rl_eks.core.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url,
                 "--metrics-port", str(free_port())]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import io
 import math
@@ -52,7 +53,11 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ProtocolError(path, value, "expected a list")
         item = get_args(tp)[0]
-        items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        fast = _FAST_ITEMS.get(item)
+        if fast is not None and all(map(fast, value)):  # token ids, logprobs: no per-item path unless one is bad
+            items = [float(v) for v in value] if item is float else list(value)
+        else:
+            items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
@@ -89,10 +94,24 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"protocol: unsupported field type {tp!r} at {path}")
 
 
+# Item checks for the long lists (token ids, logprobs): exactly what _decode accepts for int and float.
+_FAST_ITEMS = {int: lambda v: type(v) is int,
+               float: lambda v: (type(v) is float and math.isfinite(v)) or type(v) is int}
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A record class's resolved field types and its fields (resolving the annotations per record costs more
+    than decoding a batch's numbers)."""
+    return get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, Record):
         return value.to_json()
     if isinstance(value, (list, tuple)):
+        if all(type(v) in (int, float) for v in value):  # token ids, logprobs: nothing to convert
+            return list(value)
         return [_encode(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _encode(v) for k, v in value.items()}
@@ -104,7 +123,7 @@ class Record:
 
     def to_json(self) -> dict:
         """Plain JSON types; an optional field that is None (its default) is left out."""
-        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)
+        return {f.name: _encode(getattr(self, f.name)) for f in _schema(type(self))[1].values()
                 if not (f.default is None and getattr(self, f.name) is None)}
 
     @classmethod
@@ -115,8 +134,7 @@ class Record:
     def _from_json(cls: type[R], data: Any, path: str) -> R:
         if not isinstance(data, dict):
             raise ProtocolError(path, data, f"expected an object ({cls.__name__})")
-        hints = get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints, fields = _schema(cls)
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ProtocolError(f"{path}.{unknown[0]}", data[unknown[0]], "unknown field; known: " + ", ".join(fields))

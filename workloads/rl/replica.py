@@ -43,7 +43,7 @@ class StepPlan:
 
     admit: list[list[RowRequest]]
     cancel: list[list[tuple[str, int]]]
-    slots: int  # KV-cache slots per rank (fewer if they do not fit its GPU)
+    slots: int  # rows a rank decodes at once (its KV-cache blocks: as many as fit its GPU)
     max_len: int
     eos_ids: tuple[int, ...]
 
@@ -202,7 +202,7 @@ def empty_model(config: ModelConfig, ep: ExpertParallel | None, compute: str, de
 
 
 def rows_per_rank(run: RunConfig, ranks: int) -> int:
-    """KV-cache slots (so decode rows) per rank of a sharded server: rollout.max_batch_size split over its ranks."""
+    """Decode rows per rank of a sharded server: rollout.max_batch_size split over its ranks."""
     return max(1, run.rollout.max_batch_size // ranks)
 
 

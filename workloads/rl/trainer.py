@@ -486,7 +486,8 @@ class Trainer:
         self.publish(self.step)
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(self.out / "tensorboard"))
+            # Written by the writer's own thread every few seconds: a flush per step would make the step wait for it.
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), flush_secs=5)
         stopping = False
         while self.step < self.cfg.steps:
             self.poll_checkpoint(wait=False)
@@ -514,6 +515,11 @@ class Trainer:
         self.stop_publishing()
         if self.rank == 0 and self.writer:
             self.writer.close()
+        if self.world > 1:
+            # A rank whose checkpoint part is written returns while rank 0 may still finish the checkpoint over
+            # the checkpoint group; tearing the groups down under it aborted a gloo rank at the last step's
+            # checkpoint (seen once in a clean-clone `make test`). Every rank leaves together.
+            dist.barrier()
         return 0
 
     def _save_eval_weights(self, name: str) -> None:
@@ -541,7 +547,6 @@ class Trainer:
         for key, value in row.items():
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
-        self.writer.flush()
         for metric, value in ((M.TRAINER_STEP_SECONDS, step_seconds), (M.TRAINER_LAST_STEP_TIMESTAMP, row["time"]),
                               (M.TRAINER_TOKENS_PER_SECOND, metrics["tokens"] / max(step_seconds, 1e-9)),
                               (M.TRAINER_IDLE_FRACTION, row["trainer_idle_fraction"]),

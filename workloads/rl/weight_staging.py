@@ -50,12 +50,12 @@ class HostStaging:
             if buffer is not None and buffer.numel() == nbytes:
                 return buffer
             self._drop(name)
-        # Whole pages of its own: registering memory that shares a page with another registered buffer (small
-        # files come from the heap) would fail.
-        raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
-        skip = -raw.data_ptr() % PAGE
-        buffer = raw[skip:skip + nbytes]
-        pinned = self.pin and self._register(buffer)
+        # An anonymous mapping: whole pages of its own (registering heap memory that shares a page with another
+        # registered buffer would fail), and the storage starts where the registration does, so is_pinned() and
+        # torch's copies see pinned memory. The tensor keeps the mapping alive.
+        mapping = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        pinned = self.pin and self._register(buffer, len(mapping))
         with self._lock:
             self.buffers[name] = buffer
             if pinned:
@@ -78,9 +78,8 @@ class HostStaging:
             for name in list(self.buffers):
                 self._drop(name)
 
-    def _register(self, buffer: torch.Tensor) -> bool:
-        pages = -(-buffer.numel() // PAGE) * PAGE
-        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), pages, 0))
+    def _register(self, buffer: torch.Tensor, nbytes: int) -> bool:
+        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
         if error and not self._warned:
             # Still correct, only slower (a staged copy to the GPU): say so once rather than refuse every version.
             self._warned = True
