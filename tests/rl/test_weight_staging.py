@@ -53,14 +53,20 @@ def corrupt_one_byte(directory):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-def test_each_version_is_read_into_the_same_staging_and_copied_into_the_same_served_tensors(tmp_path, run):
+def serving_version_1(tmp_path, run, versions):
+    """A store holding `versions` of the trainer's state and a CPU replica serving version 1 of them."""
     store = DirectoryStore(tmp_path / "store", keep_versions=5)
-    states = {1: trainer_state(run, 1), 2: trainer_state(run, 2)}
+    states = {v: trainer_state(run, v) for v in versions}
     publish(store, run, states)
     replica = Replica(run, device=torch.device("cpu"))
+    replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
+    replica.swap(1)
+    return store, states, replica
+
+
+def test_each_version_is_read_into_the_same_staging_and_copied_into_the_same_served_tensors(tmp_path, run):
+    store, states, replica = serving_version_1(tmp_path, run, (1, 2))
     try:
-        replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
-        replica.swap(1)
         assert served_equals(replica, states[1])
         served_at = {k: v.data_ptr() for k, v in replica.model.state_dict().items()}
         staging_at = {name: b.data_ptr() for name, b in replica.staging.buffers.items()}
@@ -83,14 +89,9 @@ def test_each_version_is_read_into_the_same_staging_and_copied_into_the_same_ser
 
 
 def test_a_version_failing_its_checksum_leaves_the_previous_one_served_and_the_next_one_loads(tmp_path, run):
-    store = DirectoryStore(tmp_path / "store", keep_versions=5)
-    states = {1: trainer_state(run, 1), 2: trainer_state(run, 2), 3: trainer_state(run, 3)}
-    publish(store, run, states)
+    store, states, replica = serving_version_1(tmp_path, run, (1, 2, 3))
     corrupt_one_byte(store.fetch(2, tmp_path))
-    replica = Replica(run, device=torch.device("cpu"))
     try:
-        replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
-        replica.swap(1)
         replica.begin_read(2, str(store.fetch(2, tmp_path))).exception()  # overwrote part of the staging
         with pytest.raises(SwapRefused, match="does not match the manifest's checksum"):
             replica.swap(2)
@@ -103,13 +104,8 @@ def test_a_version_failing_its_checksum_leaves_the_previous_one_served_and_the_n
 
 
 def test_a_swap_of_a_version_other_than_the_one_read_is_refused_and_changes_nothing(tmp_path, run):
-    store = DirectoryStore(tmp_path / "store", keep_versions=5)
-    states = {1: trainer_state(run, 1), 2: trainer_state(run, 2)}
-    publish(store, run, states)
-    replica = Replica(run, device=torch.device("cpu"))
+    store, states, replica = serving_version_1(tmp_path, run, (1, 2))
     try:
-        replica.begin_read(1, str(store.fetch(1, tmp_path))).result()
-        replica.swap(1)
         replica.begin_read(2, str(store.fetch(2, tmp_path))).result()
         with pytest.raises(SwapRefused, match="version 3 of lineage 0 was not read first"):
             replica.swap(3)
