@@ -40,7 +40,7 @@ Status = Literal["ok", "warn", "blocker"]
 # The images record which DeepEP they carry (images/gpu.Dockerfile sets it from the same build argument that
 # selects the build). `efa-v1`: AWS's patched V1 (NVSHMEM host proxy over libfabric), internode-capable on EFA;
 # `stock-v1`: upstream V1, whose internode kernels need InfiniBand GPU-initiated RDMA (intranode only on EFA);
-# `none`: no DeepEP (rollout image).
+# `none`: no DeepEP (an image built otherwise, or a machine checked outside the images).
 DEEPEP_VARIANT_ENV = "MOERL_DEEPEP_VARIANT"
 DEEPEP_VARIANTS = ("efa-v1", "stock-v1", "none")
 # The trainer pods' manifests (k8s/trainer.py) pass the run's resolved EP backend, and "1" in MOERL_DEEPEP_EFA

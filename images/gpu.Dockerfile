@@ -2,9 +2,12 @@
 # The GPU images, from the repository root: `make images` (images/build.py) builds the `rollout` and `trainer`
 # targets with every version from images/versions.env as a build argument (none has a default here).
 #   build    CUDA devel: compiles GDRCopy, aws-ofi-nccl and DeepEP, installs torch and this package.
-#   rollout  CUDA runtime, no compiler toolchain besides the C compiler triton needs for its launchers: EFA user
-#            space, aws-ofi-nccl + tuner, GDRCopy, torch, this package [workloads,kernels].
-#   trainer  rollout + DeepEP (the variant recorded in MOERL_DEEPEP_VARIANT) and NVSHMEM.
+#   gpu      CUDA runtime, no compiler toolchain besides the C compiler triton needs for its launchers: EFA user
+#            space, aws-ofi-nccl + tuner, GDRCopy, torch, this package [workloads,kernels], DeepEP (the variant
+#            recorded in MOERL_DEEPEP_VARIANT) and NVSHMEM.
+#   rollout  gpu, starting the rollout role's doctor: a server sharded over GPUs decodes over DeepEP's
+#            low-latency kernels (workloads/moe/deepep_ll.py), so it needs DeepEP as the trainer does.
+#   trainer  gpu, starting the trainer role's doctor.
 # Both run as UID 10001 on a read-only root filesystem: everything that writes goes under /tmp (the pod's
 # emptyDir), as k8s/pods.py mounts it. No HEALTHCHECK: Kubernetes ignores it; `moerl doctor` runs instead.
 
@@ -64,7 +67,7 @@ COPY workloads/ /build/src/workloads/
 COPY kernels/ /build/src/kernels/
 RUN /build/scripts/install_package.sh /build/src workloads,kernels trainer,rollout
 
-FROM ${CUDA_RUNTIME_IMAGE} AS rollout
+FROM ${CUDA_RUNTIME_IMAGE} AS gpu
 ARG EFA_INSTALLER_VERSION
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # gcc: triton compiles its small C launchers at first use. curl only for the EFA installer, removed after.
@@ -81,26 +84,15 @@ RUN /build/scripts/install_efa.sh \
 COPY --from=build /opt/gdrcopy /opt/gdrcopy
 COPY --from=build /opt/aws-ofi-nccl /opt/aws-ofi-nccl
 COPY --from=build /opt/venv /opt/venv
-# NCCL finds the plugin and tuner by name on the loader path; the EFA pods' manifests (k8s/collectives.py) set
-# FI_PROVIDER=efa and NCCL_NET_PLUGIN/NCCL_TUNER_PLUGIN=ofi, so a pod without EFA does not look for it.
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:/opt/amazon/efa/bin:$PATH \
-    LD_LIBRARY_PATH=/opt/aws-ofi-nccl/lib:/opt/amazon/efa/lib:/opt/gdrcopy/lib:/usr/local/cuda/lib64 \
-    MOERL_DEEPEP_VARIANT=none \
     HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton \
     HF_HOME=/tmp/huggingface \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-VOLUME ["/tmp"]
-USER 10001:10001
-WORKDIR /tmp
-CMD ["moerl", "doctor", "--role", "rollout"]
-
-FROM rollout AS trainer
 ARG DEEPEP_VARIANT
 ARG NVSHMEM_REMOTE_TRANSPORT
-USER 0
 COPY --from=build /opt/wheels /opt/wheels
 COPY --from=build /opt/nvshmem /opt/nvshmem
 # efa-v1 links NVSHMEM 3.7 from /opt/nvshmem; torch's own NVSHMEM wheel (3.4.5, same soname) would be loaded
@@ -108,9 +100,19 @@ COPY --from=build /opt/nvshmem /opt/nvshmem
 RUN pip install --no-cache-dir --no-deps /opt/wheels/deep_ep-*.whl \
     && if [ "${DEEPEP_VARIANT}" = efa-v1 ]; then pip uninstall -y nvidia-nvshmem-cu13; fi \
     && rm -rf /opt/wheels
+# NCCL finds the plugin and tuner by name on the loader path; the EFA pods' manifests (k8s/collectives.py) set
+# FI_PROVIDER=efa and NCCL_NET_PLUGIN/NCCL_TUNER_PLUGIN=ofi, so a pod without EFA does not look for it.
 ENV LD_LIBRARY_PATH=/opt/nvshmem/lib:/opt/aws-ofi-nccl/lib:/opt/amazon/efa/lib:/opt/gdrcopy/lib:/usr/local/cuda/lib64 \
     MOERL_DEEPEP_VARIANT=${DEEPEP_VARIANT} \
     NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT} \
     NVSHMEM_LIBFABRIC_PROVIDER=efa
+VOLUME ["/tmp"]
+WORKDIR /tmp
+
+FROM gpu AS rollout
+USER 10001:10001
+CMD ["moerl", "doctor", "--role", "rollout"]
+
+FROM gpu AS trainer
 USER 10001:10001
 CMD ["moerl", "doctor", "--role", "trainer"]
