@@ -20,6 +20,28 @@ from ._triton import INTERPRET, check_device, dot_acc, next_pow2
 
 
 @triton.jit
+def paged_offsets(table, n, valid, PAGE: tl.constexpr):
+    """Block and in-block offset (int64) of one row's positions `n`, through the row's block table."""
+    block = tl.load(table + n // PAGE, mask=valid, other=0).to(tl.int64)
+    return block, (n % PAGE).to(tl.int64)
+
+
+@triton.jit
+def online_softmax_step(scores, v, m, s_sum, acc, EXACT: tl.constexpr):
+    """One key/value tile of flash attention's running softmax (masked scores are -inf): the new running max, the
+    rescaled sum and the rescaled accumulator plus this tile's softmax-weighted values."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    s_sum = s_sum * alpha + tl.sum(p, axis=1)
+    if EXACT:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, s_sum, acc
+
+
+@triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_scale, split_len,
                     stride_qb, stride_qh, stride_t, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                     G: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -42,8 +64,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < hi
-        block = tl.load(table + n // PAGE, mask=valid, other=0).to(tl.int64)
-        offset = (n % PAGE).to(tl.int64)
+        block, offset = paged_offsets(table, n, valid, PAGE)
         k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
         if EXACT:  # float32 caches: full-precision products, not TF32 (the engine's logprobs must match the trainer's)
@@ -52,17 +73,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml
             scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), tl.float32))
         scores = scores * sm_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
-        if EXACT:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None])
-        m = m_new
+        m, s_sum, acc = online_softmax_step(scores, v, m, s_sum, acc, EXACT)
     out = (b * tl.num_programs(1) * G + heads) * SPLITS + split  # [B, H, SPLITS] index
     tl.store(o_ptr + out[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + out * 2, m, mask=g < G)
@@ -94,22 +107,29 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) 
     return max(1, min(triton.cdiv(2 * sms, rows * kv_heads), triton.cdiv(max_len, 64)))
 
 
+def check_paged(kernel: str, q_layout: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                tables: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """The paged attention kernels' inputs checked -> (q's first dimension, heads, head dim, block size, kv heads)."""
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("tables", tables)):
+        check_device(name, t)
+    first, heads, dim = q.shape
+    _, page, kv_heads, _ = keys.shape
+    if heads % kv_heads or keys.shape != values.shape or keys.shape[-1] != dim or keys.stride(-1) != 1 \
+            or values.stride(-1) != 1 or dim != next_pow2(dim) or tables.dim() != 2 or tables.stride(-1) != 1:
+        raise ValueError(f"{kernel} needs q {q_layout} with D a power of two and H a multiple of H_kv, "
+                         f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
+                         f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
+    return first, heads, dim, page, kv_heads
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """q [B, H, D], keys/values [blocks, block_size, H_kv, D], tables [slots, max_blocks], slots [B], lengths [B]
     (>= 1) -> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first lengths[b] positions of row b's slot, read
     through its block table. `splits` fixes how many programs share a row's positions (default: from the GPU's
     size); under a CUDA graph it must not change between replays."""
-    for name, t in (("q", q), ("keys", keys), ("values", values), ("tables", tables)):
-        check_device(name, t)
-    rows, heads, dim = q.shape
-    _, page, kv_heads, _ = keys.shape
-    if heads % kv_heads or keys.shape != values.shape or keys.shape[-1] != dim or keys.stride(-1) != 1 \
-            or values.stride(-1) != 1 or dim != next_pow2(dim) or tables.dim() != 2 or tables.stride(-1) != 1:
-        raise ValueError(f"decode_attention needs q [B, H, D] with D a power of two and H a multiple of H_kv, "
-                         f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
-                         f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
-                         f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
+    rows, heads, dim, page, kv_heads = check_paged("decode_attention", "[B, H, D]", q, keys, values, tables)
     if q.stride(-1) != 1:  # rows and heads are read through their strides (the engine's q is a view of q and k)
         q = q.contiguous()
     group = heads // kv_heads

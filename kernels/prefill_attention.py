@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, dot_acc, next_pow2
+from ._triton import INTERPRET, dot_acc, next_pow2
+from .decode_attention import check_paged, online_softmax_step, paged_offsets
 
 BLOCK_M = 16  # tokens of one row per program
 
@@ -50,8 +51,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, tile_ptr,
     for start in range(0, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < hi
-        block = tl.load(table + n // PAGE, mask=valid, other=0).to(tl.int64)
-        offset = (n % PAGE).to(tl.int64)
+        block, offset = paged_offsets(table, n, valid, PAGE)
         k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
         if EXACT:  # float32 caches: full-precision products, not TF32
@@ -60,17 +60,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, tile_ptr,
             scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M * BLOCK_G, BLOCK_N), tl.float32))
         # every query row sees position 0, so each row's running max is finite after the first tile
         scores = tl.where(valid[None, :] & (n[None, :] <= pos[:, None]), scores * sm_scale, float("-inf"))
-        m_new = tl.maximum(mx, tl.max(scores, axis=1))
-        alpha = tl.exp(mx - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
-        if EXACT:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None])
-        mx = m_new
+        mx, s_sum, acc = online_softmax_step(scores, v, mx, s_sum, acc, EXACT)
     out = acc / s_sum[:, None]
     tl.store(o_ptr + tok[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -88,16 +80,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """q [N, H, D] of tokens at `positions` [N] of rows `slots` [N] -> [N, H, D]: causal softmax attention of each
     token over its row's positions <= its own, through the block tables. Tokens outside every tile are left
     unwritten."""
-    for name, t in (("q", q), ("keys", keys), ("values", values), ("tables", tables)):
-        check_device(name, t)
-    tokens, heads, dim = q.shape
-    _, page, kv_heads, _ = keys.shape
-    if heads % kv_heads or keys.shape != values.shape or keys.shape[-1] != dim or keys.stride(-1) != 1 \
-            or values.stride(-1) != 1 or dim != next_pow2(dim) or tables.dim() != 2 or tables.stride(-1) != 1:
-        raise ValueError(f"prefill_attention needs q [N, H, D] with D a power of two and H a multiple of H_kv, "
-                         f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
-                         f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
-                         f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
+    _, heads, dim, page, kv_heads = check_paged("prefill_attention", "[N, H, D]", q, keys, values, tables)
     q = q.contiguous()
     out = torch.empty_like(q)
     group = heads // kv_heads
