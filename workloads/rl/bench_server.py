@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     layers = f" --layers {args.layers}" if args.model == "qwen3" else ""
     command = (f"moerl bench-server --model {args.model}{layers} --compute {args.compute} "
-               f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} --n {args.n} "
+               f"--concurrency {' '.join(map(str, args.concurrency))}"
+               + (f" --requests {args.requests}" if args.requests is not None else "")
+               + f" --n {args.n} "
                f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}"
                + ("" if args.routing else " --no-routing"))
     results: list[dict] = []  # the median run of each way and concurrency
