@@ -1,7 +1,8 @@
 """What each rank of an expert-parallel server does in test_deepep_ll_gpu.py (a module of its own so spawned
 workers can unpickle it): decode its share of the rows with its own continuous-batching Decoder, once with
 DeepEP's low-latency kernels for the decode forwards and once with the all-to-all, and run one MoE layer both
-ways; rank 0 also decodes every row in one single-GPU Decoder (all experts, CUDA graphs), the reference.
+ways; rank 0 also decodes every row in one single-GPU Decoder (all experts, CUDA graphs, the experts through the
+grouped kernels a rank uses), the reference.
 `phases_seen` (test_deepep_ll.py, CPU) records which side of the phased dispatcher each forward reaches."""
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ def serving_model(config: ModelConfig, state, ep: ExpertParallel | None, compute
     model = cast_for_serving(MoETransformer(config, ep=ep, compute=compute), torch.bfloat16).to(DEVICE)
     model.load_full_state_dict(state)
     return model.eval()
+
+
+class GroupedExperts:
+    """A compute backend without its fused single-rank decode op (`decode`): the reference then runs a decode
+    step's experts through the same grouped kernels a rank runs after a dispatch, so a difference from the
+    sharded rows is the dispatch's and combine's. (The fused op against the grouped path:
+    tests/kernels/test_expert_decode.py.)"""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name == "decode":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
 
 def _any(flag: bool) -> bool:
@@ -105,6 +121,8 @@ def serve_both_ways(rank: int, world: int, compute: str, decodes=("deepep_ll", "
     xs = torch.cat(_gather(x.cpu(), world))
     if rank == 0:
         single = serving_model(CONFIG, state, None, compute)
+        for layer in single.model.layers:
+            layer.mlp.compute = GroupedExperts(layer.mlp.compute)
         with torch.no_grad():
             result["layer"]["single"] = single.model.layers[0].mlp(xs.to(DEVICE), statistics=False).out.cpu()
             seqs = decode_all(single, [r for part in requests() for r in part], eos_ids=())

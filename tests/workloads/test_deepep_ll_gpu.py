@@ -17,7 +17,12 @@ if importlib.util.find_spec("deep_ep") is None:
 from ep_ranks import run_ranks  # noqa: E402
 from ll_ranks import serve_both_ways  # noqa: E402
 
-LOGPROB_TOLERANCE = 0.05  # bf16 logits of a few units: rounding moves a logprob by a few hundredths at most
+# Measured on one H200 (2026-12-01, workloads/results/h200-deepep-ll-2.log): every logprob bitwise equal to the
+# single GPU's with both computes, one MoE layer within 1e-6 of it (torch: DeepEP's combine sums in another order).
+# The bounds leave room for that order, no more: a token sent to a wrong expert, or weighted wrongly, moves a logprob
+# by tenths.
+LOGPROB_TOLERANCE = 1e-3
+LAYER_TOLERANCE = 1e-3  # relative to the layer output's largest magnitude
 
 
 def row_differences(got: dict, want: dict) -> dict:
@@ -53,4 +58,4 @@ def test_low_latency_decode_on_two_ranks_sharing_a_gpu_gives_the_single_gpu_engi
         assert report[name]["tokens_equal"], (name, report)
         assert report[name]["max_abs_logprob_diff"] <= LOGPROB_TOLERANCE, (name, report)
     layer = report["layer_deepep_ll_vs_single"]
-    assert layer["max_abs"] <= 2e-2 * layer["max_magnitude"], report  # bf16: a few units in the last place
+    assert layer["max_abs"] <= LAYER_TOLERANCE * layer["max_magnitude"], report
