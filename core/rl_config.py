@@ -288,6 +288,11 @@ class TrainingConfig:
     prompts_per_step: int = 16  # groups per optimizer step (before dynamic sampling)
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
+    # AdamW's moment decay rates. A lower beta2 (0.95, as OpenRLHF and most LLM pre-training use) lets the second
+    # moment follow a gradient that grows suddenly, e.g. an expert the router starts sending tokens to, instead of
+    # dividing it by the small gradients of the last ~1,000 steps (workloads/BENCHMARKS-rl.md, bench-rl).
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
     grad_clip: float = 1.0
     seed: int = 0
     warmup_sft_steps: int = 0  # supervised steps on well-formed (not necessarily correct) answers, before RL
@@ -325,6 +330,9 @@ class TrainingConfig:
             fail("warmup_sft_steps", self.warmup_sft_steps, "must be >= 0")
         if self.router_bias_update_rate < 0:
             fail("router_bias_update_rate", self.router_bias_update_rate, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 0 and < 1")
 
 
 @dataclass(frozen=True)

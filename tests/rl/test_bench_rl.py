@@ -9,7 +9,7 @@ def run(mode: str, seed: int, points: list[tuple[int, float, float]], samples_pe
     curve = [{"target": t, "version": t, "seconds": s, "reward": r} for t, s, r in points]
     return {"mode": mode, "seed": seed, "max_staleness": 0 if mode == "sync" else 2, "samples_per_second": samples_per_second,
             "trainer_idle_fraction": 0.5, "rollout_idle_fraction": 0.5, "mean_staleness": 0.0,
-            "trainer_cpu_per_step": 0.1, "shared_cpu_per_step": 0.1,
+            "trainer_cpu_per_step": 0.1, "shared_cpu_per_step": 0.1, "max_kl": 0.5,
             "final_reward": curve[-1]["reward"], "wall_seconds": curve[-1]["seconds"], "curve": curve}
 
 
@@ -61,3 +61,13 @@ def test_summary_says_never_when_async_does_not_reach_the_sync_reward():
 def test_summary_needs_both_modes():
     with pytest.raises(ValueError, match="sync and one async"):
         summarize([run("sync", 0, [(0, 0.0, 0.2)])])
+
+
+def test_an_async_run_longer_than_its_sync_pair_is_judged_by_wall_time_and_compared_per_version_where_both_ran():
+    # async runs 1.5x the versions (bench-rl's default): it reaches the sync final only after the sync run's last
+    # version, yet earlier in wall time; the learning-per-sample gap covers versions 0-40 only
+    results = [run("sync", 0, [(0, 0.0, 0.2), (20, 10.0, 0.5), (40, 20.0, 0.8)]),
+               run("async", 0, [(0, 0.0, 0.2), (20, 5.0, 0.4), (40, 10.0, 0.7), (60, 15.0, 0.85)])]
+    s = summarize(results)
+    assert s["async_seconds"] == 15.0 and s["fraction"] == pytest.approx(0.75)
+    assert s["pairs"][0]["reward_gap_per_version"] == pytest.approx((0.0 - 0.1 - 0.1) / 3)

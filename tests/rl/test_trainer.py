@@ -176,6 +176,7 @@ def test_learning_rate_warms_up_linearly_then_stays_or_follows_a_cosine(tmp_path
     ({"lr_warmup_steps": 300}, {}, "rl.training.lr_warmup_steps.*must be <= the run's optimizer steps"),
     ({"min_learning_rate": 0.5}, {}, "min_learning_rate.*must be between 0 and learning_rate"),
     ({"lr_schedule": "linear"}, {}, "lr_schedule"),
+    ({"adam_beta2": 1.0}, {}, "rl.training.adam_beta2: 1.0 is not allowed; must be >= 0 and < 1"),
     ({"max_tokens_per_microbatch": 100}, {"max_prompt_tokens": 512, "max_tokens": 3},
      "max_tokens_per_microbatch.*must be >= the longest sample.*\\(514\\)"),
 ])

@@ -160,6 +160,8 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every:
             "dropped_stale_groups": last["dropped_stale_groups"],  # generated, then too old to train
             # the off-policy correction at work: tokens whose importance weight pi/pi_behaviour hit the cap
             "importance_truncated_fraction": statistics.fmean(r["importance_truncated_fraction"] for r in rows),
+            # a blow-up: the policy leaves the answer format within a step or two (KL to the reference ~5-6)
+            "max_kl": max(r.get("kl", 0.0) for r in rows),
             "trainer_cpu_per_step": trainer_cpu / (len(rows) - 1),
             "shared_cpu_per_step": shared_cpu / (len(rows) - 1),
             "final_reward": curve[-1]["reward"], "wall_seconds": curve[-1]["seconds"],
@@ -234,7 +236,8 @@ def summarize(results: list[dict]) -> dict:
                           "reward_gap_last_quarter": statistics.fmean(gaps[-max(1, len(gaps) // 4):])})
     mean = {m: {k: statistics.fmean(r[k] for r in runs) for k in
                 ("samples_per_second", "trainer_idle_fraction", "rollout_idle_fraction", "mean_staleness",
-                 "final_reward", "wall_seconds", "trainer_cpu_per_step", "shared_cpu_per_step")} for m, runs in modes.items()}
+                 "final_reward", "max_kl", "wall_seconds", "trainer_cpu_per_step", "shared_cpu_per_step")}
+            for m, runs in modes.items()}
     # Along the way: for the sync mean curve's reward at each quarter of the run, when each mode's mean curve
     # first reached it (how much sooner async gets to the same reward, not only to the final one).
     sync_curve, async_curve = mean_curve(modes["sync"]), mean_curve(modes["async"])
@@ -285,19 +288,19 @@ def _fraction(seconds: float | None, wall: float) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| seed | mode | max_staleness | samples/s | trainer idle | rollout idle | mean staleness | "
-             "final eval reward | wall s | CPU s/step: trainer, shared core | load avg (start, end) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| seed | mode | max_staleness | steps | samples/s | trainer idle | rollout idle | mean staleness | "
+             "final eval reward | max KL | wall s | CPU s/step: trainer, shared core | load avg (start, end) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['seed']} | {r['mode']} | {r['max_staleness']} | {r['samples_per_second']:.1f} | "
+        lines.append(f"| {r['seed']} | {r['mode']} | {r['max_staleness']} | {r['steps']} | {r['samples_per_second']:.1f} | "
                      f"{r['trainer_idle_fraction']:.2f} | {r['rollout_idle_fraction']:.2f} | "
-                     f"{r['mean_staleness']:.2f} | {r['final_reward']:.3f} | {r['wall_seconds']:.0f} | "
+                     f"{r['mean_staleness']:.2f} | {r['final_reward']:.3f} | {r['max_kl']:.2f} | {r['wall_seconds']:.0f} | "
                      f"{r['trainer_cpu_per_step']:.3f}, {r['shared_cpu_per_step']:.3f} | "
                      f"{r['load_average'][0]:.1f}, {r['load_average'][1]:.1f} |")
     s = summarize(results)
     for mode, m in s["mean"].items():
-        lines.append(f"| mean | {mode} | | {m['samples_per_second']:.1f} | {m['trainer_idle_fraction']:.2f} | "
-                     f"{m['rollout_idle_fraction']:.2f} | {m['mean_staleness']:.2f} | {m['final_reward']:.3f} | "
+        lines.append(f"| mean | {mode} | | | {m['samples_per_second']:.1f} | {m['trainer_idle_fraction']:.2f} | "
+                     f"{m['rollout_idle_fraction']:.2f} | {m['mean_staleness']:.2f} | {m['final_reward']:.3f} | {m['max_kl']:.2f} | "
                      f"{m['wall_seconds']:.0f} | {m['trainer_cpu_per_step']:.3f}, {m['shared_cpu_per_step']:.3f} | |")
     lines.append(f"\nasync / sync throughput (means): {s['throughput_ratio']:.2f}x")
     lines.append(f"async mean curve reached the sync runs' mean final evaluation reward {s['sync_final_reward']:.3f}: "
@@ -367,8 +370,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moerl bench-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", default="configs/runs/local.yaml", help="the job to run both ways")
-    parser.add_argument("--steps", type=int, default=200, help="RL steps of every run (the same sample budget)")
-    parser.add_argument("--async-staleness", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200, help="RL steps of every synchronous run")
+    parser.add_argument("--async-steps", type=int, default=None,
+                        help="RL steps of every asynchronous run (default 1.5 x --steps): the goal is judged at 60%% "
+                             "of the synchronous wall time, so an asynchronous run must last past it; 1.5 x the "
+                             "steps does for any throughput ratio up to 2.5x")
+    parser.add_argument("--async-staleness", type=int, default=1)
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many versions")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rl.training.seed of each pair")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="split",
@@ -391,13 +398,15 @@ def main(argv: list[str]) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("bench-rl pins a rollout server and a trainer to two different cores; this process "
                          f"may use {len(os.sched_getaffinity(0))}")
-    command = (f"moerl bench-rl --run {args.run} --steps {args.steps} --async-staleness {args.async_staleness} "
+    async_steps = args.async_steps if args.async_steps is not None else round(1.5 * args.steps)
+    command = (f"moerl bench-rl --run {args.run} --steps {args.steps} --async-steps {async_steps} "
+               f"--async-staleness {args.async_staleness} "
                f"--eval-every {args.eval_every} --seeds {' '.join(map(str, args.seeds))} --layout {args.layout}")
-    modes = (("sync", 0), ("async", args.async_staleness))
+    modes = (("sync", 0, args.steps), ("async", args.async_staleness, async_steps))
     results = []
     for i, seed in enumerate(args.seeds):
-        for mode, staleness in (modes if i % 2 == 0 else modes[::-1]):  # interleaved: load drift hits both
-            results.append(bench_run(base, mode, staleness, args.steps, args.eval_every, root, seed=seed,
+        for mode, staleness, steps in (modes if i % 2 == 0 else modes[::-1]):  # interleaved: load drift hits both
+            results.append(bench_run(base, mode, staleness, steps, args.eval_every, root, seed=seed,
                                      layout=args.layout))
             r = results[-1]
             print(f"seed {seed} {mode}: {r['samples_per_second']:.1f} samples/s, final eval reward "

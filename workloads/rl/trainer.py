@@ -172,6 +172,7 @@ class Trainer:
         head = list(self.value_head.parameters()) if self.value_head is not None else []
         # fused on GPUs: the foreach form makes temporaries the size of all gradients
         self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
+                                           betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
                                            weight_decay=self.cfg.weight_decay, fused=self.device.type == "cuda")
         # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
         bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
