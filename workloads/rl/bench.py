@@ -370,13 +370,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moerl bench-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", default="configs/runs/local.yaml", help="the job to run both ways")
-    parser.add_argument("--steps", type=int, default=200, help="RL steps of every synchronous run")
+    parser.add_argument("--steps", type=int, default=400, help="RL steps of every synchronous run")
     parser.add_argument("--async-steps", type=int, default=None,
                         help="RL steps of every asynchronous run (default 1.5 x --steps): the goal is judged at 60%% "
                              "of the synchronous wall time, so an asynchronous run must last past it; 1.5 x the "
                              "steps does for any throughput ratio up to 2.5x")
     parser.add_argument("--async-staleness", type=int, default=1)
-    parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many versions")
+    parser.add_argument("--eval-every", type=int, default=10, help="evaluate every this many versions")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rl.training.seed of each pair")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="split",
                         help="split: one rollout server and one trainer rank, each on its own core; shared: two of "
