@@ -13,15 +13,9 @@
 # Expected: ~200 s (hard limit 235 s in all). Timings from ranks time-sharing one GPU mean nothing: correctness only.
 # Results in $OUT (5 files): steps.txt, build.log (wheels + DeepEP build), ll-torch.log, sharded.log, ll-triton.log.
 set -u
-START=$SECONDS
-left() { echo $((235 - (SECONDS - START))); }
-step() {  # step NAME LIMIT COMMAND...: run under a time limit, record rc and seconds
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    if [ "$limit" -lt 15 ]; then echo "$name: skipped, $limit s left" | tee -a "$OUT/steps.txt"; return; fi
-    timeout --kill-after=5 "$limit" "$@"
-    echo "$name: rc $? after $((SECONDS - t)) s (limit $limit)" | tee -a "$OUT/steps.txt"
-}
+BUDGET=235
+# shellcheck source=workloads/gpu_runs/budget.sh
+source "$(dirname "$0")/budget.sh"
 mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 step wheels 40 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/build.log" 2>&1
 export PYTHONPATH=/tmp/deepep:/tmp/site:/tmp/shim PYTHONUNBUFFERED=1

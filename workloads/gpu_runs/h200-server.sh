@@ -4,8 +4,9 @@
 # if time is left, the 4-layer stress row. Runs from the repository root; needs .whl/ (git-ignored: cp312 wheels of fastapi, starlette, uvicorn, pydantic and their dependencies, which the GPU machine lacks) carried.
 # Expected: ~200 s (hard limit 235 s in all). Results: $OUT/bench-server-48.{json,log}, $OUT/bench-server-4.{json,log}.
 set -u
-START=$SECONDS
-left() { echo $((235 - (SECONDS - START))); }
+BUDGET=235
+# shellcheck source=workloads/gpu_runs/budget.sh
+source "$(dirname "$0")/budget.sh"
 mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 timeout 40 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 \
   || { echo "wheel install failed"; tail -5 "$OUT/pip.log"; }

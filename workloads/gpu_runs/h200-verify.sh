@@ -6,15 +6,9 @@
 # a measurement. From the repository root with the machine's python3; carry .whl/ and .fetched/DeepEP.
 # Results in $OUT: steps.txt, kernels.log, generation.log, rollout.json, rollout.log, deepep.log.
 set -u
-START=$SECONDS
-left() { echo $((570 - (SECONDS - START))); }
-step() {  # step NAME LIMIT COMMAND...: run under a time limit, record rc and seconds
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    if [ "$limit" -lt 15 ]; then echo "$name: skipped, $limit s left" | tee -a "$OUT/steps.txt"; return; fi
-    timeout --kill-after=5 "$limit" "$@"
-    echo "$name: rc $? after $((SECONDS - t)) s (limit $limit)" | tee -a "$OUT/steps.txt"
-}
+BUDGET=570
+# shellcheck source=workloads/gpu_runs/budget.sh
+source "$(dirname "$0")/budget.sh"
 mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/deepep:/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
