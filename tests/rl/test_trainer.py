@@ -172,6 +172,13 @@ def test_learning_rate_warms_up_linearly_then_stays_or_follows_a_cosine(tmp_path
     assert trainer.rl_step(rewarded_batch())["lr"] == pytest.approx(0.1)
 
 
+
+def test_the_optimizer_takes_adams_decay_rates_from_the_run(tmp_path):
+    local = Trainer(tiny_run(tmp_path), None, rank=0, world=1).optimizer.param_groups[0]["betas"]
+    assert local == (0.9, 0.95)  # configs/runs/local.yaml's beta2; beta1 the default
+    run = tiny_run(tmp_path, training={"adam_beta1": 0.8, "adam_beta2": 0.999})
+    assert Trainer(run, None, rank=0, world=1).optimizer.param_groups[0]["betas"] == (0.8, 0.999)
+
 @pytest.mark.parametrize("training, sampling, message", [
     ({"lr_warmup_steps": 300}, {}, "rl.training.lr_warmup_steps.*must be <= the run's optimizer steps"),
     ({"min_learning_rate": 0.5}, {}, "min_learning_rate.*must be between 0 and learning_rate"),
