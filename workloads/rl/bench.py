@@ -215,13 +215,14 @@ def mean_curve(runs: list[dict]) -> list[dict]:
 def summarize(results: list[dict]) -> dict:
     """The goal's figures: the synchronous runs' mean final reward and wall time, when the asynchronous runs'
     mean curve first reaches that reward (and that time over the synchronous mean wall), the same per seed pair,
-    and the modes' mean throughput and idle fractions."""
+    the modes' mean throughput and idle fractions, and each mode's mean curve (`curves`)."""
     modes = {m: [r for r in results if r["mode"] == m] for m in ("sync", "async")}
     if not modes["sync"] or not modes["async"]:
         raise ValueError("summarize: needs at least one sync and one async run")
+    curves = {m: mean_curve(runs) for m, runs in modes.items()}
     target = statistics.fmean(r["final_reward"] for r in modes["sync"])
     sync_wall = statistics.fmean(r["wall_seconds"] for r in modes["sync"])
-    reached = time_to_reach(mean_curve(modes["async"]), target)
+    reached = time_to_reach(curves["async"], target)
     pairs = []
     for s in modes["sync"]:
         a = next((r for r in modes["async"] if r["seed"] == s["seed"]), None)
@@ -240,7 +241,7 @@ def summarize(results: list[dict]) -> dict:
             for m, runs in modes.items()}
     # Along the way: for the sync mean curve's reward at each quarter of the run, when each mode's mean curve
     # first reached it (how much sooner async gets to the same reward, not only to the final one).
-    sync_curve, async_curve = mean_curve(modes["sync"]), mean_curve(modes["async"])
+    sync_curve, async_curve = curves["sync"], curves["async"]
     levels = []
     for quarter in (1, 2, 3, 4):
         point = sync_curve[round(quarter * (len(sync_curve) - 1) / 4)]
@@ -251,7 +252,7 @@ def summarize(results: list[dict]) -> dict:
     return {"sync_final_reward": target, "sync_wall_seconds": sync_wall, "async_seconds": reached, "levels": levels,
             "fraction": None if reached is None else reached / sync_wall,
             "throughput_ratio": mean["async"]["samples_per_second"] / mean["sync"]["samples_per_second"],
-            "pairs": pairs, "mean": mean}
+            "pairs": pairs, "mean": mean, "curves": curves}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -265,9 +266,8 @@ def plot(results: list[dict], path: Path) -> None:
     for r in results:
         ax.plot([p["seconds"] for p in r["curve"]], [p["reward"] for p in r["curve"]], color=colours[r["mode"]],
                 alpha=0.3, linewidth=1)
-    for mode in ("sync", "async"):
+    for mode, curve in summary["curves"].items():
         runs = [r for r in results if r["mode"] == mode]
-        curve = mean_curve(runs)
         ax.plot([p["seconds"] for p in curve], [p["reward"] for p in curve], color=colours[mode], linewidth=2.5,
                 label=f"{mode} (max_staleness {runs[0]['max_staleness']}), mean of {len(runs)} seeds")
     ax.axhline(summary["sync_final_reward"], color="grey", linestyle="--", linewidth=1,
