@@ -108,8 +108,10 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) 
 
 
 def check_paged(kernel: str, q_layout: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                tables: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """The paged attention kernels' inputs checked -> (q's first dimension, heads, head dim, block size, kv heads)."""
+                tables: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int]:
+    """The paged attention kernels' inputs checked -> (q with a unit last stride, q's first dimension, heads, head
+    dim, block size, kv heads). The kernels read q's rows and heads through their strides, so a view (the engine's
+    q shares its rows with k) is read in place; only a q whose last dimension is strided is copied."""
     for name, t in (("q", q), ("keys", keys), ("values", values), ("tables", tables)):
         check_device(name, t)
     first, heads, dim = q.shape
@@ -120,7 +122,7 @@ def check_paged(kernel: str, q_layout: str, q: torch.Tensor, keys: torch.Tensor,
                          f"keys = values [blocks, block_size, H_kv, D] with unit last stride and tables [slots, "
                          f"max_blocks] contiguous rows; got q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}, tables {tuple(tables.shape)}")
-    return first, heads, dim, page, kv_heads
+    return (q if q.stride(-1) == 1 else q.contiguous()), first, heads, dim, page, kv_heads
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -129,9 +131,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     (>= 1) -> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first lengths[b] positions of row b's slot, read
     through its block table. `splits` fixes how many programs share a row's positions (default: from the GPU's
     size); under a CUDA graph it must not change between replays."""
-    rows, heads, dim, page, kv_heads = check_paged("decode_attention", "[B, H, D]", q, keys, values, tables)
-    if q.stride(-1) != 1:  # rows and heads are read through their strides (the engine's q is a view of q and k)
-        q = q.contiguous()
+    q, rows, heads, dim, page, kv_heads = check_paged("decode_attention", "[B, H, D]", q, keys, values, tables)
     group = heads // kv_heads
     max_len = tables.shape[1] * page
     splits = splits or decode_splits(rows, kv_heads, max_len, q.device)

@@ -80,9 +80,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """q [N, H, D] of tokens at `positions` [N] of rows `slots` [N] -> [N, H, D]: causal softmax attention of each
     token over its row's positions <= its own, through the block tables. Tokens outside every tile are left
     unwritten."""
-    _, heads, dim, page, kv_heads = check_paged("prefill_attention", "[N, H, D]", q, keys, values, tables)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q, tokens, heads, dim, page, kv_heads = check_paged("prefill_attention", "[N, H, D]", q, keys, values, tables)
+    out = torch.empty(tokens, heads, dim, device=q.device, dtype=q.dtype)
     group = heads // kv_heads
     _prefill_kernel[(tiles.shape[0], kv_heads)](
         q, keys, values, tables, slots, positions, tiles, out, 1.0 / math.sqrt(dim),

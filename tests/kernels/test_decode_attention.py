@@ -51,7 +51,7 @@ def test_decode_attention_reads_each_rows_blocks_up_to_its_length_and_equals_sof
     for b in range(4):  # poison what no row may read: positions past each length in its last block
         last = tables[slots[b], (lengths[b] - 1) // PAGE]
         if lengths[b] % PAGE and slots[b] != 3:  # (slot 3's last block is shared with slot 0, which reads it)
-            keys[last, lengths[b] % PAGE:] = float("nan")
+            keys[last, lengths[b] % PAGE:], values[last, lengths[b] % PAGE:] = float("nan"), float("nan")
     got = decode_attention(q, keys, values, tables, slots, lengths, splits)
     want = reference(q, keys, values, tables, slots, lengths)
     assert got.dtype == dtype and not got.isnan().any()
@@ -73,12 +73,16 @@ def test_prefill_attention_is_causal_within_each_packed_prompt_and_reads_earlier
     for _, _, n in runs:
         segments.append((first, n))
         first += n
-    keys[2, 37 % PAGE:] = float("nan")  # slot 0's positions past its last token: never read
+    keys[2, 37 % PAGE:], values[2, 37 % PAGE:] = float("nan"), float("nan")  # slot 0 past its last token
     q = torch.randn(len(slots), 8, 32).to(dtype).to(DEVICE)
-    got = prefill_attention(q, keys, values, tables, slots, positions, prefill_tiles(segments, DEVICE))
+    tiles = prefill_tiles(segments, DEVICE)
+    got = prefill_attention(q, keys, values, tables, slots, positions, tiles)
     want = reference(q, keys, values, tables, slots, positions + 1)
     assert got.dtype == dtype and not got.isnan().any()
     assert ((got.double() - want).norm() / want.norm()).item() < tol
+    # q read in place as a view of wider rows, as the engine's prefill passes it
+    wide = torch.cat([q, torch.randn(len(slots), 2, 32).to(dtype).to(DEVICE)], 1)
+    assert torch.equal(prefill_attention(wide[:, :8], keys, values, tables, slots, positions, tiles), got)
 
 
 def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():

@@ -293,7 +293,7 @@ def _add_norm_router(layer, h: torch.Tensor, delta: torch.Tensor, fused: bool
 
 
 # Up to this many tokens the router product is fused into the norm before it (its few rows per program spread
-# over the GPU); more tokens amortise one GEMM. The MoE decode kernels' own cut-over (DECODE_MAX_TOKENS) is 16.
+# over the GPU); more tokens amortise one GEMM. (The MoE decode kernels have their own cut-over, DECODE_MAX_TOKENS.)
 _FUSED_ROUTER_TOKENS = 16
 
 
