@@ -42,6 +42,11 @@ def _wgrad_blocks(nargs):  # both operands are read as [rows, features] tiles
     nargs["b_desc"].block_shape = [nargs["BK"], nargs["BN"]]
 
 
+# A tile (BM, BN, BK, warps, stages) that fits where the tuned ones do not (float32 operands); `_fitting` offers it
+# to the autotuner only then, so bf16 tuning does not compile and time it as well.
+FALLBACK = (64, 64, 32, 4, 2)
+
+
 def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
     """Tile shapes to autotune over: the persistent row-grouped kernel's, or the weight-gradient kernel's. For the
     persistent kernel also FLATTEN: whether the tile loop and the K loop are pipelined as one, so the next tile's
@@ -56,7 +61,7 @@ def _configs(wide_ok: bool, persistent: bool) -> list[triton.Config]:
         shapes += [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
     else:
         shapes += [(128, 64, 64, 4, 4), (64, 128, 64, 4, 5)]
-    shapes.append((64, 64, 32, 4, 2))  # fits where the others do not (float32 operands: _fitting)
+    shapes.append(FALLBACK)
     configs = []
     for bm, bn, bk, w, s in shapes:
         for flatten in ((False, True) if persistent and bm == 128 and w == 8 else (False,)):
@@ -149,9 +154,10 @@ def _shared_memory_per_block() -> int:
 
 
 def _fitting(configs, named_args, **kwargs):
-    """The configs whose pipelined operand tiles fit the GPU's shared memory at these operands' element size:
-    tiles tuned for bf16 need twice the memory with float32 operands, and a launch that does not fit fails
-    instead of being skipped by the autotuner. The fused gate/up kernel loads two weight tiles per step."""
+    """The tuned configs whose pipelined operand tiles fit the GPU's shared memory at these operands' element
+    size, or else the smallest (FALLBACK): tiles tuned for bf16 need twice the memory with float32 operands, and a
+    launch that does not fit fails instead of being skipped by the autotuner. The fused gate/up kernel loads two
+    weight tiles per step."""
     if INTERPRET:
         return configs
     limit = _shared_memory_per_block()
@@ -162,7 +168,10 @@ def _fitting(configs, named_args, **kwargs):
         bm, bn, bk = (c.kwargs[k] for k in ("BM", "BN", "BK"))
         return c.num_stages * (bm * bk + weight_tiles * bn * bk) * element
 
-    fitting = [c for c in configs if shared(c) <= limit]
+    def fallback(c):
+        return (*(c.kwargs[k] for k in ("BM", "BN", "BK")), c.num_warps, c.num_stages) == FALLBACK
+
+    fitting = [c for c in configs if not fallback(c) and shared(c) <= limit]
     return fitting or [min(configs, key=shared)]
 
 

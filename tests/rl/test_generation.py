@@ -325,7 +325,8 @@ def test_rows_wait_for_blocks_and_the_newest_decoding_row_is_preempted_then_reco
     assert [s.slot is None for s in seqs] == [False, False, False, True] and decoder.free
     assert decoder.stats()["blocks_free"] == 1
     run_to_end(decoder, seqs)
-    assert decoder.preemptions >= 1 and sum(s.preempted for s in seqs) == decoder.preemptions
+    assert decoder.preemptions >= 1 and [s.preempted > 0 for s in seqs].count(True) >= 1
+    assert decoder.take_preemptions() == decoder.preemptions and decoder.take_preemptions() == 0
     assert seqs[2].preempted and not seqs[0].preempted  # the newest decoding row goes first, never the oldest
     assert decoder.stats()["blocks_free"] == 7
     for seq, row in zip(seqs, rows):

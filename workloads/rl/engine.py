@@ -92,7 +92,6 @@ class RolloutEngine:
         self._ep_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
         self._ep_turn = 0
         self._counts = (0, 0)  # (running, waiting) rows, for health()
-        self._preemptions = 0  # the decoder's count already added to the metric
         self._last_step = time.monotonic()
         self._last_sampled = 0.0  # time.monotonic() of the last step that sampled
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
@@ -228,17 +227,16 @@ class RolloutEngine:
         self._last_step = time.monotonic()
         decoder = self._decoder
         if decoder is not None:
-            self._report_kv(decoder.stats())
+            self._report_kv(decoder)
         self._counts = ((decoder.running if decoder else 0) + len(self._batch) + len(self._ep_rank),
                         (len(decoder.waiting) if decoder else 0)
                         + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
 
-    def _report_kv(self, stats: dict[str, int]) -> None:
+    def _report_kv(self, decoder: Decoder) -> None:
+        stats = decoder.stats()
         self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(stats["blocks_used"] / stats["blocks_total"])
-        if stats["preemptions"] > self._preemptions:
-            self.metrics[M.ROLLOUT_PREEMPTIONS].inc(stats["preemptions"] - self._preemptions)
-        self._preemptions = stats["preemptions"]
+        self.metrics[M.ROLLOUT_PREEMPTIONS].inc(decoder.take_preemptions())
 
     def _fail_running(self, message: str) -> int:
         """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
@@ -248,6 +246,7 @@ class RolloutEngine:
                 seq.finish_reason, seq.error, seq.slot = "error", message, None
                 self._deliver(call, index, output(seq, self.version, self.lineage))
         self._decoder = None
+        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(0)  # no cache until the next decoder is built
         return 0
 
     def _has_work(self) -> bool:

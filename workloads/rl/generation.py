@@ -602,6 +602,7 @@ class Decoder:
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
         self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
         self.preemptions = 0
+        self._preemptions_taken = 0  # the part of `preemptions` take_preemptions() has handed out
         self._admissions = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
@@ -641,6 +642,12 @@ class Decoder:
     def stats(self) -> dict[str, int]:
         """KV-cache blocks (total, used, free, positions per block) and preemptions so far."""
         return {**self.cache.stats(), "preemptions": self.preemptions}
+
+    def take_preemptions(self) -> int:
+        """Preemptions since the last call (a counter metric adds them: a decoder built anew starts from zero
+        without the caller keeping a baseline)."""
+        new, self._preemptions_taken = self.preemptions - self._preemptions_taken, self.preemptions
+        return new
 
     def add(self, request: RowRequest) -> Sequence:
         """Queue a row; it is admitted when a slot and its prompt's blocks are free. Raises ValueError if it can
