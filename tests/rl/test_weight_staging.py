@@ -164,3 +164,16 @@ def test_on_a_gpu_the_staging_is_pinned_and_the_version_lands_bit_equal_on_the_d
             assert all(torch.equal(held[k].cpu(), v.to(held[k].dtype)) for k, v in states[version].items())
     finally:
         replica.stop()
+
+
+def test_a_file_with_none_of_the_wanted_tensors_stages_nothing(tmp_path):
+    # a serving rank reading a file another trainer rank wrote with only other experts: no buffer of 0 bytes
+    from safetensors.torch import save_file
+
+    from moe_rl_eks.workloads.model.safetensors_io import read_file
+    from moe_rl_eks.workloads.rl.weight_staging import HostStaging
+
+    save_file({"model.layers.0.mlp.experts.5.down_proj.weight": torch.ones(2, 2)}, tmp_path / "rank-1.safetensors")
+    staging = HostStaging(pin=False)
+    assert read_file(tmp_path / "rank-1.safetensors", lambda name: False, torch.device("cpu"), into=staging) == {}
+    assert staging.buffers == {}

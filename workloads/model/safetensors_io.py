@@ -268,6 +268,8 @@ def read_file(path: Path, wanted: Callable[[str], bool], device: torch.device, f
     if facts is not None and xxh3(head) != facts["header_" + CHECKSUM]:
         raise IntegrityError(f"{path}: header does not match the manifest's checksum")
     pieces = [p for p in pieces if wanted(p.name)]  # sorted by start
+    if not pieces:  # e.g. a trainer rank's file of experts another serving rank holds: nothing to read or stage
+        return {}
     ends = [p.end for p in pieces]
     runs = _runs(pieces)
     # Each run starts 16-byte aligned in the flat buffer, so every tensor view is aligned to its element size
