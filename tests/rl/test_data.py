@@ -194,7 +194,7 @@ def test_bad_rows_and_files_name_the_file_and_row(tok, tmp_path):
     write_parquet([{"prompt": 7, "reward_model": {"ground_truth": "1"}}], tmp_path / "num.parquet")
     with pytest.raises(DataError, match=r"num.parquet: row 0: 'prompt' is 7; expected text or chat messages"):
         load_split(data_cfg(train=str(tmp_path / "num.parquet")), "train", tok).prompt(0, 0)
-    with pytest.raises(DataError, match="nothing.parquet: no such file"):
+    with pytest.raises(DataError, match=r"rl.data.train: '.*nothing.parquet': no such file or directory"):
         load_split(data_cfg(train=str(tmp_path / "nothing.parquet")), "train", tok)
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="junk.parquet: not a readable Parquet file"):
@@ -314,6 +314,17 @@ def test_warmup_pairs_have_an_answers_shape_but_no_knowledge_of_the_task(example
     assert max(answers.count(a) for a in truths) < 2.5 * min(answers.count(a) for a in truths)
     assert all(tok.decode(list(p)).endswith("assistant\n") for p, _ in pairs)
     assert pairs[:3] == warmup.pairs(5, 3)
+
+
+def test_warmup_answers_leave_out_rows_without_a_ground_truth(example, tmp_path):
+    from rl_helpers import tiny_run
+
+    rows = [{"prompt": "a", "reward_model": {"ground_truth": "1"}}, {"prompt": "b", "reward_model": {}},
+            {"prompt": "c", "reward_model": {"ground_truth": None}}, {"prompt": "d", "reward_model": {"ground_truth": 2}}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tiny_run(tmp_path, data={"train": str(tmp_path / "train.jsonl")},
+                   sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
+    assert FormatExamples(run, load_model_tokenizer(example / "tokenizer")).answers == ["1", "2"]
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(example, tmp_path):

@@ -189,10 +189,6 @@ class Rows:
         f = bisect_right(self._starts, i) - 1
         return self.files[f], i - self._starts[f]
 
-    def row(self, i: int) -> dict:
-        file, j = self.locate(i)
-        return file.row(j)
-
     def values(self, dotted: str) -> list:
         return [v for f in self.files for v in f.values(dotted)]
 
@@ -274,8 +270,8 @@ def _local_files(entry: str, where: str) -> list[str]:
     path = Path(entry)
     if path.is_dir():  # also a Spark-style directory named x.parquet
         return sorted(str(p) for p in path.iterdir() if _is_data_file(p.name) and p.is_file())
-    if entry.endswith(DATA_SUFFIXES):
-        return [entry]  # a missing file is reported when it is read
+    if entry.endswith(DATA_SUFFIXES) and path.is_file():
+        return [entry]
     raise DataError(f"{where}: {entry!r}: no such file or directory")
 
 
@@ -470,7 +466,9 @@ class FormatExamples:
             self.task = ArithmeticTask(rl.task, rl.training.seed + 1)
         else:
             self.dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
-            self.answers = sorted({str(v) for v in self.dataset.rows.values(rl.data.columns.ground_truth)})
+            # a row without a ground truth (missing or null) has no answer to show; RL's reward refuses it later
+            self.answers = sorted({str(v) for v in self.dataset.rows.values(rl.data.columns.ground_truth)
+                                   if v is not _MISSING and v is not None})
 
     def pairs(self, start: int, count: int) -> list[tuple[tuple[int, ...], list[int]]]:
         """Pairs j = start .. start + count - 1."""
