@@ -160,11 +160,13 @@ def test_a_runs_checkpoint_is_evaluated_on_its_evaluation_prompts(tmp_path):
     from rl_helpers import tiny_run
 
     from moe_rl_eks.workloads.model.checkpoint import save_hf
-    from moe_rl_eks.workloads.rl.evaluation import evaluate_checkpoint
+    from moe_rl_eks.workloads.rl.evaluation import CheckpointEvaluator
 
     run = tiny_run(tmp_path, evaluation={"prompts": 6, "samples_per_prompt": 3})
     model = tiny_model(run.model.vocab_size)
     save_hf(model, model.config, tmp_path / "v0")
-    metrics = evaluate_checkpoint(run, tmp_path / "v0")
+    with CheckpointEvaluator(run) as evaluate:
+        metrics = evaluate(tmp_path / "v0")
+        assert evaluate(tmp_path / "v0")["eval/prompts"] == 6.0  # a second checkpoint: the same prompts and workers
     assert metrics["eval/prompts"] == 6.0 and "eval/pass@3" in metrics
     assert 0.0 <= metrics["eval/truncation_rate"] <= 1.0 and metrics["eval/rewards_failed"] == 0.0

@@ -171,8 +171,7 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every:
 def evaluation_curve(run, out: Path, rows: list[dict], origin: float, every: int) -> list[dict]:
     """Evaluation reward of versions 0, every, 2 x every, ..., and the last (`target`), each at the wall time
     (seconds from the start of the first RL step) its step finished."""
-    from .evaluation import evaluate_checkpoint
-    from .rewards import RewardScorer
+    from .evaluation import CheckpointEvaluator
     from .weights import IncompleteVersion, open_store
 
     store = open_store(run.rl.weights, out / "weights")
@@ -180,8 +179,7 @@ def evaluation_curve(run, out: Path, rows: list[dict], origin: float, every: int
     finished = {r["step"]: r["wall_seconds"] - origin for r in rows}
     finished[0] = 0.0
     curve = []
-    scorer = RewardScorer(run.rl.reward)  # one set of reward workers for every version
-    try:
+    with CheckpointEvaluator(run) as evaluate:
         for target in sorted({*range(0, latest.version + 1, every), latest.version}):
             # The background publisher may skip a version a newer one superseded: take the next one published.
             for v in range(target, latest.version + 1):
@@ -190,11 +188,9 @@ def evaluation_curve(run, out: Path, rows: list[dict], origin: float, every: int
                 except (FileNotFoundError, IncompleteVersion):
                     continue
                 if not curve or curve[-1]["version"] != v:
-                    reward = evaluate_checkpoint(run, directory, scorer)["eval/reward_mean"]
+                    reward = evaluate(directory)["eval/reward_mean"]
                     curve.append({"target": target, "version": v, "seconds": finished[v], "reward": reward})
                 break
-    finally:
-        scorer.close()
     return curve
 
 

@@ -132,15 +132,32 @@ def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None
             scorer.close()
 
 
-def evaluate_checkpoint(run, directory: str | Path, scorer: RewardScorer | None = None) -> dict[str, float]:
-    """`evaluate_run` on the weights of a checkpoint directory (a published version), sampled in this process:
-    the local run's evaluation of its initial, post-warm-up and final weights. Pass `scorer` to score several
-    checkpoints with one set of reward workers."""
-    from ..model.checkpoint import load_model
-    from .tokenizer import load_tokenizer
+class CheckpointEvaluator:
+    """`evaluate_run` on the weights of checkpoint directories (published versions), sampled in this process: the
+    local run's evaluation of its initial, post-warm-up and final weights, bench-rl's evaluation curve. The
+    tokenizer, the evaluation prompts (a dataset is read once) and one set of reward workers serve every
+    checkpoint; use it as a context manager (closing stops the reward workers)."""
 
-    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
-    return evaluate_run(run, model_completer(load_model(directory).eval(), tokenizer), tokenizer, scorer)
+    def __init__(self, run) -> None:
+        from .data import evaluation_prompts
+        from .tokenizer import load_tokenizer
+
+        self.run = run
+        self.tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+        self.prompts = evaluation_prompts(run, self.tokenizer)
+        self.scorer = RewardScorer(run.rl.reward)
+
+    def __call__(self, directory: str | Path) -> dict[str, float]:
+        from ..model.checkpoint import load_model
+
+        complete = model_completer(load_model(directory).eval(), self.tokenizer)
+        return evaluate_run(self.run, complete, self.tokenizer, self.scorer, self.prompts)
+
+    def __enter__(self) -> "CheckpointEvaluator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.scorer.close()
 
 
 def _text(tokenizer, tokens: list[int], finished: bool) -> str:

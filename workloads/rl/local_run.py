@@ -189,14 +189,10 @@ def evaluate(run: RunConfig, directories: dict[str, Path]) -> dict[str, dict]:
     dataset's evaluation split, or built-in problems drawn with their own seed (not held out: training covers the
     built-in task's small problem space, so there this measures the policy, not generalisation); with
     reward_mean and accuracy (pass@1) for the summary and the plot. One set of reward workers scores them all."""
-    from .evaluation import evaluate_checkpoint
-    from .rewards import RewardScorer
+    from .evaluation import CheckpointEvaluator
 
-    scorer = RewardScorer(run.rl.reward)
-    try:
-        evals = {name: evaluate_checkpoint(run, directory, scorer) for name, directory in directories.items()}
-    finally:
-        scorer.close()
+    with CheckpointEvaluator(run) as evaluate:
+        evals = {name: evaluate(directory) for name, directory in directories.items()}
     return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
             for name, m in evals.items()}
 
