@@ -711,9 +711,11 @@ class Decoder:
         the leader gets its context's blocks, each other row shares the full ones and gets a block for a copy of
         the partial last one. Stops at the first row whose blocks are not free, leaving the blocks that the decoding
         rows take at their next step (so an admission does not preempt them)."""
+        if not (self.waiting and self.free):
+            return
         admitted = []
         cache = self.cache
-        spare = sum(self.length[r.slot] >= len(cache.owned[r.slot]) * cache.block_size for r in self.decoding)
+        spare = sum(map(self._needs_block, self.decoding))
         while self.waiting and self.free:
             context = self.waiting[0].context
             full, partial = divmod(len(context), cache.block_size)
@@ -875,9 +877,9 @@ class Decoder:
     def _grow(self, rows: list[Sequence]) -> list[Sequence]:
         """Grant each row the block its next position needs; while more rows need one than blocks are free,
         preempt the newest row. Returns the rows that keep decoding, oldest first."""
-        cache, page = self.cache, self.cache.block_size
+        cache = self.cache
         rows = sorted(rows, key=lambda r: r.admitted)
-        needing = {id(r) for r in rows if self.length[r.slot] >= len(cache.owned[r.slot]) * page}
+        needing = {id(r) for r in rows if self._needs_block(r)}
         while rows and len(needing) > len(cache.free):
             victim = rows.pop()
             needing.discard(id(victim))
@@ -887,13 +889,15 @@ class Decoder:
                 cache.grow(r.slot, self.length[r.slot] + 1)
         return rows
 
+    def _needs_block(self, seq: Sequence) -> bool:
+        """Whether a decoding row's next position starts a block it does not hold yet."""
+        return self.length[seq.slot] >= len(self.cache.owned[seq.slot]) * self.cache.block_size
+
     def _preempt(self, seq: Sequence) -> None:
         """Take a decoding row's blocks back; it waits at the head of the queue to be recomputed."""
         log.info("KV cache full: row %s/%d preempted after %d tokens; it is recomputed when blocks free up",
                  seq.request.request_id, seq.request.row, len(seq.tokens))
-        self.cache.release(seq.slot)
-        self.free.append(seq.slot)
-        seq.slot = None
+        self._release(seq, keep_routing=False)
         seq.preempted += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
