@@ -281,6 +281,7 @@ def resolve_files(cfg: DataConfig, split: str, s3=None) -> list[str]:
     locations name, is an error naming the field."""
     field = f"rl.data.{split}"
     files: list[str] = []
+    seen: set[str] = set()  # a split may have thousands of shards
     value = getattr(cfg, split)
     for i, entry in enumerate(cfg.locations(split)):
         where = field if isinstance(value, str) else f"{field}[{i}]"
@@ -289,8 +290,9 @@ def resolve_files(cfg: DataConfig, split: str, s3=None) -> list[str]:
             raise DataError(f"{where}: {entry!r} matched no .parquet or .jsonl file (names starting with . or _ "
                             "are skipped)")
         for uri in found:
-            if uri in files:
+            if uri in seen:
                 raise DataError(f"{where}: {entry!r} names {uri} again; list each file once")
+            seen.add(uri)
         files += found
     return files
 
