@@ -37,3 +37,15 @@ def test_autotuning_skips_reduction_blocks_wider_than_the_reduction():
     assert [c.kwargs["B"] for c in within(configs, "B", 2048)] == [256, 256, 512, 1024, 2048]
     assert [c.kwargs["B"] for c in within(configs, "B", 768)] == [256, 256, 512, 1024]
     assert [c.kwargs["N"] for c in within(configs, "B", 40)] == [16, 32]  # the narrowest, when none fits
+
+
+def test_several_rows_skip_column_blocks_too_narrow_for_tl_dot_and_one_row_keeps_them():
+    from triton import Config
+
+    from moe_rl_eks.kernels.gemv import _prune
+
+    configs = [Config({"BLOCK_N": n, "BLOCK_K": k}) for n, k in ((8, 256), (16, 256), (32, 512), (4, 1024))]
+    kept = _prune(configs, {"K": 2048}, BLOCK_M=16)
+    assert [c.kwargs["BLOCK_N"] for c in kept] == [16, 32]  # tl.dot needs >= 16 columns
+    assert [c.kwargs["BLOCK_N"] for c in _prune(configs, {"K": 2048}, BLOCK_M=1)] == [8, 16, 32, 4]
+    assert [c.kwargs["BLOCK_N"] for c in _prune(configs, {"K": 300}, BLOCK_M=1)] == [8, 16, 32]  # BLOCK_K <= ~K
