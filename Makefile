@@ -52,7 +52,7 @@ bootstrap: $(STAMP) $(CHECKOV)
 synth: $(STAMP)
 	rm -rf cdk.out
 	for e in $(ENVS); do $(CDK) synth --no-notices -q -c env=$$e -o cdk.out/$$e; done
-	$(PY) -m moe_rl_eks.core.cli synth-summary cdk.out
+	$(PY) -m moe_rl_eks.tools.cli synth-summary cdk.out
 
 # The main job on its embedded default: CloudFormation for every environment, the example runs' manifests, then
 # the local RL run (configs/runs/local.yaml) on this machine's CPU.
@@ -74,67 +74,67 @@ OUTPUTS ?=
 EXAMPLE_OUTPUTS := tests/k8s/data/outputs.example.json
 manifests: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make manifests RUN=<name in configs/runs> [ENV=<env>] OUTPUTS=<outputs.json>"; exit 2; }
-	$(PY) -m moe_rl_eks.core.cli manifests --run configs/runs/$(RUN).yaml $(if $(ENV),--env $(ENV)) $(if $(OUTPUTS),--outputs $(OUTPUTS)) --out dist
+	$(PY) -m moe_rl_eks.tools.cli manifests --run configs/runs/$(RUN).yaml $(if $(ENV),--env $(ENV)) $(if $(OUTPUTS),--outputs $(OUTPUTS)) --out dist
 
 # Every example run that declares an environment, against the committed example stack outputs.
 manifests-examples: $(STAMP)
 	for f in $$(grep -l '^environment: *[a-z]' configs/runs/*.yaml); do \
-	  $(PY) -m moe_rl_eks.core.cli manifests --run $$f --outputs $(EXAMPLE_OUTPUTS) --out dist; done
+	  $(PY) -m moe_rl_eks.tools.cli manifests --run $$f --outputs $(EXAMPLE_OUTPUTS) --out dist; done
 
 # EP dispatch + combine throughput per backend, after DeepEP's method; results go in workloads/BENCHMARKS.md.
 # Arguments: make bench-ep BENCH_EP_ARGS="--ranks 2 4 --reps 3" (see moerl bench-ep --help).
 .PHONY: bench-ep
 BENCH_EP_ARGS ?= --ranks 2
 bench-ep: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-ep $(BENCH_EP_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-ep $(BENCH_EP_ARGS)
 
 # MoE layer, torch vs triton compute backend, on one GPU; results go in kernels/BENCHMARKS.md.
 .PHONY: bench-kernels
 bench-kernels: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-kernels $(BENCH_KERNELS_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-kernels $(BENCH_KERNELS_ARGS)
 
 # Trainer micro-batch tokens/s, MFU and peak memory on one GPU; results go in workloads/BENCHMARKS.md.
 # Arguments: make bench-train BENCH_TRAIN_ARGS="--shapes 8x8192 --compute triton" (see moerl bench-train --help).
 .PHONY: bench-train
 bench-train: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-train $(BENCH_TRAIN_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-train $(BENCH_TRAIN_ARGS)
 
 # The whole RL loop on this machine (two rollout servers, trainer EP=2 over gloo, orchestrator; ~2-5 min).
 .PHONY: local-run
 local-run: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local.yaml
+	$(PY) -m moe_rl_eks.tools.cli local-run --run configs/runs/local.yaml
 
 # The local real-data example: word problems in Parquet through a chat template and a BPE tokenizer, made here.
 .PHONY: run-words
 run-words: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli example-data --out runs/word-problems
-	$(PY) -m moe_rl_eks.core.cli local-run --run configs/runs/local-words.yaml
+	$(PY) -m moe_rl_eks.tools.cli example-data --out runs/word-problems
+	$(PY) -m moe_rl_eks.tools.cli local-run --run configs/runs/local-words.yaml
 
 # Synchronous vs asynchronous RL (3 seeds each, interleaved), one rollout server and one trainer rank on their own
 # cores; results go in workloads/BENCHMARKS-rl.md. Arguments: make bench-rl BENCH_RL_ARGS="--seeds 0 1 2 3 4 5" (the
 # recorded run; 400 synchronous and 600 asynchronous steps per seed by default, ~2.3 min a seed).
 .PHONY: bench-rl
 bench-rl: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-rl $(BENCH_RL_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-rl $(BENCH_RL_ARGS)
 
 # Rollout decoding with a group's prompt prefilled once vs per row (CPU); results in workloads/BENCHMARKS-rl.md.
 .PHONY: bench-generation
 bench-generation: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-generation $(BENCH_GENERATION_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-generation $(BENCH_GENERATION_ARGS)
 
 # The rollout engine on one CUDA GPU at Qwen3-30B-A3B's shape (random weights) against transformers' generate and
 # the weight-read roofline, plus its logprob mismatch with the trainer's forward; results in workloads/BENCHMARKS-rl.md.
-# On a GPU machine without this bootstrap: python3 -m moe_rl_eks.workloads.rl.bench_rollout --json out.json
+# On a GPU machine without this bootstrap: python3 -m moe_rl_eks.tools.bench.rollout --json out.json
 .PHONY: bench-rollout
 bench-rollout: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-rollout $(BENCH_ROLLOUT_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-rollout $(BENCH_ROLLOUT_ARGS)
 
 # Weight publication (snapshot, write, fetch, load to the GPU) against the disk's own bandwidth, on a GPU machine;
 # results go in workloads/BENCHMARKS.md. Arguments: make bench-weights BENCH_WEIGHTS_ARGS="--dir /nvme/x --layers 12".
 .PHONY: bench-weights
 BENCH_WEIGHTS_ARGS ?= --dir runs/bench-weights --out runs/bench-weights.json
 bench-weights: $(STAMP)
-	$(PY) -m moe_rl_eks.core.cli bench-weights $(BENCH_WEIGHTS_ARGS)
+	$(PY) -m moe_rl_eks.tools.cli bench-weights $(BENCH_WEIGHTS_ARGS)
 
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

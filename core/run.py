@@ -13,6 +13,7 @@ from .cluster import FSX_MOUNT_PATH
 from .deploy import DeployConfig
 from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, check_backend, resolve_backend
 from .environment import EnvironmentConfig
+from .hardware import TMA_ROW_BYTES
 from .rl_config import RLConfig
 from .schema import ConfigError, fail, parse
 
@@ -142,10 +143,8 @@ class RolloutConfig:
         return self.max_servers > self.min_servers
 
 
-# The triton MoE kernels read expert rows through TMA, whose row strides must be multiples of 16 bytes.
-# kernels/grouped_gemm.py checks the tensors it gets against TMA_ROW_BYTES; a run is refused before anything starts
-# unless its rows fit in bfloat16, the dtype the experts compute in on GPUs (a float32 model runs under autocast).
-TMA_ROW_BYTES = 16
+# A run with triton compute is refused unless its expert rows fit TMA in bfloat16 (a float32 model runs under
+# autocast, so bfloat16 is what the experts compute in on GPUs).
 TRITON_ROW_MULTIPLE = TMA_ROW_BYTES // 2
 
 

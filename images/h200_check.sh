@@ -22,12 +22,12 @@ wheels=$(mktemp -d)
     echo "== install_package.sh --offline"
     images/scripts/install_package.sh --offline . workloads,kernels trainer,rollout 2>&1 | tail -n 5
     echo "== moerl doctor --role trainer --efa no (stock-v1)"
-    MOERL_DEEPEP_VARIANT=stock-v1 python3 -m moe_rl_eks.core.cli doctor --role trainer --efa no
+    MOERL_DEEPEP_VARIANT=stock-v1 python3 -m moe_rl_eks.tools.cli doctor --role trainer --efa no
     echo "doctor exit $?"
     echo "== moerl doctor --role trainer --efa (no EFA here: blockers expected)"
-    MOERL_DEEPEP_VARIANT=stock-v1 python3 -m moe_rl_eks.core.cli doctor --role trainer --efa
+    MOERL_DEEPEP_VARIANT=stock-v1 python3 -m moe_rl_eks.tools.cli doctor --role trainer --efa
     echo "doctor exit $?"
     echo "== moerl doctor --role rollout --efa no"
-    MOERL_DEEPEP_VARIANT=none python3 -m moe_rl_eks.core.cli doctor --role rollout --efa no
+    MOERL_DEEPEP_VARIANT=none python3 -m moe_rl_eks.tools.cli doctor --role rollout --efa no
     echo "doctor exit $?"
 } 2>&1 | tee "$log"

@@ -112,7 +112,7 @@ def startup_check(container: k8s.Container, role: str, *, efa: bool) -> k8s.Cont
 
 
 def doctor_command(role: str, *, efa: bool) -> list[str]:
-    """`moerl doctor` (core/doctor.py, the images issue): exit 0 when the pod can do `role`'s work."""
+    """`moerl doctor` (tools/doctor.py, the images issue): exit 0 when the pod can do `role`'s work."""
     return ["moerl", "doctor", "--role", role, *(["--efa"] if efa else [])]
 
 

@@ -14,7 +14,7 @@ from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster, labels, metrics
-from moe_rl_eks.core.cli import launch
+from moe_rl_eks.core.launch import launch
 from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun, resolved_run_file
 from moe_rl_eks.core.schema import dump

@@ -15,7 +15,7 @@ from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster
-from moe_rl_eks.core.doctor import DEEPEP_EFA_ENV
+from moe_rl_eks.core.container import DEEPEP_EFA_ENV
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_rl_eks.core.run import TMA_ROW_BYTES
+from moe_rl_eks.core.hardware import TMA_ROW_BYTES
 
 from ._triton import INTERPRET, check_device, dot_acc, next_pow2
 

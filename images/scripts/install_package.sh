@@ -22,8 +22,8 @@ python=$(command -v python3)
 (cd / && "$python" - "$roles" <<'PY'
 import importlib
 import sys
-from moe_rl_eks.core.cli import SUBCOMMANDS
-from moe_rl_eks.core.doctor import ROLE_COMMANDS
+from moe_rl_eks.tools.cli import SUBCOMMANDS
+from moe_rl_eks.core.container import ROLE_COMMANDS
 for role in sys.argv[1].split(","):
     command = ROLE_COMMANDS[role]
     module, func, _ = SUBCOMMANDS[command]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl_eks.core import doctor
-from moe_rl_eks.core.doctor import Context, checks_for
+from moe_rl_eks.tools import doctor
+from moe_rl_eks.tools.doctor import Context, checks_for
 
 
 def run_doctor(*args: str, env: dict[str, str] | None = None, shell_prefix: str = "") -> subprocess.CompletedProcess:
-    command = " ".join([shell_prefix, sys.executable, "-m", "moe_rl_eks.core.cli", "doctor", *args])
+    command = " ".join([shell_prefix, sys.executable, "-m", "moe_rl_eks.tools.cli", "doctor", *args])
     environment = {k: v for k, v in os.environ.items() if k not in ("FI_PROVIDER", doctor.DEEPEP_VARIANT_ENV)}
     return subprocess.run(["bash", "-c", command], capture_output=True, text=True, env={**environment, **(env or {})},
                           timeout=120)
@@ -50,7 +50,7 @@ def test_trainer_role_reports_the_missing_gpu_and_efa_as_blockers():
     assert checks["nccl net plugin"][1].startswith("libnccl-net-ofi.so does not load")
     assert checks["ep backends"] == ("BLOCKER", "MOERL_DEEPEP_VARIANT=''; the image must record one of efa-v1, "
                                                 "stock-v1, none")
-    assert checks["entry point"] == ("OK", "`moerl train` -> moe_rl_eks.workloads.rl.trainer.main")
+    assert checks["entry point"] == ("OK", "`moerl train` -> moe_rl_eks.workloads.trainer.loop.main")
     blockers = sum(status == "BLOCKER" for status, _ in checks.values())
     assert result.stdout.splitlines()[-1] == f"doctor --role trainer: {blockers} blocker(s)"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl_eks.core.cli import SUBCOMMANDS
+from moe_rl_eks.tools.cli import SUBCOMMANDS
 from moe_rl_eks.core.deploy import IMAGE_ROLES
-from moe_rl_eks.core.doctor import DEEPEP_VARIANTS, ROLE_COMMANDS
+from moe_rl_eks.core.container import DEEPEP_VARIANTS, ROLE_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
@@ -134,7 +134,7 @@ def test_python_installs_are_pinned():
 def test_each_image_runs_its_doctor_and_its_entry_points_exist():
     assert [image.name for image in build.IMAGES] == list(IMAGE_ROLES)  # one image per deploy.images field
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["moerl"] == "moe_rl_eks.core.cli:main"
+    assert scripts["moerl"] == "moe_rl_eks.tools.cli:main"
     for image in build.IMAGES:
         dockerfile = (REPO / image.dockerfile).read_text()
         stage = dockerfile.split(f" AS {image.target}\n", 1)[1].split("\nFROM ", 1)[0]
@@ -258,6 +258,6 @@ def test_install_package_script_installs_the_wheel_and_imports_every_role(tmp_pa
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for role in IMAGE_ROLES:
         assert f"{role}: moerl {ROLE_COMMANDS[role]} -> " in result.stdout
-    where = subprocess.run([sys.executable, "-c", "import moe_rl_eks.core.cli as c; print(c.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import moe_rl_eks.tools.cli as c; print(c.__file__)"],
                            capture_output=True, text=True, env=env, cwd="/")
     assert where.stdout.startswith(str(target)), where.stdout + where.stderr

@@ -15,9 +15,10 @@ import pytest
 from botocore.stub import Stubber
 from moto.server import ThreadedMotoServer
 
-from moe_rl_eks.core import cluster, preflight
+from moe_rl_eks.core import cluster
+from moe_rl_eks.tools import preflight
 from moe_rl_eks.core.environment import load_cdk_json, select_environment
-from moe_rl_eks.core.preflight import AwsClients, main, run_preflight
+from moe_rl_eks.tools.preflight import AwsClients, main, run_preflight
 
 REGION = "us-east-1"
 CDK_JSON = Path(__file__).resolve().parents[2] / "cdk.json"

@@ -8,7 +8,7 @@ from infra_helpers import REPO
 
 
 def test_synth_summary_lists_stacks_and_pools_with_efa_and_placement(cdk_out):
-    result = subprocess.run([sys.executable, "-m", "moe_rl_eks.core.cli", "synth-summary", str(cdk_out)],
+    result = subprocess.run([sys.executable, "-m", "moe_rl_eks.tools.cli", "synth-summary", str(cdk_out)],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -27,6 +27,6 @@ def test_synth_summary_never_imports_the_cdk(cdk_out):
 
 
 def test_synth_summary_without_templates_says_what_to_run(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "moe_rl_eks.core.cli", "synth-summary", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "moe_rl_eks.tools.cli", "synth-summary", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "run `make synth` first" in result.stderr

@@ -387,7 +387,7 @@ def test_a_rollout_pod_has_tmp_room_for_one_downloaded_version_when_weights_live
 
 
 def test_a_run_claiming_an_efa_capable_deepep_makes_the_startup_check_verify_the_image(tmp_path, manifests):
-    from moe_rl_eks.core.doctor import DEEPEP_EFA_ENV
+    from moe_rl_eks.core.container import DEEPEP_EFA_ENV
     from moe_rl_eks.k8s.manifests import main
 
     def trainer_envs(docs: list[dict], run: str) -> list[dict]:

@@ -90,8 +90,8 @@ def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
     import dataclasses
 
     from moe_rl_eks.workloads.model import MoETransformer
-    from moe_rl_eks.workloads.rl.bench_rollout import TINY
-    from moe_rl_eks.workloads.rl.generation import PagedCache, forward_tokens
+    from moe_rl_eks.tools.bench.rollout import TINY
+    from moe_rl_eks.workloads.rollout.generation import PagedCache, forward_tokens
 
     torch.manual_seed(0)
     model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval().to(DEVICE)

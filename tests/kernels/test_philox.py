@@ -3,7 +3,7 @@ tests/rl/test_generation.py) draws from the same (seed, row, step)."""
 import torch
 
 from moe_rl_eks.kernels.philox import row_uniform
-from moe_rl_eks.workloads.rl import generation
+from moe_rl_eks.workloads.rollout import generation
 
 
 def test_the_philox_kernel_draws_the_engines_uniforms_bitwise():

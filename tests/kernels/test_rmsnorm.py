@@ -66,7 +66,7 @@ def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_p
     # the engine's decode step: one [q; k; v] product, q_norm and k_norm weights in one [2, D] buffer
     from moe_rl_eks.core.run import ModelConfig
     from moe_rl_eks.workloads.model.transformer import Attention
-    from moe_rl_eks.workloads.rl import generation
+    from moe_rl_eks.workloads.rollout import generation
 
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

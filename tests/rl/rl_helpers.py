@@ -169,8 +169,8 @@ class SlowProxy:
 def serve_rollout(tmp_path, tokenizer=None, **rollout):
     """A generator fixture's body: a rollout server (FastAPI on loopback, token "s3cret") serving version 0 of a
     tiny model, with the `rollout:` settings given."""
-    from moe_rl_eks.workloads.rl.engine import RolloutEngine
-    from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+    from moe_rl_eks.workloads.rollout.engine import RolloutEngine
+    from moe_rl_eks.workloads.rollout.server import RolloutServer, make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
     from moe_rl_eks.workloads.rl.weights import DirectoryStore

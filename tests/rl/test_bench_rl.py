@@ -1,7 +1,7 @@
 """bench-rl's arithmetic of the wall-time goal (the runs themselves are `make bench-rl`, not a test)."""
 import pytest
 
-from moe_rl_eks.workloads.rl.bench import mean_curve, summarize, time_to_reach
+from moe_rl_eks.tools.bench.rl import mean_curve, summarize, time_to_reach
 
 
 def run(mode: str, seed: int, points: list[tuple[int, float, float]], samples_per_second: float = 100.0) -> dict:

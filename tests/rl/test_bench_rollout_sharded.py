@@ -1,8 +1,8 @@
 """`moerl bench-rollout --gpus-per-server N`: the rollout server's engine sharded over N ranks as serve-rollout
-runs it (gloo here; NCCL one rank per GPU on a GPU machine: workloads/gpu_runs/ep.sh)."""
+runs it (gloo here; NCCL one rank per GPU on a GPU machine: tools/gpu_runs/ep.sh)."""
 import json
 
-from moe_rl_eks.workloads.rl.bench_rollout import main
+from moe_rl_eks.tools.bench.rollout import main
 
 
 def test_the_engine_sharded_over_two_ranks_generates_every_row_and_one_rank_is_the_baseline(tmp_path, capsys):

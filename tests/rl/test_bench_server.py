@@ -1,7 +1,7 @@
 """bench-server's three ways send the same seeded requests, so each generates exactly the same tokens."""
 import json
 
-from moe_rl_eks.workloads.rl import bench_server
+from moe_rl_eks.tools.bench import server as bench_server
 
 
 def test_engine_http_and_streamed_http_generate_the_same_tokens(tmp_path, capsys):

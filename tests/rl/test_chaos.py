@@ -6,8 +6,8 @@ no request failed for good. The throughput against an undisturbed run is measure
 from rl_helpers import call, sample_accounting, trained_steps, write_run
 
 from moe_rl_eks.core.run import load_run
-from moe_rl_eks.workloads.rl.bench import chaos
-from moe_rl_eks.workloads.rl.local_run import LocalCluster
+from moe_rl_eks.tools.bench.rl import chaos
+from moe_rl_eks.tools.local_run import LocalCluster
 
 
 def test_rollout_servers_killed_every_20_s_lose_and_duplicate_no_sample(tmp_path):

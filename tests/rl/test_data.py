@@ -10,7 +10,7 @@ from moe_rl_eks.core.rl_config import DataConfig, TaskConfig
 from moe_rl_eks.core.schema import ConfigError, parse
 from moe_rl_eks.workloads.rl.data import (ArithmeticSource, ArithmeticTask, DataError, DatasetSource, FormatExamples,
                                           evaluation_prompts, load_split, make_prompt_source, permutation)
-from moe_rl_eks.workloads.rl.example_data import problems, write_example, write_parquet
+from moe_rl_eks.tools.example_data import problems, write_example, write_parquet
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer, load_model_tokenizer
 
 

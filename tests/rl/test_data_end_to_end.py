@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from moe_rl_eks.workloads.rl import local_run
-from moe_rl_eks.workloads.rl.evaluation import read_records
-from moe_rl_eks.workloads.rl.example_data import write_example
+from moe_rl_eks.tools import local_run
+from moe_rl_eks.workloads.orchestrator.evaluation import read_records
+from moe_rl_eks.tools.example_data import write_example
 
 LOCAL_WORDS = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local-words.yaml"
 

@@ -9,8 +9,9 @@ import torch
 
 from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.workloads.rl.data import Prompt
-from moe_rl_eks.workloads.rl.evaluation import (EvalParams, PeriodicEvaluator, Sample, ScalarWriter, evaluate,
-                                                http_completer, model_completer, pass_at_k, read_records, record)
+from moe_rl_eks.tools.evaluate import model_completer
+from moe_rl_eks.workloads.orchestrator.evaluation import (EvalParams, PeriodicEvaluator, Sample, ScalarWriter, evaluate,
+                                                          http_completer, pass_at_k, read_records, record)
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
@@ -137,8 +138,8 @@ def test_periodic_evaluation_runs_when_due_against_a_server_and_records_it(rollo
 
 def test_moerl_eval_scores_a_checkpoint_on_a_dataset(tmp_path, capsys):
     from moe_rl_eks.workloads.model.checkpoint import save_hf
-    from moe_rl_eks.workloads.rl.evaluation import main
-    from moe_rl_eks.workloads.rl.example_data import write_example
+    from moe_rl_eks.tools.evaluate import main
+    from moe_rl_eks.tools.example_data import write_example
     from moe_rl_eks.workloads.rl.tokenizer import load_model_tokenizer
 
     write_example(tmp_path / "data", train=8, eval_=6)
@@ -160,7 +161,7 @@ def test_a_runs_checkpoint_is_evaluated_on_its_evaluation_prompts(tmp_path):
     from rl_helpers import tiny_run
 
     from moe_rl_eks.workloads.model.checkpoint import save_hf
-    from moe_rl_eks.workloads.rl.evaluation import CheckpointEvaluator
+    from moe_rl_eks.tools.evaluate import CheckpointEvaluator
 
     run = tiny_run(tmp_path, evaluation={"prompts": 6, "samples_per_prompt": 3})
     model = tiny_model(run.model.vocab_size)

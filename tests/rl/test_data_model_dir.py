@@ -46,7 +46,7 @@ def test_a_long_context_checkpoint_gives_a_valid_run(checkpoint, tmp_path):
 
 
 def test_engine_serves_the_directory_in_place_and_stops_on_its_eos_ids(checkpoint, tmp_path):
-    from moe_rl_eks.workloads.rl.engine import RolloutEngine, RowRequest, SamplingParams
+    from moe_rl_eks.workloads.rollout.engine import RolloutEngine, RowRequest, SamplingParams
 
     run = model_run(checkpoint, max_new_tokens=6)
     store = ModelDirectoryStore(checkpoint)
@@ -84,7 +84,7 @@ def test_serve_rollout_model_serves_a_checkpoint_directory_over_openai_http(tmp_
 
     from rl_helpers import REPO
 
-    from moe_rl_eks.workloads.rl.example_data import write_tokenizer_dir
+    from moe_rl_eks.tools.example_data import write_tokenizer_dir
 
     directory = tmp_path / "tiny-chat"
     write_tokenizer_dir(directory, ["Ann has 3 apples. How many apples?"] * 20, vocab_size=280)
@@ -98,7 +98,7 @@ def test_serve_rollout_model_serves_a_checkpoint_directory_over_openai_http(tmp_
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_rl_eks.core.cli", "serve-rollout", "--model", str(directory),
+    proc = subprocess.Popen([sys.executable, "-m", "moe_rl_eks.tools.cli", "serve-rollout", "--model", str(directory),
                              "--host", "127.0.0.1", "--port", str(port), "--max-new-tokens", "8"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -3,7 +3,7 @@ released whole, stop strings cut the text (held back from a stream until they ca
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_rl_eks.workloads.rl.detokenizer import CompletionText
+from moe_rl_eks.workloads.rollout.detokenizer import CompletionText
 
 
 class ByteLevel:

@@ -4,7 +4,7 @@ import json
 
 from rl_helpers import write_run
 
-from moe_rl_eks.workloads.rl import local_run
+from moe_rl_eks.tools import local_run
 
 
 def test_short_seeded_local_run_raises_the_evaluation_reward(tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch
 import pytest
 from rl_helpers import publish_initial, tiny_run
 
-from moe_rl_eks.workloads.rl.engine import RolloutEngine, RowRequest, SamplingParams
+from moe_rl_eks.workloads.rollout.engine import RolloutEngine, RowRequest, SamplingParams
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
@@ -140,7 +140,7 @@ def test_rows_that_cannot_run_fail_alone_and_sampling_params_name_the_bad_field(
 
 
 def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_serving(engine, monkeypatch):
-    from moe_rl_eks.workloads.rl import generation
+    from moe_rl_eks.workloads.rollout import generation
 
     forward, calls = generation.forward_tokens, []
 
@@ -185,7 +185,7 @@ def test_rows_never_mix_weight_versions_across_a_swap(engine, tmp_path):
 def test_the_same_version_number_of_a_new_lineage_is_loaded_and_reported(engine, tmp_path):
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.workloads.model.checkpoint import save_hf
-    from moe_rl_eks.workloads.rl.engine import VersionRef
+    from moe_rl_eks.workloads.rollout.engine import VersionRef
 
     (first,) = engine.submit(rows("a", 1, 4, 3, stop_token_ids=())).result(timeout=60)
     assert (first.weight_version, first.weight_lineage, engine.health().lineage) == (0, 0, 0)

@@ -8,8 +8,8 @@ import torch
 from rl_helpers import SlowProxy, call, sample_accounting, trained_steps, wait_until, write_run
 
 from moe_rl_eks.core.run import load_run
-from moe_rl_eks.workloads.rl import checkpoint as ckpt
-from moe_rl_eks.workloads.rl.local_run import LocalCluster, read_metrics
+from moe_rl_eks.workloads.trainer import checkpoint as ckpt
+from moe_rl_eks.tools.local_run import LocalCluster, read_metrics
 from moe_rl_eks.workloads.model.checkpoint import load_hf
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 

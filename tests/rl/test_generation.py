@@ -5,9 +5,9 @@ import torch
 from rl_helpers import tiny_run
 
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.rl import generation
-from moe_rl_eks.workloads.rl.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rl.generation import Decoder, Row, SamplingRows, generate, philox4x32, sample
+from moe_rl_eks.workloads.rollout import generation
+from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
+from moe_rl_eks.workloads.rollout.generation import Decoder, Row, SamplingRows, generate, philox4x32, sample
 
 EOS = 2
 # The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
@@ -173,7 +173,7 @@ def test_sampling_follows_the_processed_distribution_and_reports_processed_or_ra
 
 
 def test_the_generation_benchmark_prints_its_table(capsys):
-    from moe_rl_eks.workloads.rl.bench_generation import main
+    from moe_rl_eks.tools.bench.generation import main
 
     assert main(["--group", "2", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1",
                  "--tail-tokens", "6", "2"]) == 0
@@ -246,7 +246,7 @@ def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_throug
 
 
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
-    from moe_rl_eks.workloads.rl.bench_rollout import main
+    from moe_rl_eks.tools.bench.rollout import main
 
     assert main(["--tiny", "--batches", "1", "3", "--prompt-tokens", "5", "--new-tokens", "3", "--compute", "torch",
                  "--mismatch-layers", "1", "--json", str(tmp_path / "out.json")]) == 0

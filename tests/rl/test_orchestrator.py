@@ -10,9 +10,9 @@ import pytest
 from fake_rollout import FakeRollouts
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.orchestrator.app import build, resume_state
-from moe_rl_eks.workloads.rl.orchestrator.buffer import GroupBuffer, StepConflict
-from moe_rl_eks.workloads.rl.orchestrator.pool import ServerPool, expand_endpoint
+from moe_rl_eks.workloads.orchestrator.app import build, resume_state
+from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, StepConflict
+from moe_rl_eks.workloads.orchestrator.pool import ServerPool, expand_endpoint
 from moe_rl_eks.workloads.rl.protocol import (Group, OrchestratorState, PromptRecord, Sample, VersionRef)
 
 GRPO = lambda rewards: [r - sum(rewards) / len(rewards) for r in rewards]  # centred: enough to check placement

@@ -15,7 +15,7 @@ import time
 import fake_rollout
 from rl_helpers import tiny_run
 
-from moe_rl_eks.workloads.rl.orchestrator.app import build
+from moe_rl_eks.workloads.orchestrator.app import build
 from moe_rl_eks.workloads.rl.protocol import VersionRef
 
 SERVERS, PER_SERVER, ROOM, WAVES = 128, 16, 4, 3

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from moe_rl_eks.workloads.rl.engine_api import RowRequest, SamplingParams
+from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
 from moe_rl_eks.workloads.rl.protocol import decode_routing
 
 from rl_helpers import call, publish_initial, serve_rollout
@@ -150,7 +150,7 @@ def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_keeps_
 
 
 def test_nulls_mean_defaults_and_unknown_fields_are_ignored_with_a_warning(shared, caplog):
-    with caplog.at_level(logging.WARNING, logger="moe_rl_eks.workloads.rl.rollout_server"):
+    with caplog.at_level(logging.WARNING, logger="moe_rl_eks.workloads.rollout.server"):
         body = complete(shared["url"], n=None, temperature=None, top_p=None, seed=None, max_tokens=None,
                         stop=None, logprobs=None, best_of=3, user="x")
     assert len(body["choices"]) == 1 and 1 <= len(body["choices"][0]["token_ids"]) <= 8
@@ -309,8 +309,8 @@ def test_a_version_of_another_shape_is_refused_and_the_served_weights_stay_whole
 
 
 def test_without_weights_generation_answers_503_and_ready_says_so(tmp_path):
-    from moe_rl_eks.workloads.rl.engine import RolloutEngine
-    from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+    from moe_rl_eks.workloads.rollout.engine import RolloutEngine
+    from moe_rl_eks.workloads.rollout.server import RolloutServer, make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
     from moe_rl_eks.workloads.rl.weights import DirectoryStore

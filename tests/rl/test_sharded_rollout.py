@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import hf_config, to_hf_tensors
-from moe_rl_eks.workloads.rl.local_run import LocalCluster, descendants, output_dir
-from moe_rl_eks.workloads.rl.engine import RolloutEngine
-from moe_rl_eks.workloads.rl.rollout_server import RolloutServer, make_app
+from moe_rl_eks.tools.local_run import LocalCluster, descendants, output_dir
+from moe_rl_eks.workloads.rollout.engine import RolloutEngine
+from moe_rl_eks.workloads.rollout.server import RolloutServer, make_app
 from moe_rl_eks.workloads.rl.runtime import BackgroundServer, wait_for
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore

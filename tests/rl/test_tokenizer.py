@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moe_rl_eks.workloads.rl.example_data import SPECIAL_TOKENS, write_tokenizer_dir
+from moe_rl_eks.tools.example_data import SPECIAL_TOKENS, write_tokenizer_dir
 from moe_rl_eks.workloads.rl.tokenizer import (CharTokenizer, TokenizerError, UnknownText, load_model_tokenizer,
                                                load_tokenizer)
 

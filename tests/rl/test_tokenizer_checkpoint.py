@@ -9,7 +9,7 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import VARIANT_MODEL_TYPE, load_hf, save_hf
-from moe_rl_eks.workloads.rl.example_data import write_tokenizer_dir
+from moe_rl_eks.tools.example_data import write_tokenizer_dir
 from moe_rl_eks.workloads.rl.tokenizer import (CharTokenizer, load_tokenizer, write_checkpoint_metadata,
                                                write_tokenizer_files)
 
@@ -28,7 +28,7 @@ def test_published_version_loads_in_transformers_with_tokenizer_generation_confi
     """Through the trainer's path: the Publisher writes a version into the weight store with our files added."""
     from rl_helpers import tiny_run
 
-    from moe_rl_eks.workloads.rl.publisher import Publisher
+    from moe_rl_eks.workloads.trainer.publisher import Publisher
     from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
     write_tokenizer_dir(tmp_path / "tok", [m["content"] for m in MESSAGES] * 10, vocab_size=290)

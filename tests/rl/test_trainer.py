@@ -13,11 +13,11 @@ from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_sto
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.workloads.rl.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
+from moe_rl_eks.workloads.trainer.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
 from moe_rl_eks.workloads.rl.runtime import output_dir
-from moe_rl_eks.workloads.rl.train_step import learning_rate
-from moe_rl_eks.workloads.rl.trainer import Trainer, expert_load_imbalance, resolved_backend, straggler_ratio
+from moe_rl_eks.workloads.trainer.step import learning_rate
+from moe_rl_eks.workloads.trainer.loop import Trainer, expert_load_imbalance, resolved_backend, straggler_ratio
 from moe_rl_eks.workloads.rl.weights import open_store
 
 FAST = {"kl_coef": 0.0, "entropy_coef": 0.0}
@@ -263,7 +263,7 @@ def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_pa
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from moe_rl_eks.workloads.rl import checkpoint as ckpt
+    from moe_rl_eks.workloads.trainer import checkpoint as ckpt
 
     state = {"w": torch.randn(3, 2)}
     ckpt.save(state, tmp_path, asynchronous=False)
@@ -284,7 +284,7 @@ def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_pa
 def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, world_of_one):
     import numpy as np
 
-    from moe_rl_eks.workloads.rl.generation import Row, generate
+    from moe_rl_eks.workloads.rollout.generation import Row, generate
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
     run = tiny_run(tmp_path, algorithm={"routing_replay": True, "kl_coef": 0.0})
@@ -380,7 +380,7 @@ def test_training_starts_from_a_pretrained_checkpoint_of_the_same_architecture(t
 def test_a_rank_starts_from_its_own_expert_slice_of_the_pretrained_or_random_weights(tmp_path):
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.workloads.model.checkpoint import save_hf
-    from moe_rl_eks.workloads.rl.trainer import initial_weights
+    from moe_rl_eks.workloads.trainer.loop import initial_weights
 
     run = tiny_run(tmp_path)
     torch.manual_seed(5)

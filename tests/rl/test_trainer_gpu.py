@@ -8,8 +8,8 @@ import torch
 
 from rl_helpers import rewarded_batch, tiny_run
 
-from moe_rl_eks.workloads.rl.microbatch import Sequences
-from moe_rl_eks.workloads.rl.trainer import Trainer
+from moe_rl_eks.workloads.trainer.microbatch import Sequences
+from moe_rl_eks.workloads.trainer.loop import Trainer
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""A serving replica's load path (workloads/rl/weight_staging.py): each version is read, verified, into host staging
+"""A serving replica's load path (workloads/rollout/weight_staging.py): each version is read, verified, into host staging
 buffers kept across versions (pinned with CUDA, plain here: the same logic), and only then copied into the served
 tensors in place (the first load into a model allocated uninitialized); a version that fails leaves the previous
 one served; the staging follows the files a version has. The CUDA test runs only where a GPU is."""
@@ -10,8 +10,8 @@ from rl_helpers import tiny_run
 
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.safetensors_io import read_header
-from moe_rl_eks.workloads.rl.publisher import Publisher
-from moe_rl_eks.workloads.rl.replica import Replica, SwapRefused
+from moe_rl_eks.workloads.trainer.publisher import Publisher
+from moe_rl_eks.workloads.rollout.replica import Replica, SwapRefused
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 
@@ -171,7 +171,7 @@ def test_a_file_with_none_of_the_wanted_tensors_stages_nothing(tmp_path):
     from safetensors.torch import save_file
 
     from moe_rl_eks.workloads.model.safetensors_io import read_file
-    from moe_rl_eks.workloads.rl.weight_staging import HostStaging
+    from moe_rl_eks.workloads.rollout.weight_staging import HostStaging
 
     save_file({"model.layers.0.mlp.experts.5.down_proj.weight": torch.ones(2, 2)}, tmp_path / "rank-1.safetensors")
     staging = HostStaging(pin=False)

@@ -459,7 +459,7 @@ def test_s3_upload_that_dies_before_the_manifest_publishes_nothing(tmp_path, s3_
 def test_a_rollout_engine_reads_an_s3_version_and_keeps_no_download(tmp_path, s3_url):
     from rl_helpers import tiny_run
 
-    from moe_rl_eks.workloads.rl.engine import RolloutEngine
+    from moe_rl_eks.workloads.rollout.engine import RolloutEngine
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
     run = tiny_run(tmp_path)

@@ -14,7 +14,7 @@ from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import cast_for_serving, load_hf
 from moe_rl_eks.workloads.model.safetensors_io import read_header
 from moe_rl_eks.workloads.rl.protocol import VersionRef
-from moe_rl_eks.workloads.rl.publisher import Publisher
+from moe_rl_eks.workloads.trainer.publisher import Publisher
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -187,7 +187,7 @@ def test_expert_parallel_ranks_each_write_their_own_experts_and_rank0_commits(tm
 def serving_rank(rank: int, port: int, run_path: str, directory: str, out: dict) -> None:
     from moe_rl_eks.core.run import load_run
     from moe_rl_eks.workloads.moe.parallel import ExpertParallel
-    from moe_rl_eks.workloads.rl.replica import Replica, SwapRefused, follow
+    from moe_rl_eks.workloads.rollout.replica import Replica, SwapRefused, follow
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -243,7 +243,7 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
 def test_a_serving_replica_holds_the_router_bias_in_float32_bit_equal_to_the_trainers(tmp_path):
     from rl_helpers import tiny_run
 
-    from moe_rl_eks.workloads.rl.replica import Replica
+    from moe_rl_eks.workloads.rollout.replica import Replica
 
     run = tiny_run(tmp_path)
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, router="sigmoid", dtype="bfloat16"))
@@ -269,7 +269,7 @@ def test_a_serving_replica_holds_the_router_bias_in_float32_bit_equal_to_the_tra
 def test_bench_weights_counts_exactly_the_bytes_a_publisher_writes(tmp_path):
     import json
 
-    from moe_rl_eks.workloads.rl.bench_weights import published_bytes
+    from moe_rl_eks.tools.bench.weights import published_bytes
 
     store = DirectoryStore(tmp_path / "store")
     publisher = Publisher(store, CONFIG, lineage=0, max_shard_bytes=20_000)

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl_eks.core.run import load_run
-from moe_rl_eks.workloads.rl import checkpoint as ckpt
+from moe_rl_eks.workloads.trainer import checkpoint as ckpt
 from moe_rl_eks.workloads.rl.protocol import Batch
-from moe_rl_eks.workloads.rl.trainer import Trainer, stop_on_sigterm
+from moe_rl_eks.workloads.trainer.loop import Trainer, stop_on_sigterm
 
 
 def _entry(fn, rank, world, init_file, out_dir, args):

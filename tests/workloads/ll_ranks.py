@@ -14,8 +14,8 @@ from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import cast_for_serving
 from moe_rl_eks.workloads.moe import deepep_ll
 from moe_rl_eks.workloads.moe.parallel import ExpertParallel
-from moe_rl_eks.workloads.rl.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rl.generation import Decoder, decode_all
+from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
+from moe_rl_eks.workloads.rollout.generation import Decoder, decode_all
 
 # DeepEP's low-latency kernels take hidden sizes 2048..8192 only; the rest is small.
 CONFIG = ModelConfig(vocab_size=512, hidden_size=2048, num_hidden_layers=2, num_attention_heads=4,

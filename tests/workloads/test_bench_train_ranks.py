@@ -1,11 +1,11 @@
 """`moerl bench-train --ranks N`: the trainer's step under expert parallelism, one process per rank (gloo on this
-CPU; NCCL one rank per GPU on a GPU machine: workloads/gpu_runs/ep.sh), and one publication through the
+CPU; NCCL one rank per GPU on a GPU machine: tools/gpu_runs/ep.sh), and one publication through the
 Publisher with each rank writing its experts."""
 import json
 
 import pytest
 
-from moe_rl_eks.workloads.bench_train import TINY, main
+from moe_rl_eks.tools.bench.train import TINY, main
 from moe_rl_eks.workloads.model.checkpoint import load_hf
 
 

@@ -17,7 +17,7 @@ from moe_rl_eks.workloads.moe.deepep_ll import packed_order, packed_to_sorted, s
 from moe_rl_eks.workloads.moe.dispatch import LocalDispatcher, PhasedDispatcher, source_major_to_expert_major
 from moe_rl_eks.workloads.moe.parallel import ExpertParallel, decode_phase
 from moe_rl_eks.workloads.moe.torch_compute import TorchCompute
-from moe_rl_eks.workloads.rl.replica import rank_placement
+from moe_rl_eks.workloads.rollout.replica import rank_placement
 
 GPU_NODE = Topology(nodes=1, ranks_per_node=2, device="cuda", num_experts=128)
 QWEN3 = dict(hidden_size=2048, top_k=8, rows_per_rank=64, deepep_importable=True)

@@ -1,4 +1,4 @@
-"""workloads/gpu_runs/ep.sh (issue 17's runs on 4 and 8 H200s) cannot run here; what can be checked is that it is
+"""tools/gpu_runs/ep.sh (issue 17's runs on 4 and 8 H200s) cannot run here; what can be checked is that it is
 valid shell, shellcheck-clean, refuses a GPU count it has no plan for, and that every command, flag, test and file
 it calls exists, so the first call on such a machine is not spent on a typo."""
 import os
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl_eks.core.cli import SUBCOMMANDS
+from moe_rl_eks.tools.cli import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "workloads" / "gpu_runs" / "ep.sh"
+SCRIPT = ROOT / "tools" / "gpu_runs" / "ep.sh"
 
 
 def commands() -> list[list[str]]:
@@ -41,7 +41,7 @@ def test_a_gpu_count_without_a_plan_is_refused_naming_what_is_allowed(gpus, tmp_
 
 
 def test_every_moerl_command_and_flag_the_script_calls_exists():
-    called = [words[words.index("moe_rl_eks.core.cli") + 1:] for words in commands() if "moe_rl_eks.core.cli" in words]
+    called = [words[words.index("moe_rl_eks.tools.cli") + 1:] for words in commands() if "moe_rl_eks.tools.cli" in words]
     assert {c[0] for c in called} == {"bench-ep", "bench-train", "bench-rollout"}
     for sub, *rest in called:
         module = SUBCOMMANDS[sub][0]

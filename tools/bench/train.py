@@ -1,0 +1,402 @@
+"""Trainer micro-batch throughput and memory (`moerl bench-train`, `make bench-train`; on a GPU machine without the
+CPU bootstrap: `python3 -m moe_rl_eks.tools.bench.train`).
+
+One training step as the trainer runs it on one GPU (trainer/step.TrainStep): a packed micro-batch (sequences
+back to back, each attending only within itself), the model forward to the final hidden states under bf16 autocast
+over float32 master weights, the chunked token log-probabilities and entropies (model/logprobs.py), GRPO's
+token-mean loss with an entropy term, backward, gradient clipping and a fused AdamW step. For each MoE compute backend, activation
+checkpointing on and off, and each sequence length: tokens/s (median step), MFU and peak memory above the
+weights and optimizer state (what the step adds: activations, logit chunks, gradients and their transient
+buffers). An out-of-memory step is a row, not a failure.
+
+Model FLOPs per token: 6 x the matmul parameters a token passes through (attention projections, router, its
+top-k experts, lm_head; not the embedding lookup) plus causal attention, 6 x n x head_dim x heads per layer for
+a token of an n-token sequence (QK^T and PV, fwd + bwd, half the square); recomputation is not counted. MFU is
+against the dense bf16 matmul rate measured in the same run (8192^3).
+
+`--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
+per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given
+shape. A row is then the slowest rank's median step time, the tokens of all ranks, MFU against N times the dense
+rate, and each rank's peak memory. `--publish DIR` then publishes the trained weights once through the trainer's
+Publisher (trainer/publisher.py: each rank writes its experts, rank 0 commits the version) into a directory store at
+DIR and reports the snapshot and commit times. An out-of-memory step on one rank leaves the others waiting in a
+collective: under --ranks an OOM ends the run rather than making a row."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_rl_eks.core.rl_config import AlgorithmConfig
+from moe_rl_eks.core.run import ModelConfig, load_run
+
+from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.moe.parallel import ExpertParallel
+from moe_rl_eks.workloads.rl.algorithms import Algorithm
+from moe_rl_eks.workloads.rl.losses import PolicyBatch, Totals
+from moe_rl_eks.workloads.trainer.microbatch import Sequences
+from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef
+from moe_rl_eks.workloads.trainer.step import TrainStep
+
+QWEN3_RUN = Path(__file__).resolve().parents[1] / "configs" / "runs" / "qwen3-30b-a3b-p5.yaml"
+TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, dtype="float32")
+
+
+def model_flops_per_step(c: ModelConfig, sequence: int, sequences: int) -> float:
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + c.hidden_size * c.num_experts
+    per_layer += (c.num_experts_per_tok + c.n_shared_experts) * 3 * c.hidden_size * c.moe_intermediate_size
+    matmul = 6 * (c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size) * sequence * sequences
+    attention = 6 * c.num_hidden_layers * q * sequence * sequence * sequences  # sum over tokens of 6 n d H, causal
+    return float(matmul + attention)
+
+
+def dense_peak_tflops(device: torch.device) -> float:
+    """bf16 8192^3 on a GPU (float32 1024^3 on the CPU), median of 10 after 3 warm-ups."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+def flash_attention_with_gqa(config: ModelConfig) -> bool:
+    """Whether SDPA's flash kernel takes this model's grouped-query attention as it is (else SDPA falls back to
+    slower kernels and the attention rows mean less)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, config.num_attention_heads, 256, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, config.num_key_value_heads, 256, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Step:
+    """One model + fused AdamW, trained by the trainer's own step (trainer/step.TrainStep) with GRPO's loss and
+    an entropy term; `run(batch)` is one optimizer step on a packed micro-batch."""
+
+    def __init__(self, config: ModelConfig, compute: str, device: torch.device, ep: ExpertParallel | None = None):
+        self.config, self.device, self.ep = config, device, ep
+        with device:
+            self.model = MoETransformer(config, compute=compute, ep=ep)
+        cuda = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=cuda)
+        world, rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+        self.train_step = TrainStep(self.model, None, self.optimizer, ep=ep, world=world, rank=rank, device=device,
+                                    grad_clip=1.0, bf16=cuda)
+        self.algorithm = Algorithm(AlgorithmConfig(entropy_coef=1e-3), max_tokens=1)
+
+    def batch(self, sequence: int, sequences: int, generator: torch.Generator) -> Sequences:
+        """Random sequences of `sequence` tokens: a 64-token prompt, the rest completion, advantages of both signs."""
+        ids = torch.randint(0, self.config.vocab_size, (sequences, sequence + 1), generator=generator).tolist()
+        prompt = min(64, sequence // 2)
+        samples = [TrainingSample(f"s{i}", seq[:prompt], seq[prompt:], [-1.0] * (len(seq) - prompt), 0.0,
+                                  1.0 if i % 2 else -1.0, True, VersionRef(0, 0)) for i, seq in enumerate(ids)]
+        return Sequences.of(samples).to(self.device)
+
+    def run(self, batch: Sequences) -> None:
+        local = Totals.local(batch.mask)
+        if self.ep is not None:  # the loss is normalised over every rank's tokens, as the trainer does
+            dist.all_reduce(local, group=self.ep.group)
+        totals = Totals.of(local)
+
+        def loss_fn(j, mb, fwd):
+            pb = PolicyBatch(fwd.logprobs, fwd.logprobs.detach(), mb.behaviour, mb.advantages[:, None] * mb.mask,
+                             mb.mask, entropy=fwd.entropy)
+            return self.algorithm.loss(pb, totals)
+
+        self.train_step.step([batch], loss_fn, lr=1e-6, temperature=1.0, replay=False)
+
+    def free(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
+    c, device = step.config, step.device
+    rank = step.ep.rank if step.ep is not None else 0
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(rank))
+    row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
+    try:
+        step.run(batch)  # warm-up: kernels compiled and autotuned, optimizer state made
+        step.free()
+        sync(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            sync(device)
+            start = time.perf_counter()
+            step.run(batch)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        flops = model_flops_per_step(c, sequence, sequences)
+        row.update(status="ok", step_seconds=seconds, tokens_per_second=row["tokens"] / seconds,
+                   model_tflop_per_step=flops / 1e12, tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / peak)
+        if device.type == "cuda":
+            row.update(weights_and_optimizer_gib=base / 2**30,
+                       peak_above_gib=(torch.cuda.max_memory_allocated(device) - base) / 2**30)
+    except torch.OutOfMemoryError:
+        row.update(status="OOM")
+    step.free()
+    return row
+
+
+def profile_step(step: Step, sequence: int, sequences: int, title: str, path: str) -> None:
+    """One step under torch.profiler, its operators by total GPU time appended to `path`: where the MFU goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(0))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step.run(batch)
+        sync(step.device)
+    sort = "self_device_time_total" if step.device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70)}\n")
+    step.free()
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['machine']}; dense matmul peak measured {result['dense_peak_tflops']:.0f} TFLOP/s; "
+             f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB"
+             + (f" per rank; {result['ranks']} EP ranks ({result['ep_backend']} over {result['transport']}): a row is "
+                f"every rank's tokens at the slowest rank's step, MFU of {result['ranks']} x the dense peak, the "
+                f"highest rank's memory" if "ranks" in result else ""),
+             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        shape = f"{r['sequences']} x {r['sequence']:,}"
+        if r["status"] != "ok":
+            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | |")
+            continue
+        mem = f"{r['peak_above_gib']:.1f}" if "peak_above_gib" in r else "-"
+        lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} |")
+    return "\n".join(lines)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'8x8192,2x32768' -> [(sequences, tokens per sequence), ...]."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            sequences, sequence = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not SEQUENCESxTOKENS (e.g. 8x8192)") from None
+        shapes.append((sequences, sequence))
+    return shapes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moerl bench-train", description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of Qwen3-30B-A3B's shape (48 do not fit "
+                                                          "one GPU with AdamW)")
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("32x2048,8x8192,2x32768"),
+                    help="micro-batches as SEQUENCESxTOKENS, comma-separated")
+    ap.add_argument("--compute", default="torch,triton", help="MoE compute backends, comma-separated")
+    ap.add_argument("--checkpointing", default="full,save_attention,off",
+                    help="activation checkpointing modes to measure, comma-separated (full, save_attention, off)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke test of this script)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="expert-parallel ranks: processes over NCCL, one per GPU (gloo on the CPU with --tiny)")
+    ap.add_argument("--ep-backend", default="alltoall", choices=["alltoall", "deepep"],
+                    help="how tokens reach the experts under --ranks")
+    ap.add_argument("--publish", metavar="DIR", help="under --ranks: publish the trained weights once through the "
+                                                     "trainer's Publisher into a directory store at DIR")
+    ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="after each row, one more step under torch.profiler; its kernels by GPU time go to FILE")
+    args = ap.parse_args(argv)
+    if args.ranks < 1:
+        ap.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.publish and args.ranks == 1:
+        ap.error("--publish measures expert-parallel publication: it needs --ranks >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tiny:
+        config, device = TINY, torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("bench-train needs a CUDA GPU (or --tiny for a CPU smoke test)", file=sys.stderr)
+            return 2
+        if torch.cuda.device_count() < args.ranks:
+            print(f"bench-train --ranks {args.ranks} needs one GPU per rank; this machine has "
+                  f"{torch.cuda.device_count()}", file=sys.stderr)
+            return 2
+        config, device = replace(load_run(QWEN3_RUN).model, num_hidden_layers=args.layers), torch.device("cuda")
+    if config.num_experts % args.ranks:
+        print(f"bench-train --ranks {args.ranks} must divide the model's {config.num_experts} experts",
+              file=sys.stderr)
+        return 2
+    if args.ranks == 1:
+        result = bench(args, config, device)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            mp.start_processes(_rank_main, args=(args.ranks, args, config, tmp, out), nprocs=args.ranks, join=True,
+                               start_method="spawn")
+            result = json.loads(Path(out).read_text())
+    print(table(result))
+    return 0
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, config: ModelConfig, tmp: str, out: str) -> None:
+    cuda = not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/init", rank=rank,
+                            world_size=world, **({"device_id": device} if cuda else {}))
+    try:
+        torch.manual_seed(0)  # the replicated weights start equal on every rank, as the trainer's do
+        ep = ExpertParallel(dist.group.WORLD, args.ep_backend, device=device.type)
+        result = bench(args, config, device, ep)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _across_ranks(row: dict, ep: ExpertParallel) -> dict:
+    """One row for all ranks: the slowest rank's step, every rank's tokens and memory."""
+    rows: list = [None] * ep.size
+    dist.all_gather_object(rows, row, group=ep.group)
+    if any(r["status"] != "ok" for r in rows):
+        return {**rows[0], "status": "/".join(sorted({r["status"] for r in rows}))}
+    seconds = max(r["step_seconds"] for r in rows)
+    flops = sum(r["model_tflop_per_step"] for r in rows) * 1e12
+    tokens = sum(r["tokens"] for r in rows)
+    combined = {**rows[0], "ranks": ep.size, "tokens": tokens, "step_seconds": seconds,
+                "tokens_per_second": tokens / seconds, "model_tflop_per_step": flops / 1e12,
+                "tflops": flops / seconds / 1e12, "rank_step_seconds": [r["step_seconds"] for r in rows]}
+    combined["mfu"] = combined["tflops"] / (ep.size * rows[0]["tflops"] / rows[0]["mfu"])
+    if "peak_above_gib" in rows[0]:
+        combined.update(rank_peak_above_gib=[r["peak_above_gib"] for r in rows],
+                        rank_weights_and_optimizer_gib=[r["weights_and_optimizer_gib"] for r in rows],
+                        peak_above_gib=max(r["peak_above_gib"] for r in rows),
+                        weights_and_optimizer_gib=max(r["weights_and_optimizer_gib"] for r in rows))
+    return combined
+
+
+def publish_once(step: Step, directory: str) -> dict:
+    """The trained weights published as version 1 through the trainer's Publisher (each rank its experts; rank 0
+    commits): seconds on the critical path (snapshot to host) and until the version is in the store."""
+    from moe_rl_eks.workloads.trainer.publisher import Publisher
+    from moe_rl_eks.workloads.rl.weights import DirectoryStore
+
+    store = DirectoryStore(Path(directory))
+    publisher = Publisher(store, step.config, 0, ep=step.ep)
+    dist.barrier(step.ep.group)
+    start = time.perf_counter()
+    publisher.publish(1, step.model.state_dict())
+    snapshot = time.perf_counter() - start
+    publisher.close()
+    dist.barrier(step.ep.group)  # every part written and rank 0's commit done
+    total = time.perf_counter() - start
+    latest = store.latest()
+    files = [p for p in Path(directory).rglob("*.safetensors")]
+    return dict(version=None if latest is None else [latest.lineage, latest.version], snapshot_seconds=snapshot,
+                published_seconds=total, files=len(files), bytes=sum(p.stat().st_size for p in files))
+
+
+def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
+          ep: ExpertParallel | None = None) -> dict:
+    """Every (compute, checkpointing, shape) row; with `ep`, on every rank, rows combined on all of them."""
+    lead = ep is None or ep.rank == 0
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    result = {"machine": machine, "torch": torch.__version__, "layers": config.num_hidden_layers,
+              "config": config.__dict__, "dense_peak_tflops": dense_peak_tflops(device), "rows": [], "errors": []}
+    if ep is not None:
+        result.update(ranks=ep.size, ep_backend=ep.backend, transport=dist.get_backend(ep.group))
+    if device.type == "cuda":
+        result.update(flash_attention_with_gqa=flash_attention_with_gqa(config),
+                      gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
+    if lead:
+        print(f"{machine}; torch {torch.__version__}; dense peak {result['dense_peak_tflops']:.0f} TFLOP/s; "
+              f"{ {k: v for k, v in result.items() if k in ('flash_attention_with_gqa', 'gpu_memory_gib', 'ranks')} }",
+              flush=True)
+
+    def save():
+        if args.json and lead:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    step = None
+    for compute in args.compute.split(","):
+        try:
+            step = Step(config, compute, device, ep)
+        except Exception:  # e.g. triton missing: the traceback is the report, the other backends still run
+            result["errors"].append(traceback.format_exc())
+            print(result["errors"][-1], flush=True)
+            continue
+        for checkpointing in args.checkpointing.split(","):
+            step.model.activation_checkpointing = checkpointing
+            for sequences, sequence in args.shapes:
+                row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                if args.profile and lead and row["status"] == "ok" and ep is None:
+                    profile_step(step, sequence, sequences, f"{compute} {checkpointing} {sequences}x{sequence}",
+                                 args.profile)
+                if ep is not None:
+                    row = _across_ranks(row, ep)
+                row.update(compute=compute, checkpointing=checkpointing)
+                if "weights_and_optimizer_gib" in row:
+                    result["weights_and_optimizer_gib"] = row["weights_and_optimizer_gib"]
+                result["rows"].append(row)
+                if lead:
+                    print(json.dumps(row), flush=True)
+                save()
+        if getattr(args, "publish", None) and ep is not None:
+            result.setdefault("publish", {})[compute] = publish_once(step, os.path.join(args.publish, compute))
+            if lead:
+                print(json.dumps({"publish": result["publish"][compute]}), flush=True)
+            save()
+        del step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""`moerl local-run`: the whole loop on this machine, as separate processes exactly as on EKS: N rollout servers
+(`moerl serve-rollout`), the orchestrator (`moerl orchestrate`) and the trainer (`torchrun ... moerl train`, EP
+over gloo). Shows a progress bar, then evaluates the initial, post-warm-up and final weights on freshly
+sampled prompts, writes a reward-curve PNG and prints the summary."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl_eks.core.launch import launch
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig
+
+from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
+
+CLI = [sys.executable, "-m", "moe_rl_eks.tools.cli"]
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen
+    url: str | None = None
+
+    def send(self, sig: int) -> None:
+        """Signal the role's process group and every descendant's: torchrun starts its workers in sessions of
+        their own, so a SIGKILL of torchrun's group alone would leave them training."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.killpg(os.getpgid(pid), sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        """Signal the role and wait; SIGKILL if it does not go."""
+        if self.proc.poll() is None:
+            self.send(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.send(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class LocalCluster:
+    """Starts and stops the roles of a local run; tests use it to kill and restart them."""
+
+    def __init__(self, run_path: str, run: RunConfig, env: dict | None = None) -> None:
+        self.run_path, self.run = run_path, run
+        self.out = output_dir(run)
+        self.logs = self.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    run.rl.weight_token_env: secrets.token_hex(16), **(env or {})}
+        self.servers: list[Role] = []
+        self.orchestrator: Role | None = None
+        self.trainer: Role | None = None
+
+    def _spawn(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+        """Start a role in its own session; `cpus` pins it (and its children) to those cores."""
+        log = open(self.logs / f"{name}.log", "a")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                preexec_fn=pin)
+
+    def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
+        """Start rollout server `index`; a restarted one takes its predecessor's port, so the orchestrator's
+        endpoint list still names it."""
+        port = int(self.servers[index].url.rsplit(":", 1)[1]) if index < len(self.servers) else free_port()
+        argv = launch(CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)],
+                      processes=self.run.rollout.gpus_per_server, torchrun=TORCHRUN)
+        proc = self._spawn(f"rollout-{index}", argv, cpus)
+        role = Role(f"rollout-{index}", proc, f"http://127.0.0.1:{port}")
+        if index < len(self.servers):
+            self.servers[index] = role
+        else:
+            self.servers.append(role)
+        return role
+
+    def start_orchestrator(self, resume: bool = False, cpus: set[int] | None = None) -> Role:
+        port = free_port()
+        argv = CLI + ["orchestrate", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)]
+        for s in self.servers:
+            argv += ["--endpoint", s.url]
+        if resume:  # from the run's newest trainer checkpoint, if any
+            argv += ["--resume", "latest"]
+        self.orchestrator = Role("orchestrator", self._spawn("orchestrator", argv, cpus), f"http://127.0.0.1:{port}")
+        wait_for(f"{self.orchestrator.url}/health", timeout=START_TIMEOUT_S)
+        return self.orchestrator
+
+    def start_trainer(self, cpus: set[int] | None = None) -> Role:
+        ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
+        # The agent checks its workers every second, not every 0.1 s (its default): it shares a core with a role.
+        argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--monitor-interval=1",
+                # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
+                "-m", "--", "moe_rl_eks.tools.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url,
+                "--metrics-port", str(free_port())]
+        self.trainer = Role("trainer", self._spawn("trainer", argv, cpus))
+        return self.trainer
+
+    def start(self) -> None:
+        for i in range(self.run.rollout.min_servers):
+            self.start_server(i)
+        self.start_orchestrator()
+        self.start_trainer()
+
+    def stop(self) -> None:
+        for role in [self.trainer, self.orchestrator, *self.servers]:
+            if role is not None:
+                role.stop()
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """metrics.jsonl, the last record of each step (a resumed trainer re-runs steps after its checkpoint)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def progress_line(row: dict, total: int) -> str:
+    done = int(30 * row["step"] / total)
+    return (f"\r[{'#' * done}{'.' * (30 - done)}] step {row['step']}/{total}  reward {row['reward_mean']:.3f}  "
+            f"acc {row['accuracy']:.2f}  {row['samples_per_second']:.1f} samples/s  "
+            f"staleness {row['staleness_mean']:.2f}  idle {row['trainer_idle_fraction']:.2f}")
+
+
+def watch(cluster: LocalCluster, timeout_s: float) -> int:
+    """Print progress until the trainer exits; returns its exit code."""
+    deadline = time.monotonic() + timeout_s
+    total = cluster.run.rl.training.steps
+    shown = None
+    while cluster.trainer.proc.poll() is None:
+        rows = read_metrics(cluster.out)
+        if rows and rows[-1]["step"] != shown:
+            shown = rows[-1]["step"]
+            print(progress_line(rows[-1], total), end="", flush=True)
+        if time.monotonic() > deadline:
+            print(f"\nlocal-run: no finish within {timeout_s:.0f} s; stopping", file=sys.stderr)
+            cluster.trainer.stop()
+            return 124
+        for s in cluster.servers:
+            if s.proc.poll() is not None:
+                print(f"\nlocal-run: {s.name} exited with {s.proc.returncode}; see {cluster.logs}", file=sys.stderr)
+        time.sleep(1)
+    print()
+    return cluster.trainer.proc.returncode
+
+
+def evaluate(run: RunConfig, directories: dict[str, Path]) -> dict[str, dict]:
+    """rl.evaluation's metrics (eval/...) of the weights in each directory on the run's evaluation prompts: a
+    dataset's evaluation split, or built-in problems drawn with their own seed (not held out: training covers the
+    built-in task's small problem space, so there this measures the policy, not generalisation); with
+    reward_mean and accuracy (pass@1) for the summary and the plot. One set of reward workers scores them all."""
+    from moe_rl_eks.tools.evaluate import CheckpointEvaluator
+
+    with CheckpointEvaluator(run) as evaluate:
+        evals = {name: evaluate(directory) for name, directory in directories.items()}
+    return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
+            for name, m in evals.items()}
+
+
+def final_weights(run: RunConfig, out: Path) -> Path:
+    """The directory of the run's newest published version (the store's LATEST)."""
+    from moe_rl_eks.workloads.rl.weights import open_store
+
+    store = open_store(run.rl.weights, out / "weights")
+    return store.fetch(store.latest(), out / "weights-cache")
+
+
+def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    from moe_rl_eks.workloads.orchestrator.evaluation import read_records
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="batch mean reward")
+    ax.plot([r["step"] for r in rows], [r["accuracy"] for r in rows], label="batch accuracy", alpha=0.6)
+    periodic = read_records(path.parent)  # every rl.evaluation.every_steps, when the run evaluates periodically
+    if periodic:
+        ax.plot([r["step"] for r in periodic], [r["eval/reward_mean"] for r in periodic], marker=".",
+                label="evaluation reward")
+    for name, marker in (("initial", "x"), ("warmup", "o"), ("final", "s")):
+        if name in evals:
+            x = rows[-1]["step"] if name == "final" and rows else 0
+            ax.scatter([x], [evals[name]["reward_mean"]], marker=marker, label=f"evaluation reward ({name})")
+    ax.set_xlabel("RL step (weight version)")
+    ax.set_ylabel("reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = run_argparser("local-run", "run the whole RL loop on this machine")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
+    args = parser.parse_args(argv)
+    run = load(args.run)
+    out = output_dir(run)
+    if not args.resume and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(args.run, run)
+    print(f"local-run {run.name}: {run.rollout.min_servers} rollout servers, trainer EP={run.parallelism.ranks_per_node or LOCAL_RANKS} "
+          f"(gloo), max_staleness {run.rl.orchestrator.max_staleness}; logs in {cluster.logs}", flush=True)
+    start = time.monotonic()
+    try:
+        for i in range(run.rollout.min_servers):
+            cluster.start_server(i)
+        cluster.start_orchestrator(resume=args.resume)
+        cluster.start_trainer()
+        rc = watch(cluster, args.timeout)
+    finally:
+        cluster.stop()
+    if rc != 0:
+        print(f"local-run: trainer exited with {rc}; see {cluster.logs / 'trainer.log'}", file=sys.stderr)
+        return rc
+    rows = read_metrics(out)
+    points = {name: out / "eval" / name for name in ("initial", "warmup") if (out / "eval" / name).exists()}
+    evals = evaluate(run, {**points, "final": final_weights(run, out)})
+    plot(rows, evals, out / "reward_curve.png")
+    summary = {"seconds": time.monotonic() - start, "steps": len(rows), "evaluation": evals,
+               "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],
+               "samples_per_second": rows[-1]["samples_per_second"] if rows else 0.0,
+               "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("evaluation mean reward (accuracy):  " + "  ".join(
+        f"{k} {v['reward_mean']:.3f} ({v['accuracy']:.2f})" for k, v in evals.items()))
+    print(f"RL gain over post-warm-up: {summary['rl_gain']:+.3f}; {summary['samples_per_second']:.1f} samples/s; "
+          f"{summary['seconds']:.0f} s; metrics {out / 'metrics.jsonl'}, TensorBoard {out / 'tensorboard'}, "
+          f"curve {out / 'reward_curve.png'}, checkpoints {out / 'checkpoints'}")
+    return 0

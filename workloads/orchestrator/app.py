@@ -1,0 +1,158 @@
+"""`moerl orchestrate`: the orchestrator behind its HTTP adapter (FastAPI on uvicorn), for the trainers and
+for Prometheus.
+
+  GET  /v1/batch?step=s&committed=c   the batch of step s (200), not ready within the long poll (202), or a step
+                                      that is neither batched nor the next one (409)
+  POST /v1/version {"version", "lineage"}   the trainer published a version: pushed to every rollout server
+  GET  /v1/state                      the orchestrator's state (what a trainer checkpoint stores)
+  GET  /health, /metrics
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Query, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from moe_rl_eks.core.cluster import ORCHESTRATOR_PORT
+from moe_rl_eks.core.run import RunConfig
+
+from ..rl.algorithms import make_algorithm
+from ..rl.protocol import OrchestratorState, PromptRecord, VersionRef
+from ..rl.runtime import load, output_dir, run_argparser
+from .buffer import StepConflict
+from .client import HttpRolloutBackend
+from .driver import Orchestrator, Settings
+from .pool import ServerPool
+
+log = logging.getLogger(__name__)
+BATCH_POLL_S = 10.0
+
+
+class VersionPost(BaseModel):
+    version: int = Field(ge=0, strict=True)
+    lineage: int = Field(default=0, ge=0, strict=True)
+
+
+def make_app(orch: Orchestrator) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await orch.start()
+        try:
+            yield
+        finally:
+            await orch.stop()
+
+    app = FastAPI(title="moerl orchestrator", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict:
+        trainer = orch.buffer.trainer
+        return {"status": "ok", "published": trainer.to_json() if trainer else None,
+                "servers": {v.url: {"healthy": v.healthy, "holds": v.holds.to_json() if v.holds else None,
+                                    "in_flight": v.in_flight} for v in orch.pool.view()}}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(orch.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/state")
+    async def state() -> dict:
+        return orch.snapshot().to_json()
+
+    @app.get("/v1/batch")
+    async def batch(step: int = Query(ge=0), committed: int = Query(default=0, ge=0)) -> Response:
+        try:
+            found = await orch.batch(step, committed, BATCH_POLL_S)
+        except StepConflict as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "step"}},
+                                status_code=409)
+        if found is None:
+            return JSONResponse({"ready": False, "step": step}, status_code=202)
+        return JSONResponse(found.to_json())
+
+    @app.post("/v1/version")
+    async def version(body: VersionPost) -> dict:
+        published = await orch.publish(VersionRef(body.lineage, body.version))
+        return {"published": published.to_json() if published else None}
+
+    return app
+
+
+def reward_scorer(run: RunConfig):
+    """The run's RewardScorer as the driver's score_many: (prompt record, text, finished) -> score, or None where
+    the reward failed (masked, never faked)."""
+    from ..rl.data import Prompt
+    from ..rl.rewards import RewardScorer
+
+    scorer = RewardScorer(run.rl.reward)
+
+    def score_many(items: list[tuple[PromptRecord, str, bool]]) -> list[float | None]:
+        results = scorer.score_many([(Prompt(p.index, tuple(p.prompt_ids), p.text, p.data_source, p.ground_truth,
+                                             p.extra_info), text, finished) for p, text, finished in items])
+        return [r.score for r in results]
+
+    return score_many
+
+
+def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: Path | None = None,
+          state: OrchestratorState | None = None) -> Orchestrator:
+    algorithm = make_algorithm(run.rl)
+
+    def advantages(rewards: list[float]) -> list[float]:
+        import torch
+
+        return algorithm.sequence_advantages(torch.tensor([rewards]))[0].tolist()
+
+    from ..rl.data import make_prompt_source
+    from .evaluation import PeriodicEvaluator
+    from ..rl.tokenizer import load_tokenizer
+
+    pool = ServerPool(endpoints, run.rl.orchestrator.max_inflight_requests)
+    tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
+    source = make_prompt_source(run, tokenizer)
+    return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), source, reward_scorer(run),
+                        advantages, events_path=events_path, state=state,
+                        evaluator=PeriodicEvaluator(run, output_dir(run), tokenizer))
+
+
+def resume_state(resume: str | None, out: Path) -> OrchestratorState | None:
+    """`--resume`: a path to orchestrator.json, or 'latest' for the one in the run's newest trainer checkpoint
+    (None while there is no checkpoint yet: a fresh start)."""
+    if resume == "latest":
+        from ..rl.checkpoint_dirs import latest
+
+        newest = latest(out / "checkpoints")
+        resume = str(newest / "orchestrator.json") if newest else None
+        log.info("resuming from %s", resume or "nothing: no checkpoint yet")
+    if not resume:
+        return None
+    return OrchestratorState.from_json(json.loads(Path(resume).read_text()), path=f"{resume}")
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    parser = run_argparser("orchestrate", "drive rollouts and feed trainers for a run")
+    parser.add_argument("--port", type=int, default=ORCHESTRATOR_PORT)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--endpoint", action="append", default=[],
+                        help="rollout server base URL (repeatable; default: rl.orchestrator.endpoints)")
+    parser.add_argument("--resume", help="orchestrator state: orchestrator.json of a trainer checkpoint, or 'latest' "
+                                         "for the run's newest checkpoint (a fresh start when there is none)")
+    args = parser.parse_args(argv)
+    run = load(args.run)
+    out = output_dir(run)
+    out.mkdir(parents=True, exist_ok=True)
+    orch = build(run, args.endpoint or list(run.rl.orchestrator.endpoints), os.environ.get(run.rl.weight_token_env),
+                 out / "orchestrator-events.jsonl", resume_state(args.resume, out))
+    log.info("orchestrator on %s:%d over %d rollout servers", args.host, args.port, len(orch.pool.urls()))
+    uvicorn.run(make_app(orch), host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+

@@ -1,0 +1,198 @@
+"""The group buffer: which prompts may be asked for, which scored groups wait, which batch each step gets.
+
+Pure: no I/O, no clock, no lock (its owner, the orchestrator's event loop, is its only caller). Its state is
+what a checkpoint records (`snapshot`/`restore`).
+
+- Staleness budget (AReaL's rule): no new prompt while consumed + buffered + in flight groups would exceed
+  (trainer version + max_staleness + 1) x prompts_per_step; max_staleness 0 is synchronous on-policy training.
+- A group trains step `s` of lineage `L` only if its weights `v` are in L's history (its own lineage, or an
+  older one up to where L forked from it) and `0 <= s - v <= max_staleness` (protocol.staleness_ok); others are
+  dropped at batch time and counted.
+- Batches are idempotent by step (a restarted trainer gets the batch its dead predecessor fetched, if every
+  sample of it is in the new lineage's history; else it and every later batch are dropped and re-formed), in
+  prompt order (which rank trains which sample must not depend on timing).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..rl.protocol import (Batch, BatchStats, Group, OrchestratorState, PromptRecord, TrainingSample, VersionRef,
+                        staleness_ok)
+
+COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
+          "retries", "hedges", "duplicates_ignored", "failed_requests")
+
+
+class StepConflict(ValueError):
+    """A trainer asked for a step that is neither batched nor the next one."""
+
+
+@dataclass
+class Outcome:
+    """What became of a completed group: `kept`, or why not."""
+
+    kind: str  # kept | duplicate | filtered | too_few
+    group: Group
+
+
+@dataclass
+class GroupBuffer:
+    prompts_per_step: int
+    max_staleness: int
+    correct_reward: float  # a sample scoring at least this counts as correct in the batch's accuracy
+    next_prompt: int = 0
+    consumed: int = 0
+    first_step: int | None = None  # the step of the first batch (a trainer may start at a checkpoint's)
+    trainer: VersionRef | None = None  # the trainer's newest posted version; None until it posts one
+    previous: VersionRef | None = None  # the trainer's version before a restart: where a new lineage forks
+    forks: dict[int, VersionRef] = field(default_factory=dict)
+    in_flight: dict[str, PromptRecord] = field(default_factory=dict)
+    buffered: list[Group] = field(default_factory=list)
+    batches: dict[int, Batch] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+
+    # ---- issuing --------------------------------------------------------------------------------------------
+    def budget_left(self) -> int:
+        """New prompts the staleness budget allows now (0 before the trainer has posted a version)."""
+        if self.trainer is None:
+            return 0
+        budget = (self.trainer.version + self.max_staleness + 1) * self.prompts_per_step
+        return max(0, budget - (self.consumed + len(self.buffered) + len(self.in_flight)))
+
+    def issue(self, prompt: PromptRecord) -> str:
+        """Record `prompt` as in flight; returns its request id."""
+        request_id = f"p{prompt.index}"
+        self.in_flight[request_id] = prompt
+        self.next_prompt = max(self.next_prompt, prompt.index + 1)
+        return request_id
+
+    def abandon(self, request_id: str) -> None:
+        """Every attempt of the request failed: it is counted and never trained."""
+        if self.in_flight.pop(request_id, None) is not None:
+            self.counts["failed_requests"] += 1
+
+    # ---- completing -----------------------------------------------------------------------------------------
+    def complete(self, group: Group, *, rewards_failed: int, dynamic_sampling: bool) -> Outcome:
+        """A request's scored group (its failed rewards already masked out, `rewards_failed` of them)."""
+        if self.in_flight.pop(group.request_id, None) is None:
+            self.counts["duplicates_ignored"] += 1
+            return Outcome("duplicate", group)
+        self.counts["completed"] += 1
+        self.counts["rewards_failed"] += rewards_failed
+        if len(group.samples) < 2:  # no group left to compare against: no advantage to learn from
+            self.counts["dropped_failed_groups"] += 1
+            return Outcome("too_few", group)
+        rewards = [s.reward for s in group.samples]
+        if dynamic_sampling and max(rewards) == min(rewards):
+            self.counts["filtered_groups"] += 1
+            return Outcome("filtered", group)
+        self.buffered.append(group)
+        return Outcome("kept", group)
+
+    # ---- batching -------------------------------------------------------------------------------------------
+    def set_trainer(self, ref: VersionRef) -> bool:
+        """The trainer posted `ref` (it trains step ref.version next). Returns whether it is new: a newer lineage
+        or a higher version of the same one. A new lineage forks from the trainer's last version: its versions
+        up to ref.version of the older lineage are the same weights (the checkpoint it resumed from)."""
+        last = self.trainer or self.previous
+        if self.trainer is not None and ref <= self.trainer:
+            return False
+        if last is not None and ref.lineage != last.lineage:
+            self.forks[ref.lineage] = VersionRef(last.lineage, min(ref.version, last.version))
+        self.trainer = ref
+        return True
+
+    def trainable(self, sample: VersionRef, step: int, lineage: int) -> bool:
+        return staleness_ok(VersionRef(lineage, step), sample, self.max_staleness, self.forks)
+
+    def drop_stale(self, step: int, lineage: int) -> list[Group]:
+        """Remove and return the groups that step `step` of `lineage` may not train."""
+        stale = [g for g in self.buffered if not self.trainable(g.version, step, lineage)]
+        if stale:
+            self.buffered = [g for g in self.buffered if self.trainable(g.version, step, lineage)]
+            self.counts["dropped_stale_groups"] += len(stale)
+        return stale
+
+    def revalidate(self, step: int, lineage: int) -> list[str]:
+        """Before a trainer of `lineage` gets the existing batch of `step`: if it holds a sample outside that
+        lineage's history (a dead trainer's batch formed from its own later versions), it and every later batch
+        are dropped (their groups counted stale) and re-formed. Returns the dropped request ids."""
+        kept = self.batches.get(step)
+        if kept is None or all(self.trainable(x.version, step, lineage) for x in kept.samples):
+            return []
+        dropped = []
+        for s in sorted(k for k in self.batches if k >= step):
+            batch = self.batches.pop(s)
+            ids = sorted({sample.id.split("/")[0] for sample in batch.samples})
+            self.consumed -= len(ids)
+            self.counts["dropped_stale_groups"] += len(ids)
+            dropped += ids
+        return dropped
+
+    def batch(self, step: int, lineage: int, committed: int,
+              advantages: Callable[[list[float]], list[float]]) -> Batch | None:
+        """The batch of step `step` (formed now if enough groups wait, else None); batches before `committed`
+        (a checkpoint holds them) are forgotten. `advantages` is the algorithm's sequence advantages of one
+        group's rewards. Raises StepConflict for a step that is neither batched nor the next."""
+        for old in [s for s in self.batches if s < committed]:
+            del self.batches[old]
+        if step in self.batches:
+            if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
+                self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)
+            return self.batches[step]
+        if self.first_step is None:  # a fresh orchestrator serves whichever step its trainer starts at
+            self.first_step = step
+        expected = self.first_step + self.consumed // self.prompts_per_step  # each batch takes prompts_per_step
+        if step > expected:
+            raise StepConflict(f"step {step}: the next batch to form is step {expected}; ask for that one")
+        if step < expected:
+            raise StepConflict(f"step {step}: its batch was forgotten (a trainer said a checkpoint past it was "
+                               f"committed); the next batch to form is step {expected}")
+        if len(self.buffered) < self.prompts_per_step:
+            return None
+        taken, self.buffered = self.buffered[:self.prompts_per_step], self.buffered[self.prompts_per_step:]
+        taken.sort(key=lambda g: g.prompt_index)
+        self.consumed += len(taken)
+        samples = []
+        for g in taken:
+            adv = advantages([s.reward for s in g.samples])
+            for j, (s, a) in enumerate(zip(g.samples, adv)):
+                samples.append(TrainingSample(id=f"{g.request_id}/{j}", prompt_ids=g.prompt_ids,
+                                              completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
+                                              advantage=a, finished=s.finished, version=g.version, routing=s.routing))
+        rewards = [s.reward for s in samples]
+        stats = BatchStats(reward_mean=sum(rewards) / len(rewards),
+                           accuracy=sum(r >= self.correct_reward for r in rewards) / len(rewards),
+                           staleness_mean=sum(step - g.version.version for g in taken) / len(taken),
+                           dropped_stale_groups=self.counts["dropped_stale_groups"],
+                           filtered_groups=self.counts["filtered_groups"], retries=self.counts["retries"],
+                           rewards_failed=self.counts["rewards_failed"], completed=self.counts["completed"])
+        batch = Batch(step=step, lineage=lineage, samples=samples, stats=stats)
+        self.batches[step] = batch
+        return batch
+
+    def demand(self) -> int:
+        """Requests in flight plus those the budget allows now: the rollout autoscaler's signal."""
+        return len(self.in_flight) + self.budget_left()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def snapshot(self) -> OrchestratorState:
+        return OrchestratorState(next_prompt=self.next_prompt, consumed=self.consumed,
+                                 pending=sorted(self.in_flight.values(), key=lambda p: p.index),
+                                 buffered=list(self.buffered), batches=dict(self.batches), counts=dict(self.counts),
+                                 trainer=self.trainer, forks=dict(self.forks), first_step=self.first_step)
+
+    @classmethod
+    def restore(cls, state: OrchestratorState, *, prompts_per_step: int, max_staleness: int,
+                correct_reward: float) -> "GroupBuffer":
+        """A buffer from a checkpoint. The prompts that were in flight are in flight again (the orchestrator
+        issues them anew: same prompt, same seed). The trainer's version is only where a new lineage forks:
+        until the restarted trainer posts its own, nothing is issued."""
+        buf = cls(prompts_per_step, max_staleness, correct_reward, next_prompt=state.next_prompt,
+                  consumed=state.consumed, first_step=state.first_step, previous=state.trainer, forks=dict(state.forks),
+                  in_flight={f"p{p.index}": p for p in state.pending}, buffered=list(state.buffered),
+                  batches=dict(state.batches))
+        buf.counts.update(state.counts)
+        return buf

@@ -1,0 +1,391 @@
+"""The orchestrator: one asyncio event loop that issues prompts within the staleness budget, sends each as a
+completion request to the pool's choice of server (retried elsewhere when it fails, hedged on a second server
+when it straggles), scores the completions, and hands the buffer's batches to the trainer, which posts each
+version it publishes (pushed to every server).
+
+The buffer and the counters are touched only on the event loop; the pool has its own lock (pool.py); rewards
+are scored in worker threads (user code may block).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.run import RunConfig
+
+from ..rl.protocol import (Batch, Choice, Completion, CompletionRequest, Group, OrchestratorState, PromptRecord, Sample,
+                        VersionRef, derive_seed)
+from ..rl.runtime import Registry
+from .buffer import GroupBuffer
+from .client import RequestFault, RolloutBackend, RolloutFault, ServerFault
+from .pool import ServerPool
+
+log = logging.getLogger(__name__)
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
+IDLE_TICK_S = 0.5  # the dispatcher also looks again this often (servers may have become ready)
+HEDGE_RETRY_S = 0.1  # a straggler with no other server free looks again this often
+REFUSALS_BEFORE_PAUSE = 8  # requests refused (4xx) everywhere in a row: then new prompts wait, doubling up to
+MAX_PAUSE_S = 30.0  # this, instead of burning through the prompt stream while a setting is wrong
+
+
+class PromptSource(Protocol):
+    """Where prompts come from (the data module's contract)."""
+
+    def next(self) -> Any: ...  # a Prompt: index, prompt_ids, text, data_source, ground_truth, extra_info
+    def state(self) -> dict: ...
+    def restore(self, state: dict) -> None: ...
+
+
+# (prompt, completion text, finished) -> one score each, None where the reward failed (masked, never faked)
+ScoreMany = Callable[[list[tuple[PromptRecord, str, bool]]], list[float | None]]
+
+
+@dataclass
+class Settings:
+    """What the orchestrator reads of the run, in one place."""
+
+    prompts_per_step: int
+    max_staleness: int
+    group_size: int
+    dynamic_sampling: bool
+    routing_replay: bool
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    correct_reward: float
+    request_timeout_s: float
+    straggler_after_s: float
+    max_attempts: int
+    weight_push_timeout_s: float
+    model: str
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "Settings":
+        rl = run.rl
+        return cls(rl.training.prompts_per_step, rl.orchestrator.max_staleness, rl.algorithm.group_size,
+                   rl.algorithm.dynamic_sampling, rl.algorithm.routing_replay, rl.sampling.max_tokens,
+                   rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.pass_threshold,
+                   rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s, rl.orchestrator.max_attempts,
+                   rl.orchestrator.weight_push_timeout_s, run.name)
+
+
+class Orchestrator:
+    def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
+                 score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
+                 events_path: Path | None = None, state: OrchestratorState | None = None,
+                 evaluator: Any = None) -> None:
+        self.s, self.pool, self.backend, self.source = settings, pool, backend, source
+        self.evaluator = evaluator  # evaluation.PeriodicEvaluator: evaluates a version on the first server holding it
+        self.score_many, self.advantages = score_many, advantages
+        if state is None:
+            self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
+        else:
+            self.buffer = GroupBuffer.restore(state, prompts_per_step=settings.prompts_per_step,
+                                              max_staleness=settings.max_staleness,
+                                              correct_reward=settings.correct_reward)
+            self.source.restore(state.source)
+        self.metrics = Registry()
+        self.events = open(events_path, "a") if events_path else None
+        self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task driving it
+        self._background: set[asyncio.Task] = set()
+        self._refused_in_a_row = 0
+        self._paused_until = 0.0
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Condition | None = None
+        self.running = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._wake, self._changed = asyncio.Event(), asyncio.Condition()
+        self.running = True
+        self._spawn(self._dispatch_loop())
+        self._spawn(self._health_loop())
+
+    async def stop(self) -> None:
+        self.running = False
+        tasks = [*self._tasks.values(), *self._background]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.backend.close()
+        if self.evaluator is not None:
+            await asyncio.to_thread(self.evaluator.close)  # lets a running evaluation finish and record
+        if self.events:
+            self.events.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.events:
+            self.events.write(json.dumps({"event": kind, "t": time.time(), **fields}) + "\n")
+            self.events.flush()
+
+    async def _notify(self) -> None:
+        self._wake.set()
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- the trainer's side ---------------------------------------------------------------------------------
+    async def publish(self, ref: VersionRef) -> VersionRef | None:
+        """The trainer published `ref`: requests go only to servers holding it from now on, and every healthy
+        server is told to load it (in the background: a slow server never stalls the trainer)."""
+        if self.buffer.set_trainer(ref):
+            log.info("trainer published %s", ref)
+            self._push_all(ref)
+            await self._notify()
+        return self.buffer.trainer
+
+    async def batch(self, step: int, committed: int, timeout_s: float) -> Batch | None:
+        """The batch of `step` for the trainer's lineage, or None if not ready within `timeout_s`. Raises
+        buffer.StepConflict for a step that is neither batched nor the next one."""
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            while True:
+                trainer = self.buffer.trainer
+                if trainer is not None:
+                    for request_id in self.buffer.revalidate(step, trainer.lineage):
+                        self._event("dropped_stale", request_id=request_id, step=step, lineage=trainer.lineage)
+                    known = step in self.buffer.batches
+                    if not known:
+                        for g in self.buffer.drop_stale(step, trainer.lineage):
+                            self.metrics[M.SAMPLES_DROPPED_STALE].inc(len(g.samples))
+                            self._event("dropped_stale", request_id=g.request_id, version=g.version.to_json(),
+                                        step=step)
+                    batch = self.buffer.batch(step, trainer.lineage, committed, self.advantages)
+                    if batch is not None:
+                        if not known:
+                            self._formed(batch)
+                        return batch
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.running:
+                    return None
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _formed(self, batch: Batch) -> None:
+        self.metrics[M.REWARD_MEAN].set(batch.stats.reward_mean)
+        self.metrics[M.SAMPLE_STALENESS].set(batch.stats.staleness_mean)
+        self._event("batched", step=batch.step, request_ids=sorted({s.id.split("/")[0] for s in batch.samples}))
+        self._wake.set()  # the budget moved
+
+    def snapshot(self) -> OrchestratorState:
+        return dataclasses.replace(self.buffer.snapshot(), source=self.source.state())
+
+    # ---- issuing --------------------------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        while self.running:
+            self._fill()
+            self.metrics[M.ROLLOUT_QUEUE_DEPTH].set(self.buffer.demand())
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=IDLE_TICK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _fill(self) -> None:
+        """Draw every prompt the budget allows (they count as in flight from now on), then send those that wait
+        for a server while the pool has room."""
+        target = self.buffer.trainer
+        if target is None:
+            return
+        for _ in range(self.buffer.budget_left() if time.monotonic() >= self._paused_until else 0):
+            self.buffer.issue(prompt_record(self.source.next()))
+        waiting = sorted((p.index, rid) for rid, p in self.buffer.in_flight.items() if rid not in self._tasks)
+        for i, (_, request_id) in enumerate(waiting):
+            url = self.pool.acquire(target, demand=len(waiting) - i)
+            if url is None:
+                return
+            prompt = self.buffer.in_flight[request_id]
+            self._tasks[request_id] = asyncio.get_running_loop().create_task(self._request(request_id, prompt, url))
+
+    def _request_body(self, prompt: PromptRecord) -> CompletionRequest:
+        s = self.s
+        return CompletionRequest(prompt=list(prompt.prompt_ids), n=s.group_size, max_tokens=s.max_tokens,
+                                 temperature=s.temperature, top_p=s.top_p, seed=derive_seed(s.seed, prompt.index),
+                                 model=s.model, return_routing=s.routing_replay, logprob_mode="processed")
+
+    async def _request(self, request_id: str, prompt: PromptRecord, url: str) -> None:
+        """Drive one request to a scored group: up to max_attempts servers, each attempt hedged once."""
+        body = self._request_body(prompt)
+        try:
+            for attempt in range(1, self.s.max_attempts + 1):
+                try:
+                    completion = await self._attempt(request_id, body, url)
+                    break
+                except RolloutFault as fault:
+                    log.warning("request %s attempt %d failed: %s", request_id, attempt, fault)
+                    if attempt == self.s.max_attempts:
+                        self.buffer.abandon(request_id)
+                        self._event("failed", request_id=request_id, error=str(fault))
+                        self._refused(fault)
+                        return
+                self._count("retries")
+                url = await self._server_for_retry(exclude=url)
+            self._refused_in_a_row = 0
+            await self._completed(request_id, prompt, completion)
+        except Exception:
+            # A bug after the reply (scoring, a malformed record): the request is lost, loudly; counts stay right.
+            log.exception("request %s failed after its reply", request_id)
+            self.buffer.abandon(request_id)
+            self._event("failed", request_id=request_id, error="internal")
+        finally:
+            self._tasks.pop(request_id, None)
+            self._wake.set()
+
+    def _refused(self, fault: RolloutFault) -> None:
+        """A request failed on every attempt; if many in a row were refused (4xx), pause new prompts."""
+        self._refused_in_a_row = self._refused_in_a_row + 1 if isinstance(fault, RequestFault) else 0
+        over = self._refused_in_a_row - REFUSALS_BEFORE_PAUSE
+        if over >= 0:
+            pause = min(MAX_PAUSE_S, 0.5 * 2 ** over)
+            self._paused_until = time.monotonic() + pause
+            log.error("%d requests in a row refused by every server they were sent to (last: %s); new prompts wait "
+                      "%.1f s", self._refused_in_a_row, fault, pause)
+
+    async def _server_for_retry(self, exclude: str) -> str:
+        """A server for the next attempt: another ready one if there is one, else whichever becomes ready."""
+        while True:
+            target = self.buffer.trainer
+            url = self.pool.acquire(target, exclude=(exclude,)) or self.pool.acquire(target)
+            if url is not None:
+                return url
+            await asyncio.sleep(HEALTH_INTERVAL_S / 2)
+
+    async def _send(self, url: str, body: CompletionRequest, sent: asyncio.Event | None) -> Completion:
+        """One call; the server's in-flight count is released however it ends (answer, fault, cancel, bug)."""
+        try:
+            completion = await self.backend.complete(url, body, timeout_s=self.s.request_timeout_s, sent=sent)
+            if not completion.lineage_reported:
+                ref = self.pool.attribute(url, completion.version)
+                if ref is None:  # weights we cannot place in any lineage: never trained
+                    raise ServerFault(url, f"answered with version {completion.version.version} of no known lineage")
+                completion = dataclasses.replace(completion, version=ref, lineage_reported=True)
+            return completion
+        except ServerFault:
+            self.pool.unhealthy(url)
+            raise
+        finally:
+            self.pool.release(url)
+
+    async def _attempt(self, request_id: str, body: CompletionRequest, url: str) -> Completion:
+        """Send to `url`; if no answer `straggler_after_s` after it was SENT (not issued: time spent waiting for
+        a connection does not count), also send to another ready server; the first answer wins and the other
+        call is cancelled, which closes its connection. Raises the last fault when every call failed."""
+        sent = asyncio.Event()
+        calls = {asyncio.ensure_future(self._send(url, body, sent))}
+        try:
+            sent_wait = asyncio.ensure_future(sent.wait())
+            await asyncio.wait({*calls, sent_wait}, timeout=self.s.request_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            sent_wait.cancel()
+            done, _ = await asyncio.wait(calls, timeout=self.s.straggler_after_s if sent.is_set() else 0)
+            while not done and sent.is_set():  # straggling: hedge as soon as another server has room
+                hedge_url = self.pool.acquire(self.buffer.trainer, exclude=(url,))
+                if hedge_url is not None:
+                    log.info("request %s straggles on %s; also sent to %s", request_id, url, hedge_url)
+                    self._count("hedges")
+                    self._count("retries")
+                    calls.add(asyncio.ensure_future(self._send(hedge_url, body, None)))
+                    break
+                done, _ = await asyncio.wait(calls, timeout=HEDGE_RETRY_S)
+            fault: RolloutFault | None = None
+            pending = calls
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for call in done:
+                    if call.exception() is None:
+                        return call.result()
+                    exc = call.exception()
+                    if not isinstance(exc, RolloutFault):
+                        raise exc
+                    fault = exc
+            raise fault
+        finally:
+            for call in calls:
+                call.cancel()
+
+    def _count(self, name: str) -> None:
+        self.buffer.counts[name] += 1
+        if name == "retries":
+            self.metrics[M.ROLLOUT_RETRIES].inc()
+
+    # ---- completing -----------------------------------------------------------------------------------------
+    async def _completed(self, request_id: str, prompt: PromptRecord, completion: Completion) -> None:
+        items = [(prompt, c.text, c.finish_reason == "stop") for c in completion.choices]
+        scores = await asyncio.to_thread(self.score_many, items)
+        samples = [sample_of(c, score) for c, score in zip(completion.choices, scores) if score is not None]
+        failed = len(completion.choices) - len(samples)
+        group = Group(request_id, prompt.index, list(prompt.prompt_ids), completion.version, samples)
+        outcome = self.buffer.complete(group, rewards_failed=failed, dynamic_sampling=self.s.dynamic_sampling)
+        if outcome.kind == "duplicate":
+            return
+        self.metrics[M.REWARD_FAILURES].inc(failed)
+        self._event("completed", request_id=request_id, version=completion.version.to_json())
+        if outcome.kind == "filtered":
+            self.metrics[M.SAMPLES_FILTERED].inc(len(samples))
+            self._event("filtered", request_id=request_id)
+        elif outcome.kind == "too_few":
+            self._event("dropped_failed", request_id=request_id, rewards_failed=failed)
+        await self._notify()
+
+    # ---- servers --------------------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while self.running:
+            await asyncio.to_thread(self.pool.discover)
+            await asyncio.gather(*(self._check(url) for url in self.pool.urls()))
+            if self.buffer.trainer is not None:
+                self._push_all(self.buffer.trainer)
+            self._wake.set()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _check(self, url: str) -> None:
+        try:
+            health = await self.backend.health(url, timeout_s=HEALTH_TIMEOUT_S)
+        except RolloutFault:
+            self.pool.unhealthy(url)
+            return
+        self.pool.healthy(url, health.version, health.lineage)
+
+    def _push_all(self, ref: VersionRef) -> None:
+        for url in self.pool.needing(ref):
+            self._spawn(self._push(url, ref))
+
+    async def _push(self, url: str, ref: VersionRef) -> None:
+        try:
+            await self.backend.load_weights(url, ref, timeout_s=self.s.weight_push_timeout_s)
+        except RolloutFault as fault:
+            log.warning("server %s did not load %s: %s", url, ref, fault)
+            self.pool.pushed(url, ref, loaded=False)
+            if isinstance(fault, ServerFault):
+                self.pool.unhealthy(url)
+            return
+        self.pool.pushed(url, ref, loaded=True)
+        if self.evaluator is not None:
+            self.evaluator.maybe_start(ref.version, url)
+        self._wake.set()
+
+
+def prompt_record(prompt: Any) -> PromptRecord:
+    return PromptRecord(prompt.index, list(prompt.prompt_ids), prompt.text, prompt.ground_truth,
+                        prompt.data_source, dict(prompt.extra_info))
+
+
+def sample_of(choice: Choice, reward: float) -> Sample:
+    return Sample(choice.token_ids, choice.logprobs, reward, choice.finish_reason == "stop", choice.routing)
+

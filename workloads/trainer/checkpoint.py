@@ -1,0 +1,132 @@
+"""Trainer checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own shards (its experts
+and their optimizer state; replicated weights once), the metadata records each tensor's global shape, so a
+checkpoint loads on any number of trainer ranks: each reads the slices it owns now. Step, lineage, Python RNG and
+the orchestrator's state (data cursor, buffered and in-flight groups, served batches) are JSON from rank 0.
+
+Written into a staging directory and renamed into place once every rank has finished, so a crash mid-write
+leaves the previous checkpoint intact. Nothing is unpickled on load: tensors are read with torch.load's
+weights-only loader (DCP's), and DCP's metadata file through an unpickler that admits only its own record types.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..rl.checkpoint_dirs import LATEST, final_dir, latest, staging_dir
+from ..rl.weights import fsync
+
+DCP_RECORD_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+def python_rng_state() -> list:
+    version, state, gauss = random.getstate()
+    return [version, list(state), gauss]
+
+
+def set_python_rng_state(state: list) -> None:
+    version, values, gauss = state
+    random.setstate((version, tuple(values), gauss))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; admit only the classes it is made of (no arbitrary callables)."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module in DCP_RECORD_MODULES or (module, name) in (("pathlib", "PosixPath"),
+                                                                      ("torch", "Size"),
+                                                                      ("torch.serialization", "_get_layout"))
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata "
+                                         "file never holds; refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{self.path}/.metadata holds {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def prepare(root: Path, step: int, rank: int, world: int) -> Path:
+    """Rank 0 makes an empty staging directory; every rank gets its path once it exists."""
+    staging = staging_dir(root, step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    if world > 1:
+        dist.barrier()
+    return staging
+
+
+def save(state: dict[str, torch.Tensor], staging: Path, *, asynchronous: bool,
+         group: dist.ProcessGroup | None = None) -> Future | None:
+    """Write this rank's part of `state` (flat: name -> tensor or DTensor) into `staging`. Asynchronous: the
+    tensors are copied to host memory before this returns, written by a background thread; the Future resolves
+    once the checkpoint (every rank's files and the metadata) is complete. `group`: the process group DCP
+    coordinates over (a gloo group of its own when asynchronous, so it never interleaves with training's)."""
+    with _single_process() as alone:
+        if asynchronous:
+            return dcp.async_save(state, checkpoint_id=str(staging), process_group=group, no_dist=alone)
+        dcp.save(state, checkpoint_id=str(staging), process_group=group, no_dist=alone)
+    return None
+
+
+def load(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Fill `state` (shaped for THIS run's ranks: DTensor shards or whole tensors) in place from `directory`."""
+    with _single_process() as alone:
+        dcp.load(state, storage_reader=SafeReader(str(directory)), no_dist=alone)
+
+
+@contextlib.contextmanager
+def _single_process():
+    """Whether there is no process group (one trainer process: tests, tools), which then saves and loads alone;
+    DCP warns about that on every call even when told so, hence the filter."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield alone
+
+
+def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, keep: int = 2) -> Path:
+    """Rank 0, after every rank's shards and the metadata are written: add the JSON, rename into place, point
+    LATEST at it, delete all but the newest `keep`."""
+    staging, final = staging_dir(root, step), final_dir(root, step)
+    (staging / "trainer.json").write_text(json.dumps(meta, indent=1))
+    if orchestrator_state is not None:
+        (staging / "orchestrator.json").write_text(json.dumps(orchestrator_state))
+    for path in staging.iterdir():
+        fsync(path)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(final.name)
+    fsync(tmp)
+    os.replace(tmp, root / LATEST)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+

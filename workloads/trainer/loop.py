@@ -1,0 +1,647 @@
+"""Trainer: `torchrun` ranks with expert parallelism inside. The loop (this module): rank 0 fetches the step's
+batch from the orchestrator (a `BatchSource`) and broadcasts it; every rank trains on its share, rank 0 publishes
+the weights as the next version; checkpoints every `checkpoint_every` steps and on SIGTERM (preemption: the ranks
+agree on stopping every step, so all of them checkpoint together), then exits cleanly; a restart resumes from the
+newest checkpoint in a new weight lineage.
+
+The step itself is train_step.TrainStep (tensors to loss, gradient sync, clipping, one collective of metrics); the
+algorithm (advantages, normalizer, loss, epochs x mini-batches) is the run's `Algorithm` object, asked, never
+branched on."""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+import urllib.error
+from dataclasses import fields
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.cluster import TRAINER_METRICS_PORT
+from moe_rl_eks.core.run import RunConfig, resolve_run
+
+from ..model import MoETransformer
+from ..model.checkpoint import load_hf, save_hf
+from ..model.transformer import expert_slice
+from ..moe.parallel import ExpertParallel, local_experts
+from . import checkpoint as ckpt
+from ..rl.algorithms import SequenceScores, make_algorithm
+from ..rl.data import FormatExamples
+from ..rl.losses import PolicyBatch, Totals
+from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
+from ..rl.protocol import Batch, TrainingSample, VersionRef
+from .publisher import Publisher
+from ..rl.runtime import Registry, http_json, load, output_dir, run_argparser
+from ..rl.tokenizer import load_tokenizer, write_checkpoint_metadata
+from .step import Forward, TrainStep, learning_rate
+from ..rl.weights import open_store
+
+log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """Where the trainer's batches come from and where it reports versions (the orchestrator, over HTTP)."""
+
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        """The batch of `step`, waiting for it; None once `stopping()` is true. `committed`: the step of the
+        newest committed checkpoint (older batches may be forgotten)."""
+
+    def version_published(self, version: int, lineage: int) -> None: ...
+
+    def state(self) -> dict | None:
+        """What to keep in a trainer checkpoint so the source resumes with it."""
+
+
+class HttpBatchSource:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        while not stopping():
+            try:
+                data = http_json("GET", f"{self.url}/v1/batch?step={step}&committed={committed}", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
+                    raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
+                log.warning("orchestrator error (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                log.warning("orchestrator unreachable (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            if data.get("samples"):  # else {"ready": false}: not ready within the long poll; ask again
+                return Batch.from_json(data)
+        return None
+
+    def version_published(self, version: int, lineage: int) -> None:
+        http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
+
+    def state(self) -> dict | None:
+        return http_json("GET", f"{self.url}/v1/state", timeout=60)
+
+
+class Announcer:
+    """Rank 0: tells the batch source each weight version once the publisher has put it in the store, so the
+    orchestrator hears of a version only when rollout servers can load it.
+
+    Asynchronous runs (max_staleness >= 1): a thread announces versions as they land, while the trainer goes on.
+    Synchronous runs (max_staleness 0): the next batch needs samples of the new version, so nothing can overlap
+    the write anyway; `published(version)` waits for it and announces before the trainer asks for that batch.
+    Locking rule: the source is called by the thread alone when there is one, else by the trainer's thread."""
+
+    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int, *, background: bool) -> None:
+        self.publisher, self.source, self.lineage = publisher, source, lineage
+        self.announced: int | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True) if background else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def published(self, version: int) -> None:
+        """The publisher took a snapshot of `version`."""
+        if self._thread is not None:
+            return
+        failures = self.publisher.failures
+        seen = self.publisher.published
+        while seen is None or seen < version:
+            if self.publisher.failures > failures:
+                raise RuntimeError(f"weight version {version} could not be written to the store; see the log")
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+        self._announce(seen)
+
+    def close(self) -> None:
+        """After the publisher's close (everything written): stop the thread, announce the newest version."""
+        self._closing = True
+        if self._thread is not None:
+            self._thread.join()
+        self._announce(self.publisher.published)
+
+    def _run(self) -> None:
+        seen = None
+        while not self._closing:
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+            self._announce(seen)
+
+    def _announce(self, version: int | None) -> None:
+        if version is None or version == self.announced:
+            return
+        try:
+            self.source.version_published(version, self.lineage)
+            self.announced = version
+        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+            log.exception("announcing weight version %d failed", version)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, source: BatchSource | None, rank: int, world: int) -> None:
+        self.run, self.source, self.rank, self.world = run, source, rank, world
+        self.cfg = run.rl.training
+        self.algorithm = make_algorithm(run.rl)
+        self.out = output_dir(run)
+        self.ckpt_root = self.out / "checkpoints"
+        self.store = open_store(run.rl.weights, self.out / "weights")
+        backend = resolved_backend(run)
+        self.device = train_device()
+        self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                  device=str(self.device)) if world > 1 else None)
+        torch.manual_seed(self.cfg.seed)
+        state = initial_weights(run, local_experts(self.ep, run.model.num_experts))
+        self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
+        self.model.load_state_dict(state)
+        self.model.to(self.device)
+        self.model.activation_checkpointing = self.cfg.activation_checkpointing
+        # PPO's critic: a linear value head on the final hidden states the model returns, replicated like every
+        # non-expert weight. It is not part of the published policy.
+        self.value_head: torch.nn.Linear | None = None
+        if self.algorithm.needs_values:
+            self.value_head = torch.nn.Linear(run.model.hidden_size, 1)
+            # Zero-initialised: an untrained critic predicts 0 rather than inventing advantages.
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+            self.value_head.to(self.device)
+        head = list(self.value_head.parameters()) if self.value_head is not None else []
+        # fused on GPUs: the foreach form makes temporaries the size of all gradients
+        self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
+                                           betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+                                           weight_decay=self.cfg.weight_decay, fused=self.device.type == "cuda")
+        # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
+        bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
+        self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
+                                    device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
+        self.reference: MoETransformer | None = None
+        self._format_examples: FormatExamples | None = None  # the warm-up's pairs, made at its first step
+        # Checkpoints are written in the background over a gloo group of their own (never interleaved with the
+        # training collectives of the default group).
+        self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
+        self._mesh = None
+        self._pending_checkpoint = None
+        self.publisher: Publisher | None = None
+        self.announcer: Announcer | None = None
+        self.step, self.committed_step, self.lineage, self.stop_requested = 0, 0, 0, False
+        self.wait_seconds, self.started = 0.0, time.monotonic()
+        self.samples_trained = 0
+        self.writer = None
+        self.last_metrics: dict[str, float] = {}
+        self.prometheus = Registry()
+
+    # ---- batches as micro-batches -------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def _plan(self, seqs: Sequences, parts: list[list[int]]) -> list[list[list[int]]]:
+        """Per part (mini-batch), the rows of each micro-batch; every rank gets the same number of micro-batches
+        per part (the most any rank needs; the others run empty ones), since each forward is an EP collective."""
+        lengths = seqs.lengths
+        plans = [[[rows[i] for i in mb] for mb in plan_microbatches([lengths[r] for r in rows],
+                                                                   self.cfg.max_tokens_per_microbatch)]
+                 for rows in parts]
+        most = self._all_reduce(torch.tensor([len(p) for p in plans], device=self.device), dist.ReduceOp.MAX)
+        return [plan + [[]] * (int(n) - len(plan)) for plan, n in zip(plans, most.tolist())]
+
+    def _totals(self, seqs: Sequences, parts: list[list[int]]) -> torch.Tensor:
+        """[parts, 3] float64 over every rank: completion tokens, sequences with one, all real tokens."""
+        local = []
+        for rows in parts:
+            part = seqs.select(rows)
+            local.append(torch.cat([Totals.local(part.mask), part.valid.sum().reshape(1).double()]))
+        return self._all_reduce(torch.stack(local).to(self.device) if local else torch.zeros(0, 3, device=self.device))
+
+    def _share(self, samples: list) -> list:
+        """This rank's samples of a batch: shares balanced by tokens across ranks (microbatch.rank_shares)."""
+        share = rank_shares([sequence_tokens(s) for s in samples], self.world)[self.rank]
+        return [samples[i] for i in share]
+
+    # ---- the two kinds of step ----------------------------------------------------------------------------
+    def sft_step(self, index: int) -> float:
+        """Warm-up: cross-entropy on answers of the right shape that are not the prompt's (data.FormatExamples:
+        teaches the format, not the task), on the run's own prompts (built-in task or dataset)."""
+        if self._format_examples is None:
+            self._format_examples = FormatExamples(self.run, load_tokenizer(self.run.rl.sampling.tokenizer))
+        n = self.cfg.prompts_per_step * self.run.rl.algorithm.group_size
+        samples = [TrainingSample(f"sft/{index * n + i}", list(prompt), completion, [0.0] * len(completion), 0.0,
+                                  0.0, True, VersionRef(0, 0))
+                   for i, (prompt, completion) in enumerate(self._format_examples.pairs(index * n, n))]
+        seqs = Sequences.of(self._share(samples)).to(self.device)
+        rows = list(range(len(seqs.lengths)))
+        (plan,) = self._plan(seqs, [rows])
+        tokens, _, real = self._totals(seqs, [rows])[0].tolist()
+
+        def loss_fn(j: int, mb: Sequences, fwd: Forward):
+            loss = -(fwd.logprobs * mb.mask).sum() / max(tokens, 1.0)
+            return loss + fwd.aux_loss * (sum(mb.lengths) / max(real, 1.0)), {}
+
+        metrics = self.train_step.step([seqs.select(r) for r in plan], loss_fn, lr=self.cfg.warmup_learning_rate,
+                                       temperature=1.0, replay=False)
+        return metrics["loss"]
+
+    def rl_step(self, batch: Batch) -> dict:
+        """Train on one batch: this rank's share, split into the algorithm's mini-batches, each packed into
+        micro-batches; epochs x mini-batches optimizer steps. The policy, reference and critic are scored once
+        before the first update (the proximal policy of every mini-batch is the batch's starting policy, so
+        later mini-batches' ratios move and the clip constrains them)."""
+        algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
+        temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
+        seqs = Sequences.of(self._share(batch.samples)).to(self.device)
+        rows = list(range(len(seqs.lengths)))
+        parts = [rows[m::m_count] for m in range(m_count)]
+        plans = self._plan(seqs, parts)
+        totals = self._totals(seqs, parts)
+        started = time.monotonic()
+        # Before any update: the proximal policy (needed once a batch takes several optimizer steps), the critic's
+        # values (PPO's advantages), the reference.
+        proximal = reference = old_values = None
+        score_policy = algo.needs_values or e_count * m_count > 1
+        if score_policy or self.reference is not None:
+            proximal, old_values, reference = self._score(seqs, plans, score_policy, temperature, replay)
+        advantages, returns = algo.token_advantages(SequenceScores(seqs.rewards, seqs.advantages, seqs.mask),
+                                                    old_values, self._all_reduce if self.world > 1 else None)
+
+        def cut(full: torch.Tensor | None, rows: list[int], width: int) -> torch.Tensor | None:
+            return None if full is None else full[rows, :width]
+
+        steps, first_load, arrivals = [], None, None
+        for epoch in range(e_count):
+            for m in range(m_count):
+                part_tokens, part_sequences, part_real = totals[m].tolist()
+                if part_tokens == 0:  # no rank has a completion token in this mini-batch: nothing to step
+                    continue
+                part_totals = Totals.of(totals[m, :2])
+                microbatches = [seqs.select(r) for r in plans[m]]
+
+                def loss_fn(j: int, mb: Sequences, fwd: Forward, rows=plans[m]):
+                    r, w = rows[j], mb.mask.shape[1]
+                    pb = PolicyBatch(fwd.logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
+                                     mb.behaviour, cut(advantages, r, w), mb.mask, cut(reference, r, w), fwd.entropy,
+                                     fwd.values, cut(old_values, r, w), cut(returns, r, w))
+                    loss, metrics = algo.loss(pb, part_totals)
+                    # the balance loss as a token-weighted mean over the step's micro-batches and ranks
+                    return loss + fwd.aux_loss * (sum(mb.lengths) / part_real), metrics
+
+                index = (self.step * e_count + epoch) * m_count + m
+                lr = learning_rate(self.cfg, index, self.cfg.steps * e_count * m_count)
+                result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay)
+                if epoch == 0:
+                    first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
+                    arrivals = arrivals or result["arrivals"]
+                steps.append(result)
+        metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}
+        metrics["optimizer_steps"] = len(steps)
+        metrics["tokens"] = float(totals[:, 0].sum())
+        metrics["straggler_ratio"] = straggler_ratio(arrivals)
+        metrics["expert_load_imbalance"] = expert_load_imbalance(first_load)
+        metrics["step_compute_seconds"] = time.monotonic() - started
+        rate = self.cfg.router_bias_update_rate
+        if self.run.model.router == "sigmoid" and rate > 0:
+            # DeepSeek-V3's auxiliary-loss-free balancing from the load of the policy the batch started from
+            # (every rank's tokens); the biases ship with every published version, so rollout servers keep
+            # choosing experts as the trainer does.
+            self.model.update_routing_bias(first_load.to(self.device), rate=rate)
+        return metrics
+
+    @torch.no_grad()
+    def _score(self, seqs: Sequences, plans: list[list[list[int]]], policy: bool, temperature: float, replay: bool):
+        """(proximal logprobs, critic values, reference logprobs), each [B, S] over this rank's samples or None."""
+        shape = seqs.mask.shape
+        proximal = torch.zeros(shape, device=self.device) if policy else None
+        values = torch.zeros(shape, device=self.device) if policy and self.value_head is not None else None
+        reference = torch.zeros(shape, device=self.device) if self.reference is not None else None
+        for rows in (r for plan in plans for r in plan):
+            mb = seqs.select(rows)
+            w = mb.mask.shape[1]
+            if policy:
+                fwd = self.train_step.forward(self.model, mb, temperature=temperature, replay=replay,
+                                              values=values is not None)
+                proximal[rows, :w] = fwd.logprobs
+                if values is not None:
+                    values[rows, :w] = fwd.values
+            if reference is not None:
+                reference[rows, :w] = self.train_step.forward(self.reference, mb, temperature=temperature,
+                                                              replay=replay).logprobs
+        return proximal, values, reference
+
+    # ---- weights, checkpoints -----------------------------------------------------------------------------
+    def start_publishing(self) -> None:
+        """Pick this run's weight lineage and start the background publisher (every rank writes its experts).
+        The lineage is 0 in an empty store, else one past the store's newest: a restart from a checkpoint never
+        reuses the dead lineage's version numbers, and LATEST (which only moves forward) follows the new run."""
+        box = [self.store.latest() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.lineage = 0 if box[0] is None else box[0].lineage + 1
+        # Each version is a complete Hugging Face checkpoint: tokenizer files and generation_config.json beside the
+        # weights, so evaluation and other tools can load it as it is.
+        self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep,
+                                   extra_files=functools.partial(write_checkpoint_metadata, run=self.run))
+        if self.rank == 0 and self.source is not None:
+            self.announcer = Announcer(self.publisher, self.source, self.lineage,
+                                       background=self.run.rl.orchestrator.max_staleness > 0)
+        log.info("publishing weights as lineage %d", self.lineage)
+
+    def publish(self, version: int) -> None:
+        """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
+        then announced to the batch source)."""
+        self.publisher.publish(version, self.model.state_dict())
+        self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
+        if self.announcer is not None:
+            self.announcer.published(version)
+
+    def stop_publishing(self) -> None:
+        """Write the newest version, announce it, stop the writer."""
+        self.publisher.close()
+        if self.announcer is not None:
+            self.announcer.close()
+
+    def save_checkpoint(self) -> None:
+        """Start writing a checkpoint of this step (every rank) and return; the one before is committed first.
+        The write runs in the background (DCP async_save: the tensors are copied to host memory before it
+        returns), off the step's critical path; `poll_checkpoint` commits it once complete."""
+        self.poll_checkpoint(wait=True)
+        staging = ckpt.prepare(self.ckpt_root, self.step, self.rank, self.world)
+        self._ensure_optimizer_state()
+        future = ckpt.save(self._checkpoint_state(), staging, asynchronous=True, group=self.checkpoint_group)
+        meta = {"step": self.step, "version": self.step, "lineage": self.lineage, "world": self.world,
+                "samples_trained": self.samples_trained, "python_rng": ckpt.python_rng_state()}
+        # the orchestrator's state as of this step, fetched now (it moves on while the write runs)
+        source_state = self.source.state() if self.rank == 0 and self.source is not None else None
+        self._pending_checkpoint = (future, self.step, meta, source_state)
+
+    def poll_checkpoint(self, *, wait: bool) -> None:
+        """Commit the checkpoint being written once it is complete (rank 0; waiting for it if `wait`). On rank 0
+        a finished write means every rank's shards and the metadata are on disk (DCP finishes there last)."""
+        if self._pending_checkpoint is None:
+            return
+        future, step, meta, source_state = self._pending_checkpoint
+        if not wait and not future.done():
+            return
+        self._pending_checkpoint = None
+        future.result()
+        if self.rank == 0:
+            log.info("checkpoint %s", ckpt.commit(self.ckpt_root, step, meta, source_state))
+        self.committed_step = step
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """Weights and buffers of what the optimizer trains (the policy; PPO's value head), by name."""
+        state = dict(self.model.state_dict(keep_vars=True))
+        if self.value_head is not None:
+            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict(keep_vars=True).items()})
+        return state
+
+    def _ensure_optimizer_state(self) -> None:
+        """AdamW's state exists for every trained parameter (it is made lazily at the first step), so a checkpoint
+        always has the same entries and a fresh trainer has tensors to load them into."""
+        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+
+    def _checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Flat DCP state, sharing storage with the live tensors: weights, AdamW moments and step counts, the
+        torch RNG. Under EP the experts and their moments are DTensors sharded over the ranks along the expert
+        dimension, so a run with another number of ranks reads its own slices."""
+        state: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+        weights = self._trained_state()
+        by_param = {id(t): name for name, t in weights.items()}
+        for name, tensor in weights.items():
+            state[f"model.{name}"] = self._shard(name, tensor.detach())
+        for p, entries in self.optimizer.state.items():
+            name = by_param[id(p)]
+            for key, value in entries.items():
+                state[f"optim.{name}.{key}"] = self._shard(name, value) if value.dim() else value
+        return state
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1 or ".mlp.experts." not in name:
+            return tensor  # replicated: DCP writes it once
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return DTensor.from_local(tensor, self._mesh, [Shard(0)], run_check=False)
+
+    def try_resume(self) -> bool:
+        """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""
+        directory = ckpt.latest(self.ckpt_root)
+        if directory is None:
+            return False
+        meta = json.loads((directory / "trainer.json").read_text())
+        self._ensure_optimizer_state()
+        state = self._checkpoint_state()
+        ckpt.load(state, directory)
+        torch.set_rng_state(state["rng.torch"])
+        ckpt.set_python_rng_state(meta["python_rng"])
+        self.step, self.samples_trained = meta["step"], meta["samples_trained"]
+        self.committed_step = self.step
+        log.info("resumed from %s (written by %d ranks) at step %d", directory, meta["world"], self.step)
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def fetch_batch(self) -> Batch | None:
+        """Rank 0 waits for the step's batch; every rank gets it, or None when rank 0 is stopping."""
+        box: list = [None]
+        if self.rank == 0:
+            start = time.monotonic()
+            # the newest checkpoint that is committed (not merely started: they are written in the background),
+            # so the source keeps every batch a restart could ask for again
+            box[0] = self.source.next_batch(self.step, self.committed_step, lambda: self.stop_requested)
+            self.wait_seconds += time.monotonic() - start
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM reaches ranks one by one, or only some): decided together
+        every step, so every rank checkpoints and exits at the same step."""
+        flag = torch.tensor([float(self.stop_requested)], dtype=torch.float64, device=self.device)
+        return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
+
+    def run_loop(self) -> int:
+        resumed = self.try_resume()
+        self.start_publishing()
+        if not resumed:
+            self._save_eval_weights("initial")
+            for i in range(self.cfg.warmup_sft_steps):
+                loss = self.sft_step(i)
+                if self.rank == 0:
+                    log.info("warm-up step %d/%d loss %.3f", i + 1, self.cfg.warmup_sft_steps, loss)
+            self._save_eval_weights("warmup")
+        if self.algorithm.needs_reference:
+            # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
+            self.reference = MoETransformer(self.run.model, ep=self.ep, compute=self.run.moe_compute)
+            self.reference.load_full_state_dict(load_hf(self.out / "eval" / "warmup")[1])
+            self.reference.to(self.device)
+            self.reference.requires_grad_(False)
+        self.publish(self.step)
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+            # Written by the writer's own thread every few seconds: a flush per step would make the step wait for it.
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), flush_secs=5)
+        stopping = False
+        while self.step < self.cfg.steps:
+            self.poll_checkpoint(wait=False)
+            stopping = self.stop_agreed()
+            if stopping:
+                break
+            batch = self.fetch_batch()
+            if batch is None:
+                stopping = True
+                break
+            start = time.monotonic()
+            metrics = self.rl_step(batch)
+            self.step += 1
+            self.samples_trained += len(batch.samples)
+            self.publish(self.step)
+            step_seconds = time.monotonic() - start
+            if self.rank == 0:
+                self._record(batch, metrics, step_seconds)
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                self.save_checkpoint()
+        if stopping and self.step % self.cfg.checkpoint_every:
+            log.info("SIGTERM: checkpointing at step %d and exiting", self.step)
+            self.save_checkpoint()
+        self.poll_checkpoint(wait=True)
+        self.stop_publishing()
+        if self.rank == 0 and self.writer:
+            self.writer.close()
+        if self.world > 1:
+            # A rank whose checkpoint part is written returns while rank 0 may still finish the checkpoint over
+            # the checkpoint group; tearing the groups down under it aborted a gloo rank at the last step's
+            # checkpoint (seen once in a clean-clone `make test`). Every rank leaves together.
+            dist.barrier()
+        return 0
+
+    def _save_eval_weights(self, name: str) -> None:
+        """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
+        state = self.model.gather_state()  # collective; the state on rank 0 only
+        if self.rank == 0:
+            save_hf(state, self.run.model, self.out / "eval" / name)
+        if self.world > 1:
+            dist.barrier()  # other ranks read the warm-up weights as their KL reference
+
+    def _record(self, batch: Batch, metrics: dict, step_seconds: float) -> None:
+        wall = time.monotonic() - self.started
+        stats = batch.stats
+        row = {"step": self.step, "version": self.step, "lineage": self.lineage, "time": time.time(),
+               "wall_seconds": wall, "reward_mean": stats.reward_mean, "accuracy": stats.accuracy,
+               "staleness_mean": stats.staleness_mean, "samples": len(batch.samples),
+               "samples_per_second": self.samples_trained / wall, "step_seconds": step_seconds,
+               "trainer_idle_fraction": self.wait_seconds / wall,
+               "dropped_stale_groups": stats.dropped_stale_groups, "retries": stats.retries,
+               "reward_failures": stats.rewards_failed, **metrics, **self.last_metrics}
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with open(self.out / "trained.jsonl", "a") as f:
+            f.write(json.dumps({"step": batch.step, "ids": [s.id for s in batch.samples]}) + "\n")
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                self.writer.add_scalar(key, value, self.step)
+        for metric, value in ((M.TRAINER_STEP_SECONDS, step_seconds), (M.TRAINER_LAST_STEP_TIMESTAMP, row["time"]),
+                              (M.TRAINER_TOKENS_PER_SECOND, metrics["tokens"] / max(step_seconds, 1e-9)),
+                              (M.TRAINER_IDLE_FRACTION, row["trainer_idle_fraction"]),
+                              (M.STRAGGLER_RATIO, metrics["straggler_ratio"]),
+                              (M.EXPERT_LOAD_IMBALANCE, metrics["expert_load_imbalance"]),
+                              (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
+                              (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
+            self.prometheus[metric].set(value)
+
+
+def initial_weights(run: RunConfig, experts: range | None = None) -> dict[str, torch.Tensor]:
+    """The state the run starts from, with only `experts` (this rank's slice; None: all): `rl.training.init_from`
+    (a pretrained checkpoint, which must have the run's architecture; only the slice is read from disk) or a
+    seeded random initialisation of the whole model, then sliced, so the weights do not depend on the ranks."""
+    source = run.rl.training.init_from
+    if source is None:
+        return expert_slice(MoETransformer(run.model).state_dict(), experts)
+    config, state = load_hf(source, experts=experts)
+    ignored = {"dtype", "router_aux_loss_coef"}  # how the run trains, not what the checkpoint holds
+    for f in fields(config):
+        if f.name not in ignored and getattr(config, f.name) != getattr(run.model, f.name):
+            raise ValueError(f"rl.training.init_from: {source} has {f.name}={getattr(config, f.name)!r} but the "
+                             f"run's model.{f.name} is {getattr(run.model, f.name)!r}; make the model section match "
+                             f"the checkpoint's config.json")
+    return state
+
+
+def expert_load_imbalance(load: torch.Tensor) -> float:
+    """Worst layer's busiest expert over its mean load ([L, E] counts summed over ranks); 1.0 = balanced."""
+    per_layer = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
+    return float(per_layer.max())
+
+
+def straggler_ratio(arrival_seconds: list[float]) -> float:
+    """Slowest rank's time to reach the gradient all-reduce over the median rank's: 1.0 when balanced. Ranks
+    that arrive early wait there for the slowest, so arrival (not step time, equal on all ranks) shows it."""
+    return max(arrival_seconds) / max(statistics.median(arrival_seconds), 1e-9)
+
+
+def train_device() -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK), or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def resolved_backend(run: RunConfig) -> str:
+    """The run's EP backend, resolved against its environment (the cdk.json shipped with the pod), logged with
+    its reason; it must equal what the manifests were written with ($MOERL_EP_BACKEND), else the two drifted."""
+    env = None
+    if run.environment is not None:
+        from moe_rl_eks.core.environment import load_cdk_json, select_environment
+
+        env = select_environment(load_cdk_json(os.environ.get("MOERL_CDK_JSON", "cdk.json")), run.environment)
+    resolved = resolve_run(run, env)
+    expected = os.environ.get("MOERL_EP_BACKEND")
+    if expected and expected != resolved.ep_backend:
+        raise RuntimeError(f"ep backend: the manifests were written for {expected!r} but this run resolves to "
+                           f"{resolved.ep_backend!r} against its environment; regenerate the manifests")
+    log.info("ep backend %s: %s", resolved.ep_backend, resolved.ep_backend_reason)
+    return resolved.ep_backend
+
+
+def stop_on_sigterm(trainer: Trainer) -> None:
+    """Kubernetes preemption: finish the step, checkpoint (all ranks together), exit 0."""
+    def on_sigterm(signum, frame):
+        trainer.stop_requested = True
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def main(argv: list[str]) -> int:
+    parser = run_argparser("train", "train a run (start under torchrun)")
+    parser.add_argument("--orchestrator", default=os.environ.get("MOERL_ORCHESTRATOR"),
+                        help="orchestrator base URL (default: $MOERL_ORCHESTRATOR)")
+    parser.add_argument("--metrics-port", type=int, default=TRAINER_METRICS_PORT,
+                        help="Prometheus /metrics of each node's first rank; 0 = none")
+    args = parser.parse_args(argv)
+    if not args.orchestrator:
+        parser.error("--orchestrator (or $MOERL_ORCHESTRATOR) is required: the trainer's batches come from it")
+    run = load(args.run)
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(train_device())
+    # Ranks other than 0 wait in a broadcast while rank 0 polls the orchestrator for a batch; the first batch on a
+    # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(run, HttpBatchSource(args.orchestrator), rank, world)
+    trainer.out.mkdir(parents=True, exist_ok=True)
+    if args.metrics_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, registry=trainer.prometheus.registry)
+    stop_on_sigterm(trainer)
+    try:
+        return trainer.run_loop()
+    finally:
+        dist.destroy_process_group()
