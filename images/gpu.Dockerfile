@@ -65,6 +65,7 @@ COPY infra/ /build/src/infra/
 COPY k8s/ /build/src/k8s/
 COPY workloads/ /build/src/workloads/
 COPY kernels/ /build/src/kernels/
+COPY tools/ /build/src/tools/
 RUN /build/scripts/install_package.sh /build/src workloads,kernels trainer,rollout
 
 FROM ${CUDA_RUNTIME_IMAGE} AS gpu

@@ -21,6 +21,7 @@ COPY infra/ /build/src/infra/
 COPY k8s/ /build/src/k8s/
 COPY workloads/ /build/src/workloads/
 COPY kernels/ /build/src/kernels/
+COPY tools/ /build/src/tools/
 RUN /build/scripts/install_package.sh /build/src workloads orchestrator
 
 FROM ${PYTHON_IMAGE} AS orchestrator
