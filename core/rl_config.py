@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .sampling import MAX_TOKENS, TEMPERATURE, TOP_P, Limit
 from .schema import fail
+
+
+def check_limit(limit: Limit, value, alternative: str = "") -> None:
+    """Refuse a sampling value the rollout servers would refuse, naming it and what they allow."""
+    if not limit.allows(value):
+        fail(limit.name, value, f"must be {limit.allowed()}{alternative}: the rollout servers refuse anything else")
 
 
 @dataclass(frozen=True)
@@ -209,15 +216,15 @@ class EvaluationConfig:
         for name in ("prompts", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
-        if self.temperature < 0:
-            fail("temperature", self.temperature, "must be >= 0 (0 = greedy)")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", self.max_tokens, "must be >= 1 or omitted")
+        check_limit(TEMPERATURE, self.temperature)
+        if self.max_tokens is not None:
+            check_limit(MAX_TOKENS, self.max_tokens, " or omitted")
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """What the orchestrator asks the rollout servers for, and what the servers accept."""
+    """What the orchestrator asks the rollout servers for, and what the servers accept. Each value is checked
+    against the limits every server applies (core/sampling.py), so a run they would refuse does not load."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -229,11 +236,11 @@ class SamplingConfig:
     tokenizer: str = "builtin"
 
     def validate(self) -> None:
-        if self.temperature <= 0:
+        for limit in (TEMPERATURE, TOP_P, MAX_TOKENS):
+            check_limit(limit, getattr(self, limit.name))
+        if self.temperature == 0:
             fail("temperature", self.temperature, "must be > 0 (greedy decoding is not used for RL)")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", self.top_p, "must be in (0, 1]")
-        for name in ("max_tokens", "max_prompt_tokens", "max_n"):
+        for name in ("max_prompt_tokens", "max_n"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
 

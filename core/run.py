@@ -190,6 +190,15 @@ class RunConfig:
         if self.rl.algorithm.group_size > s.max_n:
             fail("rl.algorithm.group_size", self.rl.algorithm.group_size,
                  f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")
+        e = self.rl.evaluation
+        # Periodic evaluation samples through the rollout servers (the final one in-process, without their caps).
+        if e.every_steps and e.max_tokens is not None and e.max_tokens > self.rollout.max_new_tokens:
+            fail("rl.evaluation.max_tokens", e.max_tokens,
+                 f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), which servers enforce")
+        if e.every_steps and e.samples_per_prompt > s.max_n:
+            fail("rl.evaluation.samples_per_prompt", e.samples_per_prompt,
+                 f"must be <= rl.sampling.max_n ({s.max_n}): the servers sample each evaluation prompt as one "
+                 "request with n = samples_per_prompt")
         if self.moe_compute == "triton":
             for name in ("hidden_size", "moe_intermediate_size"):
                 size = getattr(self.model, name)

@@ -77,8 +77,8 @@ def test_a_completion_request_carries_our_fields_and_checks_its_seed():
     r = CompletionRequest(prompt=[1, 2], n=4, max_tokens=3, temperature=1.0, top_p=0.9, seed=derive_seed(0, 1))
     data = r.to_json()
     assert data["logprob_mode"] == "processed" and data["logprobs"] == 0 and "stop_token_ids" not in data
-    with pytest.raises(ProtocolError, match=r"^completion_request.seed: .*\[0, 2\*\*63\)"):
-        CompletionRequest.from_json({**data, "seed": 2**63})
+    with pytest.raises(ProtocolError, match=r"^completion_request.seed: .*\[0, 2\*\*64\)"):
+        CompletionRequest.from_json({**data, "seed": 2**64})
 
 
 @pytest.mark.parametrize("experts, dtype", [(4, np.uint8), (256, np.uint8), (300, np.int16)])

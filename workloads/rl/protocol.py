@@ -18,8 +18,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from moe_rl_eks.core.sampling import SEED_LIMIT
+
 R = TypeVar("R", bound="Record")
-SEED_LIMIT = 2**63  # request seeds are non-negative int64s: every engine and JSON reader takes them
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -240,7 +241,8 @@ def derive_seed(run_seed: int, *counters: int) -> int:
             raise ProtocolError(name, value, "expected an integer in [0, 2**64)")
     data = b"".join(v.to_bytes(8, "little") for v in (run_seed, *counters))
     digest = hashlib.blake2b(data, digest_size=8, person=b"moerl-seed").digest()
-    return int.from_bytes(digest, "little") % SEED_LIMIT
+    # Derived seeds stay below 2**63 (inside SEED_LIMIT) so that readers with signed 64-bit integers take them too.
+    return int.from_bytes(digest, "little") % 2**63
 
 
 # ---- rollouts -------------------------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ class CompletionRequest(Record):
         if self.n < 1:
             return "n", "must be >= 1"
         if not 0 <= self.seed < SEED_LIMIT:
-            return "seed", "must be in [0, 2**63)"
+            return "seed", "must be in [0, 2**64)"
         return None
 
 

@@ -9,27 +9,28 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import numpy
 
-LOGPROB_MODES = ("processed", "raw")
-SEED_LIMIT = 2 ** 64  # seeds are two 32-bit words of the device's counter-based generator
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+from moe_rl_eks.core import sampling as limits
+from moe_rl_eks.core.sampling import LOGPROB_MODES
 
 
 def _bad(name: str, value, allowed: str) -> ValueError:
     return ValueError(f"{name}: {value!r} is not allowed; {allowed}")
 
 
+def _check(limit: limits.Limit, value) -> None:
+    if not limit.allows(value):
+        raise _bad(limit.name, value, limit.allowed())
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one row samples. Validated on construction: a ValueError names the field, the value and what is
-    allowed. The filters apply in vLLM's order: temperature, top-k, top-p (of what top-k kept), min-p."""
+    """How one row samples. Validated on construction against the one set of limits (core/sampling.py): a
+    ValueError names the field, the value and what is allowed. The filters apply in vLLM's order: temperature,
+    top-k, top-p (of what top-k kept), min-p."""
 
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
@@ -47,24 +48,15 @@ class SamplingParams:
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
-            raise _bad("temperature", self.temperature, "a number in [0, 100] (0 = greedy)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise _bad("top_p", self.top_p, "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise _bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise _bad("min_p", self.min_p, "a number in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
-            raise _bad("seed", self.seed, "an integer in [0, 2**64) or None")
+        for limit in (limits.MAX_TOKENS, limits.TEMPERATURE, limits.TOP_P, limits.TOP_K, limits.MIN_P):
+            _check(limit, getattr(self, limit.name))
+        if self.seed is not None:
+            _check(limits.SEED, self.seed)
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "a tuple of non-negative token ids")
         if self.logprob_mode not in LOGPROB_MODES:
             raise _bad("logprob_mode", self.logprob_mode, f"one of {', '.join(LOGPROB_MODES)}")
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise _bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(limits.TOP_LOGPROBS, self.top_logprobs)
         if not isinstance(self.return_routing, bool):
             raise _bad("return_routing", self.return_routing, "true or false")
         if not isinstance(self.prompt_logprobs, bool):

@@ -14,9 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-UINT64 = 2**64
-MAX_LOGPROBS = 20  # alternatives per token; OpenAI allows 5 (completions) and 20 (chat), vLLM 20 by default
-MAX_STOP_STRINGS = 16
+from moe_rl_eks.core import sampling as limits
+from moe_rl_eks.core.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -29,7 +28,7 @@ def _integral(value):
 def integer(**bounds):
     """An integer field type with bounds (placed before the validator, so the JSON schema states them)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-LogprobMode = Literal["processed", "raw"]
+LogprobMode = Literal[limits.LOGPROB_MODES]
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -50,12 +49,13 @@ class SamplingFields(Request):
 
     model: str | None = None
     n: integer(ge=1) | None = Field(None, description="choices per prompt (<= the server's max_n)")
-    max_tokens: integer(ge=1) | None = None
-    temperature: Annotated[Finite, Field(ge=0, le=10)] | None = Field(None, description="0 = greedy; default 1")
-    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
-    top_k: integer(ge=-1) | None = Field(None, description="-1 or 0 = off")
-    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
-    seed: integer(ge=0, lt=UINT64) | None = Field(
+    max_tokens: integer(**limits.MAX_TOKENS.bounds()) | None = None
+    temperature: Annotated[Finite, Field(**limits.TEMPERATURE.bounds())] | None = Field(
+        None, description="0 = greedy; default 1")
+    top_p: Annotated[Finite, Field(**limits.TOP_P.bounds())] | None = None
+    top_k: integer(ge=-1) | None = Field(None, description="-1 (vLLM's) or 0 (the engine's) = off")
+    min_p: Annotated[Finite, Field(**limits.MIN_P.bounds())] | None = None
+    seed: integer(**limits.SEED.bounds()) | None = Field(
         None, description="choice i samples from the counter-based stream (seed, i): the same request reproduces")
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
@@ -78,7 +78,7 @@ TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
+    logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         None, description="0 = the sampled token's logprob; N = also the N most likely alternatives")
     echo: bool | None = None
 
@@ -111,7 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: integer(ge=1) | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool | None = None
-    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     add_generation_prompt: bool | None = Field(None, description="end the prompt with the assistant's turn "
                                                                  "(default true)")
 
