@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from moe_rl_eks.workloads.orchestrator.evaluation import (EVAL_STREAM, Complete, EvalParams, Sample, evaluate,
-                                                          evaluate_run, params_for, record)
+from moe_rl_eks.workloads.orchestrator.evaluation import (EVAL_STREAM, Complete, EvalParams, EvalSample, completion_text,
+                                                          evaluate, evaluate_run, params_for, record)
 from moe_rl_eks.workloads.rl.data import Prompt
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 
@@ -41,13 +41,9 @@ class CheckpointEvaluator:
         self.scorer.close()
 
 
-def _text(tokenizer, tokens: list[int], finished: bool) -> str:
-    return tokenizer.decode(tokens[:-1] if finished else tokens)
-
-
 def model_completer(model, tokenizer) -> Complete:
     """Samples from a MoETransformer in this process (the rollout engine's decoder), stopping on every EOS id."""
-    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[Sample]]:
+    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[EvalSample]]:
         import torch
 
         from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
@@ -60,8 +56,8 @@ def model_completer(model, tokenizer) -> Complete:
                     for p in prompts for j in range(params.n)]
         with torch.no_grad():
             seqs = decode_all(model, requests, tokenizer.eos_ids)
-        out = [Sample(_text(tokenizer, s.tokens, s.finish_reason == "stop"), len(s.tokens), s.finish_reason == "stop")
-               for s in seqs]
+        out = [EvalSample(completion_text(tokenizer, s.tokens, s.finish_reason == "stop"), len(s.tokens),
+                      s.finish_reason == "stop") for s in seqs]
         return [out[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
     return complete
 

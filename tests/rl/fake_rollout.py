@@ -60,7 +60,7 @@ class FakeRollouts:
         async def handler(request: web.Request) -> web.Response:
             if e.holds is None:
                 return web.json_response({"status": "loading"}, status=503)
-            return web.json_response({"status": "ok", "weight_lineage": e.holds[0], "weight_version": e.holds[1]})
+            return web.json_response({"ready": True, "weight_lineage": e.holds[0], "weight_version": e.holds[1]})
         return handler
 
     @staticmethod
@@ -111,9 +111,8 @@ class FakeRollouts:
                 choices.append({"index": i, "text": str(digit), "token_ids": tokens, "finish_reason": "stop",
                                 "logprobs": {"tokens": [], "token_logprobs": [-0.5, -0.1], "top_logprobs": None,
                                              "text_offset": []}, "routed_experts": None})
-            return web.json_response({"id": "cmpl", "object": "text_completion", "created": 0, "model": body.get("model"),
-                                      "weight_version": holds[1], "weight_lineage": holds[0], "choices": choices,
-                                      "usage": {}})
+            return web.json_response({"id": "cmpl", "object": "text_completion", "created": 0, "model": body.get("model") or "policy",
+                                      "weight_version": holds[1], "weight_lineage": holds[0], "choices": choices})
         return handler
 
     def close(self) -> None:

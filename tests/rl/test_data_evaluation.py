@@ -10,7 +10,7 @@ import torch
 from moe_rl_eks.core.rl_config import RewardConfig
 from moe_rl_eks.workloads.rl.data import Prompt
 from moe_rl_eks.tools.evaluate import model_completer
-from moe_rl_eks.workloads.orchestrator.evaluation import (EvalParams, PeriodicEvaluator, Sample, ScalarWriter, evaluate,
+from moe_rl_eks.workloads.orchestrator.evaluation import (EvalParams, PeriodicEvaluator, EvalSample, ScalarWriter, evaluate,
                                                           http_completer, pass_at_k, read_records, record)
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
@@ -31,7 +31,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
 def scripted(answers: dict[int, list[tuple[str, bool]]]):
     """A completer that returns fixed completions per prompt index (the policy is not what is under test)."""
     def complete(prompts, params):
-        return [[Sample(text, len(text) + finished, finished) for text, finished in answers[p.index]] for p in prompts]
+        return [[EvalSample(text, len(text) + finished, finished) for text, finished in answers[p.index]] for p in prompts]
     return complete
 
 

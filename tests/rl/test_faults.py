@@ -8,7 +8,7 @@ import torch
 from rl_helpers import SlowProxy, call, sample_accounting, trained_steps, wait_until, write_run
 
 from moe_rl_eks.core.run import load_run
-from moe_rl_eks.workloads.trainer import checkpoint as ckpt
+from moe_rl_eks.workloads.rl.checkpoint_dirs import latest as latest_checkpoint
 from moe_rl_eks.tools.local_run import LocalCluster, read_metrics
 from moe_rl_eks.workloads.model.checkpoint import load_hf
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
@@ -72,10 +72,10 @@ def kill_trainer_and_orchestrator_after_first_checkpoint(cluster, steps):
     """SIGKILL the trainer and the orchestrator as soon as there is a checkpoint, while the rollout servers go on
     holding the dead trainer's newer versions; restart both from the checkpoint (the trainer in a new lineage)."""
     root = cluster.out / "checkpoints"
-    wait_until(lambda: ckpt.latest(root), 180, "the first checkpoint", interval=0.05)
+    wait_until(lambda: latest_checkpoint(root), 180, "the first checkpoint", interval=0.05)
     cluster.trainer.stop(signal.SIGKILL)
     cluster.orchestrator.stop(signal.SIGKILL)
-    at = int(ckpt.latest(root).name.split("-")[1])
+    at = int(latest_checkpoint(root).name.split("-")[1])
     assert at < steps, "the trainer finished before it could be killed; the test proves nothing"
     cluster.start_orchestrator(resume=True)
     cluster.start_trainer()
@@ -128,7 +128,7 @@ def test_trainer_preempted_by_sigterm_checkpoints_exits_and_resumes_asynchronous
         wait_until(lambda: cluster.trainer.proc.poll() is not None, 60, "the preempted trainer to exit")
         log = (cluster.logs / "trainer.log").read_text()
         assert "SIGTERM: checkpointing at step" in log and "Traceback" not in log.split("SIGTERM")[0]
-        at = int(ckpt.latest(cluster.out / "checkpoints").name.split("-")[1])
+        at = int(latest_checkpoint(cluster.out / "checkpoints").name.split("-")[1])
         assert 3 <= at < steps  # not a multiple of checkpoint_every: written because of the signal
         cluster.start_trainer()
         state = finish(cluster)

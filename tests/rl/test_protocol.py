@@ -6,8 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
-from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, CompletionRequest, Group,
+from moe_rl_eks.workloads.rl.openai_api import CompletionRequest, read_completion
+from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, Group,
                                               OrchestratorState, PromptRecord, ProtocolError, Sample, TrainingSample, VersionRef,
                                               decode_routing, derive_seed, encode_routing, staleness_ok)
 
@@ -54,31 +56,34 @@ def test_malformed_records_are_rejected_naming_the_field(mutate, path, expected)
 
 
 def test_a_completion_response_is_read_into_typed_choices():
+    logprobs = lambda values: {"tokens": [], "token_logprobs": values, "top_logprobs": None, "text_offset": []}  # noqa: E731
     body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy", "weight_version": 5,
-            "weight_lineage": 2, "usage": {},
+            "weight_lineage": 2,
             "choices": [{"index": 1, "text": "3", "token_ids": [9, 2], "finish_reason": "length",
-                         "logprobs": {"tokens": [], "token_logprobs": [-0.25, -0.5], "top_logprobs": None,
-                                      "text_offset": []}, "routed_experts": None},
+                         "logprobs": logprobs([-0.25, -0.5]), "routed_experts": None},
                         {"index": 0, "text": "4", "token_ids": [10], "finish_reason": "stop",
-                         "logprobs": {"token_logprobs": [-1.0]}}]}
-    c = Completion.from_response(body)
-    assert c.version == VersionRef(2, 5) and [ch.index for ch in c.choices] == [0, 1]
+                         "logprobs": logprobs([-1.0])}]}
+    c = read_completion(body)
+    assert c.version == VersionRef(2, 5) and [ch.index for ch in c.choices] == [0, 1] and c.lineage_reported
     assert c.choices[1].logprobs == [-0.25, -0.5] and c.choices[0].finish_reason == "stop"
+    assert not read_completion({**body, "weight_lineage": None}).lineage_reported
     body["choices"][0]["logprobs"]["token_logprobs"] = [-0.25]
     with pytest.raises(ProtocolError, match=r"^response.choices\[0\].logprobs: .*one per completion token"):
-        Completion.from_response(body)
-    with pytest.raises(ProtocolError, match=r"^response.weight_version: None .*an integer"):
-        Completion.from_response({"choices": []})
+        read_completion(body)
+    with pytest.raises(ProtocolError, match=r"^response.weight_version: None .*integer"):
+        read_completion({**body, "weight_version": None})
     with pytest.raises(ProtocolError, match=r"^response.choices: \[0, 0\]"):
-        Completion.from_response({**body, "choices": [body["choices"][1], body["choices"][1]]})
+        read_completion({**body, "choices": [body["choices"][1], body["choices"][1]]})
 
 
-def test_a_completion_request_carries_our_fields_and_checks_its_seed():
-    r = CompletionRequest(prompt=[1, 2], n=4, max_tokens=3, temperature=1.0, top_p=0.9, seed=derive_seed(0, 1))
+def test_the_orchestrators_request_is_the_servers_schema_and_checks_its_seed():
+    r = CompletionRequest(prompt=[1, 2], n=4, max_tokens=3, temperature=1.0, top_p=0.9, seed=derive_seed(0, 1),
+                          logprobs=0, logprob_mode="processed")
     data = r.to_json()
     assert data["logprob_mode"] == "processed" and data["logprobs"] == 0 and "stop_token_ids" not in data
-    with pytest.raises(ProtocolError, match=r"^completion_request.seed: .*\[0, 2\*\*64\)"):
-        CompletionRequest.from_json({**data, "seed": 2**64})
+    assert CompletionRequest.model_validate(data) == r  # what is sent is what the server reads
+    with pytest.raises(ValidationError, match="seed"):
+        CompletionRequest.model_validate({**data, "seed": 2**64})
 
 
 @pytest.mark.parametrize("experts, dtype", [(4, np.uint8), (256, np.uint8), (300, np.int16)])

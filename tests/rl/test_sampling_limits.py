@@ -10,7 +10,7 @@ from moe_rl_eks.core import sampling as limits
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rollout.engine_api import SamplingParams
-from moe_rl_eks.workloads.rollout.http_schema import CompletionRequest
+from moe_rl_eks.workloads.rl.openai_api import CompletionRequest
 
 LOCAL_RUN = Path(__file__).parents[2] / "configs" / "runs" / "local.yaml"
 

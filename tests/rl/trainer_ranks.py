@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl_eks.core.run import load_run
-from moe_rl_eks.workloads.trainer import checkpoint as ckpt
+from moe_rl_eks.workloads.rl.checkpoint_dirs import latest as latest_checkpoint
 from moe_rl_eks.workloads.rl.protocol import Batch
 from moe_rl_eks.workloads.trainer.loop import Trainer, stop_on_sigterm
 
@@ -119,7 +119,7 @@ def loop_resumed(rank: int, world: int, run_path: str, make_batch) -> dict:
 
 
 def _loop_result(trainer: Trainer, code: int) -> dict:
-    latest = ckpt.latest(trainer.ckpt_root)
+    latest = latest_checkpoint(trainer.ckpt_root)
     return {"code": code, "step": trainer.step, "stop_requested": trainer.stop_requested, "lineage": trainer.lineage,
             "latest": None if latest is None else latest.name,
             "announced": trainer.source.versions if trainer.source is not None else None,

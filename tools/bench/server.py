@@ -37,7 +37,7 @@ import yaml
 from moe_rl_eks.core.run import load_run
 
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rl.protocol import CompletionRequest
+from moe_rl_eks.workloads.rl.openai_api import CompletionRequest
 
 LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.yaml"
 
@@ -80,7 +80,8 @@ def requests(args, vocab: int, count: int) -> list[dict]:
     rng = random.Random(0)
     return [CompletionRequest(prompt=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], n=args.n,
                               max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, seed=i,
-                              return_routing=args.routing).to_json() for i in range(count)]
+                              return_routing=args.routing, logprobs=0, logprob_mode="processed").to_json()
+            for i in range(count)]
 
 
 def direct(engine, bodies: list[dict], concurrency: int) -> tuple[int, list[float], float]:

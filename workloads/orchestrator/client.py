@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+from pydantic import ValidationError
 
-from ..rl.protocol import Completion, CompletionRequest, ProtocolError, VersionRef
+from ..rl.openai_api import CompletionRequest, Health, Readiness, read_completion
+from ..rl.protocol import Completion, ProtocolError, VersionRef
 
 
 class RolloutFault(Exception):
@@ -32,10 +33,7 @@ class RequestFault(RolloutFault):
     """The server refused this request (4xx); another server would too."""
 
 
-@dataclass(frozen=True)
-class Health:
-    version: int | None  # the weight version it serves; None: none loaded yet
-    lineage: int | None  # None: the server does not report lineages (the pool knows what it pushed)
+NOT_READY = Readiness(ready=False, weight_version=None, weight_lineage=None)
 
 
 class RolloutBackend(Protocol):
@@ -46,8 +44,9 @@ class RolloutBackend(Protocol):
     async def load_weights(self, url: str, ref: VersionRef, *, timeout_s: float) -> None:
         """Ask the server to load `ref`; returns once it serves it."""
 
-    async def health(self, url: str, *, timeout_s: float) -> Health:
-        """Liveness and readiness; raises ServerFault when the server does not answer."""
+    async def health(self, url: str, *, timeout_s: float) -> Readiness:
+        """Liveness and readiness: what the server serves (weight_lineage None where it names none); raises
+        ServerFault when the server does not answer."""
 
     async def close(self) -> None: ...
 
@@ -107,7 +106,7 @@ class HttpRolloutBackend:
         status, body = await self._call("POST", f"{url}/v1/completions", request.to_json(), timeout_s, sent)
         self._raise_for(url, status, body)
         try:
-            completion = Completion.from_response(body)
+            completion = read_completion(body)
         except ProtocolError as exc:
             raise ServerFault(url, f"malformed completion: {exc}") from None
         if len(completion.choices) != request.n:
@@ -118,17 +117,23 @@ class HttpRolloutBackend:
         status, body = await self._call("POST", f"{url}/v1/weights/load", ref.to_json(), timeout_s, auth=True)
         self._raise_for(url, status, body)
 
-    async def health(self, url: str, *, timeout_s: float) -> Health:
+    async def health(self, url: str, *, timeout_s: float) -> Readiness:
         status, body = await self._call("GET", f"{url}/ready", None, timeout_s)
-        if status == 404:  # a server from before /ready: its /health carries the version
+        if status == 404:  # a server from before /ready: its /health carries the version, no lineage
             status, body = await self._call("GET", f"{url}/health", None, timeout_s)
+            if status == 200:
+                try:
+                    return Readiness(ready=True, weight_version=Health.model_validate(body).weight_version,
+                                     weight_lineage=None)
+                except ValidationError:
+                    return NOT_READY
         if status == 503:
-            return Health(None, None)
+            return NOT_READY
         self._raise_for(url, status, body)
-        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), int):
-            return Health(None, None)
-        lineage = body.get("weight_lineage")
-        return Health(body["weight_version"], lineage if isinstance(lineage, int) else None)
+        try:
+            return Readiness.model_validate(body)
+        except ValidationError:  # an answer we cannot read names no version to send work to
+            return NOT_READY
 
     async def close(self) -> None:
         if self._session is not None:

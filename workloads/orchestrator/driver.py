@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.run import RunConfig
 
-from ..rl.protocol import (Batch, Choice, Completion, CompletionRequest, Group, OrchestratorState, PromptRecord, Sample,
+from ..rl.data import PromptSource
+from ..rl.openai_api import CompletionRequest
+from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
 from ..rl.runtime import Registry
 from .buffer import GroupBuffer
@@ -35,14 +37,6 @@ IDLE_TICK_S = 0.5  # the dispatcher also looks again this often (servers may hav
 HEDGE_RETRY_S = 0.1  # a straggler with no other server free looks again this often
 REFUSALS_BEFORE_PAUSE = 8  # requests refused (4xx) everywhere in a row: then new prompts wait, doubling up to
 MAX_PAUSE_S = 30.0  # this, instead of burning through the prompt stream while a setting is wrong
-
-
-class PromptSource(Protocol):
-    """Where prompts come from (the data module's contract)."""
-
-    def next(self) -> Any: ...  # a Prompt: index, prompt_ids, text, data_source, ground_truth, extra_info
-    def state(self) -> dict: ...
-    def restore(self, state: dict) -> None: ...
 
 
 # (prompt, completion text, finished) -> one score each, None where the reward failed (masked, never faked)
@@ -218,7 +212,8 @@ class Orchestrator:
         s = self.s
         return CompletionRequest(prompt=list(prompt.prompt_ids), n=s.group_size, max_tokens=s.max_tokens,
                                  temperature=s.temperature, top_p=s.top_p, seed=derive_seed(s.seed, prompt.index),
-                                 model=s.model, return_routing=s.routing_replay, logprob_mode="processed")
+                                 model=s.model, return_routing=s.routing_replay, logprobs=0,
+                                 logprob_mode="processed")  # what the trainer scores: after temperature / top-p
 
     async def _request(self, request_id: str, prompt: PromptRecord, url: str) -> None:
         """Drive one request to a scored group: up to max_attempts servers, each attempt hedged once."""
@@ -360,7 +355,7 @@ class Orchestrator:
         except RolloutFault:
             self.pool.unhealthy(url)
             return
-        self.pool.healthy(url, health.version, health.lineage)
+        self.pool.healthy(url, health.weight_version, health.weight_lineage)
 
     def _push_all(self, ref: VersionRef) -> None:
         for url in self.pool.needing(ref):

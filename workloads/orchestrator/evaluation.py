@@ -33,7 +33,7 @@ PROMPTS_PER_CALL = 16  # prompts handed to `complete` at once: bounds memory of 
 
 
 @dataclass(frozen=True)
-class Sample:
+class EvalSample:
     text: str  # decoded completion without its stop token
     tokens: int  # completion length in tokens, stop token included
     finished: bool  # ended with a stop token (False: cut at max_tokens)
@@ -49,7 +49,7 @@ class EvalParams:
     seed: int  # the run's seed: sample j of prompt i draws from derive_seed(seed, EVAL_STREAM, i) row j
 
 
-Complete = Callable[[list[Prompt], EvalParams], list[list[Sample]]]
+Complete = Callable[[list[Prompt], EvalParams], list[list[EvalSample]]]
 EVAL_STREAM = 0x6576616C  # "eval": keeps evaluation seeds apart from the training prompts' derive_seed(seed, i)
 
 
@@ -65,11 +65,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, params: EvalParams, *,
              pass_threshold: float, by_source: bool = True) -> dict[str, float]:
-    """Sample `params.n` completions per prompt, score them, and summarise (see the module docstring)."""
+    """EvalSample `params.n` completions per prompt, score them, and summarise (see the module docstring)."""
     if not prompts:
         raise ValueError("no evaluation prompts (rl.data.eval is unset or every prompt is too long)")
     k = params.n
-    per_prompt: list[tuple[Prompt, list[Sample], list[float | None]]] = []
+    per_prompt: list[tuple[Prompt, list[EvalSample], list[float | None]]] = []
     for start in range(0, len(prompts), PROMPTS_PER_CALL):
         chunk = prompts[start:start + PROMPTS_PER_CALL]
         samples = complete(chunk, params)
@@ -131,27 +131,33 @@ def evaluate_run(run, complete: Complete, tokenizer, scorer: RewardScorer | None
             scorer.close()
 
 
+def completion_text(tokenizer, tokens: list[int], finished: bool) -> str:
+    """A sample's text: its tokens decoded without the stop token that ended it."""
+    return tokenizer.decode(tokens[:-1] if finished else tokens)
+
+
 def http_completer(url: str, tokenizer, *, model: str | None = None, timeout_s: float = 600,
                    concurrency: int = 8) -> Complete:
     """Samples from a rollout server (POST {url}/v1/completions with token ids), one request per prompt with
     n = params.n, `concurrency` requests at once."""
     import urllib.request
 
-    from ..rl.protocol import Completion, CompletionRequest, derive_seed
+    from ..rl.openai_api import CompletionRequest, read_completion
+    from ..rl.protocol import derive_seed
 
-    def one(prompt: Prompt, params: EvalParams) -> list[Sample]:
+    def one(prompt: Prompt, params: EvalParams) -> list[EvalSample]:
         body = CompletionRequest(prompt=list(prompt.prompt_ids), n=params.n, max_tokens=params.max_tokens,
                                  temperature=params.temperature, top_p=params.top_p, model=model,
-                                 seed=derive_seed(params.seed, EVAL_STREAM, prompt.index)).to_json()
+                                 seed=derive_seed(params.seed, EVAL_STREAM, prompt.index), logprobs=0).to_json()
         req = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            completion = Completion.from_response(json.load(resp))
+            completion = read_completion(json.load(resp))
         choices = sorted(completion.choices, key=lambda c: c.index)
-        return [Sample(_text(tokenizer, c.token_ids, c.finish_reason == "stop"), len(c.token_ids),
+        return [EvalSample(completion_text(tokenizer, c.token_ids, c.finish_reason == "stop"), len(c.token_ids),
                        c.finish_reason == "stop", completion.version.version) for c in choices]
 
-    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[Sample]]:
+    def complete(prompts: list[Prompt], params: EvalParams) -> list[list[EvalSample]]:
         with ThreadPoolExecutor(concurrency) as pool:
             return list(pool.map(lambda p: one(p, params), prompts))
     return complete

@@ -18,7 +18,6 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from moe_rl_eks.core.sampling import SEED_LIMIT
 
 R = TypeVar("R", bound="Record")
 FinishReason = Literal["stop", "length", "abort"]
@@ -246,32 +245,6 @@ def derive_seed(run_seed: int, *counters: int) -> int:
 
 
 # ---- rollouts -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompletionRequest(Record):
-    """POST /v1/completions as the orchestrator sends it (OpenAI fields plus ours)."""
-
-    prompt: list[int]
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    model: str | None = None  # the served name (run.name) or None: a server refuses any other
-    logprobs: int = 0  # no alternatives: only the sampled token's logprob
-    return_routing: bool = False
-    logprob_mode: Literal["processed", "raw"] = "processed"  # what the trainer scores: after temperature/top-p
-    stop_token_ids: list[int] | None = None  # besides the model's EOS ids, which servers add themselves
-
-    def check(self) -> tuple[str, str] | None:
-        if not self.prompt:
-            return "prompt", "at least one token id"
-        if self.n < 1:
-            return "n", "must be >= 1"
-        if not 0 <= self.seed < SEED_LIMIT:
-            return "seed", "must be in [0, 2**64)"
-        return None
-
-
 def one_logprob_per_token(logprobs: list[float], token_ids: list[int]) -> tuple[str, str] | None:
     if len(logprobs) != len(token_ids):
         return "logprobs", f"one per completion token ({len(token_ids)} token ids)"
@@ -300,35 +273,6 @@ class Completion(Record):
     version: VersionRef
     choices: list[Choice]
     lineage_reported: bool = True  # False: the server named no lineage (version.lineage is 0 until attributed)
-
-    @classmethod
-    def from_response(cls, body: Any, path: str = "response") -> "Completion":
-        """Read an OpenAI-style completions response with our fields (`weight_version`, `weight_lineage`,
-        `token_ids`, `logprobs.token_logprobs`, `routed_experts`)."""
-        if not isinstance(body, dict):
-            raise ProtocolError(path, body, "expected a JSON object")
-        version = _decode(int, body.get("weight_version"), f"{path}.weight_version")
-        reported = body.get("weight_lineage") is not None
-        lineage = _decode(int, body.get("weight_lineage", 0) if reported else 0, f"{path}.weight_lineage")
-        raw = body.get("choices")
-        if not isinstance(raw, list) or not raw:
-            raise ProtocolError(f"{path}.choices", raw, "expected a non-empty list")
-        choices = []
-        for i, c in enumerate(raw):
-            where = f"{path}.choices[{i}]"
-            if not isinstance(c, dict):
-                raise ProtocolError(where, c, "expected an object")
-            lp = c.get("logprobs")
-            if not isinstance(lp, dict):
-                raise ProtocolError(f"{where}.logprobs", lp, "expected an object with token_logprobs")
-            choices.append(Choice._from_json({
-                "index": c.get("index", i), "token_ids": c.get("token_ids"), "logprobs": lp.get("token_logprobs"),
-                "finish_reason": c.get("finish_reason"), "text": c.get("text", ""),
-                "routing": c.get("routed_experts")}, where))
-        if sorted(c.index for c in choices) != list(range(len(choices))):
-            raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
-        return cls(VersionRef._from_json({"lineage": lineage, "version": version}, path),
-                   sorted(choices, key=lambda c: c.index), reported)
 
 
 # ---- training data --------------------------------------------------------------------------------------------

@@ -33,13 +33,13 @@ from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
-from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 from ..rl.protocol import VersionRef
-from .generation import Decoder, Sequence, output
-from .replica import Replica, StepPlan, rows_per_rank
 from ..rl.runtime import Registry
 from ..rl.tokenizer import Tokenizer
 from ..rl.weights import WeightStore
+from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
+from .generation import Decoder, Sequence, output
+from .replica import Replica, StepPlan, rows_per_rank
 
 __all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent", "VersionRef"]
 log = logging.getLogger(__name__)

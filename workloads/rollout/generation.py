@@ -449,7 +449,7 @@ class Sequence:
 
 
 @dataclass(eq=False)
-class Group:
+class SharedPrefill:
     """Rows admitted together with one context (a prompt): the leader's slot is prefilled; the others share its
     full blocks and copy its partial last one."""
 
@@ -598,7 +598,7 @@ class Decoder:
         self.state = SlotState.allocate(slots, self.device)
         self.free = list(range(slots - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Group] = []
+        self.prefilling: list[SharedPrefill] = []
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
         self.length = [0] * (slots + 1)  # positions filled per slot (host copy of what the cache holds)
         self.preemptions = 0
@@ -719,7 +719,7 @@ class Decoder:
         while self.waiting and self.free:
             context = self.waiting[0].context
             full, partial = divmod(len(context), cache.block_size)
-            group = Group([])
+            group = SharedPrefill([])
             while self.waiting and self.free and self.waiting[0].context == context:
                 need = (full + (partial > 0)) if not group.rows else int(partial > 0)
                 if len(cache.free) < need + spare:
@@ -817,7 +817,7 @@ class Decoder:
             self.state.length[slots] = torch.tensor([self.length[r.slot] for r in rows], device=dev)
             self._sample(rows, slots, logits[torch.tensor(which, device=dev)], events)
 
-    def _score_prompts(self, chunks: list[tuple[Group, int]], logits: Iterable[torch.Tensor]) -> None:
+    def _score_prompts(self, chunks: list[tuple[SharedPrefill, int]], logits: Iterable[torch.Tensor]) -> None:
         """Logprobs of each group's prompt tokens that this chunk's positions predict (`logits` [take, V] per
         group, before `prefilled` moves): position p scores prompt token p + 1, under softmax(logits)."""
         top_n = max(r.params.top_logprobs for g, _ in chunks for r in g.rows if r.params.prompt_logprobs)

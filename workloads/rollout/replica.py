@@ -24,8 +24,8 @@ import torch.distributed as dist
 from moe_rl_eks.core.run import ModelConfig, RunConfig
 
 from ..model import MoETransformer
-from ..model.transformer import weights_dtype
 from ..model.checkpoint import cast_for_serving
+from ..model.transformer import weights_dtype
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
 from .generation import Decoder, Sequence, output

@@ -41,12 +41,12 @@ from moe_rl_eks.core.run import RunConfig
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import http_schema as api
-from .detokenizer import CompletionText
-from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
+from ..rl import openai_api as api
 from ..rl.protocol import VersionRef, encode_routing
 from ..rl.runtime import HttpError, Registry, json_api, load, output_dir, serve
 from ..rl.tokenizer import Tokenizer, UnknownText
+from .detokenizer import CompletionText
+from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
@@ -207,7 +207,7 @@ class RolloutMetrics:
         self.lineage = self.registry[M.ROLLOUT_WEIGHT_LINEAGE]
 
 
-class Row:
+class StreamedChoice:
     """One choice on the event loop: its text (stop strings, as tokens arrive when someone reads along) and
     streamed offsets."""
 
@@ -264,7 +264,7 @@ class Generation:
     def __init__(self, server: "RolloutServer", plan: Plan, request_id: str) -> None:
         self.server, self.plan, self.request_id = server, plan, request_id
         self.arrival = time.monotonic()
-        self.rows = [Row(server, plan, i) for i in range(len(plan.prompts) * plan.n)]
+        self.rows = [StreamedChoice(server, plan, i) for i in range(len(plan.prompts) * plan.n)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
 
@@ -353,7 +353,7 @@ class Generation:
 
 
 @dataclass
-class Choice:
+class Answer:
     """A row's answer, cut at its stop string if one ended it."""
 
     index: int
@@ -365,7 +365,7 @@ class Choice:
     routing: str | None
 
 
-def choice_of(row: Row, out: RowOutput, stop_token_ids: tuple[int, ...]) -> Choice:
+def choice_of(row: StreamedChoice, out: RowOutput, stop_token_ids: tuple[int, ...]) -> Answer:
     kept = row.text.kept_tokens if row.stopped else len(out.token_ids)
     ids = out.token_ids[:kept]
     if row.stopped:
@@ -377,7 +377,7 @@ def choice_of(row: Row, out: RowOutput, stop_token_ids: tuple[int, ...]) -> Choi
     if out.routing is not None:  # positions of prompt + completion[:-1]
         routing = encode_routing(out.routing[:len(row.prompt) + len(ids) - 1])
     top = out.top_logprobs[:kept] if out.top_logprobs is not None else None
-    return Choice(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routing)
+    return Answer(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routing)
 
 
 class RolloutServer:
@@ -433,7 +433,7 @@ class RolloutServer:
         return {"id": gen.request_id, "created": int(time.time()), "model": self.model.name,
                 "weight_version": version, "weight_lineage": lineage}
 
-    def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Choice], dict, api.Usage]:
+    def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Answer], dict, api.Usage]:
         choices = [choice_of(row, o, gen.plan.params[0].stop_token_ids) for row, o in zip(gen.rows, outputs)]
         # A request's rows are admitted together and the engine swaps weights between steps, so they share one
         # version; were they ever to differ, the oldest is reported, so staleness is never understated.
@@ -533,7 +533,7 @@ class RolloutServer:
         return api.CompletionChoice(index=index, text=text, finish_reason=None, logprobs=completion_logprobs,
                                     token_ids=token_ids)
 
-    def _echo(self, gen: Generation, row: Row) -> str:
+    def _echo(self, gen: Generation, row: StreamedChoice) -> str:
         return self.model.tokenizer.decode(list(row.prompt)) if gen.plan.echo else ""
 
     def _completion_logprobs(self, gen: Generation, ids: list[int], logprobs: list[float | None],

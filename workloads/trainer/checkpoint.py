@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..rl.checkpoint_dirs import LATEST, final_dir, latest, staging_dir
+from ..rl.checkpoint_dirs import LATEST, final_dir, staging_dir
 from ..rl.weights import fsync
 
 DCP_RECORD_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")

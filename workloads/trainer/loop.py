@@ -33,17 +33,18 @@ from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
 from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
-from . import checkpoint as ckpt
 from ..rl.algorithms import SequenceScores, make_algorithm
+from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
 from ..rl.losses import PolicyBatch, Totals
-from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from ..rl.protocol import Batch, TrainingSample, VersionRef
-from .publisher import Publisher
 from ..rl.runtime import Registry, http_json, load, output_dir, run_argparser
 from ..rl.tokenizer import load_tokenizer, write_checkpoint_metadata
-from .step import Forward, TrainStep, learning_rate
 from ..rl.weights import open_store
+from . import checkpoint as ckpt
+from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
+from .publisher import Publisher
+from .step import Forward, TrainStep, learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ class Trainer:
 
     def try_resume(self) -> bool:
         """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""
-        directory = ckpt.latest(self.ckpt_root)
+        directory = latest(self.ckpt_root)
         if directory is None:
             return False
         meta = json.loads((directory / "trainer.json").read_text())

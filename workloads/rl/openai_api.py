@@ -1,6 +1,9 @@
-"""The OpenAI completion and chat-completion protocol as pydantic models, plus the fields RL clients add (vLLM's
-`return_token_ids`, `stop_token_ids`, `top_k`, `min_p`, `logprob_mode`; our `return_routing`). Torch-free: the
-orchestrator, clients and tests import it without the model.
+"""The rollout servers' HTTP API: OpenAI's completion and chat-completion protocol as pydantic models, plus the
+fields RL clients add (vLLM's `return_token_ids`, `stop_token_ids`, `top_k`, `min_p`, `logprob_mode`; our
+`return_routing`). The one vocabulary of that wire: the server (workloads/rollout/server.py) accepts and answers
+these models, and the orchestrator and the evaluation send the same `CompletionRequest` and read the same
+`CompletionResponse` (`read_completion`). Torch-free: the orchestrator, clients and tests import it without the
+model.
 
 Requests are validated strictly (`"n": "3"` and `"n": true` are errors, not coerced) and every number must be
 finite, so nothing the schema lets through can fail a batch on its type or range. Fields that depend on the
@@ -12,10 +15,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from moe_rl_eks.core import sampling as limits
 from moe_rl_eks.core.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+from .protocol import Choice, Completion, ProtocolError, VersionRef
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -82,6 +87,10 @@ class CompletionRequest(SamplingFields):
         None, description="0 = the sampled token's logprob; N = also the N most likely alternatives")
     echo: bool | None = None
 
+    def to_json(self) -> dict:
+        """The request body as sent: fields left at None are left out (`null` means the default anyway)."""
+        return self.model_dump(exclude_none=True)
+
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: OpenAI accepts a string, token ids, or a list of either."""
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
@@ -129,7 +138,7 @@ class Versioned(BaseModel):
     created: int
     model: str
     weight_version: int
-    weight_lineage: int
+    weight_lineage: int | None = None  # None only from servers that predate lineages
     usage: Usage | None = None
 
 
@@ -262,3 +271,30 @@ class Readiness(BaseModel):
     ready: bool
     weight_version: int | None
     weight_lineage: int | None
+
+
+def read_completion(body: object, path: str = "response") -> Completion:
+    """A completions response as the orchestrator keeps it: read as the server wrote it (`CompletionResponse`),
+    every choice with its token ids and one logprob per token. A malformed answer raises ProtocolError naming
+    the field."""
+    try:
+        response = CompletionResponse.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        raise ProtocolError(f"{path}{where}", first.get("input"), first["msg"]) from None
+    choices = []
+    for i, c in enumerate(response.choices):
+        where = f"{path}.choices[{i}]"
+        if c.logprobs is None:
+            raise ProtocolError(f"{where}.logprobs", None, "expected an object with token_logprobs")
+        choices.append(Choice._from_json({
+            "index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs.token_logprobs,
+            "finish_reason": c.finish_reason, "text": c.text, "routing": c.routed_experts}, where))
+    if sorted(c.index for c in choices) != list(range(len(choices))):
+        raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
+    if not choices:
+        raise ProtocolError(f"{path}.choices", [], "expected a non-empty list")
+    reported = response.weight_lineage is not None
+    return Completion(VersionRef(response.weight_lineage if reported else 0, response.weight_version),
+                      sorted(choices, key=lambda c: c.index), reported)
