@@ -18,7 +18,7 @@ import pytest
 from infra_helpers import REPO, SYNTH_TIMEOUT_S, offline_env, resources_of
 
 APP = Path(__file__).parent / "own_app" / "app.py"
-SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "pyproject.toml", "README.md")
+SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "tools", "pyproject.toml", "README.md")
 
 
 @pytest.fixture(scope="module")
