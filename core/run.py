@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from . import memory
 from .cluster import FSX_MOUNT_PATH
 from .deploy import DeployConfig
 from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, check_backend, resolve_backend
@@ -93,6 +94,10 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + h
 
+    def routed_expert_parameter_count(self) -> int:
+        """The parameters expert parallelism splits over ranks (the routed experts; shared experts replicate)."""
+        return self.num_hidden_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
     @property
     def bytes_per_parameter(self) -> int:
         return 2 if self.dtype == "bfloat16" else 4
@@ -143,6 +148,49 @@ class RolloutConfig:
         return self.max_servers > self.min_servers
 
 
+@dataclass(frozen=True)
+class RoleGpus:
+    """The GPUs of this machine one role of a local run uses, and the share of each GPU's memory it may take
+    (vLLM's gpu_memory_utilization): the process caps its allocator at it, and the rollout engine sizes its KV
+    cache from what the share leaves after the weights."""
+
+    gpus: tuple[int, ...] = (0,)
+    memory_share: float = 0.45
+
+    def validate(self) -> None:
+        if not self.gpus or any(g < 0 for g in self.gpus):
+            fail("gpus", list(self.gpus), "must list one or more GPU indices >= 0")
+        if len(set(self.gpus)) != len(self.gpus):
+            fail("gpus", list(self.gpus), "must not name a GPU twice (one trainer rank or rollout rank per GPU)")
+        if not 0 < self.memory_share <= 1:
+            fail("memory_share", self.memory_share, "must be in (0, 1]: a fraction of each GPU's memory")
+
+
+@dataclass(frozen=True)
+class LocalGpus:
+    """`local_gpus:` a local run on this machine's GPUs (absent: on its CPUs). The trainer runs one rank per GPU
+    of `trainer.gpus` over NCCL; rollout server i takes `rollout.gpus_per_server` GPUs of `rollout.gpus` in
+    order. Roles may share a GPU, each within its memory share."""
+
+    trainer: RoleGpus = field(default_factory=RoleGpus)
+    rollout: RoleGpus = field(default_factory=RoleGpus)
+
+    def shares_by_gpu(self) -> dict[int, float]:
+        shares: dict[int, float] = {}
+        for role in (self.trainer, self.rollout):
+            for gpu in role.gpus:
+                shares[gpu] = shares.get(gpu, 0.0) + role.memory_share
+        return shares
+
+    def validate(self) -> None:
+        for gpu, total in sorted(self.shares_by_gpu().items()):
+            if total > 1 + 1e-9:
+                fail("rollout.memory_share", self.rollout.memory_share,
+                     f"trainer.memory_share ({self.trainer.memory_share}) + rollout.memory_share "
+                     f"({self.rollout.memory_share}) = {total:.2f} of GPU {gpu}: the shares of the roles on a GPU "
+                     "must add up to at most 1")
+
+
 # A run with triton compute is refused unless its expert rows fit TMA in bfloat16 (a float32 model runs under
 # autocast, so bfloat16 is what the experts compute in on GPUs).
 TRITON_ROW_MULTIPLE = TMA_ROW_BYTES // 2
@@ -177,6 +225,7 @@ class RunConfig:
     # Written by `moerl manifests` into the run file pods read (never by hand): the run already resolved against
     # its environment, which the file then omits (environment: null).
     resolved: ResolvedPlacement | None = None
+    local_gpus: LocalGpus | None = None  # a local run on this machine's GPUs; None: on its CPUs
 
     def validate(self) -> None:
         if self.resolved is not None and self.environment is not None:
@@ -205,10 +254,35 @@ class RunConfig:
                 if size % TRITON_ROW_MULTIPLE:
                     fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with moe_compute: "
                          f"triton (its kernels read expert rows through TMA, which needs {TMA_ROW_BYTES}-byte rows)")
+        if self.local_gpus is not None:
+            self._validate_local_gpus(self.local_gpus)
         if self.model.num_experts % self.rollout.gpus_per_server:
             fail("rollout.gpus_per_server", self.rollout.gpus_per_server,
                  f"must divide model.num_experts ({self.model.num_experts}): a server splits the experts evenly "
                  "over its GPUs")
+
+
+    def _validate_local_gpus(self, local: LocalGpus) -> None:
+        if self.environment is not None or self.resolved is not None:
+            fail("local_gpus", "...", "places a local run's roles on this machine's GPUs; a cluster run has none")
+        ranks = self.parallelism.ranks_per_node
+        if ranks is not None and ranks != len(local.trainer.gpus):
+            fail("parallelism.ranks_per_node", ranks, f"must equal the {len(local.trainer.gpus)} GPUs of "
+                 "local_gpus.trainer.gpus (one trainer rank per GPU: NCCL puts no two ranks on one GPU), or be omitted")
+        servers = self.rollout.min_servers
+        if self.rollout.max_servers != servers:
+            fail("rollout.max_servers", self.rollout.max_servers,
+                 f"must equal rollout.min_servers ({servers}) on local GPUs: nothing autoscales them")
+        wanted = servers * self.rollout.gpus_per_server
+        if len(local.rollout.gpus) != wanted:
+            fail("local_gpus.rollout.gpus", list(local.rollout.gpus),
+                 f"must list {wanted} GPUs: rollout.min_servers ({servers}) x rollout.gpus_per_server "
+                 f"({self.rollout.gpus_per_server})")
+
+    def server_gpus(self, index: int) -> tuple[int, ...]:
+        """The GPUs of rollout server `index` in a local GPU run."""
+        per = self.rollout.gpus_per_server
+        return self.local_gpus.rollout.gpus[index * per:(index + 1) * per]
 
 
 @dataclass(frozen=True)
@@ -245,12 +319,18 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         raise ConfigError(src, "environment", run.environment,
                           "a run with an environment needs that environment's config; a local run takes none")
     if env is None:
-        ranks = run.parallelism.ranks_per_node or LOCAL_RANKS
         if run.parallelism.trainer_nodes != 1:
             raise ConfigError(src, "parallelism.trainer_nodes", run.parallelism.trainer_nodes, "a local run has one node")
-        topo = Topology(nodes=1, ranks_per_node=ranks, device="cpu", num_experts=run.model.num_experts)
-        if run.moe_compute == "triton":
-            raise ConfigError(src, "moe_compute", run.moe_compute, "the triton kernels need CUDA GPUs; a local run uses torch")
+        if run.local_gpus is not None:
+            topo = Topology(nodes=1, ranks_per_node=len(run.local_gpus.trainer.gpus), device="cuda",
+                            num_experts=run.model.num_experts, dtype=run.model.dtype)
+        else:
+            topo = Topology(nodes=1, ranks_per_node=run.parallelism.ranks_per_node or LOCAL_RANKS, device="cpu",
+                            num_experts=run.model.num_experts)
+            if run.moe_compute == "triton":
+                raise ConfigError(src, "moe_compute", run.moe_compute,
+                                  "the triton kernels need CUDA GPUs: a local run on the CPU uses torch (local_gpus "
+                                  "places a local run on GPUs)")
     else:
         _check_fits(run, env, src)
         trainer = env.trainer_pool.spec
@@ -361,3 +441,37 @@ def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None
         raise ConfigError(src, "rl.weights", weights.kind if weights.kind == "local" else weights.path,
                           f"rollout servers on other nodes load the weights: use kind: fs with a path under {shared} "
                           "or kind: s3")
+
+
+def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: str = "run") -> None:
+    """Refuse a local GPU run this machine cannot hold, before any role starts: GPUs it lacks (`gpu_memory_bytes`
+    lists the memory of each of its GPUs), or a role whose weights, optimizer state and smallest KV cache do not
+    fit its memory share (core/memory.py)."""
+    local, src = run.local_gpus, f"{source} {run.name!r}"
+    for role in ("trainer", "rollout"):
+        missing = [g for g in getattr(local, role).gpus if g >= len(gpu_memory_bytes)]
+        if missing:
+            raise ConfigError(src, f"local_gpus.{role}.gpus", list(getattr(local, role).gpus),
+                              f"GPU {missing[0]} is not on this machine, which has {len(gpu_memory_bytes)} "
+                              f"(0..{len(gpu_memory_bytes) - 1})")
+    m = run.model
+    experts = m.routed_expert_parameter_count()
+    replicated = m.parameter_count() - experts
+    trainer = memory.trainer_memory(replicated=replicated, experts=experts, ranks=len(local.trainer.gpus),
+                                    reference=run.rl.algorithm.kl_coef > 0)
+    rollout = memory.rollout_memory(replicated=replicated, experts=experts, gpus=run.rollout.gpus_per_server,
+                                    dtype_bytes=m.bytes_per_parameter, layers=m.num_hidden_layers,
+                                    kv_heads=m.num_key_value_heads, head_dim=m.head_dim)
+    row = run.rl.sampling.max_prompt_tokens + run.rollout.max_new_tokens  # the longest row a server admits
+    needs = {"trainer": (trainer.fixed_bytes, "float32 weights, gradients and AdamW state"
+                         + (" and the KL reference" if run.rl.algorithm.kl_coef > 0 else "")),
+             "rollout": (rollout.fixed_bytes + row * rollout.per_token_bytes,
+                         f"the weights and the KV cache of one {row}-token row")}
+    for role, (need, what) in needs.items():
+        share = getattr(local, role).memory_share
+        for gpu in getattr(local, role).gpus:
+            have = share * gpu_memory_bytes[gpu]
+            if need > have:
+                raise ConfigError(src, f"local_gpus.{role}.memory_share", share,
+                                  f"{share} of GPU {gpu}'s {gpu_memory_bytes[gpu] / 2**30:.1f} GiB is "
+                                  f"{have / 2**30:.1f} GiB; the {role} needs {need / 2**30:.1f} GiB there ({what})")

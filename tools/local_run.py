@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl_eks.core.launch import launch
-from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig
-
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine
 from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
 
 CLI = [sys.executable, "-m", "moe_rl_eks.tools.cli"]
@@ -89,11 +88,14 @@ class LocalCluster:
         self.orchestrator: Role | None = None
         self.trainer: Role | None = None
 
-    def _spawn(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
-        """Start a role in its own session; `cpus` pins it (and its children) to those cores."""
+    def _spawn(self, name: str, argv: list[str], cpus: set[int] | None = None,
+               gpus: tuple[int, ...] | None = None) -> subprocess.Popen:
+        """Start a role in its own session; `cpus` pins it (and its children) to those cores, `gpus` shows it only
+        those GPUs (as its devices 0..n-1)."""
         log = open(self.logs / f"{name}.log", "a")
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+        env = self.env if gpus is None else {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=pin)
 
     def start_server(self, index: int, cpus: set[int] | None = None) -> Role:
@@ -102,7 +104,8 @@ class LocalCluster:
         port = int(self.servers[index].url.rsplit(":", 1)[1]) if index < len(self.servers) else free_port()
         argv = launch(CLI + ["serve-rollout", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)],
                       processes=self.run.rollout.gpus_per_server, torchrun=TORCHRUN)
-        proc = self._spawn(f"rollout-{index}", argv, cpus)
+        gpus = self.run.server_gpus(index) if self.run.local_gpus is not None else None
+        proc = self._spawn(f"rollout-{index}", argv, cpus, gpus)
         role = Role(f"rollout-{index}", proc, f"http://127.0.0.1:{port}")
         if index < len(self.servers):
             self.servers[index] = role
@@ -122,13 +125,14 @@ class LocalCluster:
         return self.orchestrator
 
     def start_trainer(self, cpus: set[int] | None = None) -> Role:
-        ranks = self.run.parallelism.ranks_per_node or LOCAL_RANKS
+        gpus = self.run.local_gpus.trainer.gpus if self.run.local_gpus is not None else None
+        ranks = len(gpus) if gpus else self.run.parallelism.ranks_per_node or LOCAL_RANKS
         # The agent checks its workers every second, not every 0.1 s (its default): it shares a core with a role.
         argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--monitor-interval=1",
                 # "--": without it torchrun takes `--run` for an abbreviation of its own `--run-path`.
                 "-m", "--", "moe_rl_eks.tools.cli", "train", "--run", self.run_path, "--orchestrator", self.orchestrator.url,
                 "--metrics-port", str(free_port())]
-        self.trainer = Role("trainer", self._spawn("trainer", argv, cpus))
+        self.trainer = Role("trainer", self._spawn("trainer", argv, cpus, gpus))
         return self.trainer
 
     def start(self) -> None:
@@ -233,19 +237,40 @@ def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def gpu_memory_bytes() -> list[int]:
+    """The memory of each GPU this process sees (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def placement(run: RunConfig) -> str:
+    local = run.local_gpus
+    if local is None:
+        return (f"{run.rollout.min_servers} rollout servers, trainer EP={run.parallelism.ranks_per_node or LOCAL_RANKS}"
+                " (gloo) on the CPU")
+    return (f"{run.rollout.min_servers} rollout server(s) on GPU {list(local.rollout.gpus)} "
+            f"({local.rollout.memory_share:.0%} of memory each), trainer on GPU {list(local.trainer.gpus)} "
+            f"({local.trainer.memory_share:.0%}, NCCL)")
+
+
 def main(argv: list[str]) -> int:
     parser = run_argparser("local-run", "run the whole RL loop on this machine")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
     args = parser.parse_args(argv)
     run = load(args.run)
+    if run.local_gpus is not None:
+        check_local_machine(run, gpu_memory_bytes(), source=args.run)  # before any role starts or any file goes
     out = output_dir(run)
     if not args.resume and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(args.run, run)
-    print(f"local-run {run.name}: {run.rollout.min_servers} rollout servers, trainer EP={run.parallelism.ranks_per_node or LOCAL_RANKS} "
-          f"(gloo), max_staleness {run.rl.orchestrator.max_staleness}; logs in {cluster.logs}", flush=True)
+    print(f"local-run {run.name}: {placement(run)}, max_staleness {run.rl.orchestrator.max_staleness}; "
+          f"logs in {cluster.logs}", flush=True)
     start = time.monotonic()
     try:
         for i in range(run.rollout.min_servers):

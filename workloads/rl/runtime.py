@@ -282,3 +282,18 @@ def wait_for(url: str, *, timeout: float, interval: float = 0.2) -> Any:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer within {timeout:.0f} s") from None
             time.sleep(interval)
+
+
+def cap_gpu_memory(run: RunConfig, role: str) -> float | None:
+    """In a local GPU run (`local_gpus`), cap this process's CUDA allocator at its role's memory share of each
+    GPU it sees, so that roles sharing a GPU cannot take each other's memory: an allocation past the share fails
+    in this process instead of in its neighbour. Returns the share (None: no cap, the role has its GPUs alone)."""
+    if run.local_gpus is None:
+        return None
+    import torch
+
+    share = getattr(run.local_gpus, role).memory_share
+    if torch.cuda.is_available():
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(share, device)
+    return share

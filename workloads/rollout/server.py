@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..rl import openai_api as api
 from ..rl.protocol import VersionRef, encode_routing
-from ..rl.runtime import HttpError, Registry, json_api, load, output_dir, serve
+from ..rl.runtime import HttpError, Registry, cap_gpu_memory, json_api, load, output_dir, serve
 from ..rl.tokenizer import Tokenizer, UnknownText
 from .detokenizer import CompletionText
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
@@ -691,6 +691,7 @@ def main(argv: list[str]) -> int:
     else:
         run = load(args.run)
     torch.set_num_threads(1)
+    cap_gpu_memory(run, "rollout")
     if processes != run.rollout.gpus_per_server:
         raise SystemExit(f"rollout.gpus_per_server is {run.rollout.gpus_per_server} but this server has {processes} "
                          "process(es); start one per GPU with torchrun (moe_rl_eks.core.launch)")

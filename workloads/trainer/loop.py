@@ -38,7 +38,7 @@ from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
 from ..rl.losses import PolicyBatch, Totals
 from ..rl.protocol import Batch, TrainingSample, VersionRef
-from ..rl.runtime import Registry, http_json, load, output_dir, run_argparser
+from ..rl.runtime import Registry, cap_gpu_memory, http_json, load, output_dir, run_argparser
 from ..rl.tokenizer import load_tokenizer, write_checkpoint_metadata
 from ..rl.weights import open_store
 from . import checkpoint as ckpt
@@ -632,6 +632,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.cuda.set_device(train_device())
+    cap_gpu_memory(run, "trainer")
     # Ranks other than 0 wait in a broadcast while rank 0 polls the orchestrator for a batch; the first batch on a
     # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
