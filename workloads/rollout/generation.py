@@ -544,7 +544,9 @@ BLOCK_SIZE = 16  # positions per KV-cache block
 def fitting_blocks(model: MoETransformer, wanted: int, block_size: int = BLOCK_SIZE,
                    memory_fraction: float = 0.8) -> int:
     """How many KV-cache blocks of `block_size` positions (keys, values, routing) to allocate: `wanted`, or on a
-    GPU as many as fit in `memory_fraction` of its free memory (the rest is for activations and CUDA graphs)."""
+    GPU as many as fit in `memory_fraction` of the memory this process may still take (the rest is for
+    activations and CUDA graphs): the GPU's free memory, and no more than what its memory share leaves
+    (`local_gpus`: the allocator is capped, so a cache sized from the device's free memory would not fit)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         return wanted
@@ -552,8 +554,9 @@ def fitting_blocks(model: MoETransformer, wanted: int, block_size: int = BLOCK_S
     per_block = block_size * c.num_hidden_layers * (
         2 * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
         + c.num_experts_per_tok * (1 if c.num_experts <= 256 else 2))
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(wanted, int(free * memory_fraction) // per_block - 1))
+    free, total = torch.cuda.mem_get_info(device)
+    share_left = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    return max(1, min(wanted, int(min(free, share_left) * memory_fraction) // per_block - 1))
 
 
 def graph_buckets(slots: int) -> list[int]:
