@@ -71,19 +71,46 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The built-in verifiable task: `a <op> b =` with operands in [0, max_operand], exact integer answer."""
+    """The built-in verifiable tasks, each with its reward function of the same name (rl.reward.function):
+    - `arithmetic`: `a <op> b =` with operands in [0, max_operand], the exact integer answer (a few tokens);
+    - `countdown`: `a-b=` answered by writing out a, a-b, a-2b, ... down to the remainder a mod b, one number at a
+      time: a long, verifiable completion (4-5 tokens a step). The number of steps is drawn log-uniformly from
+      [min_steps, max_steps], so lengths have a long tail; b is in [2, 9]. The reward counts the steps written
+      correctly before the first wrong one. The supervised warm-up shows traces in which each step is wrong with
+      probability `trace_error_rate` (the rest of that trace counts on from the wrong number), so the warmed-up
+      policy knows the procedure but slips, and RL is what removes the slips."""
 
-    name: Literal["arithmetic"] = "arithmetic"
+    name: Literal["arithmetic", "countdown"] = "arithmetic"
     max_operand: int = 4
     operators: tuple[Literal["+", "-", "*"], ...] = ("+",)
+    min_steps: int = 8
+    max_steps: int = 128
+    trace_error_rate: float = 0.05
 
     def validate(self) -> None:
         if not 1 <= self.max_operand <= 999:
             fail("max_operand", self.max_operand, "must be between 1 and 999")
         if not self.operators:
             fail("operators", self.operators, "list at least one of '+', '-', '*'")
+        if not 1 <= self.min_steps <= self.max_steps:
+            fail("min_steps", self.min_steps, f"must be between 1 and max_steps ({self.max_steps})")
+        if self.max_steps > 10_000:
+            fail("max_steps", self.max_steps, "must be <= 10000")
+        if not 0 <= self.trace_error_rate < 1:
+            fail("trace_error_rate", self.trace_error_rate, "must be in [0, 1)")
+
+    @staticmethod
+    def countdown(a: int, b: int) -> str:
+        """The countdown task's correct completion of `a-b=` (before its end-of-sequence token)."""
+        return " ".join(str(y) for y in range(a - b, -1, -b)) if a >= b else str(a)
+
+    def longest_countdown_tokens(self) -> int:
+        """Tokens of the longest correct countdown completion (max_steps steps of b = 9 from 9 x max_steps + 8),
+        its end-of-sequence token included: the built-in vocabulary has one token per character."""
+        return len(self.countdown(9 * self.max_steps + 8, 9)) + 1
 
 
+BUILTIN_REWARDS = ("arithmetic", "countdown", "math")
 DATA_SUFFIXES = (".parquet", ".jsonl")
 GLOB_CHARS = "*?["
 DATA_LOCATIONS = ("expected a .parquet or .jsonl file, a directory or S3 prefix holding them (end a name that has a "
@@ -172,7 +199,7 @@ class RewardConfig:
     masked (dropped from its group) and counted, never given a made-up score. `math` and custom functions run in
     `workers` separate processes, so a call that hangs is killed rather than left running."""
 
-    function: str = "arithmetic"  # "arithmetic", "math" or "package.module:function"
+    function: str = "arithmetic"  # "arithmetic", "countdown", "math" or "package.module:function"
     correct_weight: float = 1.0
     format_weight: float = 0.1
     remote_url: str | None = None  # POST {"items": [{data_source, solution_str, ground_truth, extra_info}]}
@@ -183,9 +210,9 @@ class RewardConfig:
     pass_threshold: float = 1.0  # a sample is correct (accuracy, pass@k) when its reward is >= this
 
     def validate(self) -> None:
-        if self.function not in ("arithmetic", "math") and (
+        if self.function not in BUILTIN_REWARDS and (
                 self.function.count(":") != 1 or not all(self.function.split(":"))):
-            fail("function", self.function, "expected 'arithmetic', 'math' or 'package.module:function'")
+            fail("function", self.function, "expected 'arithmetic', 'countdown', 'math' or 'package.module:function'")
         if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
             fail("remote_url", self.remote_url, "expected an http:// or https:// URL")
         if self.timeout_s <= 0:
@@ -196,7 +223,7 @@ class RewardConfig:
 
     @property
     def custom(self) -> str | None:
-        return None if self.function in ("arithmetic", "math") else self.function
+        return None if self.function in BUILTIN_REWARDS else self.function
 
 
 @dataclass(frozen=True)
@@ -357,6 +384,15 @@ class RLConfig:
     weight_token_env: str = "MOERL_WEIGHT_TOKEN"
 
     def validate(self) -> None:
+        if self.data.builtin and (self.task.name == "countdown") != (self.reward.function == "countdown"):
+            fail("reward.function", self.reward.function, f"the built-in {self.task.name} task is scored by its own "
+                 f"reward: use reward.function: {self.task.name}")
+        if self.data.builtin and self.task.name == "countdown":
+            longest = self.task.longest_countdown_tokens()
+            if self.sampling.max_tokens < longest:
+                fail("sampling.max_tokens", self.sampling.max_tokens,
+                     f"must be >= {longest}, the longest countdown completion at task.max_steps "
+                     f"{self.task.max_steps} (end-of-sequence included): a cut completion can never be fully correct")
         longest = self.sampling.max_prompt_tokens + self.sampling.max_tokens - 1
         if self.training.max_tokens_per_microbatch < longest:
             fail("training.max_tokens_per_microbatch", self.training.max_tokens_per_microbatch,

@@ -7,17 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-from moe_rl_eks.workloads.orchestrator.evaluation import (EVAL_STREAM, Complete, EvalParams, EvalSample, completion_text,
-                                                          evaluate, evaluate_run, params_for, record)
+from moe_rl_eks.workloads.orchestrator.evaluation import (EVAL_STREAM, PROMPTS_PER_CALL, Complete, EvalParams,
+                                                          EvalSample, completion_text, evaluate, params_for,
+                                                          prompt_mean_rewards, record, score_prompts, summarise)
 from moe_rl_eks.workloads.rl.data import Prompt
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
 
 
 class CheckpointEvaluator:
-    """`evaluate_run` on the weights of checkpoint directories (published versions), sampled in this process: the
-    local run's evaluation of its initial, post-warm-up and final weights, bench-rl's evaluation curve. The
-    tokenizer, the evaluation prompts (a dataset is read once) and one set of reward workers serve every
-    checkpoint; use it as a context manager (closing stops the reward workers)."""
+    """The run's evaluation (rl.evaluation) of the weights of checkpoint directories (published versions),
+    sampled in this process: the local run's evaluation of its initial, post-warm-up and final weights, bench-rl's
+    evaluation curve. The tokenizer, the evaluation prompts (a dataset is read once) and one set of reward workers
+    serve every checkpoint; use it as a context manager (closing stops the reward workers)."""
 
     def __init__(self, run) -> None:
         from moe_rl_eks.workloads.rl.data import evaluation_prompts
@@ -29,10 +30,22 @@ class CheckpointEvaluator:
         self.scorer = RewardScorer(run.rl.reward)
 
     def __call__(self, directory: str | Path) -> dict[str, float]:
+        return self.scored(directory)[0]
+
+    def scored(self, directory: str | Path) -> tuple[dict[str, float], list[float]]:
+        """The metrics of the weights in `directory` and each evaluation prompt's mean reward (in prompt order, the
+        same for every directory: paired). On a GPU when this process has one, all prompts in one batch."""
+        import torch
+
         from moe_rl_eks.workloads.model.checkpoint import load_model
 
-        complete = model_completer(load_model(directory).eval(), self.tokenizer)
-        return evaluate_run(self.run, complete, self.tokenizer, self.scorer, self.prompts)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        complete = model_completer(load_model(directory, device=device).eval(), self.tokenizer)
+        per_call = len(self.prompts) if device == "cuda" else PROMPTS_PER_CALL
+        per_prompt = score_prompts(self.prompts, complete, self.scorer, params_for(self.run),
+                                   prompts_per_call=per_call)
+        metrics = summarise(per_prompt, params_for(self.run).n, self.run.rl.reward.pass_threshold)
+        return metrics, prompt_mean_rewards(per_prompt)
 
     def __enter__(self) -> "CheckpointEvaluator":
         return self

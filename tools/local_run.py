@@ -5,19 +5,24 @@ sampled prompts, writes a reward-curve PNG and prints the summary."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from moe_rl_eks.core.launch import launch
-from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine, load_run
+from moe_rl_eks.core.schema import parse
 from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
 
 CLI = [sys.executable, "-m", "moe_rl_eks.tools.cli"]
@@ -188,17 +193,27 @@ def watch(cluster: LocalCluster, timeout_s: float) -> int:
     return cluster.trainer.proc.returncode
 
 
-def evaluate(run: RunConfig, directories: dict[str, Path]) -> dict[str, dict]:
+def evaluate(run: RunConfig, directories: dict[str, Path]) -> tuple[dict[str, dict], dict[str, list[float]]]:
     """rl.evaluation's metrics (eval/...) of the weights in each directory on the run's evaluation prompts: a
-    dataset's evaluation split, or built-in problems drawn with their own seed (not held out: training covers the
-    built-in task's small problem space, so there this measures the policy, not generalisation); with
-    reward_mean and accuracy (pass@1) for the summary and the plot. One set of reward workers scores them all."""
+    dataset's evaluation split, or built-in problems drawn with their own seed (not held out from training for the
+    arithmetic task, whose small problem space training covers; the countdown task's space is large), with
+    reward_mean and accuracy (pass@1) for the summary and the plot; and each prompt's mean reward, paired across
+    the directories. One set of reward workers scores them all."""
     from moe_rl_eks.tools.evaluate import CheckpointEvaluator
 
-    with CheckpointEvaluator(run) as evaluate:
-        evals = {name: evaluate(directory) for name, directory in directories.items()}
-    return {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
-            for name, m in evals.items()}
+    with CheckpointEvaluator(run) as evaluator:
+        scored = {name: evaluator.scored(directory) for name, directory in directories.items()}
+    evals = {name: {"reward_mean": m["eval/reward_mean"], "accuracy": m["eval/pass@1"], **m}
+             for name, (m, _) in scored.items()}
+    return evals, {name: rewards for name, (_, rewards) in scored.items()}
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """The mean per-prompt reward gain from `before` to `after` (the same prompts) and its standard error."""
+    diffs = [b - a for a, b in zip(before, after) if not (math.isnan(a) or math.isnan(b))]
+    if len(diffs) < 2:
+        return math.nan, math.nan
+    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 def final_weights(run: RunConfig, out: Path) -> Path:
@@ -256,19 +271,41 @@ def placement(run: RunConfig) -> str:
             f"({local.trainer.memory_share:.0%}, NCCL)")
 
 
+def quick_data(path: str) -> dict:
+    """The run file's data with a quarter of its RL steps, warm-up steps and evaluation prompts (at least one)."""
+    data = yaml.safe_load(Path(path).read_text())
+    rl = data.setdefault("rl", {})
+    training, evaluation = rl.setdefault("training", {}), rl.setdefault("evaluation", {})
+    defaults = load_run(path).rl
+    for section, name, value in ((training, "steps", defaults.training.steps),
+                                 (training, "warmup_sft_steps", defaults.training.warmup_sft_steps),
+                                 (evaluation, "prompts", defaults.evaluation.prompts)):
+        section[name] = max(1, value // 4) if value else 0
+    training["checkpoint_every"] = max(1, min(defaults.training.checkpoint_every, training["steps"]))
+    return data
+
+
 def main(argv: list[str]) -> int:
     parser = run_argparser("local-run", "run the whole RL loop on this machine")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
+    parser.add_argument("--quick", action="store_true", help="a short form of the run: a quarter of its RL and "
+                        "warm-up steps and of its evaluation prompts")
     args = parser.parse_args(argv)
-    run = load(args.run)
+    run_path, run = args.run, load(args.run)
+    if args.quick:  # the roles read the quick form's run file, written beside the run's outputs
+        quick = quick_data(args.run)
+        run = parse(RunConfig, quick, source=f"{args.run} (--quick)")
+        run_path = str(output_dir(run).parent / f"{run.name}-quick.yaml")
     if run.local_gpus is not None:
         check_local_machine(run, gpu_memory_bytes(), source=args.run)  # before any role starts or any file goes
     out = output_dir(run)
     if not args.resume and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(args.run, run)
+    if args.quick:
+        Path(run_path).write_text(yaml.safe_dump(quick))
+    cluster = LocalCluster(run_path, run)
     print(f"local-run {run.name}: {placement(run)}, max_staleness {run.rl.orchestrator.max_staleness}; "
           f"logs in {cluster.logs}", flush=True)
     start = time.monotonic()
@@ -285,16 +322,19 @@ def main(argv: list[str]) -> int:
         return rc
     rows = read_metrics(out)
     points = {name: out / "eval" / name for name in ("initial", "warmup") if (out / "eval" / name).exists()}
-    evals = evaluate(run, {**points, "final": final_weights(run, out)})
+    evals, prompt_rewards = evaluate(run, {**points, "final": final_weights(run, out)})
     plot(rows, evals, out / "reward_curve.png")
+    gain, gain_se = paired_gain(prompt_rewards.get("warmup", prompt_rewards["final"]), prompt_rewards["final"])
     summary = {"seconds": time.monotonic() - start, "steps": len(rows), "evaluation": evals,
                "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],
+               "rl_gain_paired_se": gain_se, "rl_gain_in_paired_se": gain / gain_se if gain_se else math.nan,
                "samples_per_second": rows[-1]["samples_per_second"] if rows else 0.0,
                "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("evaluation mean reward (accuracy):  " + "  ".join(
         f"{k} {v['reward_mean']:.3f} ({v['accuracy']:.2f})" for k, v in evals.items()))
-    print(f"RL gain over post-warm-up: {summary['rl_gain']:+.3f}; {summary['samples_per_second']:.1f} samples/s; "
+    print(f"RL gain over post-warm-up: {summary['rl_gain']:+.3f} ({summary['rl_gain_in_paired_se']:.1f} paired "
+          f"standard errors over {len(prompt_rewards['final'])} prompts); {summary['samples_per_second']:.1f} samples/s; "
           f"{summary['seconds']:.0f} s; metrics {out / 'metrics.jsonl'}, TensorBoard {out / 'tensorboard'}, "
           f"curve {out / 'reward_curve.png'}, checkpoints {out / 'checkpoints'}")
     return 0

@@ -3,7 +3,7 @@
 # sharded server's tests with two ranks on cuda:0 over gloo, on one H200 (device tool). From the repository root with the
 # machine's python3; needs .whl/ (git-ignored cp312 wheels of fastapi, uvicorn, pydantic...) carried; logs in $OUT.
 set -u
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 S=$SECONDS

@@ -7,7 +7,7 @@ set -u
 BUDGET=235
 # shellcheck source=tools/gpu_runs/budget.sh
 source "$(dirname "$0")/budget.sh"
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 timeout 40 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 \
   || { echo "wheel install failed"; tail -5 "$OUT/pip.log"; }
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1

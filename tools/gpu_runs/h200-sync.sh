@@ -5,7 +5,7 @@
 #     <= 170 s (the replica table and JSON are written before the optional step comparison, so a timeout there
 #     still leaves them). Total <= ~4 min. Run from the repository root with the machine's python3; results in $OUT.
 set -u
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 export PYTHONPATH=/tmp/shim
 mkdir -p "$OUT"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import threading
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +61,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, params: EvalParams, *,
-             pass_threshold: float, by_source: bool = True) -> dict[str, float]:
-    """EvalSample `params.n` completions per prompt, score them, and summarise (see the module docstring)."""
+Scored = tuple[Prompt, list[EvalSample], list[float | None]]  # a prompt, its samples and their rewards
+
+
+def score_prompts(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, params: EvalParams, *,
+                  prompts_per_call: int = PROMPTS_PER_CALL) -> list[Scored]:
+    """Sample `params.n` completions per prompt, `prompts_per_call` prompts at a time, and score them."""
     if not prompts:
         raise ValueError("no evaluation prompts (rl.data.eval is unset or every prompt is too long)")
     k = params.n
-    per_prompt: list[tuple[Prompt, list[EvalSample], list[float | None]]] = []
-    for start in range(0, len(prompts), PROMPTS_PER_CALL):
-        chunk = prompts[start:start + PROMPTS_PER_CALL]
+    per_prompt: list[Scored] = []
+    for start in range(0, len(prompts), prompts_per_call):
+        chunk = prompts[start:start + prompts_per_call]
         samples = complete(chunk, params)
         if len(samples) != len(chunk) or any(len(s) != k for s in samples):
             raise ValueError(f"the completer returned {[len(s) for s in samples]} samples for {len(chunk)} prompts "
@@ -79,6 +80,11 @@ def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, pa
         results = scorer.score_many([(p, s.text, s.finished) for p, group in zip(chunk, samples) for s in group])
         for i, (p, group) in enumerate(zip(chunk, samples)):
             per_prompt.append((p, group, [r.score for r in results[i * k:(i + 1) * k]]))
+    return per_prompt
+
+
+def summarise(per_prompt: list[Scored], k: int, pass_threshold: float, by_source: bool = True) -> dict[str, float]:
+    """The metrics of scored prompts (see the module docstring), per data source too when there are several."""
     metrics = _summary(per_prompt, k, pass_threshold)
     sources = sorted({p.data_source for p, _, _ in per_prompt})
     if by_source and len(sources) > 1:
@@ -86,6 +92,22 @@ def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, pa
             part = _summary([x for x in per_prompt if x[0].data_source == source], k, pass_threshold)
             metrics.update({f"{PREFIX}{source}/{name[len(PREFIX):]}": v for name, v in part.items()})
     return metrics
+
+
+def evaluate(prompts: list[Prompt], complete: Complete, scorer: RewardScorer, params: EvalParams, *,
+             pass_threshold: float, by_source: bool = True) -> dict[str, float]:
+    """Sample, score and summarise."""
+    return summarise(score_prompts(prompts, complete, scorer, params), params.n, pass_threshold, by_source)
+
+
+def prompt_mean_rewards(per_prompt: list[Scored]) -> list[float]:
+    """Each prompt's mean reward over its scored samples (NaN where none scored): the unit of a paired comparison
+    of two policies on the same prompts."""
+    means = []
+    for _, _, scores in per_prompt:
+        got = [s for s in scores if s is not None]
+        means.append(sum(got) / len(got) if got else math.nan)
+    return means
 
 
 def _summary(per_prompt, k: int, threshold: float) -> dict[str, float]:

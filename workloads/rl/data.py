@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import json
+import math
 import random
 import threading
 from bisect import bisect_right
@@ -25,7 +26,7 @@ from moe_rl_eks.core.rl_config import DATA_SUFFIXES, GLOB_CHARS, DataColumns, Da
 
 from .tokenizer import CharTokenizer, HFTokenizer
 
-BUILTIN_SOURCE = "arithmetic"
+BUILTIN_SOURCE = "arithmetic"  # the kind of a built-in task's checkpointed cursor (any built-in task)
 
 
 class DataError(ValueError):
@@ -80,17 +81,51 @@ class ArithmeticTask:
         return str(rng.randint(min(answers), max(answers)))
 
 
+class CountdownTask:
+    """`a-b=` answered by a, a-b, a-2b, ... down to a mod b (TaskConfig.countdown; rl_config says why). Problem i
+    is a pure function of (seed, i): its step count log-uniform in [min_steps, max_steps], b in [2, 9]."""
+
+    def __init__(self, cfg: TaskConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def problem(self, index: int) -> Problem:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        low, high = math.log(self.cfg.min_steps), math.log(self.cfg.max_steps + 1)
+        steps = min(self.cfg.max_steps, int(math.exp(rng.uniform(low, high))))
+        b = rng.randint(2, 9)
+        a = steps * b + rng.randrange(b)
+        return Problem(index, f"{a}-{b}=", self.cfg.countdown(a, b))
+
+    def well_formed_example(self, index: int) -> str:
+        """A warm-up trace of problem `index`: each step is wrong with probability trace_error_rate (off by 1 to
+        b), and counting goes on from the wrong number, so every trace follows the procedure but slips."""
+        rng = random.Random(self.seed * 7_919 + index)
+        a, b = map(int, self.problem(index).prompt[:-1].split("-"))
+        values, y = [], a
+        while y >= b:
+            y -= b
+            if rng.random() < self.cfg.trace_error_rate:
+                y = max(0, y + rng.choice((-1, 1)) * rng.randint(1, b))
+            values.append(y)
+        return " ".join(map(str, values)) if values else str(a)
+
+
+def make_task(cfg: TaskConfig, seed: int) -> ArithmeticTask | CountdownTask:
+    return CountdownTask(cfg, seed) if cfg.name == "countdown" else ArithmeticTask(cfg, seed)
+
+
 class ArithmeticSource:
-    """The built-in task as a PromptSource: prompt i is problem i; the state is the cursor. Thread-safe (one lock
+    """A built-in task as a PromptSource: prompt i is problem i; the state is the cursor. Thread-safe (one lock
     around the cursor)."""
 
-    def __init__(self, task: ArithmeticTask, tokenizer: CharTokenizer | HFTokenizer, start: int = 0) -> None:
+    def __init__(self, task: ArithmeticTask | CountdownTask, tokenizer: CharTokenizer | HFTokenizer,
+                 start: int = 0) -> None:
         self.task, self.tokenizer, self.cursor = task, tokenizer, start
         self._lock = threading.Lock()
 
     def prompt(self, index: int) -> Prompt:
         p = self.task.problem(index)
-        return Prompt(index, tuple(self.tokenizer.encode(p.prompt)), p.prompt, BUILTIN_SOURCE, p.answer, {})
+        return Prompt(index, tuple(self.tokenizer.encode(p.prompt)), p.prompt, self.task.cfg.name, p.answer, {})
 
     def next(self) -> Prompt:
         with self._lock:
@@ -429,7 +464,7 @@ def make_prompt_source(run, tokenizer: CharTokenizer | HFTokenizer) -> Arithmeti
     rl = run.rl
     check_vocabulary(run, tokenizer)
     if rl.data.builtin:
-        return ArithmeticSource(ArithmeticTask(rl.task, rl.training.seed), tokenizer)
+        return ArithmeticSource(make_task(rl.task, rl.training.seed), tokenizer)
     dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
     return DatasetSource(dataset, seed=rl.training.seed, shuffle=rl.data.shuffle)
 
@@ -444,7 +479,7 @@ def evaluation_prompts(run, tokenizer: CharTokenizer | HFTokenizer, limit: int |
     rl = run.rl
     limit = rl.evaluation.prompts if limit is None else limit
     if rl.data.builtin:
-        source = ArithmeticSource(ArithmeticTask(rl.task, rl.training.seed + EVAL_SEED_OFFSET), tokenizer)
+        source = ArithmeticSource(make_task(rl.task, rl.training.seed + EVAL_SEED_OFFSET), tokenizer)
         return [source.prompt(i) for i in range(limit)]
     if rl.data.eval is None:
         return []
@@ -455,7 +490,8 @@ def evaluation_prompts(run, tokenizer: CharTokenizer | HFTokenizer, limit: int |
 
 class FormatExamples:
     """Supervised warm-up pairs: (prompt ids, completion ids ending with the EOS id) whose completion has the shape
-    of an answer but no knowledge of the task: the built-in task's is a random value in its answers' range; a
+    of an answer but not the answer: the arithmetic task's is a random value in its answers' range, the countdown
+    task's a trace that slips (CountdownTask.well_formed_example); a
     dataset's is drawn uniformly from the split's distinct ground truths, so the warm-up teaches the format and
     which answers exist, not which prompt has which answer nor how often an answer is right. Correctness is left to
     RL, and the evaluation after the warm-up measures what RL adds. Pair j is a pure function of
@@ -465,7 +501,7 @@ class FormatExamples:
         self.run, self.tokenizer = run, tokenizer
         rl = run.rl
         if rl.data.builtin:
-            self.task = ArithmeticTask(rl.task, rl.training.seed + 1)
+            self.task = make_task(rl.task, rl.training.seed + 1)
         else:
             self.dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)
             # a row without a ground truth (missing or null) has no answer to show; RL's reward refuses it later

@@ -2,6 +2,7 @@
 
 - `arithmetic`: the built-in task's exact integer answer plus a format reward; pure and bounded by the
   completion's length, so it runs inline.
+- `countdown`: the built-in countdown task's correct leading steps (a share) plus a format reward; inline too.
 - `math`: the completion's answer checked against the ground truth by math-verify (LaTeX, \\boxed{}, fractions,
   expressions), plus the format reward.
 - a custom function with verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`,
@@ -58,6 +59,23 @@ def well_formed(completion: str, finished: bool) -> float:
 def arithmetic_score(cfg: RewardConfig, prompt: Prompt, completion: str, finished: bool) -> float:
     return (cfg.correct_weight * exact_answer(completion, prompt.ground_truth)
             + cfg.format_weight * well_formed(completion, finished))
+
+
+COUNTDOWN = re.compile(r"\d+( \d+)*")
+
+
+def countdown_score(cfg: RewardConfig, prompt: Prompt, completion: str, finished: bool) -> float:
+    """The countdown task (TaskConfig.countdown): the share of its numbers written correctly before the first wrong
+    one (of the longer of the written and the correct sequence, so running on past the end costs too), plus the
+    format reward for numbers separated by spaces and ended by end-of-sequence."""
+    want, got = str(prompt.ground_truth).split(" "), completion.split(" ")
+    right = next((i for i, (w, g) in enumerate(zip(want, got)) if w != g), min(len(want), len(got)))
+    return (cfg.correct_weight * right / max(len(want), len(got))
+            + cfg.format_weight * (1.0 if finished and COUNTDOWN.fullmatch(completion) else 0.0))
+
+
+# Pure and bounded by the completion's length: scored inline, not in worker processes.
+INLINE = {"arithmetic": arithmetic_score, "countdown": countdown_score}
 
 
 def math_answer_score(completion: str, ground_truth: Any) -> tuple[bool, bool]:
@@ -254,8 +272,9 @@ class RewardScorer:
     def score_many(self, items: list[Item]) -> list[RewardResult]:
         if self.cfg.remote_url:
             results = self._score_remote(items)
-        elif self.cfg.function == "arithmetic":
-            results = [RewardResult(arithmetic_score(self.cfg, p, text, finished), None) for p, text, finished in items]
+        elif self.cfg.function in INLINE:
+            score = INLINE[self.cfg.function]
+            results = [RewardResult(score(self.cfg, p, text, finished), None) for p, text, finished in items]
         else:
             if self._pool is None:
                 with self._lock:
