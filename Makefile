@@ -104,6 +104,16 @@ bench-train: $(STAMP)
 local-run: $(STAMP)
 	$(PY) -m moe_rl_eks.tools.cli local-run --run configs/runs/local.yaml
 
+# The whole loop on one GPU (configs/runs/gpu.yaml: rollout server and trainer sharing GPU 0, the countdown task;
+# ~6-9 min on an H200; RUN_GPU_ARGS=--quick for the short form). It uses the machine's own CUDA build of torch and
+# triton in $(PYTHON), installing only this package and its other needs next to them (no CPU bootstrap).
+.PHONY: run-gpu
+RUN_GPU_ARGS ?=
+run-gpu:
+	$(PYTHON) -c 'import torch, triton; assert torch.cuda.is_available(), "make run-gpu needs a CUDA GPU"'
+	$(PYTHON) -m pip install -q -e '.[workloads,kernels]'
+	$(PYTHON) -m moe_rl_eks.tools.cli local-run --run configs/runs/gpu.yaml $(RUN_GPU_ARGS)
+
 # The local real-data example: word problems in Parquet through a chat template and a BPE tokenizer, made here.
 .PHONY: run-words
 run-words: $(STAMP)

@@ -1,0 +1,30 @@
+#!/bin/bash
+# `make run-gpu` on one H200 (device tool), without the pip step (the machine reaches no registry): the package from
+# a shim on PYTHONPATH, fastapi/uvicorn/pydantic from .whl/ (git-ignored cp312 wheels, carried). From the repository
+# root: bash tools/gpu_runs/h200-run-gpu.sh [--quick] [extra pytest files to run first]; logs and results in $OUT.
+set -u
+BUDGET=${BUDGET:-570}
+# shellcheck source=tools/gpu_runs/budget.sh
+source "$(dirname "$0")/budget.sh"
+mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
+export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
+mode=()
+if [ "${1:-}" = --quick ]; then mode=(--quick); shift; fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/machine.txt"
+if [ $# -gt 0 ]; then
+    step tests 120 python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/tests.log" 2>&1
+    tail -n 5 "$OUT/tests.log"
+fi
+( while sleep 0.1; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits; done ) \
+    > "$OUT/nvml.csv" 2>/dev/null &
+sampler=$!
+step run-gpu $(( $(left) - 20 )) python3 -m moe_rl_eks.tools.cli local-run --run configs/runs/gpu.yaml "${mode[@]}" \
+    --timeout $(( $(left) - 60 )) 2>&1 | tee "$OUT/run-gpu.log" | tail -n 12
+kill $sampler
+cp runs/gpu/summary.json "$OUT/summary.json" 2>/dev/null
+cp runs/gpu/reward_curve.png "$OUT/reward_curve.png" 2>/dev/null
+tail -n 60 runs/gpu/logs/trainer.log > "$OUT/trainer-tail.log" 2>/dev/null
+tail -n 40 runs/gpu/logs/rollout-0.log > "$OUT/rollout-tail.log" 2>/dev/null
+exit 0
