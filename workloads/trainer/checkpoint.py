@@ -85,7 +85,7 @@ def save(state: dict[str, torch.Tensor], staging: Path, *, asynchronous: bool,
     """Write this rank's part of `state` (flat: name -> tensor or DTensor) into `staging`. Asynchronous: the
     tensors are copied to host memory before this returns, written by a background thread; the Future resolves
     once the checkpoint (every rank's files and the metadata) is complete. `group`: the process group DCP
-    coordinates over (a gloo group of its own when asynchronous, so it never interleaves with training's)."""
+    coordinates over (None: the default group); an asynchronous save needs one with a CPU backend."""
     with _single_process() as alone:
         if asynchronous:
             return dcp.async_save(state, checkpoint_id=str(staging), process_group=group, no_dist=alone)
