@@ -402,11 +402,14 @@ class Trainer:
 
     def _ensure_optimizer_state(self) -> None:
         """AdamW's state exists for every trained parameter (it is made lazily at the first step), so a checkpoint
-        always has the same entries and a fresh trainer has tensors to load them into."""
-        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
-            if not self.optimizer.state[p]:
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+        always has the same entries and a fresh trainer has tensors to load them into. Made where AdamW makes it:
+        the step count on the parameter's device when fused (the fused CUDA kernel refuses a CPU one), else on the
+        CPU."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not self.optimizer.state[p]:
+                    self.optimizer.state[p] = {"step": torch.tensor(0.0, device=p.device if group["fused"] else "cpu"),
+                                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Flat DCP state, sharing storage with the live tensors: weights, AdamW moments and step counts, the
