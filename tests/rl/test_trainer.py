@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_stopped_on_rank_1, resumed_state,
                            run_ranks, step_gradients, train_and_checkpoint, trained_then_resumed)
@@ -17,7 +18,8 @@ from moe_rl_eks.workloads.trainer.microbatch import Sequences, plan_microbatches
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
 from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.trainer.step import learning_rate
-from moe_rl_eks.workloads.trainer.loop import Trainer, expert_load_imbalance, resolved_backend, straggler_ratio
+from moe_rl_eks.workloads.trainer.loop import (Trainer, expert_load_imbalance, init_trainer_process_group,
+                                               resolved_backend, straggler_ratio)
 from moe_rl_eks.workloads.rl.weights import open_store
 
 FAST = {"kl_coef": 0.0, "entropy_coef": 0.0}
@@ -358,6 +360,19 @@ def test_the_trainer_refuses_a_backend_that_drifted_from_its_manifests(tmp_path,
     monkeypatch.setenv("MOERL_EP_BACKEND", "deepep")
     with pytest.raises(RuntimeError, match="manifests were written for 'deepep' but this run resolves to 'alltoall'"):
         resolved_backend(run)
+
+
+@pytest.mark.parametrize("cuda, backend", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")])
+def test_the_trainer_process_group_has_a_cpu_backend_beside_nccl_for_async_checkpoints(monkeypatch, cuda, backend):
+    # DCP's async save asserts a CPU backend in the group it coordinates over; NCCL alone failed the first
+    # checkpoint of a GPU trainer (tests/rl/test_trainer_gpu.py writes and resumes one on a GPU)
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(device=device))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.update(backend=backend))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    init_trainer_process_group()
+    assert calls == ({"backend": backend, "device": torch.device("cuda", 3)} if cuda else {"backend": backend})
 
 
 def test_training_starts_from_a_pretrained_checkpoint_of_the_same_architecture(tmp_path, world_of_one):

@@ -85,29 +85,28 @@ def save(state: dict[str, torch.Tensor], staging: Path, *, asynchronous: bool,
     """Write this rank's part of `state` (flat: name -> tensor or DTensor) into `staging`. Asynchronous: the
     tensors are copied to host memory before this returns, written by a background thread; the Future resolves
     once the checkpoint (every rank's files and the metadata) is complete. `group`: the process group DCP
-    coordinates over (a gloo group of its own when asynchronous, so it never interleaves with training's)."""
-    with _single_process() as alone:
+    coordinates over (None: the default group); an asynchronous save needs one with a CPU backend."""
+    with _quiet_when_alone():
         if asynchronous:
-            return dcp.async_save(state, checkpoint_id=str(staging), process_group=group, no_dist=alone)
-        dcp.save(state, checkpoint_id=str(staging), process_group=group, no_dist=alone)
+            return dcp.async_save(state, checkpoint_id=str(staging), process_group=group)
+        dcp.save(state, checkpoint_id=str(staging), process_group=group)
     return None
 
 
 def load(state: dict[str, torch.Tensor], directory: Path) -> None:
     """Fill `state` (shaped for THIS run's ranks: DTensor shards or whole tensors) in place from `directory`."""
-    with _single_process() as alone:
-        dcp.load(state, storage_reader=SafeReader(str(directory)), no_dist=alone)
+    with _quiet_when_alone():
+        dcp.load(state, storage_reader=SafeReader(str(directory)))
 
 
 @contextlib.contextmanager
-def _single_process():
-    """Whether there is no process group (one trainer process: tests, tools), which then saves and loads alone;
-    DCP warns about that on every call even when told so, hence the filter."""
-    alone = not (dist.is_available() and dist.is_initialized())
+def _quiet_when_alone():
+    """With no process group (one trainer process: tests, tools) DCP saves and loads alone by itself, and warns
+    so on every call, hence the filter."""
     with warnings.catch_warnings():
-        if alone:
+        if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield alone
+        yield
 
 
 def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, keep: int = 2) -> Path:

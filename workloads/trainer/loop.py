@@ -181,8 +181,10 @@ class Trainer:
                                     device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
         self.reference: MoETransformer | None = None
         self._format_examples: FormatExamples | None = None  # the warm-up's pairs, made at its first step
-        # Checkpoints are written in the background over a gloo group of their own (never interleaved with the
-        # training collectives of the default group).
+        # Several ranks write checkpoints over a gloo group of their own: DCP's background thread runs its
+        # collectives (plans, metadata) while this thread runs training's, and on the default group's gloo backend
+        # (every collective on the CPU; object broadcasts and barriers beside NCCL) the two threads' calls would
+        # meet in a different order on each rank. One rank has no peer to disagree with: the default group serves.
         self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
         self._mesh = None
         self._pending_checkpoint = None
@@ -401,11 +403,14 @@ class Trainer:
 
     def _ensure_optimizer_state(self) -> None:
         """AdamW's state exists for every trained parameter (it is made lazily at the first step), so a checkpoint
-        always has the same entries and a fresh trainer has tensors to load them into."""
-        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
-            if not self.optimizer.state[p]:
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+        always has the same entries and a fresh trainer has tensors to load them into. Made where AdamW makes it:
+        the step count on the parameter's device when fused (the fused CUDA kernel refuses a CPU one), else on the
+        CPU."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not self.optimizer.state[p]:
+                    self.optimizer.state[p] = {"step": torch.tensor(0.0, device=p.device if group["fused"] else "cpu"),
+                                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Flat DCP state, sharing storage with the live tensors: weights, AdamW moments and step counts, the
@@ -595,6 +600,18 @@ def train_device() -> torch.device:
     return torch.device("cpu")
 
 
+def init_trainer_process_group() -> None:
+    """This rank's default process group (torchrun's env:// variables), on its GPU: NCCL for CUDA tensors beside
+    gloo for CPU ones, gloo alone without CUDA. DCP's async save refuses a group with no CPU backend ("A CPU
+    backend must be enabled for async save"), and a one-rank trainer checkpoints over the default group."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(train_device())
+    # Ranks other than 0 wait in a broadcast while rank 0 polls the orchestrator for a batch; the first batch on a
+    # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute default.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(minutes=60))
+
+
 def resolved_backend(run: RunConfig) -> str:
     """The run's EP backend, resolved against its environment (the cdk.json shipped with the pod), logged with
     its reason; it must equal what the manifests were written with ($MOERL_EP_BACKEND), else the two drifted."""
@@ -630,12 +647,8 @@ def main(argv: list[str]) -> int:
         parser.error("--orchestrator (or $MOERL_ORCHESTRATOR) is required: the trainer's batches come from it")
     run = load(args.run)
     torch.set_num_threads(1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(train_device())
-    cap_gpu_memory(run, "trainer")
-    # Ranks other than 0 wait in a broadcast while rank 0 polls the orchestrator for a batch; the first batch on a
-    # cluster (servers loading tens of GB, then generating) can take longer than the 10-minute NCCL default.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=60))
+    cap_gpu_memory(run, "trainer")  # before this process allocates on its GPU
+    init_trainer_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(run, HttpBatchSource(args.orchestrator), rank, world)
     trainer.out.mkdir(parents=True, exist_ok=True)
