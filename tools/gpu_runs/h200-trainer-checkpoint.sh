@@ -6,7 +6,7 @@
 # machine's python3; carry .whl/ (git-ignored cp312 wheels the machine lacks) where it exists.
 # Log: $OUT/trainer-checkpoint.log when OUT is set; the exit status is pytest's.
 set -euo pipefail
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
