@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as recomputed, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 from torch import nn
@@ -21,6 +22,10 @@ from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel, local_experts
 from ..moe.router import balance_bias_step
+
+
+# Attention backends for packed sequences (one SDPA call per sequence): all of torch's but cuDNN's (Attention.forward).
+PACKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -151,9 +156,12 @@ class Attention(nn.Module):
             # Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs):
             # no [S, S] mask over the packed row, and no token attends across a sequence boundary. Each output is
             # concatenated as [1, S_i, H, D], so the packed row is built in the o_proj's layout (no copy after).
+            # cuDNN's backend is left out: it builds a plan per new shape (about 11 ms per call on an H200, measured
+            # in a warm-up step of configs/runs/gpu.yaml), and every packed sequence has a length of its own.
             parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
-            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2)
-                             for qs, ks, vs in parts], 1)
+            with sdpa_kernel(PACKED_SDPA_BACKENDS):
+                out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                                 .transpose(1, 2) for qs, ks, vs in parts], 1)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
