@@ -72,9 +72,9 @@ def own_app(team_env, tmp_path_factory) -> dict:
     return {"site": site, "printed": json.loads(stdout.strip().splitlines()[-1]), "templates": templates}
 
 
-def test_the_readme_example_synthesizes_nag_clean_in_the_fresh_environment(team_env, tmp_path):
+def test_the_deploy_guides_example_synthesizes_nag_clean_in_the_fresh_environment(team_env, tmp_path):
     python, _ = team_env
-    (example,) = re.findall(r"```python\n(import aws_cdk as cdk\n.*?)```", (REPO / "README.md").read_text(), re.S)
+    (example,) = re.findall(r"```python\n(import aws_cdk as cdk\n.*?)```", (REPO / "docs" / "deploy.md").read_text(), re.S)
     example = example.replace("app = cdk.App()", "import sys\napp = cdk.App(outdir=sys.argv[1])")
     _, templates = synthesize(python, example, tmp_path / "readme")
     (template,) = templates.values()
