@@ -16,11 +16,12 @@ from torch import nn
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
-from ..moe.backends import get_compute
 from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel, local_experts
 from ..moe.router import balance_bias_step
+from .backends import get_compute
+from .rotary import apply_rotary, rotary
 
 
 @dataclass
@@ -102,19 +103,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, S] -> cos, sin [B, 1, S, D] (the half-rotation layout of Llama/Qwen)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, fused_norm: Callable | None = None):
         super().__init__()
@@ -127,18 +115,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> q [..., H, D], k and v [..., H_kv, D], before the norms and the rotary embedding."""
+        lead = x.shape[:-1]
+        return (self.q_proj(x).view(*lead, self.heads, self.head_dim),
+                self.k_proj(x).view(*lead, self.kv_heads, self.head_dim),
+                self.v_proj(x).view(*lead, self.kv_heads, self.head_dim))
+
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, segments: list[int] | None = None):
         """segments: packed sequences (B = 1, no cache): each attends causally within itself only."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
         if self.q_norm.mixed_precision(q):  # norm and rotary embedding in one kernel per direction
             table = (cos[:, 0].reshape(b * s, self.head_dim), sin[:, 0].reshape(b * s, self.head_dim))
             q, k = self.q_norm(q, rope=table).transpose(1, 2), self.k_norm(k, rope=table).transpose(1, 2)
         else:
-            q = _rotate(self.q_norm(q).transpose(1, 2), cos, sin)
-            k = _rotate(self.k_norm(k).transpose(1, 2), cos, sin)
+            q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+            k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         if cache is not None:
             end = cache.length + s
             cache.keys[layer, :, :, cache.length:end] = k
@@ -196,7 +190,7 @@ class MoETransformer(nn.Module):
             dispatcher = (ep.dispatcher(self.compute, config.num_experts, config.hidden_size) if ep is not None
                           else LocalDispatcher(self.compute, config.num_experts))
             layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute),
-                                       getattr(self.compute, "norm", None)))
+                                       self.compute.norm))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Recompute decoder layers' activations in the backward instead of keeping them (training only): "full"

@@ -81,7 +81,7 @@ class MoEBlock(nn.Module):
         """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
         but counts in neither the expert load nor the balance loss. statistics=False skips both (zeros instead):
         decoding needs neither, and at one token per row their small kernels cost as much as the experts.
-        decode=True (a rollout's decode step, no autograd): on one rank, a compute backend with a `decode` op
+        decode=True (a rollout's decode step, no autograd): on one rank, the compute backend's `decode` op
         (triton: routing, experts and combine in two kernels, no permutation) does the layer when it can.
         router_logits: x's router product, already computed (a decode step fuses it with the norm before it)."""
         gate, spec = self.gate, self.gate.spec
@@ -90,8 +90,7 @@ class MoEBlock(nn.Module):
             # nn.Linear does, so tokens also travel in it (DeepEP moves bf16 only) and the float32 master
             # weights are cast on the way in (their gradients stay float32).
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if (decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher)
-                and hasattr(self.compute, "decode")):
+        if decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher):
             fast = self.compute.decode(x, gate.weight, spec, gate.e_score_correction_bias, self.experts.gate_up_proj,
                                        self.experts.down_proj, router_logits)
             if fast is not None:
