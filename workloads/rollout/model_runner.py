@@ -1,9 +1,13 @@
 """The model runner: a step's device tensors, the paged forward (prefill and decode), the CUDA graphs that replay
 decode steps and their sampler, and sampling a step's rows; what it produced goes back as plain records.
 
-The forward is the model's own modules (embeddings, norms, projections, the MoE blocks, the output head), so its
-numerics are the trainer's, with attention over the paged KV cache and the norms, products and cache writes through
-the compute backend's `ForwardKernels` (registry: model/backends.py): `triton` on a GPU, `torch` elsewhere.
+The forward is the model's own modules, so its numerics are the trainer's, with attention over the paged KV cache
+and the norms, products and cache writes through the compute backend's `ForwardKernels` (registry:
+model/backends.py): `triton` on a GPU, `torch` elsewhere. What it reads of a MoETransformer is this much:
+`config`, `ep`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of `model.layers` the
+`input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`project`, `q_norm`, `k_norm`,
+`o_proj.weight`, its head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called
+with decode=True; `mlp.gate.weight` for a norm fused with the router product).
 """
 from __future__ import annotations
 
