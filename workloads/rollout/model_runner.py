@@ -58,11 +58,10 @@ class PackedAttention:
     it whenever the model's weights change (the runner does at construction and after every weight install), and
     CUDA graphs that read the buffers stay valid."""
 
+    @torch.no_grad()
     def __init__(self, model: MoETransformer) -> None:
-        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().clone()
-                    for a in self._attention(model)]
-        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]).detach().clone()
-                        for a in self._attention(model)]
+        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in self._attention(model)]
+        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in self._attention(model)]
 
     @staticmethod
     def _attention(model: MoETransformer):
