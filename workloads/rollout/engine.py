@@ -256,7 +256,8 @@ class RolloutEngine:
         return bool(self._batch or self._rank_of)
 
     def _admit_pending(self) -> None:
-        """Hand queued calls to the decoder in order; a swap waits until no row runs, and holds what follows."""
+        """Queue submitted rows, in order, for the next step to send to the ranks; a swap waits until no row runs,
+        and holds what follows."""
         while self._pending:
             item = self._pending[0]
             if isinstance(item, _Control):
@@ -291,7 +292,7 @@ class RolloutEngine:
         try:
             result = getattr(self.replica, item.op)(*item.args)
             if item.op == "swap":  # a step without rows: the first version's decoders are built now, not at a request
-                self.replica.step(self._plan([[] for _ in range(self.replica.size)]))
+                self._report_ranks(self.replica.step(self._plan([[] for _ in range(self.replica.size)])))
             item.done.set_result(result)
         except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
             item.done.set_exception(exc)
