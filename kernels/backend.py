@@ -60,8 +60,6 @@ class TritonForwardKernels:
     embedding fused in, attention read through the block tables (only the positions each token sees: static shapes,
     so CUDA graphs replay a decode step), and products at a few rows where they beat cuBLAS."""
 
-    packs_qkv = True
-
     def add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
             return rms_norm(h, norm.weight, norm.eps), h

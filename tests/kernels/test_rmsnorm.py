@@ -82,14 +82,16 @@ def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_p
         attn.k_norm.weight.normal_()
     x = torch.randn(2, 3, 32)
     cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), 16, 10000.0, torch.float32)
-    plain, packed = (ModelRunner(model, PagedCache.allocate(config, 1, 4, 1, 4, "cpu", torch.float32),
-                                 cuda_graphs=False, kernels=name) for name in ("torch", "triton"))
-    assert plain.packed is None and packed.packed is not None
-    want = plain._attention_inputs(0, attn, x, cos[:, 0], sin[:, 0])
-    got = packed._attention_inputs(0, attn, x, cos[:, 0], sin[:, 0])
-    for g, w, heads in zip(got, want, (4, 2, 2)):
-        assert g.shape == (2, 3, heads, 16)
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    q, k, v = attn.project(x)
+    table = (cos[:, 0].unsqueeze(-2), sin[:, 0].unsqueeze(-2))
+    want = apply_rotary(attn.q_norm(q), *table), apply_rotary(attn.k_norm(k), *table), v
+    for kernels in ("torch", "triton"):
+        runner = ModelRunner(model, PagedCache.allocate(config, 1, 4, 1, 4, "cpu", torch.float32), cuda_graphs=False,
+                             kernels=kernels)
+        got = runner._attention_inputs(0, attn, x, cos[:, 0], sin[:, 0])
+        for g, w, heads in zip(got, want, (4, 2, 2)):
+            assert g.shape == (2, 3, heads, 16)
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, tol", TOLERANCES)

@@ -14,10 +14,6 @@ from .rotary import apply_rotary
 
 
 class ForwardKernels(Protocol):
-    # Whether the runner projects q, k and v with one product over its packed [q; k; v] weights and normalises
-    # queries and keys in one call (`qk_norm_rope`); else it uses the model's three projections.
-    packs_qkv: bool
-
     def add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta); no add when delta is None."""
 
@@ -53,8 +49,6 @@ class ForwardKernels(Protocol):
 
 class TorchForwardKernels:
     """PyTorch ops: the model's own modules and PyTorch's attention over the positions each token's slot holds."""
-
-    packs_qkv = False
 
     def add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         h = h if delta is None else h + delta

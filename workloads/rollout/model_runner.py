@@ -5,9 +5,9 @@ The forward is the model's own modules, so its numerics are the trainer's, with 
 and the norms, products and cache writes through the compute backend's `ForwardKernels` (registry:
 model/backends.py): `triton` on a GPU, `torch` elsewhere. What it reads of a MoETransformer is this much:
 `config`, `ep`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of `model.layers` the
-`input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`project`, `q_norm`, `k_norm`,
-`o_proj.weight`, its head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called
-with decode=True; `mlp.gate.weight` for a norm fused with the router product).
+`input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`q_norm`, `k_norm`, `o_proj.weight`, its
+head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called with decode=True;
+`mlp.gate.weight` for a norm fused with the router product).
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kernels: ForwardKernels = get_forward_kernels(kernels or ("triton" if self.device.type == "cuda"
                                                                        else "torch"))
-        self.packed = PackedAttention(model) if self.kernels.packs_qkv else None
+        self.packed = PackedAttention(model)
         self.state = SlotState.allocate(self.slots, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
@@ -166,8 +166,7 @@ class ModelRunner:
     def load_weights(self) -> None:
         """Refresh what the runner keeps of the model's weights (its packed buffers) after they were changed in
         place (weight_staging.install)."""
-        if self.packed is not None:
-            self.packed.load(self.model)
+        self.packed.load(self.model)
 
     def admit(self, seqs: list[Sequence]) -> None:
         self.state.admit(seqs)
@@ -206,12 +205,8 @@ class ModelRunner:
     def _attention_inputs(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D])
-        with each token's cos, sin [..., D]: the model's projections, or one product over the packed weights and
-        one call for queries and keys together."""
+        with each token's cos, sin [..., D]: one product over the packed weights, one call for queries and keys."""
         kernels = self.kernels
-        if self.packed is None:
-            q, k, v = attn.project(x)
-            return kernels.norm_rope(attn.q_norm, q, cos, sin), kernels.norm_rope(attn.k_norm, k, cos, sin), v
         lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
         q, _, v = kernels.linear(x, self.packed.qkv[layer]).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
         qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))  # q and k side by side
