@@ -140,8 +140,9 @@ class Decoder:
 def decode_all(model: MoETransformer, requests: list[RowRequest], eos_ids: Iterable[int]) -> list[RowOutput]:
     """Decode `requests` to the end in one decoder sized for them, in this process (local evaluation, benchmarks,
     tests); the engine's records in and out."""
-    decoder = Decoder(model, slots=len(requests), max_len=max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
-                      eos_ids=eos_ids, prefill_tokens=sum(len(r.prompt_ids) for r in requests))
+    decoder = Decoder(model, slots=len(requests),
+                      max_len=max(len(r.prompt_ids) + r.params.max_tokens for r in requests), eos_ids=eos_ids,
+                      prefill_tokens=sum(len(r.prompt_ids) for r in requests))
     seqs = [decoder.add(r) for r in requests]
     while decoder.busy:
         decoder.step()

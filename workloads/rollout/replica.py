@@ -3,9 +3,9 @@
 A server with `rollout.gpus_per_server` > 1 runs one torchrun rank per GPU (`core.launch`). The experts are
 split over the ranks in contiguous slices, as the trainer splits them, and the rest of the model is replicated.
 Each rank decodes its own rows with its own continuous-batching decoder (data-parallel attention: a rank's KV
-cache holds only its rows; a replica in one process is the same with one rank) and the MoE layers exchange tokens at every forward (prefill by all-to-all, decode by
+cache holds only its rows) and the MoE layers exchange tokens at every forward (prefill by all-to-all, decode by
 DeepEP's low-latency kernels where they apply: `ExpertParallel.for_serving`), so every rank runs every forward (one
-without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
+without work feeds a scratch token). A replica in one process is the same with one rank: its decoder, its steps. Rank 0 serves HTTP and runs the engine; every operation
 it runs on the replica (start reading a weight version, swap it in, one decoding step with the rows each rank
 takes on or cancels) it first broadcasts to the other ranks (`follow`), which then do their part in the same
 order.
