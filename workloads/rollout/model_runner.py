@@ -54,9 +54,10 @@ class PromptScores:
 class PackedAttention:
     """The runner's own [q; k; v] projection weights and [q_norm; k_norm] weights, one buffer each per layer, so
     that a decode step projects with one product and normalises queries and keys with one kernel (as vLLM's packed
-    linear layers load q, k and v into one tensor). `load` copies the model's parameters into them in place: call
-    it whenever the model's weights change (the runner does at construction and after every weight install), and
-    CUDA graphs that read the buffers stay valid."""
+    linear layers load q, k and v into one tensor). Built from the model's parameters with the runner; `load`
+    copies them in again, in place, so CUDA graphs that read the buffers stay valid: call it whenever the model's
+    weights change (Replica.swap does after weight_staging.install, through Decoder.load_weights). The price is a
+    second copy of the q/k/v weights (about 1 GB in bf16 at Qwen3-30B-A3B's 48 layers)."""
 
     @torch.no_grad()
     def __init__(self, model: MoETransformer) -> None:
