@@ -1,15 +1,24 @@
-"""The `triton` MoE compute backend: the MoECompute contract of moe_rl_eks.workloads.moe.compute, on the kernels of
-this package. kernels never imports workloads; `spec` is any object with RoutingSpec's attributes."""
+"""The `triton` compute backend: the MoECompute contract of moe_rl_eks.workloads.moe.compute and the ForwardKernels
+contract of moe_rl_eks.workloads.model.forward_kernels, on the kernels of this package. kernels never imports
+workloads; `spec` is any object with RoutingSpec's attributes, a norm any object with `weight` and `eps`."""
 from __future__ import annotations
 
 import torch
 
+from .decode_attention import decode_attention
 from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
+from .kv_write import write_kv
 from .norm_training import rms_norm_training
 from .permute import PermuteHandle, permute, unpermute
+from .prefill_attention import prefill_attention, prefill_tiles
+from .rmsnorm import add_rms_norm_project, rms_norm
 from .routing import route
+
+# Up to this many tokens the router product is fused into the norm before it (its few rows per program spread
+# over the GPU); more tokens amortise one GEMM. (The MoE decode kernels have their own cut-over, DECODE_MAX_TOKENS.)
+FUSED_ROUTER_TOKENS = 16
 
 
 class TritonCompute:
@@ -44,3 +53,49 @@ class TritonCompute:
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         return rms_norm_training(x, weight, eps, out_dtype, rope)
+
+
+class TritonForwardKernels:
+    """The rollout engine's paged forward on this package's kernels: norms with the residual add and the rotary
+    embedding fused in, attention read through the block tables (only the positions each token sees: static shapes,
+    so CUDA graphs replay a decode step), and products at a few rows where they beat cuBLAS."""
+
+    def add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return rms_norm(h, norm.weight, norm.eps), h
+        return rms_norm(delta, norm.weight, norm.eps, residual=h)
+
+    def add_norm_router(self, norm, router: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # at the few tokens of a decode step, one kernel for all three; else the norm alone (the MoE block routes)
+        if h.numel() // h.shape[-1] <= FUSED_ROUTER_TOKENS and router.dtype == h.dtype:
+            return add_rms_norm_project(delta, h, norm.weight, norm.eps, router)
+        return (*self.add_norm(norm, h, delta), None)
+
+    def norm_rope(self, norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, norm.weight, norm.eps, rope=(cos, sin))
+
+    def qk_norm_rope(self, q_norm, k_norm, weights: torch.Tensor, qk: torch.Tensor, heads: int,
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q_norm.eps != k_norm.eps:  # one launch takes one eps
+            return self.norm_rope(q_norm, qk[..., :heads, :], cos, sin), self.norm_rope(k_norm, qk[..., heads:, :],
+                                                                                        cos, sin)
+        qk = rms_norm(qk, weights, q_norm.eps, rope=(cos, sin), second_weight_from=heads)
+        return qk[..., :heads, :], qk[..., heads:, :]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return decode_linear(x, weight)
+
+    def write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 block: torch.Tensor, offset: torch.Tensor) -> None:
+        write_kv(keys, values, k, v, block, offset)
+
+    def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+        return prefill_tiles(segments, device)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                  slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
+                  seen: torch.Tensor) -> torch.Tensor:
+        if tiles is not None:
+            return prefill_attention(q, keys, values, tables, slot, positions, tiles)
+        return decode_attention(q, keys, values, tables, slot, seen)

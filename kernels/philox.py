@@ -1,7 +1,7 @@
 """One uniform per row from (seed, row, step) in one kernel: Philox4x32-10 (Salmon et al., Random123) on the
 counter (step low word, row, step high word, 0) with the seed's two 32-bit words as the key, word 0's top 24 bits
 scaled to [0, 1). The rollout engine's sampler draws with it on the GPU; the same function written with tensor ops
-(workloads/rollout/generation.py) is a hundred small launches per step."""
+(workloads/rollout/sampler.py) is a hundred small launches per step."""
 from __future__ import annotations
 
 import torch

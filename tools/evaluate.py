@@ -60,7 +60,7 @@ def model_completer(model, tokenizer) -> Complete:
         import torch
 
         from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-        from moe_rl_eks.workloads.rollout.generation import decode_all
+        from moe_rl_eks.workloads.rollout.decoder import decode_all
         from moe_rl_eks.workloads.rl.protocol import derive_seed
 
         requests = [RowRequest(p.prompt_ids, SamplingParams(params.max_tokens, params.temperature, params.top_p,
@@ -68,9 +68,9 @@ def model_completer(model, tokenizer) -> Complete:
                                str(p.index), j)
                     for p in prompts for j in range(params.n)]
         with torch.no_grad():
-            seqs = decode_all(model, requests, tokenizer.eos_ids)
-        out = [EvalSample(completion_text(tokenizer, s.tokens, s.finish_reason == "stop"), len(s.tokens),
-                      s.finish_reason == "stop") for s in seqs]
+            outs = decode_all(model, requests, tokenizer.eos_ids)
+        out = [EvalSample(completion_text(tokenizer, o.token_ids, o.finish_reason == "stop"), len(o.token_ids),
+                      o.finish_reason == "stop") for o in outs]
         return [out[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
     return complete
 

@@ -91,7 +91,8 @@ def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
 
     from moe_rl_eks.workloads.model import MoETransformer
     from moe_rl_eks.tools.bench.rollout import TINY
-    from moe_rl_eks.workloads.rollout.generation import PagedCache, forward_tokens
+    from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
+    from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 
     torch.manual_seed(0)
     model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval().to(DEVICE)
@@ -107,15 +108,47 @@ def test_the_engines_forward_with_these_kernels_equals_its_plain_forward():
     with torch.no_grad():  # two prompts of 7 and 4 tokens packed, then one decode step each
         for fused in (False, True):
             c = copy.deepcopy(cache)
+            runner = ModelRunner(model, c, cuda_graphs=False, kernels="triton" if fused else "torch")
             tiles = prefill_tiles([(0, 7), (7, 4)], DEVICE) if fused else None
-            prefill = forward_tokens(model, c, slot, tokens, positions, last, 7, fused, tiles)
+            prefill = runner.forward(slot, tokens, positions, last, 7, tiles)
             two = torch.tensor([[2, 0], [5, 9], [7, 4], [0, 1]], device=DEVICE)
-            decode = forward_tokens(model, c, *two, 8, fused)
+            decode = runner.forward(*two, 8)
             results.append((prefill, decode, c))
     (prefill, plain, a), (prefill_fused, fused, b) = results
     assert ((prefill_fused - prefill).norm() / prefill.norm()).item() < 1e-5
     assert ((fused - plain).norm() / plain.norm()).item() < 1e-5
     assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.equal(a.routing, b.routing)
+
+
+def test_after_a_weight_install_a_decoder_on_these_kernels_samples_as_a_fresh_one_on_the_new_weights():
+    # the runner's packed q/k/v and q/k-norm buffers are copies: a served version's install must refresh them
+    import dataclasses
+
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.tools.bench.rollout import TINY
+    from moe_rl_eks.workloads.rollout.decoder import Decoder
+    from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
+    from moe_rl_eks.workloads.rollout.weight_staging import install
+
+    torch.manual_seed(0)
+    model = MoETransformer(dataclasses.replace(TINY, head_dim=16)).eval().to(DEVICE)
+    torch.manual_seed(1)
+    version = MoETransformer(model.config).state_dict()
+    row = RowRequest((1, 5, 9, 4, 7), SamplingParams(4, seed=3, return_routing=True), "r", 0)
+
+    def decode(decoder):
+        seq = decoder.add(row)
+        while decoder.busy:
+            decoder.step()
+        return seq
+    served = Decoder(model, slots=1, max_len=16, eos_ids=(), kernels="triton")
+    before = decode(served)
+    install(model, version)
+    served.load_weights()
+    after, fresh = decode(served), decode(Decoder(model, slots=1, max_len=16, eos_ids=(), kernels="triton"))
+    assert after.logprobs != before.logprobs  # other weights
+    assert after.tokens == fresh.tokens and after.logprobs == fresh.logprobs and torch.equal(after.routing,
+                                                                                             fresh.routing)
 
 
 def test_write_kv_puts_each_tokens_keys_and_values_at_its_block_and_offset_and_nowhere_else():

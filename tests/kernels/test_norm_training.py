@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moe_rl_eks.kernels.norm_training import rms_norm_training
-from moe_rl_eks.workloads.model.transformer import RMSNorm, _rotate, rotary
+from moe_rl_eks.workloads.model.rotary import apply_rotary, rotary
+from moe_rl_eks.workloads.model.transformer import RMSNorm
 
 
 def norm_module(n):
@@ -54,7 +55,7 @@ def test_norm_then_rope_forward_and_backward_equal_the_plain_modules(x_dtype, to
     cos, sin = rotary(positions, dim, 10000.0, torch.float32)  # [B, 1, S, D]
     grad = torch.randn(b, heads, s, dim)
     x_ref = x.clone().requires_grad_()
-    want = _rotate(module(x_ref).transpose(1, 2), cos, sin)
+    want = apply_rotary(module(x_ref).transpose(1, 2), cos, sin)
     want.backward(grad)
     want_dw, module.weight.grad = module.weight.grad, None
     x_got = x.clone().requires_grad_()

@@ -3,13 +3,13 @@ tests/rl/test_generation.py) draws from the same (seed, row, step)."""
 import torch
 
 from moe_rl_eks.kernels.philox import row_uniform
-from moe_rl_eks.workloads.rollout import generation
+from moe_rl_eks.workloads.rollout import sampler
 
 
 def test_the_philox_kernel_draws_the_engines_uniforms_bitwise():
     big = torch.tensor([0, 2 ** 32 - 1, 5, 2 ** 40 + 3, 2 ** 63 - 1, 123456789])
     key_lo, key_hi, row, step = big & 0xFFFFFFFF, (big >> 7) & 0xFFFFFFFF, big % 1000, big
-    want = generation.row_uniform(key_lo, key_hi, row, step)  # the CPU's numpy path of the same function
+    want = sampler.row_uniform(key_lo, key_hi, row, step)  # the CPU's numpy path of the same function
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU (pytest --noconftest)
     key_lo, key_hi, row, step = (t.to(device) for t in (key_lo, key_hi, row, step))
     got = row_uniform(key_lo, key_hi, row, step).cpu()

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moe_rl_eks.kernels.rmsnorm import rms_norm
-from moe_rl_eks.workloads.model.transformer import RMSNorm, _rotate, rotary
+from moe_rl_eks.workloads.model.rotary import apply_rotary, rotary
+from moe_rl_eks.workloads.model.transformer import RMSNorm
 
 # bf16: one rounding step of the largest outputs (the sum of squares is reduced in another order, and Triton's
 # interpreter truncates conversions to bf16 where compiled kernels round to nearest)
@@ -42,7 +43,7 @@ def test_rms_norm_with_rope_equals_the_norm_then_the_rotary_embedding(dtype, tol
     module = norm_module(dim, dtype)
     x = torch.randn(b, s, heads, dim).to(dtype)
     cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), dim, 10000.0, dtype)  # [B, 1, S, D]
-    want = _rotate(module(x).transpose(1, 2), cos, sin).transpose(1, 2)
+    want = apply_rotary(module(x).transpose(1, 2), cos, sin).transpose(1, 2)
     got = rms_norm(x, module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0]))
     assert close(got, want, tol)
 
@@ -59,40 +60,38 @@ def test_rms_norm_with_rope_reads_heads_out_of_wider_token_rows_in_place(dtype, 
     cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), dim, 10000.0, dtype)
     got = rms_norm(x, module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0]))
     assert torch.equal(got, rms_norm(x.contiguous(), module.weight, 1e-6, rope=(cos[:, 0], sin[:, 0])))
-    assert close(got, _rotate(module(x).transpose(1, 2), cos, sin).transpose(1, 2), tol)
+    assert close(got, apply_rotary(module(x).transpose(1, 2), cos, sin).transpose(1, 2), tol)
 
 
 def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_path():
-    # the engine's decode step: one [q; k; v] product, q_norm and k_norm weights in one [2, D] buffer
+    # the engine's decode step: one product over the runner's packed [q; k; v] weights, its q_norm and k_norm
+    # weights packed in one [2, D] buffer
     from moe_rl_eks.core.run import ModelConfig
-    from moe_rl_eks.workloads.model.transformer import Attention
-    from moe_rl_eks.workloads.rollout import generation
+    from moe_rl_eks.workloads.model import MoETransformer
+    from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
+    from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, moe_intermediate_size=8, num_experts=4,
                          num_experts_per_tok=2, max_position_embeddings=64)
-    attn = Attention(config)
+    model = MoETransformer(config).eval()
+    attn = model.model.layers[0].self_attn
     with torch.no_grad():
         attn.q_norm.weight.normal_()
         attn.k_norm.weight.normal_()
     x = torch.randn(2, 3, 32)
     cos, sin = rotary(torch.tensor([[5, 6, 7], [0, 1, 2]]), 16, 10000.0, torch.float32)
-    want = generation._attention_inputs(attn, x, cos[:, 0], sin[:, 0], fused=False)
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn = attn
-
-    holder = torch.nn.Module()
-    holder.model = torch.nn.Module()
-    holder.model.layers = torch.nn.ModuleList([Layer()])
-    generation.share_qkv_weights(holder)
-    got = generation._attention_inputs(attn, x, cos[:, 0], sin[:, 0], fused=True)
-    for g, w, heads in zip(got, want, (4, 2, 2)):
-        assert g.shape == (2, 3, heads, 16)
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    q, k, v = attn.project(x)
+    table = (cos[:, 0].unsqueeze(-2), sin[:, 0].unsqueeze(-2))
+    want = apply_rotary(attn.q_norm(q), *table), apply_rotary(attn.k_norm(k), *table), v
+    for kernels in ("torch", "triton"):
+        runner = ModelRunner(model, PagedCache.allocate(config, 1, 4, 1, 4, "cpu", torch.float32), cuda_graphs=False,
+                             kernels=kernels)
+        got = runner._attention_inputs(0, attn, x, cos[:, 0], sin[:, 0])
+        for g, w, heads in zip(got, want, (4, 2, 2)):
+            assert g.shape == (2, 3, heads, 16)
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, tol", TOLERANCES)

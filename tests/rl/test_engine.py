@@ -140,16 +140,16 @@ def test_rows_that_cannot_run_fail_alone_and_sampling_params_name_the_bad_field(
 
 
 def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_serving(engine, monkeypatch):
-    from moe_rl_eks.workloads.rollout import generation
+    from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 
-    forward, calls = generation.forward_tokens, []
+    forward, calls = ModelRunner.forward, []
 
     def failing_once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:  # a decode step of the first request
             raise RuntimeError("CUDA out of memory (simulated)")
         return forward(*args, **kwargs)
-    monkeypatch.setattr(generation, "forward_tokens", failing_once)
+    monkeypatch.setattr(ModelRunner, "forward", failing_once)
     out = engine.submit(rows("doomed", 2, 20, 1, stop_token_ids=())).result(timeout=60)
     assert [o.finish_reason for o in out] == ["error", "error"]
     assert "CUDA out of memory (simulated)" in out[0].error and 1 <= len(out[0].token_ids) < 20

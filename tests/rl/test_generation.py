@@ -1,13 +1,16 @@
 """Continuous-batching decoding: a group's rows share one prefill, rows join and leave at every step, and every
 row samples exactly as it would alone; the sampler's filters, logprob modes and counter-based seeds."""
+import numpy as np
 import pytest
 import torch
 from rl_helpers import tiny_run
 
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.rollout import generation
+from moe_rl_eks.workloads.rollout import sampler
+from moe_rl_eks.workloads.rollout.decoder import Decoder, decode_all
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rollout.generation import Decoder, Row, SamplingRows, generate, philox4x32, sample
+from moe_rl_eks.workloads.rollout.model_runner import ModelRunner, PackedAttention
+from moe_rl_eks.workloads.rollout.sampler import SamplingRows, philox4x32, sample
 
 EOS = 2
 # The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
@@ -26,23 +29,23 @@ def test_rows_share_a_prefill_finished_rows_leave_the_batch_and_each_samples_as_
                                                                                                  monkeypatch):
     model = model.to(device)
     # one prompt's group with uneven lengths (rows stop early as at end-of-sequence), and another prompt
-    group = [Row([1, 6, 13, 7, 16], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 1, 2])]
-    other = [Row([1, 9, 13, 9, 16, 4], 4, 0.7, 0.9, 11, want_routing=True)]
+    group = [request([1, 6, 13, 7, 16], n, seed, row=seed, return_routing=True) for seed, n in enumerate([6, 1, 1, 2])]
+    other = [request([1, 9, 13, 9, 16, 4], 4, 11, row=4, return_routing=True, temperature=0.7, top_p=0.9)]
     fed = []
-    forward = generation.forward_tokens
-    monkeypatch.setattr(generation, "forward_tokens", lambda m, c, slot, tokens, *a, **kw: fed.append(tokens.shape)
-                        or forward(m, c, slot, tokens, *a, **kw))
-    together = generate(model, group + other, EOS)
+    forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda runner, slot, tokens, *a, **kw: fed.append(tokens.shape)
+                        or forward(runner, slot, tokens, *a, **kw))
+    together = decode_all(model, group + other, [EOS])
     if device == "cpu":  # on a GPU, decode steps replay CUDA graphs (captured with padding rows) instead
         assert fed[0] == (11,)  # two distinct prompts prefilled once each, packed: 5 + 6 tokens, no padding
         decode = [shape[0] for shape in fed[1:]]
         assert decode[0] == 3 and decode == sorted(decode, reverse=True) and decode[-1] == 1, decode  # rows left
     for row, got in zip(group + other, together):
-        (alone,) = generate(model, [row], EOS)
-        assert got.tokens == alone.tokens and got.routing == alone.routing
+        (alone,) = decode_all(model, [row], [EOS])
+        assert got.token_ids == alone.token_ids and np.array_equal(got.routing, alone.routing)
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
-        assert len(got.routing[0]) == len(row.prompt) + len(got.tokens) - 1
-    assert len({tuple(r.tokens[:1]) for r in together[:4]}) > 1  # the group's seeds still give different samples
+        assert len(got.routing) == len(row.prompt_ids) + len(got.token_ids) - 1
+    assert len({tuple(r.token_ids[:1]) for r in together[:4]}) > 1  # the group's seeds still give different samples
 
 
 def request(prompt, max_tokens, seed, row=0, **params):
@@ -68,12 +71,25 @@ def test_rows_joining_mid_decode_and_chunked_prefills_sample_as_they_would_alone
             request([1, 4], 2, 3, return_routing=True, temperature=0.0)]
     decoder = Decoder(model, slots=2, max_len=16, eos_ids=[EOS], prefill_tokens=3)
     seqs = run_to_end(decoder, [decoder.add(rows[0])], joining=[(2, rows[1]), (3, rows[2])])
-    assert decoder.free and sorted(decoder.free) == [0, 1]  # every slot came back
+    assert sorted(decoder.scheduler.free) == [0, 1]  # every slot came back
     for seq, row in zip(seqs, rows):
         alone = Decoder(model, slots=1, max_len=16, eos_ids=[EOS])
         (ref,) = run_to_end(alone, [alone.add(row)])
         assert seq.tokens == ref.tokens and torch.equal(seq.routing, ref.routing)
         assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def assert_scored_and_routed_as_the_trainers_forward(model, seq):
+    """A raw-logprob row's logprobs and routing equal the model's own forward of its prompt and completion."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(seq.prompt) + seq.tokens], device=device)
+    with torch.no_grad():
+        out = model(ids, return_routing=True)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).cpu()
+    want = logp[len(seq.prompt) - 1:].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
+    assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
+    routing = torch.stack(out.routing, 2)[0, :-1].cpu()  # [positions fed, layers, k]
+    assert torch.equal(seq.routing.long().cpu(), routing) and seq.routing.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -82,14 +98,25 @@ def test_the_engine_forward_scores_and_routes_tokens_as_the_trainers_forward_doe
     row = request([1, 6, 13, 7, 16], 6, 5, return_routing=True, logprob_mode="raw")
     decoder = Decoder(model, slots=2, max_len=16, eos_ids=[99])
     (seq,) = run_to_end(decoder, [decoder.add(row)])
-    ids = torch.tensor([list(row.prompt_ids) + seq.tokens], device=device)
-    with torch.no_grad():
-        out = model(ids, return_routing=True)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).cpu()
-    want = logp[len(row.prompt_ids) - 1:].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
-    assert seq.logprobs == pytest.approx(want.tolist(), abs=1e-5)
-    routing = torch.stack(out.routing, 2)[0, :-1].cpu()  # [positions fed, layers, k]
-    assert torch.equal(seq.routing.long().cpu(), routing) and seq.routing.dtype == torch.uint8
+    assert_scored_and_routed_as_the_trainers_forward(model, seq)
+
+
+def test_rows_of_a_crowded_decoder_are_scored_and_routed_as_the_trainers_forward_does(model):
+    # everything the scheduler does at once: a group sharing a prefill and its prompt's blocks, chunked prefills
+    # beside decode steps, rows joining mid-decode, too few blocks (preemption and recomputation), filtered rows.
+    # (On the CPU: a GPU's kernels reduce in another order, and over this many positions a near-tie in routing
+    # may flip; the single-row test above pins the GPU path.)
+    shared = [1, 6, 13, 7, 16, 9, 4]
+    rows = [request(shared, 9, i, row=i, return_routing=True, logprob_mode="raw", top_k=8 * i) for i in range(3)]
+    rows.append(request([1, 9, 13, 9, 16, 4, 5, 6, 7, 8, 10], 6, 7, row=3, return_routing=True,
+                        logprob_mode="raw", top_p=0.8))
+    joining = [(2, request([1, 4, 5], 8, 8, row=4, return_routing=True, logprob_mode="raw", min_p=0.1)),
+               (3, request(shared, 5, 9, row=5, return_routing=True, logprob_mode="raw"))]
+    decoder = Decoder(model, slots=4, max_len=20, eos_ids=[99], prefill_tokens=5, block_size=4, blocks=11)
+    seqs = run_to_end(decoder, [decoder.add(r) for r in rows], joining=joining)
+    assert decoder.stats()["preemptions"] >= 1
+    for seq in seqs:
+        assert_scored_and_routed_as_the_trainers_forward(model, seq)
 
 
 def test_prompt_logprobs_come_from_the_chunked_prefill_and_equal_a_plain_forwards(model):
@@ -119,15 +146,15 @@ def test_philox_matches_random123s_known_answers_and_a_row_draw_depends_only_on_
                                                                         0x9B00DBD8]
     assert [int(w) for w in philox4x32((ones,) * 4, (ones, ones))] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6,
                                                                         0x6D5451FD]
-    u = generation.row_uniform(torch.tensor([7, 7, 7, 8]), torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 0, 0]),
+    u = sampler.row_uniform(torch.tensor([7, 7, 7, 8]), torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 0, 0]),
                                torch.tensor([0, 0, 1, 0]))
     assert len(set(u.tolist())) == 4 and all(0 <= x < 1 for x in u.tolist())
-    again = generation.row_uniform(torch.tensor([7]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
+    again = sampler.row_uniform(torch.tensor([7]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     assert again.item() == u[1].item()
     # the CPU's numpy path and the GPU's tensor path are one function: the same words from the same counters
     big = torch.tensor([2 ** 32 - 1, 5, 2 ** 40 + 3])
     words = philox4x32((big & 0xFFFFFFFF, big % 7, big >> 32, big * 0), (big % 11, big & 0xFFFF))[0]
-    uniform = generation.row_uniform(big % 11, big & 0xFFFF, big % 7, big)
+    uniform = sampler.row_uniform(big % 11, big & 0xFFFF, big % 7, big)
     assert uniform.tolist() == ((words >> 8).float() / (1 << 24)).tolist()
 
 
@@ -196,7 +223,7 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_decoding(model):
     outs = {}
     for graphs in (True, False):
         decoder = Decoder(model, slots=3, max_len=16, eos_ids=[EOS], cuda_graphs=graphs)
-        assert sorted(decoder.graphs) == ([1, 2, 3] if graphs else [])
+        assert sorted(decoder.runner.graphs) == ([1, 2, 3] if graphs else [])
         outs[graphs] = run_to_end(decoder, [decoder.add(rows[0])], joining=[(1, rows[1]), (2, rows[2])])
     for a, b in zip(outs[True], outs[False]):
         assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
@@ -215,34 +242,34 @@ def test_triton_decode_kernels_sample_each_row_as_alone_and_as_the_torch_backend
     monkeypatch.setattr(backend, "decode_experts", lambda *a: calls.append(a[0].shape[0]) or kernels(*a))
     # prompts short enough that the shared prefill (3 + 4 tokens) also fits the decode kernels (<= 8 tokens): the
     # grouped GEMM beyond them is bf16-only on a GPU, and this model is float32
-    rows = [Row([1, 6, 13], n, 1.0, 1.0, seed, want_routing=True) for seed, n in enumerate([6, 1, 2])]
-    rows.append(Row([1, 9, 13, 9], 4, 0.7, 0.9, 11, want_routing=True))
-    together = generate(triton_model, rows, EOS)
+    rows = [request([1, 6, 13], n, seed, row=seed, return_routing=True) for seed, n in enumerate([6, 1, 2])]
+    rows.append(request([1, 9, 13, 9], 4, 11, row=3, return_routing=True, temperature=0.7, top_p=0.9))
+    together = decode_all(triton_model, rows, [EOS])
     assert calls and max(calls) <= backend.DECODE_MAX_TOKENS  # every MoE layer went through the decode kernels
-    for row, got, want in zip(rows, together, generate(model, rows, EOS)):
-        (alone,) = generate(triton_model, [row], EOS)
-        assert got.tokens == alone.tokens == want.tokens and got.routing == alone.routing == want.routing
+    for row, got, want in zip(rows, together, decode_all(model, rows, [EOS])):
+        (alone,) = decode_all(triton_model, [row], [EOS])
+        assert got.token_ids == alone.token_ids == want.token_ids
+        assert np.array_equal(got.routing, alone.routing) and np.array_equal(got.routing, want.routing)
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
 
-def test_shared_qkv_weights_project_in_one_product_and_weight_loads_write_through(model):
-    rows = [Row([1, 6, 13, 7, 16], 4, 1.0, 1.0, 5, want_routing=True), Row([1, 9, 4], 3, 0.0, 1.0, 6)]
-    before = generate(model, rows, EOS)
-    state = {name: t.clone() for name, t in model.state_dict().items()}
-    generation.share_qkv_weights(model)
-    attn = model.model.layers[0].self_attn
-    projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-    assert generation._shared(attn, "qkv_weight", projections) is attn.qkv_weight
-    assert generation._shared(attn, "qk_norm_weight", [attn.q_norm.weight, attn.k_norm.weight]) is not None
-    after = generate(model, rows, EOS)
-    for a, b in zip(before, after):
-        assert a.tokens == b.tokens and a.routing == b.routing and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    model.load_state_dict({name: t * 2 if name.endswith("k_proj.weight") else t for name, t in state.items()})
-    assert torch.equal(attn.qkv_weight[attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
-                       state["model.layers.0.self_attn.k_proj.weight"] * 2)
-    model.double()  # a dtype change copies the parameters: the stale buffer is no longer used
-    assert generation._shared(attn, "qkv_weight", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+def test_the_runners_packed_qkv_weights_are_the_models_and_follow_a_weight_install(model):
+    from moe_rl_eks.workloads.rollout.weight_staging import install
+
+    packed = PackedAttention(model)
+    attn = model.model.layers[1].self_attn
+    assert torch.equal(packed.qkv[1], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(packed.qk_norm[1], torch.stack([attn.q_norm.weight, attn.k_norm.weight]))
+    buffers = [b.data_ptr() for b in packed.qkv + packed.qk_norm]
+    state = {name: t * 2 if name.endswith(("k_proj.weight", "q_norm.weight")) else t
+             for name, t in model.state_dict().items()}
+    install(model, state)  # in place, as a served version arrives
+    packed.load(model)
+    assert torch.equal(packed.qkv[1][attn.heads * attn.head_dim:][:attn.kv_heads * attn.head_dim],
+                       state["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(packed.qk_norm[1][0], state["model.layers.1.self_attn.q_norm.weight"])
+    assert [b.data_ptr() for b in packed.qkv + packed.qk_norm] == buffers  # refreshed in place: graphs stay valid
 
 
 def test_the_rollout_benchmark_prints_its_table(capsys, tmp_path):
@@ -301,13 +328,13 @@ def test_a_groups_rows_share_the_prompts_full_blocks_copy_the_partial_one_and_re
     decoder = Decoder(model, slots=3, max_len=24, eos_ids=[99], block_size=4)
     seqs = [decoder.add(r) for r in rows]
     decoder.step()  # admission and the group's one prefill
-    owned = [decoder.cache.owned[s.slot] for s in seqs]
+    owned = [decoder.scheduler.cache.owned[s.slot] for s in seqs]
     assert owned[1][:2] == owned[2][:2] == owned[0][:2]  # the full blocks, shared
     assert len({o[2] for o in owned}) == 3  # the partial block, one copy per row
-    assert [decoder.cache.refs[b] for b in owned[0]] == [3, 3, 1]
+    assert [decoder.scheduler.cache.refs[b] for b in owned[0]] == [3, 3, 1]
     assert decoder.stats()["blocks_used"] == 5  # not 3 x 3 as separate prefills would hold
     run_to_end(decoder, seqs)
-    assert decoder.stats()["blocks_free"] == decoder.stats()["blocks_total"] and not any(decoder.cache.refs)
+    assert decoder.stats()["blocks_free"] == decoder.stats()["blocks_total"] and not any(decoder.scheduler.cache.refs)
     for seq, row in zip(seqs, rows):
         assert_same(seq, alone(model, row))
 
@@ -322,11 +349,12 @@ def test_rows_wait_for_blocks_and_the_newest_decoding_row_is_preempted_then_reco
     decoder = Decoder(model, slots=4, max_len=16, eos_ids=[99], block_size=4, blocks=7)
     seqs = [decoder.add(r) for r in rows]
     decoder.step()
-    assert [s.slot is None for s in seqs] == [False, False, False, True] and decoder.free
+    assert [s.slot is None for s in seqs] == [False, False, False, True] and decoder.scheduler.free
     assert decoder.stats()["blocks_free"] == 1
     run_to_end(decoder, seqs)
-    assert decoder.preemptions >= 1 and [s.preempted > 0 for s in seqs].count(True) >= 1
-    assert decoder.take_preemptions() == decoder.preemptions and decoder.take_preemptions() == 0
+    preemptions = decoder.stats()["preemptions"]
+    assert preemptions >= 1 and [s.preempted > 0 for s in seqs].count(True) >= 1
+    assert decoder.take_preemptions() == preemptions and decoder.take_preemptions() == 0
     assert seqs[2].preempted and not seqs[0].preempted  # the newest decoding row goes first, never the oldest
     assert decoder.stats()["blocks_free"] == 7
     for seq, row in zip(seqs, rows):
@@ -341,7 +369,7 @@ def test_a_cancelled_row_returns_its_blocks_and_a_row_that_can_never_fit_is_refu
     doomed, kept = decoder.add(request([1, 2, 3, 4, 5], 10, 0)), decoder.add(request([1, 7], 6, 1, row=1))
     for _ in range(2):
         decoder.step()
-    held = len(decoder.cache.owned[doomed.slot])
+    held = len(decoder.scheduler.cache.owned[doomed.slot])
     assert held == 2 and decoder.stats()["blocks_used"] == 3
     assert decoder.cancel(doomed) and doomed.finish_reason == "abort"
     assert decoder.stats()["blocks_used"] == 1

@@ -284,19 +284,18 @@ def test_checkpoint_metadata_is_read_without_unpickling_arbitrary_objects(tmp_pa
 
 
 def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, world_of_one):
-    import numpy as np
-
-    from moe_rl_eks.workloads.rollout.generation import Row, generate
+    from moe_rl_eks.workloads.rollout.decoder import decode_all
+    from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
     from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 
     run = tiny_run(tmp_path, algorithm={"routing_replay": True, "kl_coef": 0.0})
     trainer = Trainer(run, None, rank=0, world=1)
     tok = CharTokenizer()
     prompts = [tok.encode("3+4="), tok.encode("12+3=")]  # different lengths: left-padded together at rollout
-    results = generate(trainer.model.eval(), [Row(p, 3, 1.0, 1.0, seed, want_routing=True)
-                                              for seed, p in enumerate(prompts * 2)], tok.eos_id)
-    samples = [sample(i, p, r.tokens, logprobs=r.logprobs,
-                      routing=encode_routing(np.asarray(r.routing).transpose(1, 0, 2)))
+    results = decode_all(trainer.model.eval(), [RowRequest(tuple(p), SamplingParams(3, seed=seed, return_routing=True),
+                                                           str(seed), 0) for seed, p in enumerate(prompts * 2)],
+                         [tok.eos_id])
+    samples = [sample(i, p, r.token_ids, logprobs=r.logprobs, routing=encode_routing(r.routing))
                for i, (p, r) in enumerate(zip(prompts * 2, results))]
     t = Sequences.of(samples).to(trainer.device)
     step = trainer.train_step

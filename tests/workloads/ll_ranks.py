@@ -15,7 +15,7 @@ from moe_rl_eks.workloads.model.checkpoint import cast_for_serving
 from moe_rl_eks.workloads.moe import deepep_ll
 from moe_rl_eks.workloads.moe.parallel import ExpertParallel
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rollout.generation import Decoder, decode_all
+from moe_rl_eks.workloads.rollout.decoder import Decoder, decode_all
 
 # DeepEP's low-latency kernels take hidden sizes 2048..8192 only; the rest is small.
 CONFIG = ModelConfig(vocab_size=512, hidden_size=2048, num_hidden_layers=2, num_attention_heads=4,
@@ -54,17 +54,18 @@ def serving_model(config: ModelConfig, state, ep: ExpertParallel | None, compute
 
 
 class GroupedExperts:
-    """A compute backend without its fused single-rank decode op (`decode`): the reference then runs a decode
-    step's experts through the same grouped kernels a rank runs after a dispatch, so a difference from the
-    sharded rows is the dispatch's and combine's. (The fused op against the grouped path:
+    """A compute backend whose fused single-rank decode op (`decode`) declines every step: the reference then runs
+    a decode step's experts through the same grouped kernels a rank runs after a dispatch, so a difference from
+    the sharded rows is the dispatch's and combine's. (The fused op against the grouped path:
     tests/kernels/test_expert_decode.py.)"""
 
     def __init__(self, inner) -> None:
         self._inner = inner
 
+    def decode(self, *args, **kwargs) -> None:
+        return None  # MoECompute.decode's "no faster path here"
+
     def __getattr__(self, name: str):
-        if name == "decode":
-            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
@@ -125,8 +126,8 @@ def serve_both_ways(rank: int, world: int, compute: str, decodes=("deepep_ll", "
             layer.mlp.compute = GroupedExperts(layer.mlp.compute)
         with torch.no_grad():
             result["layer"]["single"] = single.model.layers[0].mlp(xs.to(DEVICE), statistics=False).out.cpu()
-            seqs = decode_all(single, [r for part in requests() for r in part], eos_ids=())
-        result["single"] = {(s.request.request_id, s.request.row): (s.tokens, s.logprobs) for s in seqs}
+            outs = decode_all(single, [r for part in requests() for r in part], eos_ids=())
+        result["single"] = {(o.request_id, o.row): (o.token_ids, o.logprobs) for o in outs}
     return result
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from moe_rl_eks.workloads.model import KVCache, MoETransformer
+from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import CheckpointError, load_hf, load_model, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -95,35 +95,6 @@ def test_load_hf_refuses_a_dense_layer_naming_the_field(tmp_path, tiny_config):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="mlp_only_layers"):
         load_hf(tmp_path)
-
-
-def test_kv_cache_decoding_matches_the_full_forward(tiny_config):
-    model = MoETransformer(tiny_config()).eval()
-    ids = torch.randint(0, 96, (3, 10))
-    cache = KVCache.allocate(model.config, 3, 16, "cpu", torch.float32)
-    with torch.no_grad():
-        full = model(ids).logits
-        steps = [model(ids[:, :6], kv_cache=cache).logits]
-        steps += [model(ids[:, i:i + 1], kv_cache=cache).logits for i in range(6, 10)]
-    assert cache.length == 10
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="kv_cache holds 16"):
-        model(torch.zeros(3, 7, dtype=torch.long), kv_cache=cache)
-
-
-def test_left_padding_with_attention_mask_matches_the_unpadded_sequence(tiny_config):
-    model = MoETransformer(tiny_config()).eval()
-    short = torch.randint(0, 96, (1, 5))
-    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)
-    mask = torch.tensor([[False] * 3 + [True] * 5])
-    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4]])
-    cache = KVCache.allocate(model.config, 1, 10, "cpu", torch.float32)
-    nxt = torch.randint(0, 96, (1, 1))
-    with torch.no_grad():
-        expected = model(torch.cat([short, nxt], 1)).logits
-        got = model(padded, positions=positions, attention_mask=mask, kv_cache=cache).logits[:, 3:]
-        step = model(nxt, positions=torch.tensor([[5]]), kv_cache=cache).logits
-    torch.testing.assert_close(torch.cat([got, step], 1), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_routing_replay_reuses_the_given_experts_and_keeps_router_gradients(tiny_config):

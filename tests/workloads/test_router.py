@@ -5,7 +5,7 @@ import torch
 
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.moe.backends import get_compute
+from moe_rl_eks.workloads.model.backends import get_compute
 from moe_rl_eks.workloads.moe.compute import RoutingSpec
 from moe_rl_eks.workloads.moe.router import (balance_bias_step, expert_load, load_balancing_loss, node_limit_bias, select_experts,
                                              weights_for)

@@ -18,7 +18,7 @@ from moe_rl_eks.core.run import ModelConfig
 
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rollout.generation import Decoder, Row, generate
+from moe_rl_eks.workloads.rollout.decoder import Decoder, decode_all
 
 # A small MoE that makes the prefill cost visible on a CPU in seconds (Qwen3-MoE-shaped, not sized).
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -26,14 +26,15 @@ MODEL = ModelConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_a
                     num_experts_per_tok=4, max_position_embeddings=1024, dtype="float32")
 
 
-def rows_for(prompt_tokens: int, lengths: list[int], shared: bool, rng: random.Random) -> list[Row]:
+def rows_for(prompt_tokens: int, lengths: list[int], shared: bool, rng: random.Random) -> list[RowRequest]:
     """One row per entry of `lengths` (its new tokens), all of one prompt or each of its own."""
     def prompt():
-        return [rng.randrange(3, 2048) for _ in range(prompt_tokens)]  # within every --vocab
+        return tuple(rng.randrange(3, 2048) for _ in range(prompt_tokens))  # within every --vocab
 
     one = prompt()
     # eos id 0 never comes up (vocabulary from 3), so every row decodes exactly its length
-    return [Row(one if shared else prompt(), n, 1.0, 1.0, seed) for seed, n in enumerate(lengths)]
+    return [RowRequest(one if shared else prompt(), SamplingParams(n, seed=seed), str(seed), 0)
+            for seed, n in enumerate(lengths)]
 
 
 def main(argv: list[str]) -> int:
@@ -102,7 +103,7 @@ def _through_slots(model, requests: list[RowRequest], slots: int, continuous: bo
     start = time.perf_counter()
     while waiting or decoder.busy:
         if continuous or not decoder.busy:
-            take = len(decoder.free) if continuous else slots
+            take = len(decoder.scheduler.free) if continuous else slots
             for r in waiting[:take]:
                 decoder.add(r)
             del waiting[:take]
@@ -113,5 +114,5 @@ def _through_slots(model, requests: list[RowRequest], slots: int, continuous: bo
 
 def _timed(model, rows) -> float:
     start = time.perf_counter()
-    generate(model, rows, eos_id=0)
+    decode_all(model, rows, eos_ids=[0])
     return time.perf_counter() - start

@@ -28,9 +28,9 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.moe.backends import get_compute
+from moe_rl_eks.workloads.model.backends import get_compute
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rollout.generation import Decoder
+from moe_rl_eks.workloads.rollout.decoder import Decoder
 
 QWEN3_30B_A3B = ModelConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                             num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
@@ -121,7 +121,7 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
     decode_start, steps = None, 0
     while decoder.busy:
         decoder.step()
-        if decode_start is None and not decoder.prefilling and not decoder.waiting:
+        if decode_start is None and not decoder.scheduler.prefilling and not decoder.waiting:
             sync(device)
             decode_start, tokens_at_decode = time.perf_counter(), sum(len(s.tokens) for s in seqs)
             kv = decoder.stats()  # blocks held once every prompt is in: memory follows the tokens present
@@ -138,9 +138,9 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
            "seconds": end - start, "tokens_per_s": generated / (end - start), "prefill_s": decode_start - start,
            "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
            "step_ms": 1000 * decode_s / max(steps, 1), "graph_capture_s": capture_s,
-           "complete": generated == batch * new_tokens, "cuda_graphs": bool(decoder.graphs),
+           "complete": generated == batch * new_tokens, "cuda_graphs": bool(decoder.runner.graphs),
            "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
-           "kv_block_size": kv["block_size"], "preemptions": decoder.preemptions}
+           "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"]}
     del decoder
     return out
 
@@ -220,15 +220,15 @@ def profile_steps(model: MoETransformer, batch: int, prompt_tokens: int, steps: 
     decoder = Decoder(model, slots=batch, max_len=prompt_tokens + steps + 8, eos_ids=(), buckets=[batch])
     for i, p in enumerate(prompts(batch, prompt_tokens, model.config.vocab_size, 3)):
         decoder.add(RowRequest(p, SamplingParams(steps + 4, seed=i), "profile", i))
-    while decoder.prefilling or decoder.waiting:
+    while decoder.scheduler.prefilling or decoder.waiting:
         decoder.step()
     decoder.step()
-    sync(decoder.device)
+    sync(decoder.runner.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             decoder.step()
-        sync(decoder.device)
+        sync(decoder.runner.device)
         wall = time.perf_counter() - start
     if path:
         prof.export_chrome_trace(path)

@@ -1,4 +1,4 @@
-"""The MoE model: `MoETransformer`, its `ModelOutput` and `KVCache`; checkpoint I/O in `.checkpoint`."""
-from .transformer import KVCache, ModelOutput, MoETransformer
+"""The MoE model: `MoETransformer` and its `ModelOutput`; checkpoint I/O in `.checkpoint`."""
+from .transformer import ModelOutput, MoETransformer
 
-__all__ = ["KVCache", "ModelOutput", "MoETransformer"]
+__all__ = ["ModelOutput", "MoETransformer"]

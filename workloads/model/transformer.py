@@ -1,6 +1,7 @@
 """A decoder-only MoE transformer with Qwen3-MoE's layout and parameter names (so Hugging Face checkpoints load
-and save; see checkpoint.py), DeepSeek-V3-style router options, expert parallelism, a static KV cache for
-rollouts, and routing replay for training on the experts the rollout used."""
+and save; see checkpoint.py), DeepSeek-V3-style router options, expert parallelism, and routing replay for training
+on the experts the rollout used. Its forward is the trainer's (whole sequences, or sequences packed in one row);
+the rollout engine runs the same modules over its paged KV cache (workloads/rollout/model_runner.py)."""
 from __future__ import annotations
 
 import functools
@@ -17,11 +18,12 @@ from torch import nn
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
-from ..moe.backends import get_compute
 from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel, local_experts
 from ..moe.router import balance_bias_step
+from .backends import get_compute
+from .rotary import apply_rotary, rotary
 
 
 # Attention backends for packed sequences (one SDPA call per sequence): all of torch's but cuDNN's (Attention.forward).
@@ -35,40 +37,6 @@ class ModelOutput:
     routing: list[torch.Tensor] | None  # per MoE layer: expert ids [B, S, k] (int64), when return_routing
     aux_loss: torch.Tensor  # router_aux_loss_coef x mean per-layer balance loss (0 when the coefficient is 0)
     expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's real tokens; detached
-
-
-@dataclass
-class KVCache:
-    """Static per-layer keys/values [L, B, H_kv, max_len, D] and which slots hold real tokens [B, max_len].
-    All sequences of a batch advance together; left-padded prompts mark their padding invalid."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    valid: torch.Tensor
-    length: int = 0
-
-    @classmethod
-    def allocate(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
-                   torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
-
-    @property
-    def max_len(self) -> int:
-        return self.keys.shape[3]
-
-    def keep_rows(self, rows: torch.Tensor) -> "KVCache":
-        """A cache of only `rows` (a copy): decoding goes on without the rows that finished."""
-        return KVCache(self.keys[:, rows], self.values[:, rows], self.valid[rows], self.length)
-
-    def take_prefix(self, prefill: "KVCache", rows: torch.Tensor) -> None:
-        """Start from `prefill`'s slots, row i copying prefill row rows[i]: rows that share a prompt (a group's
-        samples) share one prefill."""
-        n = prefill.length
-        self.keys[:, :, :, :n] = prefill.keys[:, rows, :, :n]
-        self.values[:, :, :, :n] = prefill.values[:, rows, :, :n]
-        self.valid[:, :n] = prefill.valid[rows, :n]
-        self.length = n
 
 
 # What "save_attention" checkpointing keeps of a layer: the attention kernels' outputs (flash, memory-efficient,
@@ -107,19 +75,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, S] -> cos, sin [B, 1, S, D] (the half-rotation layout of Llama/Qwen)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, fused_norm: Callable | None = None):
         super().__init__()
@@ -132,23 +87,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, segments: list[int] | None = None):
-        """segments: packed sequences (B = 1, no cache): each attends causally within itself only."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> q [..., H, D], k and v [..., H_kv, D], before the norms and the rotary embedding."""
+        lead = x.shape[:-1]
+        return (self.q_proj(x).view(*lead, self.heads, self.head_dim),
+                self.k_proj(x).view(*lead, self.kv_heads, self.head_dim),
+                self.v_proj(x).view(*lead, self.kv_heads, self.head_dim))
+
+    def forward(self, x, cos, sin, mask, segments: list[int] | None = None):
+        """segments: packed sequences (B = 1, no mask): each attends causally within itself only."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
         if self.q_norm.mixed_precision(q):  # norm and rotary embedding in one kernel per direction
             table = (cos[:, 0].reshape(b * s, self.head_dim), sin[:, 0].reshape(b * s, self.head_dim))
             q, k = self.q_norm(q, rope=table).transpose(1, 2), self.k_norm(k, rope=table).transpose(1, 2)
         else:
-            q = _rotate(self.q_norm(q).transpose(1, 2), cos, sin)
-            k = _rotate(self.k_norm(k).transpose(1, 2), cos, sin)
-        if cache is not None:
-            end = cache.length + s
-            cache.keys[layer, :, :, cache.length:end] = k
-            cache.values[layer, :, :, cache.length:end] = v
-            k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]
+            q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+            k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         gqa = self.heads != self.kv_heads
         if b == 0 or s == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
             out = q.new_zeros(q.shape).transpose(1, 2)
@@ -175,11 +131,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_norm)
         self.mlp = mlp
 
-    def forward(self, h, cos, sin, mask, cache, index: int, replay, token_mask, segments):
+    def forward(self, h, cos, sin, mask, replay, segments):
         """h [B, S, h] -> (h, expert ids [B*S, k], balance loss, expert load [E])."""
         b, s, hidden = h.shape
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, index, segments)
-        moe = self.mlp(self.post_attention_layernorm(h).reshape(b * s, hidden), replay, token_mask)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, segments)
+        moe = self.mlp(self.post_attention_layernorm(h).reshape(b * s, hidden), replay)
         return h + moe.out.view(b, s, hidden), moe.ids, moe.aux_loss, moe.load
 
 
@@ -204,7 +160,7 @@ class MoETransformer(nn.Module):
             dispatcher = (ep.dispatcher(self.compute, config.num_experts, config.hidden_size) if ep is not None
                           else LocalDispatcher(self.compute, config.num_experts))
             layers.append(DecoderLayer(config, MoEBlock(config, dispatcher, self.compute),
-                                       getattr(self.compute, "norm", None)))
+                                       self.compute.norm))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Recompute decoder layers' activations in the backward instead of keeping them (training only): "full"
@@ -229,25 +185,20 @@ class MoETransformer(nn.Module):
                 buf.zero_()
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, routing_replay: list[torch.Tensor] | None = None,
-                return_routing: bool = False, attention_mask: torch.Tensor | None = None,
+                routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
                 sequence_lengths: list[int] | None = None, logits: bool = True) -> ModelOutput:
-        """input_ids [B, S]. positions [B, S] default: cache length + 0..S-1. attention_mask [B, S] bool (True =
-        real token; padding is never attended; stored in the cache for later steps). routing_replay: per MoE
-        layer the expert ids [B, S, k] to use instead of routing (rollout routing replay).
+        """input_ids [B, S], each row attending causally to itself. positions [B, S] default: 0..S-1.
+        routing_replay: per MoE layer the expert ids [B, S, k] to use instead of routing (rollout routing replay).
         sequence_lengths: packed sequences (training): B = 1 and the row is these sequences back to back; each
-        attends causally within itself and its positions start at 0 (no padding, no attention mask).
+        attends causally within itself and its positions start at 0 (no padding).
         logits=False skips the lm_head (the trainer scores tokens from `hidden` in chunks, model/logprobs.py)."""
         b, s = input_ids.shape
         c = self.config
-        past = kv_cache.length if kv_cache is not None else 0
         if sequence_lengths is not None:
             sequence_lengths = [int(n) for n in sequence_lengths]
-            if b != 1 or sum(sequence_lengths) != s or kv_cache is not None or attention_mask is not None:
+            if b != 1 or sum(sequence_lengths) != s:
                 raise ValueError(f"sequence_lengths {sequence_lengths} (sum {sum(sequence_lengths)}) need one packed "
-                                 f"row of that many tokens (got [{b}, {s}]), no kv_cache and no attention_mask")
-        if kv_cache is not None and past + s > kv_cache.max_len:
-            raise ValueError(f"kv_cache holds {kv_cache.max_len} positions; {past} used + {s} new do not fit")
+                                 f"row of that many tokens (got [{b}, {s}])")
         if routing_replay is not None and len(routing_replay) != c.num_hidden_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} layers; the model has {c.num_hidden_layers}")
         device = input_ids.device
@@ -256,31 +207,23 @@ class MoETransformer(nn.Module):
             starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=s)
             positions = (torch.arange(s, device=device) - starts).unsqueeze(0)
         elif positions is None:
-            positions = torch.arange(past, past + s, device=device).expand(b, s)
-        valid = torch.ones(b, s, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
-        if kv_cache is not None:
-            kv_cache.valid[:, past:past + s] = valid
-            valid = kv_cache.valid[:, :past + s]
-        # Causal over cache slots, padding masked out; every query sees itself so no row is empty (an empty row
-        # would give NaN, and NaN values multiplied by zero weights would still poison real tokens).
+            positions = torch.arange(s, device=device).expand(b, s)
         mask = None
         if sequence_lengths is None:
-            slots = torch.arange(past + s, device=device)
-            query_slots = slots[past:].unsqueeze(-1)
-            mask = ((slots <= query_slots) & valid[:, None, :] | (slots == query_slots)).unsqueeze(1)
+            slots = torch.arange(s, device=device)
+            mask = (slots <= slots[:, None]).expand(b, 1, s, s)  # causal
 
-        token_mask = None if attention_mask is None else attention_mask.bool().reshape(b * s)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not one of {CHECKPOINTING}")
-        recompute = self.activation_checkpointing != "off" and torch.is_grad_enabled() and kv_cache is None
+        recompute = self.activation_checkpointing != "off" and torch.is_grad_enabled()
         context = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_attention)}
                    if self.activation_checkpointing == "save_attention" else {})
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
             replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
-            args = (h, cos, sin, mask, kv_cache, i, replay, token_mask, sequence_lengths)
+            args = (h, cos, sin, mask, replay, sequence_lengths)
             if recompute:
                 # Early stop off: the recomputation must replay every collective of the layer (the EP
                 # all-to-alls) on every rank, whatever the rank's own tensors need.
@@ -291,8 +234,6 @@ class MoETransformer(nn.Module):
             routing.append(ids.view(b, s, c.num_experts_per_tok))
             aux.append(layer_aux)
             loads.append(load)
-        if kv_cache is not None:
-            kv_cache.length = past + s
         hidden = self.model.norm(h)
         aux_loss = c.router_aux_loss_coef * torch.stack(aux).mean()
         return ModelOutput(self.lm_head(hidden) if logits else None, hidden, routing if return_routing else None,

@@ -6,7 +6,7 @@ device, and never synchronises with the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 
@@ -41,3 +41,15 @@ class MoECompute(Protocol):
         """SwiGLU experts over an expert-sorted batch. x_sorted [N, h]; counts [E] (sum = N, zeros allowed);
         w13 [E, 2I, h] (rows 0..I-1 gate_proj, I..2I-1 up_proj, nn.Linear layout); w2 [E, h, I] (down_proj).
         Returns [N, h]: row r of expert e is down_e(silu(gate_e(x_r)) * up_e(x_r))."""
+
+    # The backend's fused training RMSNorm (forward and backward one kernel each, the model's numerics; optionally
+    # followed by the rotary embedding), or None where the model's own ops compute it:
+    # norm(x, weight, eps, out_dtype, rope=(cos, sin) | None) -> x normed, in out_dtype.
+    norm: Callable[..., torch.Tensor] | None
+
+    def decode(self, x: torch.Tensor, router: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None,
+               w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step's whole MoE layer on one rank, without autograd: router weight [E, h] -> (out [T, h],
+        expert ids [T, k], router logits [T, E] (`logits` when given)), or None where the backend has no faster
+        path for these tokens (the MoE block then routes, permutes and computes the experts)."""

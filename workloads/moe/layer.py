@@ -75,13 +75,11 @@ class MoEBlock(nn.Module):
         self.dispatcher, self.compute = dispatcher, compute
         self.balance_loss = config.router_aux_loss_coef > 0
 
-    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None, *, statistics: bool = True, decode: bool = False,
-                router_logits: torch.Tensor | None = None) -> MoEOutput:
-        """token_mask [T] bool: the real tokens; padding is still computed (its output is discarded by the caller)
-        but counts in neither the expert load nor the balance loss. statistics=False skips both (zeros instead):
-        decoding needs neither, and at one token per row their small kernels cost as much as the experts.
-        decode=True (a rollout's decode step, no autograd): on one rank, a compute backend with a `decode` op
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None, *, statistics: bool = True,
+                decode: bool = False, router_logits: torch.Tensor | None = None) -> MoEOutput:
+        """statistics=False skips the expert load and the balance loss (zeros instead): decoding needs neither,
+        and at one token per row their small kernels cost as much as the experts.
+        decode=True (a rollout's decode step, no autograd): on one rank, the compute backend's `decode` op
         (triton: routing, experts and combine in two kernels, no permutation) does the layer when it can.
         router_logits: x's router product, already computed (a decode step fuses it with the norm before it)."""
         gate, spec = self.gate, self.gate.spec
@@ -90,13 +88,12 @@ class MoEBlock(nn.Module):
             # nn.Linear does, so tokens also travel in it (DeepEP moves bf16 only) and the float32 master
             # weights are cast on the way in (their gradients stay float32).
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if (decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher)
-                and hasattr(self.compute, "decode")):
+        if decode and replay_ids is None and gate.max_nodes is None and isinstance(self.dispatcher, LocalDispatcher):
             fast = self.compute.decode(x, gate.weight, spec, gate.e_score_correction_bias, self.experts.gate_up_proj,
                                        self.experts.down_proj, router_logits)
             if fast is not None:
                 out, ids, logits = fast
-                return self._finish(out, ids, x, logits, token_mask, statistics)
+                return self._finish(out, ids, x, logits, statistics)
         logits = F.linear(x, gate.weight) if router_logits is None else router_logits
         if replay_ids is not None:
             ids = replay_ids.to(torch.int64)
@@ -109,16 +106,15 @@ class MoEBlock(nn.Module):
         x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         y_sorted = self.compute.experts(x_sorted, counts, w13.to(x_sorted.dtype), w2.to(x_sorted.dtype))
-        return self._finish(self.dispatcher.combine(y_sorted, handle), ids, x, logits, token_mask, statistics)
+        return self._finish(self.dispatcher.combine(y_sorted, handle), ids, x, logits, statistics)
 
-    def _finish(self, out, ids, x, logits, token_mask, statistics) -> MoEOutput:
+    def _finish(self, out, ids, x, logits, statistics) -> MoEOutput:
         spec = self.gate.spec
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if not statistics:  # zeros on the host: no kernel launch per layer of a decode step
             zero = torch.zeros((), dtype=torch.float32)
             return MoEOutput(out, ids, zero, zero.expand(self.num_experts))
-        kept_logits, kept_ids = (logits, ids) if token_mask is None else (logits[token_mask], ids[token_mask])
-        aux = (load_balancing_loss(expert_scores(kept_logits, spec), kept_ids, spec) if self.balance_loss
+        aux = (load_balancing_loss(expert_scores(logits, spec), ids, spec) if self.balance_loss
                else logits.new_zeros((), dtype=torch.float32))
-        return MoEOutput(out, ids, aux, expert_load(kept_ids.detach(), self.num_experts))
+        return MoEOutput(out, ids, aux, expert_load(ids.detach(), self.num_experts))

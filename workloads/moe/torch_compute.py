@@ -19,6 +19,7 @@ def _grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
 
 class TorchCompute:
     name = "torch"
+    norm = None  # the model's RMSNorm ops, autograd through them
 
     def route(self, logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(logits, spec, bias)
@@ -49,3 +50,7 @@ class TorchCompute:
             h13 = chunk @ w13[e].t()
             outs.append((F.silu(h13[:, :width]) * h13[:, width:]) @ w2[e].t())
         return torch.cat(outs) if outs else x_sorted[:0]
+
+    def decode(self, x: torch.Tensor, router: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None,
+               w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        return None  # no whole-layer path: the grouped GEMM is this backend's decode too

@@ -1,20 +1,21 @@
 """The rollout engine: rows in, tokens streamed out, continuous batching over one model replica.
 
 `RolloutEngine.submit(rows, on_tokens)` queues rows and returns a Future of their `RowOutput`s; one engine thread
-owns the replica and its `Decoder` and loops: take what was submitted or cancelled, admit rows into free row slots
-and KV-cache blocks, run one step (a prefill chunk and/or one decode forward for every running row), hand each call
-its tokens of the step (one `on_tokens` call, only to calls that asked) and report each finished row. Rows join and
+owns the replica (which owns each rank's `Decoder`) and loops: take what was submitted or cancelled, send new rows
+and cancels to the replica's ranks, run one step there (each rank admits rows into free row slots and KV-cache
+blocks, then runs a prefill chunk and/or one decode forward for every running row), hand each call its tokens of the
+step (one `on_tokens` call, only to calls that asked) and report each finished row. Rows join and
 leave the batch at every step. The engine counts its tokens and their latencies itself (generation tokens, time to
 first token, inter-token latency), once per step, so a caller that only wants the result costs nothing per token.
 
-Locking rule: callers only append to the inbox under `_lock` (and wake the loop); everything else (the decoder,
-the replica, the rows' state) belongs to the engine thread alone.
+Locking rule: callers only append to the inbox under `_lock` (and wake the loop); everything else (the replica,
+the rows' state) belongs to the engine thread alone.
 
 Weight swaps: `load_version` reads a version in the background while serving goes on, then asks the loop to swap
 it in. Rows admitted before the swap finish on the old weights, and rows submitted after it wait until the swap,
-so every token of a row (and its `weight_version`) comes from one version. On an expert-parallel replica
-(`rollout.gpus_per_server` > 1) each rank has its own decoder and rows; the engine sends each new row to the
-rank with the fewest, and every step runs on all ranks together (`Replica.step`).
+so every token of a row (and its `weight_version`) comes from one version. The engine sends each new row to the
+replica's rank with the fewest (one rank in one process; one per GPU with `rollout.gpus_per_server` > 1, each with
+its own decoder and rows), and every step runs on all ranks together (`Replica.step`): one step path in both.
 """
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ from ..rl.runtime import Registry
 from ..rl.tokenizer import Tokenizer
 from ..rl.weights import WeightStore
 from .engine_api import EngineHealth, RowOutput, RowRequest, SamplingParams, TokenEvent
-from .generation import Decoder, Sequence, output
-from .replica import Replica, StepPlan, rows_per_rank
+from .replica import RankReport, Replica, StepPlan, rows_per_rank
 
 __all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent", "VersionRef"]
 log = logging.getLogger(__name__)
@@ -84,14 +84,14 @@ class RolloutEngine:
         self._load_lock = threading.Lock()
         # engine-thread state
         self._pending: deque[_Call | _Control] = deque()
-        self._live: dict[tuple[str, int], tuple[Sequence, _Call, int]] = {}
-        self._decoder: Decoder | None = None
-        # expert-parallel replica: rows not yet sent to a rank, the rank of each row sent, cancels for each rank
+        self._live: dict[tuple[str, int], tuple[_Call, int]] = {}
+        # rows not yet sent to a rank, the rank of each row sent, cancels for each rank
         self._batch: list[tuple[_Call, int]] = []
-        self._ep_rank: dict[tuple[str, int], int] = {}
-        self._ep_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
-        self._ep_turn = 0
+        self._rank_of: dict[tuple[str, int], int] = {}
+        self._rank_cancels: list[list[tuple[str, int]]] = [[] for _ in range(self.replica.size)]
+        self._turn = 0
         self._counts = (0, 0)  # (running, waiting) rows, for health()
+        self._in_ranks = (0, 0)  # (running, waiting) rows in the ranks' decoders after the last step
         self._last_step = time.monotonic()
         self._last_sampled = 0.0  # time.monotonic() of the last step that sampled
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
@@ -216,7 +216,7 @@ class RolloutEngine:
         if self._has_work():
             start = time.monotonic()
             try:
-                produced = self._step_sharded() if self.replica.size > 1 else self._step()
+                produced = self._step()
             except Exception as exc:  # noqa: BLE001 -- a failed step (out of memory, ...) fails its rows, not the server
                 log.exception("a decode step failed; its rows finish with an error")
                 produced = self._fail_running(f"decoding failed: {type(exc).__name__}: {exc}")
@@ -225,35 +225,39 @@ class RolloutEngine:
             self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
-        decoder = self._decoder
-        if decoder is not None:
-            self._report_kv(decoder)
-        self._counts = ((decoder.running if decoder else 0) + len(self._batch) + len(self._ep_rank),
-                        (len(decoder.waiting) if decoder else 0)
-                        + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
+        running, waiting = self._in_ranks
+        self._counts = (running + len(self._batch),
+                        waiting + sum(len(c.rows) for c in self._pending if isinstance(c, _Call)))
         return True
 
-    def _report_kv(self, decoder: Decoder) -> None:
-        stats = decoder.stats()
-        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(stats["blocks_used"] / stats["blocks_total"])
-        self.metrics[M.ROLLOUT_PREEMPTIONS].inc(decoder.take_preemptions())
+    def _report_ranks(self, reports: list[RankReport]) -> None:
+        """The ranks' decoders after a step: rows for health(), KV-cache blocks and preemptions for the metrics."""
+        self._in_ranks = (sum(r.running for r in reports), sum(r.waiting for r in reports))
+        total = sum(r.blocks_total for r in reports)
+        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(sum(r.blocks_used for r in reports) / total if total else 0)
+        self.metrics[M.ROLLOUT_PREEMPTIONS].inc(sum(r.preemptions for r in reports))
 
     def _fail_running(self, message: str) -> int:
-        """Finish every row the decoder holds with finish_reason "error", and start over with a fresh decoder (its
-        cache may hold half a step)."""
-        for seq, call, index in list(self._live.values()):
-            if seq is not None:
-                seq.finish_reason, seq.error, seq.slot = "error", message, None
-                self._deliver(call, index, output(seq, self.version, self.lineage))
-        self._decoder = None
-        self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(0)  # no cache until the next decoder is built
+        """Finish every row sent to the replica with finish_reason "error" (with the tokens it had, where the
+        replica holds it), and let the replica start over with a fresh decoder (its cache may hold half a step)."""
+        outputs = {(o.request_id, o.row): o for o in self.replica.finish_all("error", message)}
+        for key in list(self._rank_of):
+            call, index = self._live[key]
+            if key in outputs:
+                self._deliver(call, index, outputs[key])
+            else:
+                self._finish_unstarted(call, index, "error", message)
+        self._rank_of.clear()
+        self._rank_cancels = [[] for _ in range(self.replica.size)]
+        self._report_ranks([])  # no cache until the next decoder is built
         return 0
 
     def _has_work(self) -> bool:
-        return bool(self._batch or self._ep_rank or (self._decoder is not None and self._decoder.busy))
+        return bool(self._batch or self._rank_of)
 
     def _admit_pending(self) -> None:
-        """Hand queued calls to the decoder in order; a swap waits until no row runs, and holds what follows."""
+        """Queue submitted rows, in order, for the next step to send to the ranks; a swap waits until no row runs,
+        and holds what follows."""
         while self._pending:
             item = self._pending[0]
             if isinstance(item, _Control):
@@ -270,34 +274,11 @@ class RolloutEngine:
                 if (request.request_id, request.row) in self._live:
                     self._finish_unstarted(item, index, "error",
                                            "a row with this request_id and row is already running")
-                elif self.replica.size > 1:
-                    self._live[(request.request_id, request.row)] = (None, item, index)
-                    self._batch.append((item, index))
                 else:
-                    self._add(item, index, request)
+                    self._live[(request.request_id, request.row)] = (item, index)
+                    self._batch.append((item, index))
             for index in sorted(item.cancelled):
                 self._cancel_one(item.rows[index].request_id, item.rows[index].row)
-
-    def _add(self, call: _Call, index: int, request: RowRequest) -> None:
-        try:
-            seq = self._decoder_for(self.model).add(request)
-        except ValueError as exc:
-            self._finish_unstarted(call, index, "error", str(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 -- no decoder (e.g. its KV cache does not fit): this row fails
-            log.exception("the decoder could not be built")
-            self._finish_unstarted(call, index, "error", f"the engine cannot decode: {type(exc).__name__}: {exc}")
-            return
-        self._live[(request.request_id, request.row)] = (seq, call, index)
-
-    def _decoder_for(self, model: MoETransformer) -> Decoder:
-        """The decoder of the served model, built (KV cache allocated, CUDA graphs captured) when a model first
-        arrives; later versions load into the same tensors, so it stays."""
-        if self._decoder is None or self._decoder.model is not model:
-            self._decoder = None  # free the old cache before sizing the new one
-            self._decoder = Decoder.in_free_memory(model, slots=self.run.rollout.max_batch_size,
-                                                   max_len=self._max_len(), eos_ids=self._eos_ids())
-        return self._decoder
 
     def _max_len(self) -> int:
         """Positions of a row: the longest prompt and completion a request may ask for."""
@@ -310,8 +291,8 @@ class RolloutEngine:
     def _run_control(self, item: _Control) -> None:
         try:
             result = getattr(self.replica, item.op)(*item.args)
-            if item.op == "swap" and self.replica.size == 1:
-                self._decoder_for(self.model)  # the first version: allocate and capture now, not at a request
+            if item.op == "swap":  # a step without rows: the first version's decoders are built now, not at a request
+                self._report_ranks(self.replica.step(self._plan([[] for _ in range(self.replica.size)])))
             item.done.set_result(result)
         except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version
             item.done.set_exception(exc)
@@ -325,33 +306,25 @@ class RolloutEngine:
                                       if r.request_id == request_id and (rows is None or r.row in rows))
 
     def _cancel_one(self, request_id: str, row: int) -> None:
-        seq, call, index = self._live.get((request_id, row), (None, None, None))
+        call, index = self._live.get((request_id, row), (None, None))
         if call is None:
             return
-        if seq is None:  # an expert-parallel row: not sent to a rank yet, or its rank cancels it next step
-            if (request_id, row) in self._ep_rank:
-                self._ep_cancels[self._ep_rank[(request_id, row)]].append((request_id, row))
-            else:
-                self._batch.remove((call, index))
-                self._finish_unstarted(call, index, "abort")
-        elif self._decoder.cancel(seq):
-            self._deliver(call, index, output(seq, self.version, self.lineage))
+        if (request_id, row) in self._rank_of:  # its rank cancels it at the next step
+            self._rank_cancels[self._rank_of[(request_id, row)]].append((request_id, row))
+        else:  # not sent to a rank yet
+            self._batch.remove((call, index))
+            self._finish_unstarted(call, index, "abort")
+
+    def _plan(self, admit: list[list[RowRequest]]) -> StepPlan:
+        cancels, self._rank_cancels = self._rank_cancels, [[] for _ in range(self.replica.size)]
+        return StepPlan(admit, cancels, rows_per_rank(self.run, self.replica.size), self._max_len(), self._eos_ids())
 
     def _step(self) -> int:
-        events = self._decoder.step()
-        self._emit([(seq.request.request_id, seq.request.row, token, logprob, top)
-                    for seq, token, logprob, top in events.sampled])
-        for seq in events.finished:
-            _, call, index = self._live[(seq.request.request_id, seq.request.row)]
-            self._deliver(call, index, output(seq, self.version, self.lineage))
-        return len(events.sampled)
-
-    def _step_sharded(self) -> int:
-        """One step of the expert-parallel replica: new rows go to the ranks with the fewest rows (a request's rows
-        of one prompt together, so they share a prefill there), then every rank steps its own decoder."""
+        """One step of the replica: new rows go to the ranks with the fewest rows (a request's rows of one prompt
+        together, so they share a prefill there), then every rank steps its own decoder."""
         size = self.replica.size
         load = [0] * size
-        for rank in self._ep_rank.values():
+        for rank in self._rank_of.values():
             load[rank] += 1
         admit: list[list[RowRequest]] = [[] for _ in range(size)]
         previous = None
@@ -359,24 +332,22 @@ class RolloutEngine:
             request = call.rows[index]
             if previous is None or previous[0] is not call or previous[1] != request.prompt_ids:
                 # the least loaded rank; among equals the next in turn, so light traffic still uses them all
-                rank = min(range(size), key=lambda r: (load[r], (r - self._ep_turn) % size))
-                self._ep_turn = (rank + 1) % size
+                rank = min(range(size), key=lambda r: (load[r], (r - self._turn) % size))
+                self._turn = (rank + 1) % size
             previous = (call, request.prompt_ids)
             admit[rank].append(request)
             load[rank] += 1
-            self._ep_rank[(request.request_id, request.row)] = rank
+            self._rank_of[(request.request_id, request.row)] = rank
         self._batch = []
-        cancels, self._ep_cancels = self._ep_cancels, [[] for _ in range(size)]
-        plan = StepPlan(admit, cancels, rows_per_rank(self.run, size), self._max_len(),
-                        self._eos_ids())
-        reports = self.replica.step(plan)
+        reports = self.replica.step(self._plan(admit))
         sampled = [token for report in reports for token in report.sampled]
         self._emit(sampled)  # all ranks' tokens of the step at once: one step, one inter-token latency
         for report in reports:
             for out in report.finished:
-                del self._ep_rank[(out.request_id, out.row)]
-                _, call, index = self._live[(out.request_id, out.row)]
+                del self._rank_of[(out.request_id, out.row)]
+                call, index = self._live[(out.request_id, out.row)]
                 self._deliver(call, index, out)
+        self._report_ranks(reports)
         return len(sampled)
 
     def _emit(self, sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]) -> None:
@@ -391,7 +362,7 @@ class RolloutEngine:
         bursts: dict[_Call, list[TokenEvent]] = {}
         first, fresh, again = [], set(), 0
         for request_id, row, token, logprob, top in sampled:
-            _, call, index = self._live[(request_id, row)]
+            call, index = self._live[(request_id, row)]
             count = call.sampled[index]
             if not count:
                 first.append(now - call.submitted)
@@ -431,13 +402,16 @@ class RolloutEngine:
             call.future.set_result(call.outputs)
 
     def _abort_all(self, reason: str) -> None:
-        for seq, call, index in list(self._live.values()):
-            if seq is not None and self._decoder is not None:
-                self._decoder.cancel(seq)
-                self._deliver(call, index, output(seq, self.version, self.lineage))
+        """Finish every row with "abort" (with the tokens it had, where this process's rank holds it) and fail
+        what is queued with `reason`."""
+        outputs = {(o.request_id, o.row): o for o in self.replica.finish_all("abort")}
+        for key, (call, index) in list(self._live.items()):
+            if key in outputs:
+                self._deliver(call, index, outputs[key])
             else:
                 self._finish_unstarted(call, index, "abort")
         self._batch.clear()
+        self._rank_of.clear()
         with self._lock:
             self._pending.extend(self._inbox)
             self._inbox = []

@@ -5,7 +5,7 @@ split over the ranks in contiguous slices, as the trainer splits them, and the r
 Each rank decodes its own rows with its own continuous-batching decoder (data-parallel attention: a rank's KV
 cache holds only its rows) and the MoE layers exchange tokens at every forward (prefill by all-to-all, decode by
 DeepEP's low-latency kernels where they apply: `ExpertParallel.for_serving`), so every rank runs every forward (one
-without work feeds a scratch token). Rank 0 serves HTTP and runs the engine; every operation
+without work feeds a scratch token). A replica in one process is the same with one rank: its decoder, its steps. Rank 0 serves HTTP and runs the engine; every operation
 it runs on the replica (start reading a weight version, swap it in, one decoding step with the rows each rank
 takes on or cancels) it first broadcasts to the other ranks (`follow`), which then do their part in the same
 order.
@@ -28,7 +28,8 @@ from ..model.checkpoint import cast_for_serving
 from ..model.transformer import weights_dtype
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
-from .generation import Decoder, Sequence, output
+from .decoder import Decoder
+from .scheduler import Sequence
 from .weight_staging import HostStaging, install
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,17 @@ class StepPlan:
 
 @dataclass
 class RankReport:
-    """What one rank did in a step: the tokens its rows sampled (request_id, row, token, logprob, top) and the
-    rows that finished."""
+    """What one rank did in a step: the tokens its rows sampled (request_id, row, token, logprob, top), the rows
+    that finished, and its decoder's state after the step (rows running and waiting, KV-cache blocks, preemptions
+    in this step)."""
 
     sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]
     finished: list[RowOutput]
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    preemptions: int = 0
 
 
 class SwapRefused(RuntimeError):
@@ -73,7 +80,7 @@ class Replica:
         self.model: MoETransformer | None = None
         self.version: int | None = None
         self.lineage: int | None = None  # with version: the published VersionRef served
-        self.decoder: Decoder | None = None  # expert-parallel ranks: this rank's rows (rank 0's engine drives it)
+        self.decoder: Decoder | None = None  # this rank's rows (rank 0's engine drives it), built at the first step
         self._rows: dict[tuple[str, int], Sequence] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
@@ -123,14 +130,18 @@ class Replica:
         if errors:
             raise SwapRefused("; ".join(errors))
         install(model, state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+        if self.decoder is not None and self.decoder.model is model:
+            self.decoder.load_weights()  # and what its runner derives from them (packed q/k/v), in place too
         self.model = model.eval()
         self.version, self.lineage = version, lineage
 
     def step(self, plan: StepPlan) -> list[RankReport] | None:
         """One continuous-batching step on every rank: each takes its new rows and cancels, then all run the same
         forwards (a rank without work feeds a scratch token), each decoding its own rows. Rank 0 gets every rank's
-        report; the other ranks None."""
+        report; the other ranks None. A step without rows builds each rank's decoder (KV cache, CUDA graphs)."""
         self._tell("step", plan)
+        if self.size == 1:  # a failed step fails its rows (the engine's to report), not the server
+            return self._step(plan)
         try:
             return self._step(plan)
         except Exception:
@@ -154,16 +165,33 @@ class Replica:
         for key in plan.cancel[self.rank]:
             seq = self._rows.pop(key, None)
             if seq is not None and self.decoder.cancel(seq):
-                report.finished.append(output(seq, self.version, self.lineage))
-        events = self.decoder.step(agree=self._any)
+                report.finished.append(seq.output(self.version, self.lineage))
+        events = self.decoder.step(agree=self._any if self.size > 1 else None)
         report.sampled = [(s.request.request_id, s.request.row, token, logprob, top)
                           for s, token, logprob, top in events.sampled]
         for seq in events.finished:
             self._rows.pop((seq.request.request_id, seq.request.row), None)
-            report.finished.append(output(seq, self.version, self.lineage))  # routing comes to the host here
+            report.finished.append(seq.output(self.version, self.lineage))  # routing comes to the host here
+        stats = self.decoder.stats()
+        report.running, report.waiting = self.decoder.running, self.decoder.waiting
+        report.blocks_used, report.blocks_total = stats["blocks_used"], stats["blocks_total"]
+        report.preemptions = self.decoder.take_preemptions()
+        if self.size == 1:
+            return [report]
         parts = [None] * self.size if self.rank == 0 else None
         dist.gather_object(report, parts, dst=0, group=self.control)
         return parts
+
+    def finish_all(self, reason: str, error: str | None = None) -> list[RowOutput]:
+        """Finish every row this rank holds with `reason` (and `error`) and drop its decoder (its cache may hold
+        half a step; the next step builds a fresh one): the engine's way out of a failed step, or a stop. This
+        rank only, not a step of the replica."""
+        outputs = []
+        for seq in self._rows.values():
+            seq.finish_reason, seq.error = reason, error
+            outputs.append(seq.output(self.version, self.lineage))
+        self._rows, self.decoder = {}, None
+        return outputs
 
     def stop(self) -> None:
         self._tell("stop")

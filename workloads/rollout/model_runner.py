@@ -1,0 +1,396 @@
+"""The model runner: a step's device tensors, the paged forward (prefill and decode), the CUDA graphs that replay
+decode steps and their sampler, and sampling a step's rows; what it produced goes back as plain records.
+
+The forward is the model's own modules, so its numerics are the trainer's, with attention over the paged KV cache
+and the norms, products and cache writes through the compute backend's `ForwardKernels` (registry:
+model/backends.py): `triton` on a GPU, `torch` elsewhere. What it reads of a MoETransformer is this much:
+`config`, `ep`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of `model.layers` the
+`input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`q_norm`, `k_norm`, `o_proj.weight`, its
+head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called with decode=True;
+`mlp.gate.weight` for a norm fused with the router product).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..model import MoETransformer
+from ..model.backends import get_forward_kernels
+from ..model.forward_kernels import ForwardKernels
+from ..model.rotary import rotary
+from .kv_cache_manager import PagedCache
+from .sampler import SamplerFlags, SamplingRows, sample
+from .scheduler import PrefillPlan, Sequence
+
+log = logging.getLogger(__name__)
+
+# Decode steps of at most this many rows also replay the sampler from a CUDA graph (one per bucket and sampler
+# flags, captured on first use): at a few rows its two dozen small kernels cost more host time than GPU time.
+# Larger steps sample eagerly (their GPU step hides the host work, and the graphs' buffers would grow with the
+# vocabulary times the rows).
+SAMPLER_GRAPH_ROWS = 16
+
+
+@dataclass
+class SampledToken:
+    """What the runner reports of one row of a step: the token it sampled, its logprob and, when the row asked
+    for them, the alternatives the filters kept."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+
+
+@dataclass
+class PromptScores:
+    """Logprobs of the prompt tokens a prefill chunk's positions predict (and their top alternatives)."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+class PackedAttention:
+    """The runner's own [q; k; v] projection weights and [q_norm; k_norm] weights, one buffer each per layer, so
+    that a decode step projects with one product and normalises queries and keys with one kernel (as vLLM's packed
+    linear layers load q, k and v into one tensor). Built from the model's parameters with the runner; `load`
+    copies them in again, in place, so CUDA graphs that read the buffers stay valid: call it whenever the model's
+    weights change (Replica.swap does after weight_staging.install, through Decoder.load_weights). The price is a
+    second copy of the q/k/v weights (about 1 GB in bf16 at Qwen3-30B-A3B's 48 layers)."""
+
+    @torch.no_grad()
+    def __init__(self, model: MoETransformer) -> None:
+        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in self._attention(model)]
+        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in self._attention(model)]
+
+    @staticmethod
+    def _attention(model: MoETransformer):
+        return [layer.self_attn for layer in model.model.layers]
+
+    @torch.no_grad()
+    def load(self, model: MoETransformer) -> None:
+        for qkv, qk_norm, a in zip(self.qkv, self.qk_norm, self._attention(model)):
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=qkv)
+            torch.stack([a.q_norm.weight, a.k_norm.weight], out=qk_norm)
+
+
+@dataclass
+class SlotState:
+    """Per-slot device state [slots + 1]: what a decode step reads (length, last sampled token) and each row's
+    sampling parameters and seed words, written once when the row is admitted. Decode steps gather from it by
+    slot, so a step sends the host nothing but the slot list."""
+
+    length: torch.Tensor
+    last_token: torch.Tensor
+    step: torch.Tensor  # tokens sampled so far (the counter of the next draw)
+    row: torch.Tensor
+    key_lo: torch.Tensor
+    key_hi: torch.Tensor
+    top_k: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    raw: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, device: torch.device) -> "SlotState":
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(slots + 1, dtype=dtype, device=device)
+        return cls(length=zeros(torch.long), last_token=zeros(torch.long), step=zeros(torch.long),
+                   row=zeros(torch.long), key_lo=zeros(torch.long), key_hi=zeros(torch.long), top_k=zeros(torch.long),
+                   temperature=zeros(torch.float32), top_p=zeros(torch.float32), min_p=zeros(torch.float32),
+                   raw=zeros(torch.bool))
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        idx = torch.tensor([s.slot for s in seqs], device=self.length.device)
+
+        def put(target: torch.Tensor, values: list) -> None:
+            target[idx] = torch.tensor(values, dtype=target.dtype).to(target.device, non_blocking=True)
+        put(self.length, [0] * len(seqs))
+        put(self.step, [len(s.tokens) for s in seqs])
+        put(self.row, [s.request.row for s in seqs])
+        put(self.key_lo, [s.seed & 0xFFFFFFFF for s in seqs])
+        put(self.key_hi, [s.seed >> 32 for s in seqs])
+        put(self.top_k, [s.params.top_k for s in seqs])
+        put(self.temperature, [s.params.temperature for s in seqs])
+        put(self.top_p, [s.params.top_p for s in seqs])
+        put(self.min_p, [s.params.min_p for s in seqs])
+        put(self.raw, [s.params.logprob_mode == "raw" for s in seqs])
+
+    def sampling(self, slot: torch.Tensor, flags: SamplerFlags) -> SamplingRows:
+        return SamplingRows(self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot],
+                            self.raw[slot], self.key_lo[slot], self.key_hi[slot], self.row[slot], self.step[slot],
+                            filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
+
+
+def graph_buckets(slots: int) -> list[int]:
+    """Batch sizes that decode steps are padded to (one CUDA graph each): 1, 2, 4, 8, then every 16 up to 256,
+    every 64 up to 1,024, every 256 beyond; the last is `slots`."""
+    sizes = [b for b in (1, 2, 4, 8) if b < slots]
+    step = 16
+    while not sizes or sizes[-1] < slots:
+        nxt = (sizes[-1] // step + 1) * step if sizes else step
+        sizes.append(min(nxt, slots))
+        step = 16 if sizes[-1] < 256 else 64 if sizes[-1] < 1024 else 256
+    return sizes
+
+
+class ModelRunner:
+    """Runs a model's forwards over a paged cache for one thread (the decoder's). On a GPU, decode steps replay
+    CUDA graphs, one per batch bucket (`graph_buckets`): a step's rows are padded to the next bucket with the
+    scratch slot, and the graph gathers their tokens and positions from the device state and reads the block
+    tables (static device tensors), so the only host work of a step is the slot list in, any new table entries,
+    and the sampled tokens out. `kernels`: the compute backend whose ForwardKernels it uses (default: triton on a
+    GPU, torch elsewhere)."""
+
+    def __init__(self, model: MoETransformer, cache: PagedCache, *, cuda_graphs: bool = True,
+                 buckets: list[int] | None = None, kernels: str | None = None) -> None:
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.kernels: ForwardKernels = get_forward_kernels(kernels or ("triton" if self.device.type == "cuda"
+                                                                       else "torch"))
+        self.packed = PackedAttention(model)
+        self.state = SlotState.allocate(self.slots, self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
+        self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.pool = None
+        self.graph_slots: dict[int, tuple[int, ...]] = {}  # what each bucket's slot input holds
+        if cuda_graphs and self.device.type == "cuda" and model.ep is None:
+            self._capture(buckets or graph_buckets(self.slots))
+
+    @property
+    def slots(self) -> int:
+        return self.cache.scratch
+
+    def load_weights(self) -> None:
+        """Refresh what the runner keeps of the model's weights (its packed buffers) after they were changed in
+        place (weight_staging.install)."""
+        self.packed.load(self.model)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        self.state.admit(seqs)
+
+    # ---- the forward ---------------------------------------------------------------------------------------
+    def forward(self, slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                key_len: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `tokens` [N] at `positions` [N] of slots `slot` [N], packed with no padding (a prefill chunk's
+        prompts back to back, with their `tiles` from the kernels' prefill_tiles; or a decode step's one token per
+        row, tiles None): their keys, values and routed experts go into the cache through the block tables, and
+        each token attends causally to its slot's positions up to its own. Returns the logits [R, V] after tokens
+        `last` [R]. `key_len` (> every position) bounds the attention."""
+        model, cache, kernels, c = self.model, self.cache, self.kernels, self.model.config
+        n = tokens.shape[0]
+        block, offset = cache.locate(slot, positions)
+        h = model.model.embed_tokens(tokens)
+        cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
+        seen = positions + 1  # what decode attention reads, once for all layers
+        routed, delta = [], None
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            x, h = kernels.add_norm(layer.input_layernorm, h, delta)
+            q, k, v = self._attention_inputs(i, attn, x, cos, sin)  # [N, heads, D]
+            kernels.write_kv(cache.keys[i], cache.values[i], k, v, block, offset)
+            out = kernels.attention(q, cache.keys[i], cache.values[i], cache.tables, slot, positions, key_len, tiles,
+                                    seen)
+            x, h, logits = kernels.add_norm_router(layer.post_attention_layernorm, layer.mlp.gate.weight, h,
+                                                   kernels.linear(out.reshape(n, attn.heads * attn.head_dim),
+                                                                  attn.o_proj.weight))
+            moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
+            delta = moe.out.view(n, c.hidden_size)
+            routed.append(moe.ids)
+        cache.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(cache.routing.dtype)
+        return kernels.linear(kernels.add_norm(model.model.norm, h[last], delta[last])[0], model.lm_head.weight)
+
+    def _attention_inputs(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D])
+        with each token's cos, sin [..., D]: one product over the packed weights, one call for queries and keys."""
+        kernels = self.kernels
+        lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
+        q, _, v = kernels.linear(x, self.packed.qkv[layer]).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))  # q and k side by side
+        q, k = kernels.qk_norm_rope(attn.q_norm, attn.k_norm, self.packed.qk_norm[layer], qk, heads, cos, sin)
+        return q, k, v.view(*lead, kv_heads, dim)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def prefill(self, plan: PrefillPlan) -> tuple[torch.Tensor, list[PromptScores]]:
+        """One prefill chunk: the plan's context tokens of each group at its leader's slot, packed into one forward
+        with no padding. Returns the logits after each chunk's last token [chunks, V] and, for the chunks the plan
+        scores, the logprobs of the prompt tokens their positions predict."""
+        tokens, slots, positions, segments, last = [], [], [], [], []
+        for group, take in plan.chunks:
+            segments.append((len(tokens), take))
+            tokens += group.context[group.prefilled:group.prefilled + take]
+            slots += [group.rows[0].slot] * take
+            positions += range(group.prefilled, group.prefilled + take)
+            last.append(len(tokens) - 1)
+        dev = self.device
+        for i in plan.scored:  # every position of a scored chunk: its logits score the prompt token after it
+            first, take = segments[i]
+            last += range(first, first + take)
+        packed = torch.tensor([tokens, slots, positions], dtype=torch.long)
+        packed = (packed.pin_memory() if dev.type == "cuda" else packed).to(dev, non_blocking=True)
+        tiles = self.kernels.prefill_tiles(segments, dev)
+        self.cache.sync_tables()
+        logits = self.forward(packed[1], packed[0], packed[2], torch.tensor(last, device=dev),
+                              max(g.prefilled + take for g, take in plan.chunks), tiles)
+        scores = []
+        if plan.scored:
+            per_chunk = logits[len(plan.chunks):].split([segments[i][1] for i in plan.scored])
+            scores = self._score_prompts([plan.chunks[i] for i in plan.scored], per_chunk)
+            logits = logits[:len(plan.chunks)]
+        return logits, scores
+
+    @staticmethod
+    def _score_prompts(chunks, logits) -> list[PromptScores]:
+        """Logprobs of each group's prompt tokens that its chunk's positions predict (`logits` [take, V] per
+        group, before `prefilled` moves): position p scores prompt token p + 1, under softmax(logits)."""
+        top_n = max(r.params.top_logprobs for g, _ in chunks for r in g.rows if r.params.prompt_logprobs)
+        scores = []
+        for (group, take), chunk in zip(chunks, logits):
+            targets = group.context[group.prefilled + 1:group.prefilled + take + 1]  # the last position: a new token
+            score = PromptScores([], [])
+            scores.append(score)
+            if not targets:
+                continue
+            logp = torch.log_softmax(chunk[:len(targets)].float(), -1)
+            chosen = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0]
+            score.logprobs = chosen.tolist()
+            if top_n:
+                values, ids = logp.topk(top_n, -1)
+                score.top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return scores
+
+    def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> list[SampledToken]:
+        """Sample the first token of rows whose prefill ended (`logits` [rows, V], `lengths` their positions)."""
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        self.state.length[slots] = torch.tensor(lengths, device=self.device)
+        return self.sample(rows, slots, logits)
+
+    def scratch_forward(self) -> None:
+        """One token of the scratch slot: an idle expert-parallel rank's part of a forward every rank joins."""
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.forward(zero + self.slots, zero, zero, zero, 1)
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def decode(self, rows: list[Sequence], key_len: int) -> list[SampledToken]:
+        """One decode step: each row's last sampled token fed at its length, then a token sampled per row.
+        `key_len`: the longest row's length + 1 (bounds an eager step's attention)."""
+        self.cache.sync_tables()
+        slots = [r.slot for r in rows]
+        bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
+        if bucket is not None:
+            graph, slot_in, logits = self.graphs[bucket]
+            padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
+            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+                self.graph_slots[bucket] = padded
+            graph.replay()
+            slot, logits = slot_in[:len(slots)], logits[:len(slots)]
+        else:
+            slot = torch.tensor(slots, device=self.device)
+            logits = self._decode_forward(slot, key_len)
+        return self.sample(rows, slot, logits, bucket)
+
+    def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
+        start = self.state.length[slot]
+        tokens = self.state.last_token[slot]
+        rows = torch.arange(slot.shape[0], device=slot.device)
+        logits = self.forward(slot, tokens, start, rows, key_len)
+        self.state.length[slot] = start + 1
+        self.state.length[self.slots:].zero_()  # padding rows fed the scratch slot (a kernel, no host copy)
+        return logits
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, bucket: int | None = None
+               ) -> list[SampledToken]:
+        flags = SamplerFlags.of([r.params for r in rows])
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        host = packed[:len(rows)].cpu().tolist()
+        top_n = flags.top_n
+        out = []
+        for r, values in zip(rows, host):
+            top = None
+            if r.params.top_logprobs:
+                n = r.params.top_logprobs
+                # alternatives the filters cut (logprob -inf under the processed distribution) are left out
+                top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])
+                       if lp != float("-inf")]
+            out.append(SampledToken(int(values[0]), values[1], top))
+        return out
+
+    def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
+        """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:
+        token (exact in float64), logprob, then the top alternatives' ids and logprobs (one copy to the host)."""
+        out = sample(logits, self.state.sampling(slot, flags))
+        self.state.last_token[slot] = out.tokens
+        self.state.step[slot] += 1
+        packed = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
+        if flags.top_n:
+            packed += [out.top_ids.double(), out.top_logprobs.double()]
+        return torch.cat(packed, 1)
+
+    def _sampler_graph(self, bucket: int | None, flags: SamplerFlags) -> torch.Tensor | None:
+        """Replay the sampler of decode bucket `bucket` (capturing it on first use); its packed output, or None
+        where the sampler runs eagerly."""
+        if bucket is None or bucket > SAMPLER_GRAPH_ROWS or flags.top_n:
+            return None
+        key = (bucket, flags.filtered, flags.any_raw)
+        if key not in self.sampler_graphs:
+            try:
+                self._capture_sampler(bucket, flags)
+            except RuntimeError as exc:  # sample eagerly from now on for these flags: slower but right
+                log.warning("the sampler runs without a CUDA graph: capturing it failed: %s", str(exc).splitlines()[0])
+                self.sampler_graphs[key] = None
+        if self.sampler_graphs[key] is None:
+            return None
+        graph, packed = self.sampler_graphs[key]
+        graph.replay()
+        return packed
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------------------
+    def _capture(self, buckets: list[int]) -> None:
+        """One CUDA graph per bucket, largest first so the smaller ones reuse its memory pool. Each bucket runs
+        eagerly first (kernel autotuning and compilation happen outside the capture)."""
+        try:
+            self._capture_buckets(buckets)
+        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly, slower but right (e.g. the
+            # torch backend's float32 experts loop over a host copy of the expert counts; bf16 uses a grouped GEMM)
+            log.warning("decode steps run without CUDA graphs: capturing them failed: %s", str(exc).splitlines()[0])
+            self.graphs, self.sampler_graphs = {}, {}
+
+    def _capture_buckets(self, buckets: list[int]) -> None:
+        pool = self.pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for size in sorted(set(buckets), reverse=True):
+                slot = torch.full((size,), self.slots, dtype=torch.long, device=self.device)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._decode_forward(slot, self.cache.max_len)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_forward(slot, self.cache.max_len)
+                self.graphs[size] = (graph, slot, logits)
+                if size <= SAMPLER_GRAPH_ROWS:  # plain sampling (RL's temperature-only rows) ready from the start
+                    self._capture_sampler(size, SamplerFlags(filtered=False, any_raw=False, top_n=0))
+        torch.cuda.synchronize(self.device)
+
+    def _capture_sampler(self, bucket: int, flags: SamplerFlags) -> None:
+        _, slot_in, logits = self.graphs[bucket]
+        scratch = torch.full_like(slot_in, self.slots)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (kernel compilation) on the scratch slot only
+            self._sample_packed(scratch, logits, flags)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            packed = self._sample_packed(slot_in, logits, flags)
+        self.sampler_graphs[(bucket, flags.filtered, flags.any_raw)] = (graph, packed)
