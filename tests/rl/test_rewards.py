@@ -111,7 +111,7 @@ def test_failed_rewards_are_none_with_the_reason_and_a_hung_call_is_killed(user_
 def test_a_custom_function_that_cannot_be_imported_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match="function.*user_rewards_missing:fn"):
         RewardScorer(cfg(function="user_rewards_missing:fn"))
-    with pytest.raises(ConfigError, match=r"test: function: 'nope' is not allowed; expected 'arithmetic', 'math'"):
+    with pytest.raises(ConfigError, match=r"test: function: 'nope' is not allowed; expected 'arithmetic', 'countdown', 'math'"):
         cfg(function="nope")
     with pytest.raises(ConfigError, match=r"test: timeout_s: 0.0 is not allowed; must be > 0"):
         cfg(timeout_s=0)
