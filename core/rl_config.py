@@ -73,8 +73,8 @@ class AlgorithmConfig:
 class TaskConfig:
     """The built-in verifiable tasks, each with its reward function of the same name (rl.reward.function):
     - `arithmetic`: `a <op> b =` with operands in [0, max_operand], the exact integer answer (a few tokens);
-    - `countdown`: `a-b=` answered by writing out a, a-b, a-2b, ... down to the remainder a mod b, one number at a
-      time: a long, verifiable completion (4-5 tokens a step). The number of steps is drawn log-uniformly from
+    - `countdown`: `a-b=` answered by writing out a-b, a-2b, ... down to the remainder a mod b, one number at a
+      time (each written least significant digit first): a long, verifiable completion (4-5 tokens a step). The number of steps is drawn log-uniformly from
       [min_steps, max_steps], so lengths have a long tail; b is in [2, 9]. The reward counts the steps written
       correctly before the first wrong one. The supervised warm-up shows traces in which each step is wrong with
       probability `trace_error_rate` (the rest of that trace counts on from the wrong number), so the warmed-up
@@ -100,9 +100,17 @@ class TaskConfig:
             fail("trace_error_rate", self.trace_error_rate, "must be in [0, 1)")
 
     @staticmethod
-    def countdown(a: int, b: int) -> str:
+    def countdown_text(values) -> str:
+        """How a countdown is written: each number with its least significant digit first, so that a digit depends
+        on the digits before it (the borrow), not after. At 48 steps a model warmed up on such traces got 89 % of
+        its greedy steps right after 400 steps, against 46 % in the usual order (CPU experiment, 2026-12-01,
+        docs/benchmarks.md)."""
+        return " ".join(str(v)[::-1] for v in values)
+
+    @classmethod
+    def countdown(cls, a: int, b: int) -> str:
         """The countdown task's correct completion of `a-b=` (before its end-of-sequence token)."""
-        return " ".join(str(y) for y in range(a - b, -1, -b)) if a >= b else str(a)
+        return cls.countdown_text(range(a - b, -1, -b) if a >= b else [a])
 
     def longest_countdown_tokens(self) -> int:
         """Tokens of the longest correct countdown completion (max_steps steps of b = 9 from 9 x max_steps + 8),

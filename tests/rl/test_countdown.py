@@ -28,21 +28,22 @@ def test_the_gpu_runs_completions_average_over_256_tokens_and_some_exceed_1024()
     assert task.problem(7) == CountdownTask(TASK, seed=0).problem(7) != CountdownTask(TASK, seed=1).problem(7)
 
 
-def test_a_problem_is_counted_down_to_its_remainder():
-    assert TaskConfig.countdown(23, 5) == "18 13 8 3"
+def test_a_problem_is_counted_down_to_its_remainder_each_number_least_significant_digit_first():
+    assert TaskConfig.countdown(23, 5) == "81 31 8 3"
+    assert TaskConfig.countdown(137, 9).startswith("821 911 011 101 29 38")
     assert TaskConfig.countdown(4, 9) == "4"
 
 
 @pytest.mark.parametrize("completion, finished, expected", [
-    ("18 13 8 3", True, 1.0 + 0.1),  # every step, ended properly
-    ("18 13 8 3", False, 1.0),  # cut off: no format reward
-    ("18 13 9 4", True, 0.5 + 0.1),  # the third step slipped: two of four before it
-    ("18 13 8 3 0", True, 0.8 + 0.1),  # ran on past the remainder: four right of five written
-    ("17", True, 0.0 + 0.1),
-    ("18 13 x", True, 0.5),  # not numbers
+    ("81 31 8 3", True, 1.0 + 0.1),  # every step, ended properly
+    ("81 31 8 3", False, 1.0),  # cut off: no format reward
+    ("81 31 9 4", True, 0.5 + 0.1),  # the third step slipped: two of four before it
+    ("81 31 8 3 0", True, 0.8 + 0.1),  # ran on past the remainder: four right of five written
+    ("18", True, 0.0 + 0.1),  # the right number in the wrong digit order
+    ("81 31 x", True, 0.5),  # not numbers
 ])
 def test_the_reward_counts_the_steps_right_before_the_first_slip(completion, finished, expected):
-    prompt = Prompt(0, (1,), "23-5=", "countdown", "18 13 8 3", {})
+    prompt = Prompt(0, (1,), "23-5=", "countdown", "81 31 8 3", {})
     assert countdown_score(RewardConfig(function="countdown"), prompt, completion, finished) == pytest.approx(expected)
     scorer = RewardScorer(RewardConfig(function="countdown"))
     assert scorer.score_many([(prompt, completion, finished)])[0].score == pytest.approx(expected)
@@ -53,7 +54,7 @@ def test_warm_up_traces_slip_at_the_configured_rate_and_keep_counting():
     steps = slips = 0
     for i in range(300):
         a, b = map(int, task.problem(i).prompt[:-1].split("-"))
-        values = [a, *map(int, task.well_formed_example(i).split(" "))]
+        values = [a, *(int(x[::-1]) for x in task.well_formed_example(i).split(" "))]
         steps += len(values) - 1
         slips += sum(later != earlier - b for earlier, later in zip(values, values[1:]))
     assert slips / steps == pytest.approx(TASK.trace_error_rate, abs=0.01)

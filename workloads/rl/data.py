@@ -107,7 +107,7 @@ class CountdownTask:
             if rng.random() < self.cfg.trace_error_rate:
                 y = max(0, y + rng.choice((-1, 1)) * rng.randint(1, b))
             values.append(y)
-        return " ".join(map(str, values)) if values else str(a)
+        return self.cfg.countdown_text(values or [a])
 
 
 def make_task(cfg: TaskConfig, seed: int) -> ArithmeticTask | CountdownTask:
