@@ -283,8 +283,13 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class OrchestratorConfig:
     max_staleness: int = 1  # newest trainer version minus oldest in-flight version; 0 = synchronous on-policy
-    request_timeout_s: float = 30.0  # deadline of one completion request; then it is retried elsewhere
-    straggler_after_s: float = 10.0  # a request still running after this is also sent to another server
+    # Deadlines follow each request's max_tokens (core/deadlines.py): an attempt is given up after the time the
+    # slowest healthy server needs (rollout.min_row_tokens_per_s) plus straggler_after_s, never after
+    # request_timeout_s, and retried elsewhere with a new seed; it is hedged once it runs straggler_factor x longer
+    # than the server's measured per-row rate predicts, and never before straggler_after_s.
+    request_timeout_s: float = 30.0  # the deadline cap
+    straggler_after_s: float = 10.0  # the fixed allowance (queueing, prefill) and the earliest hedge
+    straggler_factor: float = 2.0
     max_attempts: int = 4  # per request, across servers
     weight_push_timeout_s: float = 600.0  # a server's load of a new version (tens of GB on a cluster)
     max_inflight_requests: int = 16  # per rollout server
@@ -298,6 +303,9 @@ class OrchestratorConfig:
         for name in ("request_timeout_s", "straggler_after_s", "weight_push_timeout_s"):
             if getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "must be > 0 seconds")
+        if not self.straggler_factor >= 1:
+            fail("straggler_factor", self.straggler_factor, "must be >= 1 (a request is a straggler once it runs "
+                 "longer than expected by this factor)")
         for name in ("max_attempts", "max_inflight_requests"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")

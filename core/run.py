@@ -129,6 +129,10 @@ class RolloutConfig:
     gpus_per_server: int = 1
     max_batch_size: int = 64
     max_new_tokens: int = 256
+    # The slowest per-row decode rate (tokens per second each row of a full batch gets) a healthy server may have:
+    # request deadlines allow for it (core/deadlines.py). The default is deliberately low (generous deadlines); a
+    # run with long completions declares its pool's rate, or its deadline cap refuses it.
+    min_row_tokens_per_s: float = 1.0
     # Liveness: a server whose engine loop has neither finished a step nor idled for this long answers /health
     # with 503 (Kubernetes then restarts it). Longer than the slowest step: a full batch's prefill.
     hung_after_s: float = 120.0
@@ -141,6 +145,8 @@ class RolloutConfig:
         for name in ("gpus_per_server", "max_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
+        if not self.min_row_tokens_per_s > 0:
+            fail("min_row_tokens_per_s", self.min_row_tokens_per_s, "must be > 0 tokens per second")
 
     @property
     def autoscaled(self) -> bool:
@@ -236,6 +242,13 @@ class RunConfig:
         if s.max_tokens > self.rollout.max_new_tokens:
             fail("rl.sampling.max_tokens", s.max_tokens,
                  f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), which servers enforce")
+        o = self.rl.orchestrator
+        slowest = s.max_tokens / self.rollout.min_row_tokens_per_s
+        if slowest > o.request_timeout_s:
+            fail("rl.orchestrator.request_timeout_s", o.request_timeout_s,
+                 f"must be >= {slowest:.0f} s: a {s.max_tokens}-token request (rl.sampling.max_tokens) at the slowest "
+                 f"rate a healthy server may decode a row, {self.rollout.min_row_tokens_per_s:g} tokens/s "
+                 "(rollout.min_row_tokens_per_s), would never finish within it")
         if self.rl.algorithm.group_size > s.max_n:
             fail("rl.algorithm.group_size", self.rl.algorithm.group_size,
                  f"must be <= rl.sampling.max_n ({s.max_n}): each group is one request with n = group_size")

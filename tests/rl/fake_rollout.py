@@ -13,6 +13,9 @@ from aiohttp import web
 @dataclass
 class Endpoint:
     delay_s: float = 0.0  # before answering a completion
+    first_delays: list = field(default_factory=list)  # the first completions wait these instead, one each
+    row_tokens_per_s: float | None = None  # the per-row decode rate /ready reports
+    seeds: list = field(default_factory=list)  # every completion request's seed, in arrival order
     status: int = 200  # answer completions with this status (a 4xx/5xx body otherwise)
     holds: tuple[int, int] | None = (0, 0)  # (lineage, version)
     lag: int = 0  # after a load, this many completions still come from the previous weights (a swap in progress)
@@ -60,7 +63,8 @@ class FakeRollouts:
         async def handler(request: web.Request) -> web.Response:
             if e.holds is None:
                 return web.json_response({"status": "loading"}, status=503)
-            return web.json_response({"ready": True, "weight_lineage": e.holds[0], "weight_version": e.holds[1]})
+            return web.json_response({"ready": True, "weight_lineage": e.holds[0], "weight_version": e.holds[1],
+                                      "row_tokens_per_s": e.row_tokens_per_s})
         return handler
 
     @staticmethod
@@ -76,6 +80,8 @@ class FakeRollouts:
     def _complete(e: Endpoint, all_: "FakeRollouts"):
         async def handler(request: web.Request) -> web.Response:
             body = await request.json()
+            e.seeds.append(body["seed"])
+            delay = e.first_delays.pop(0) if e.first_delays else e.delay_s
             e.in_flight += 1
             all_.in_flight += 1
             e.peak_in_flight = max(e.peak_in_flight, e.in_flight)
@@ -86,7 +92,7 @@ class FakeRollouts:
                 holds = e.previous
             try:
                 if all_.wave is None:
-                    await asyncio.sleep(e.delay_s)
+                    await asyncio.sleep(delay)
                 else:
                     if all_.in_flight >= all_.wave:
                         all_.wave_full.set()

@@ -335,3 +335,44 @@ def test_restarting_orchestrator_and_trainer_while_servers_hold_newer_versions_t
     assert counts["dropped_stale_groups"] >= 1  # samples of (0, 6) arrived, and were not trained
     seen = [s.id for b in batches for s in b.samples]
     assert len(seen) == len(set(seen))
+
+
+def test_a_request_past_its_deadline_is_retried_with_a_new_seed_and_leaves_the_server_healthy(tmp_path, fakes):
+    """3 tokens at the declared floor of 3 tokens/s plus 0.3 s: a 1.3 s deadline. The first answer takes 5 s."""
+    server = fakes(1, first_delays=[5.0])
+
+    async def scenario():
+        orch = orchestrator(tmp_path, server.urls, rollout={"min_row_tokens_per_s": 3.0},
+                            orchestrator={"max_staleness": 0, "straggler_after_s": 0.3, "request_timeout_s": 60})
+        await orch.start()
+        await orch.publish(VersionRef(0, 0))
+        batch = await orch.batch(0, 0, timeout_s=20)
+        await until(lambda: server.endpoints[0].cancelled >= 1)
+        counts, (view,) = dict(orch.buffer.counts), orch.pool.view()
+        await orch.stop()
+        return batch, counts, view
+
+    batch, counts, view = asyncio.run(scenario())
+    seeds = server.endpoints[0].seeds
+    assert counts["deadline_misses"] == 1 and counts["failed_requests"] == 0 and view.healthy
+    assert len(batch.samples) == 4 and len(seeds) == 3 and len(set(seeds)) == 3  # the retry drew its own seed
+
+
+def test_a_servers_measured_rate_sets_when_its_requests_count_as_stragglers(tmp_path, fakes):
+    """At 1 token/s per row a 3-token request is expected to take 3 s: no hedge at 1 s; at 100 tokens/s it would
+    have been hedged after the 0.3 s allowance."""
+    slow, fast = fakes(1, delay_s=1.0, row_tokens_per_s=1.0), fakes(1)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, slow.urls + fast.urls, rollout={"min_row_tokens_per_s": 1.0},
+                            orchestrator={"max_staleness": 0, "straggler_after_s": 0.3, "request_timeout_s": 60})
+        await orch.start()
+        await until(lambda: orch.pool.row_rate(slow.urls[0]) == 1.0)
+        await orch.publish(VersionRef(0, 0))
+        batch = await orch.batch(0, 0, timeout_s=20)
+        counts = dict(orch.buffer.counts)
+        await orch.stop()
+        return batch, counts
+
+    batch, counts = asyncio.run(scenario())
+    assert len(batch.samples) == 4 and counts["hedges"] == 0 and counts["deadline_misses"] == 0

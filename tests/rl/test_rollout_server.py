@@ -69,9 +69,14 @@ def test_models_health_ready_and_metrics(rollout):
     assert models[0]["id"] == "local" and models[0]["created"] > 0 and models[0]["weight_version"] == 0
     status, health = call("GET", f"{url}/health")
     assert status == 200 and health["status"] == "ok" and health["weight_version"] == 0
-    assert call("GET", f"{url}/ready") == (200, {"ready": True, "weight_version": 0, "weight_lineage": 0})
+    status, ready = call("GET", f"{url}/ready")
+    assert status == 200 and {k: ready[k] for k in ("ready", "weight_version", "weight_lineage")} == {
+        "ready": True, "weight_version": 0, "weight_lineage": 0}
     body = complete(url, max_tokens=3, n=2, seed=1)
     generated = sum(len(c["token_ids"]) for c in body["choices"])
+    # the per-row decode rate the orchestrator derives deadlines from: measured once rows have decoded
+    assert call("GET", f"{url}/ready")[1]["row_tokens_per_s"] > 0
+    assert call("GET", f"{url}/health")[1]["row_tokens_per_s"] > 0
     status, text = call("GET", f"{url}/metrics")
     assert status == 200
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -287,7 +292,8 @@ def test_weight_loading_needs_the_token_and_switches_version_and_lineage(rollout
     assert status == 200 and (body["weight_version"], body["weight_lineage"]) == (1, 1)
     answer = complete(url, max_tokens=2)
     assert (answer["weight_version"], answer["weight_lineage"]) == (1, 1)
-    assert call("GET", f"{url}/ready")[1] == {"ready": True, "weight_version": 1, "weight_lineage": 1}
+    ready = call("GET", f"{url}/ready")[1]
+    assert (ready["ready"], ready["weight_version"], ready["weight_lineage"]) == (True, 1, 1)
     status, body = call("POST", f"{url}/v1/weights/load", {"version": 1, "lineage": 5}, headers=AUTH)
     assert status == 409 and call("GET", f"{url}/ready")[1]["weight_lineage"] == 1
     status, body = call("GET", f"{url}/nowhere")

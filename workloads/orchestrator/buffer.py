@@ -22,7 +22,7 @@ from ..rl.protocol import (Batch, BatchStats, Group, OrchestratorState, PromptRe
                         staleness_ok)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
-          "retries", "hedges", "duplicates_ignored", "failed_requests")
+          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests")
 
 
 class StepConflict(ValueError):

@@ -2,9 +2,10 @@
 one small interface, `RolloutBackend`, and its HTTP implementation on aiohttp: asynchronous, keep-alive pooled
 connections, no thread per request.
 
-Errors say whose fault they were: `ServerFault` (connection refused or reset, 5xx, a deadline: the server is
-suspect) or `RequestFault` (a 4xx: this request is wrong everywhere, the server is fine). Cancelling a call
-closes its connection, which is how a rollout server learns to cancel the rows (hedge losers, deadlines).
+Errors say whose fault they were: `ServerFault` (connection refused or reset, 5xx, a malformed answer: the server
+is suspect), `RequestFault` (a 4xx: this request is wrong everywhere, the server is fine) or `DeadlineMissed` (no
+answer in time: for a completion, a long row on a busy server; the caller decides). Cancelling a call closes its
+connection, which is how a rollout server learns to cancel the rows (hedge losers, deadlines).
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class RequestFault(RolloutFault):
     """The server refused this request (4xx); another server would too."""
 
 
+class DeadlineMissed(RolloutFault):
+    """No answer within the call's deadline. For a completion that is not the server's fault: a healthy server
+    decoding a long row at its batch's rate may take that long (core/deadlines.py)."""
+
+
 NOT_READY = Readiness(ready=False, weight_version=None, weight_lineage=None)
 
 
@@ -45,8 +51,8 @@ class RolloutBackend(Protocol):
         """Ask the server to load `ref`; returns once it serves it."""
 
     async def health(self, url: str, *, timeout_s: float) -> Readiness:
-        """Liveness and readiness: what the server serves (weight_lineage None where it names none); raises
-        ServerFault when the server does not answer."""
+        """Liveness and readiness: what the server serves (weight_lineage None where it names none) and its per-row
+        decode rate; raises a RolloutFault when the server does not answer."""
 
     async def close(self) -> None: ...
 
@@ -83,7 +89,7 @@ class HttpRolloutBackend:
                 text = await resp.text()
                 status = resp.status
         except asyncio.TimeoutError:
-            raise ServerFault(url, f"no answer within {timeout_s:g} s") from None
+            raise DeadlineMissed(url, f"no answer within {timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
             raise ServerFault(url, f"{type(exc).__name__}: {exc}") from None
         try:

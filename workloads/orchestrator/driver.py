@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl_eks.core import metrics as M
+from moe_rl_eks.core.deadlines import Deadline, request_deadline
 from moe_rl_eks.core.run import RunConfig
 
 from ..rl.data import PromptSource
@@ -27,7 +28,7 @@ from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, 
                         VersionRef, derive_seed)
 from ..rl.runtime import Registry
 from .buffer import GroupBuffer
-from .client import RequestFault, RolloutBackend, RolloutFault, ServerFault
+from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class Settings:
     correct_reward: float
     request_timeout_s: float
     straggler_after_s: float
+    straggler_factor: float
+    min_row_tokens_per_s: float
     max_attempts: int
     weight_push_timeout_s: float
     model: str
@@ -69,8 +72,15 @@ class Settings:
         return cls(rl.training.prompts_per_step, rl.orchestrator.max_staleness, rl.algorithm.group_size,
                    rl.algorithm.dynamic_sampling, rl.algorithm.routing_replay, rl.sampling.max_tokens,
                    rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.pass_threshold,
-                   rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s, rl.orchestrator.max_attempts,
+                   rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s,
+                   rl.orchestrator.straggler_factor, run.rollout.min_row_tokens_per_s, rl.orchestrator.max_attempts,
                    rl.orchestrator.weight_push_timeout_s, run.name)
+
+    def deadline(self, row_tokens_per_s: float | None) -> Deadline:
+        """A request's deadline on a server decoding each row at `row_tokens_per_s` (core/deadlines.py)."""
+        return request_deadline(self.max_tokens, row_tokens_per_s=row_tokens_per_s,
+                                floor_tokens_per_s=self.min_row_tokens_per_s, straggler_factor=self.straggler_factor,
+                                allowance_s=self.straggler_after_s, cap_s=self.request_timeout_s)
 
 
 class Orchestrator:
@@ -208,23 +218,30 @@ class Orchestrator:
             prompt = self.buffer.in_flight[request_id]
             self._tasks[request_id] = asyncio.get_running_loop().create_task(self._request(request_id, prompt, url))
 
-    def _request_body(self, prompt: PromptRecord) -> CompletionRequest:
+    def _request_body(self, prompt: PromptRecord, draw: int = 0) -> CompletionRequest:
+        """The request for `prompt`'s group; `draw` > 0 after that many deadline misses: a new derived seed, so
+        the retry samples other completions instead of the same too-long ones (a retry after a server fault keeps
+        the seed: the same request retried anywhere samples the same completions)."""
         s = self.s
+        seed = derive_seed(s.seed, prompt.index, draw) if draw else derive_seed(s.seed, prompt.index)
         return CompletionRequest(prompt=list(prompt.prompt_ids), n=s.group_size, max_tokens=s.max_tokens,
-                                 temperature=s.temperature, top_p=s.top_p, seed=derive_seed(s.seed, prompt.index),
+                                 temperature=s.temperature, top_p=s.top_p, seed=seed,
                                  model=s.model, return_routing=s.routing_replay, logprobs=0,
                                  logprob_mode="processed")  # what the trainer scores: after temperature / top-p
 
     async def _request(self, request_id: str, prompt: PromptRecord, url: str) -> None:
         """Drive one request to a scored group: up to max_attempts servers, each attempt hedged once."""
-        body = self._request_body(prompt)
+        draws = 0
         try:
             for attempt in range(1, self.s.max_attempts + 1):
                 try:
-                    completion = await self._attempt(request_id, body, url)
+                    completion = await self._attempt(request_id, self._request_body(prompt, draws), url)
                     break
                 except RolloutFault as fault:
                     log.warning("request %s attempt %d failed: %s", request_id, attempt, fault)
+                    if isinstance(fault, DeadlineMissed):
+                        draws += 1
+                        self._count("deadline_misses")
                     if attempt == self.s.max_attempts:
                         self.buffer.abandon(request_id)
                         self._event("failed", request_id=request_id, error=str(fault))
@@ -262,10 +279,12 @@ class Orchestrator:
                 return url
             await asyncio.sleep(HEALTH_INTERVAL_S / 2)
 
-    async def _send(self, url: str, body: CompletionRequest, sent: asyncio.Event | None) -> Completion:
-        """One call; the server's in-flight count is released however it ends (answer, fault, cancel, bug)."""
+    async def _send(self, url: str, body: CompletionRequest, sent: asyncio.Event | None,
+                    timeout_s: float) -> Completion:
+        """One call; the server's in-flight count is released however it ends (answer, fault, cancel, bug). A
+        deadline miss leaves the server healthy: it was busy with long rows, not broken."""
         try:
-            completion = await self.backend.complete(url, body, timeout_s=self.s.request_timeout_s, sent=sent)
+            completion = await self.backend.complete(url, body, timeout_s=timeout_s, sent=sent)
             if not completion.lineage_reported:
                 ref = self.pool.attribute(url, completion.version)
                 if ref is None:  # weights we cannot place in any lineage: never trained
@@ -279,24 +298,26 @@ class Orchestrator:
             self.pool.release(url)
 
     async def _attempt(self, request_id: str, body: CompletionRequest, url: str) -> Completion:
-        """Send to `url`; if no answer `straggler_after_s` after it was SENT (not issued: time spent waiting for
-        a connection does not count), also send to another ready server; the first answer wins and the other
-        call is cancelled, which closes its connection. Raises the last fault when every call failed."""
+        """Send to `url` under the deadline its per-row rate gives (Settings.deadline); if no answer by its
+        straggler time after it was SENT (not issued: time spent waiting for a connection does not count), also
+        send to another ready server; the first answer wins and the other call is cancelled, which closes its
+        connection. Raises the last fault when every call failed."""
+        deadline = self.s.deadline(self.pool.row_rate(url))
         sent = asyncio.Event()
-        calls = {asyncio.ensure_future(self._send(url, body, sent))}
+        calls = {asyncio.ensure_future(self._send(url, body, sent, deadline.timeout_s))}
         try:
             sent_wait = asyncio.ensure_future(sent.wait())
-            await asyncio.wait({*calls, sent_wait}, timeout=self.s.request_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({*calls, sent_wait}, timeout=deadline.timeout_s, return_when=asyncio.FIRST_COMPLETED)
             sent_wait.cancel()
-            done, _ = await asyncio.wait(calls, timeout=self.s.straggler_after_s if sent.is_set() else 0)
+            done, _ = await asyncio.wait(calls, timeout=deadline.straggler_after_s if sent.is_set() else 0)
             while not done and sent.is_set():  # straggling: hedge as soon as another server has room
                 hedge_url = self.pool.acquire(self.buffer.trainer, exclude=(url,))
                 if hedge_url is not None:
                     log.info("request %s straggles on %s; also sent to %s", request_id, url, hedge_url)
                     self._count("hedges")
                     self._count("retries")
-                    calls.add(asyncio.ensure_future(self._send(hedge_url, body, None)))
+                    hedge = self.s.deadline(self.pool.row_rate(hedge_url))
+                    calls.add(asyncio.ensure_future(self._send(hedge_url, body, None, hedge.timeout_s)))
                     break
                 done, _ = await asyncio.wait(calls, timeout=HEDGE_RETRY_S)
             fault: RolloutFault | None = None
@@ -319,6 +340,8 @@ class Orchestrator:
         self.buffer.counts[name] += 1
         if name == "retries":
             self.metrics[M.ROLLOUT_RETRIES].inc()
+        elif name == "deadline_misses":
+            self.metrics[M.ROLLOUT_DEADLINE_MISSES].inc()
 
     # ---- completing -----------------------------------------------------------------------------------------
     async def _completed(self, request_id: str, prompt: PromptRecord, completion: Completion) -> None:
@@ -355,7 +378,7 @@ class Orchestrator:
         except RolloutFault:
             self.pool.unhealthy(url)
             return
-        self.pool.healthy(url, health.weight_version, health.weight_lineage)
+        self.pool.healthy(url, health.weight_version, health.weight_lineage, health.row_tokens_per_s)
 
     def _push_all(self, ref: VersionRef) -> None:
         for url in self.pool.needing(ref):
@@ -367,7 +390,7 @@ class Orchestrator:
         except RolloutFault as fault:
             log.warning("server %s did not load %s: %s", url, ref, fault)
             self.pool.pushed(url, ref, loaded=False)
-            if isinstance(fault, ServerFault):
+            if isinstance(fault, (ServerFault, DeadlineMissed)):  # a load past its deadline: stuck, not busy
                 self.pool.unhealthy(url)
             return
         self.pool.pushed(url, ref, loaded=True)

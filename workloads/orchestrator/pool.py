@@ -23,6 +23,7 @@ class Server:
     in_flight: int = 0  # our requests it is working on
     pushing: VersionRef | None = None  # a weight load we asked for, not answered yet
     last_sent: float = 0.0  # monotonic time of the last request sent here
+    row_tokens_per_s: float | None = None  # its per-row decode rate at its last health check (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,23 @@ class ServerPool:
         with self.lock:
             return list(self._servers)
 
-    def healthy(self, url: str, version: int | None, lineage: int | None) -> None:
+    def healthy(self, url: str, version: int | None, lineage: int | None,
+                row_tokens_per_s: float | None = None) -> None:
         """A health check answered: the server is up and serves `version` (None: no weights loaded yet) of
         `lineage` (None: it does not report lineages, as an engine that only knows numbers: then the lineage we
-        last loaded into it, if the numbers agree, else unknown, which makes it a server to push to)."""
+        last loaded into it, if the numbers agree, else unknown, which makes it a server to push to), decoding
+        each row at `row_tokens_per_s` (None: not reported, or nothing decoded yet)."""
         with self.lock:
             if (server := self._servers.get(url)) is not None:
                 server.healthy = True
                 server.holds = self._ref(server, version, lineage)
+                server.row_tokens_per_s = row_tokens_per_s
+
+    def row_rate(self, url: str) -> float | None:
+        """The per-row decode rate `url` last reported (None: unknown)."""
+        with self.lock:
+            server = self._servers.get(url)
+            return server.row_tokens_per_s if server is not None else None
 
     @staticmethod
     def _ref(server: Server, version: int | None, lineage: int | None) -> VersionRef | None:

@@ -259,18 +259,25 @@ class WeightLoadResponse(BaseModel):
     load_seconds: float
 
 
+# The per-row decode rate a server measures (tokens per second each running row gets, over recent decode steps;
+# None before its first): clients derive request deadlines from it (core/deadlines.py).
+RowRate = Annotated[float, Field(gt=0, allow_inf_nan=False)] | None
+
+
 class Health(BaseModel):
     status: Literal["ok", "hung"]
     weight_version: int | None
     running: int
     waiting: int
     seconds_since_step: float
+    row_tokens_per_s: RowRate = None
 
 
 class Readiness(BaseModel):
     ready: bool
     weight_version: int | None
     weight_lineage: int | None
+    row_tokens_per_s: RowRate = None
 
 
 def read_completion(body: object, path: str = "response") -> Completion:

@@ -43,6 +43,7 @@ from .replica import RankReport, Replica, StepPlan, rows_per_rank
 
 __all__ = ["EngineHealth", "RolloutEngine", "RowOutput", "RowRequest", "SamplingParams", "TokenEvent", "VersionRef"]
 log = logging.getLogger(__name__)
+STEP_AVERAGE_WEIGHT = 0.1  # of the newest step in the per-row decode rate (about the last 10 steps count)
 
 
 @dataclass(eq=False)
@@ -94,6 +95,9 @@ class RolloutEngine:
         self._in_ranks = (0, 0)  # (running, waiting) rows in the ranks' decoders after the last step
         self._last_step = time.monotonic()
         self._last_sampled = 0.0  # time.monotonic() of the last step that sampled
+        # Seconds of a step that sampled, averaged over recent ones: every running row gets a token a step, so its
+        # inverse is the per-row decode rate clients derive deadlines from.
+        self._step_seconds: float | None = None
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
         self._ttft, self._itl = self.metrics[M.ROLLOUT_TIME_TO_FIRST_TOKEN], self.metrics[M.ROLLOUT_INTER_TOKEN_LATENCY]
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
@@ -165,7 +169,8 @@ class RolloutEngine:
         running, waiting = self._counts
         with self._lock:
             waiting += sum(len(item.rows) for item in self._inbox if isinstance(item, _Call))
-        return EngineHealth(self.version, running, waiting, self._last_step, self.lineage)
+        rate = 1.0 / self._step_seconds if self._step_seconds else None
+        return EngineHealth(self.version, running, waiting, self._last_step, self.lineage, rate)
 
     def stop(self) -> None:
         """End the loop: rows still running finish with "abort"; the replica stops (and its other ranks)."""
@@ -221,6 +226,9 @@ class RolloutEngine:
                 log.exception("a decode step failed; its rows finish with an error")
                 produced = self._fail_running(f"decoding failed: {type(exc).__name__}: {exc}")
             elapsed = time.monotonic() - start
+            if produced:
+                self._step_seconds = elapsed if self._step_seconds is None else (
+                    STEP_AVERAGE_WEIGHT * elapsed + (1 - STEP_AVERAGE_WEIGHT) * self._step_seconds)
             self.busy_seconds += elapsed
             self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))

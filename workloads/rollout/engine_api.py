@@ -116,3 +116,4 @@ class EngineHealth:
     waiting_rows: int  # rows submitted but not yet admitted
     last_step_monotonic: float  # time.monotonic() when the engine loop last finished a step or idled
     lineage: int | None = None  # the served version's lineage (protocol.VersionRef)
+    row_tokens_per_s: float | None = None  # each running row's decode rate over recent steps; None before any

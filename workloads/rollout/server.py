@@ -629,14 +629,14 @@ def make_app(server: RolloutServer) -> FastAPI:
     async def health():
         alive, h, silent = server.health()
         body = api.Health(status="ok" if alive else "hung", weight_version=h.version, running=h.running_rows,
-                          waiting=h.waiting_rows, seconds_since_step=silent)
+                          waiting=h.waiting_rows, seconds_since_step=silent, row_tokens_per_s=h.row_tokens_per_s)
         return JSONResponse(body.model_dump(), status_code=200 if alive else 503)
 
     @app.get("/ready", response_model=api.Readiness, responses={503: {"model": api.Readiness}})
     async def ready():
         version = server.engine.version
-        body = api.Readiness(ready=version is not None, weight_version=version,
-                             weight_lineage=server.engine.lineage)
+        body = api.Readiness(ready=version is not None, weight_version=version, weight_lineage=server.engine.lineage,
+                             row_tokens_per_s=server.engine.health().row_tokens_per_s)
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
