@@ -14,6 +14,10 @@ from .sampling import MAX_TOKENS, TEMPERATURE, TOP_P, Limit
 from .schema import fail
 
 
+TOKEN_RATIO_CLIP = (0.2, 0.28)
+SEQUENCE_RATIO_CLIP = (3e-4, 4e-4)  # GSPO (Zheng et al. 2025)
+
+
 def check_limit(limit: Limit, value, alternative: str = "") -> None:
     """Refuse a sampling value the rollout servers would refuse, naming it and what they allow."""
     if not limit.allows(value):
@@ -33,8 +37,11 @@ class AlgorithmConfig:
     # loss (DAPO's aggregation); that is not Dr. GRPO, whose constant normaliser is `name: dr_grpo`.
     scale_by_std: bool = True
     dynamic_sampling: bool = False  # drop groups whose rewards do not vary (they carry no GRPO signal)
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low = clip-higher
-    clip_high: float = 0.28
+    # The ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low = clip-higher. Default: 0.2 / 0.28
+    # for the token-level ratio, 3e-4 / 4e-4 for GSPO's sequence-level one (its paper's ranges: a sequence ratio
+    # is a geometric mean over tokens and moves far less than one token's).
+    clip_low: float | None = None
+    clip_high: float | None = None
     importance_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (off-policy correction)
     kl_coef: float = 0.0  # KL to the frozen initial policy; 0 = no reference model is kept
     # k1; k3 (log-ratio clamped to +-20, estimate to <= 10, as verl); k3+ (k3's value, k2's unbiased gradient)
@@ -43,7 +50,7 @@ class AlgorithmConfig:
     epochs_per_batch: int = 1  # passes over each batch; > 1 makes the clipped ratio bite
     mini_batches: int = 1  # optimizer steps per pass: the batch is split into this many parts
     gamma: float = 1.0  # PPO: discount
-    gae_lambda: float = 0.95  # PPO: GAE lambda
+    gae_lambda: float = 1.0  # PPO: GAE lambda (1.0 as verl's LLM default: a reward at the end reaches every token)
     value_coef: float = 0.5  # PPO: weight of the value loss
     value_clip: float = 0.2  # PPO: clip of the value update around the rollout-time values
     routing_replay: bool = False  # train on the experts the rollout chose (R3)
@@ -54,8 +61,8 @@ class AlgorithmConfig:
         if self.group_size < 1:
             fail("group_size", self.group_size, "must be >= 1")
         for name in ("clip_low", "clip_high"):
-            if not 0 < getattr(self, name) < 1:
-                fail(name, getattr(self, name), "must be between 0 and 1 (exclusive)")
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be between 0 and 1 (exclusive), or omitted for the default")
         if self.importance_cap < 1:
             fail("importance_cap", self.importance_cap, "must be >= 1 (1 = ignore off-policy mismatch)")
         for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
@@ -67,6 +74,11 @@ class AlgorithmConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 fail(name, getattr(self, name), "must be between 0 and 1")
+
+    def ratio_clip(self) -> tuple[float, float]:
+        """(clip_low, clip_high): as set, else the algorithm's default (see the fields)."""
+        low, high = SEQUENCE_RATIO_CLIP if self.name == "gspo" else TOKEN_RATIO_CLIP
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
 
 
 @dataclass(frozen=True)
@@ -275,6 +287,10 @@ class SamplingConfig:
             check_limit(limit, getattr(self, limit.name))
         if self.temperature == 0:
             fail("temperature", self.temperature, "must be > 0 (greedy decoding is not used for RL)")
+        if self.top_p != 1:
+            fail("top_p", self.top_p, "must be 1 for RL: below 1 the rollout's logprobs are renormalised over the "
+                 "nucleus while the trainer scores the whole distribution at the temperature, so every importance "
+                 "weight would be biased low without a word")
         for name in ("max_prompt_tokens", "max_n"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")

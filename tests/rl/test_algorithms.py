@@ -177,7 +177,7 @@ def test_ppo_advantages_are_whitened_over_the_mask_across_ranks():
     assert valid.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert valid.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased, as the whitening
     assert torch.equal(adv[~mask.bool()], torch.zeros(3))
-    raw, raw_returns = gae(terminal_rewards(scores.rewards, mask), values, mask, gamma=1.0, lam=0.95)
+    raw, raw_returns = gae(terminal_rewards(scores.rewards, mask), values, mask, gamma=1.0, lam=1.0)  # the default gae_lambda
     assert torch.equal(returns, raw_returns)  # the critic regresses on unwhitened returns
     # two ranks holding rows [0] and [1, 2] whiten with the global statistics through the all-reduce
     rank_sums = []
@@ -226,7 +226,7 @@ def test_gspo_uses_one_clipped_ratio_per_sequence():
     logp = torch.log(torch.tensor([[0.6, 0.2]])).requires_grad_()
     prox = torch.log(torch.tensor([[0.4, 0.4]]))
     batch = PolicyBatch(logp, prox, prox, torch.ones(1, 2), torch.ones(1, 2))
-    loss, m = algorithm("gspo").loss(batch, Totals(2.0, 1.0))
+    loss, m = algorithm("gspo", clip_low=0.2, clip_high=0.28).loss(batch, Totals(2.0, 1.0))
     assert loss.item() == pytest.approx(-math.sqrt(0.75), abs=1e-6) and m["clip_fraction"] == 0.0
     loss.backward()
     # d/dlogp_t of -(1/2) * sum_t s: s / 2 on each token (GSPO-token's form)
@@ -234,7 +234,7 @@ def test_gspo_uses_one_clipped_ratio_per_sequence():
     # a sequence ratio above 1 + clip_high with A > 0 is clipped as a whole: no gradient on any of its tokens
     far = PolicyBatch(torch.log(torch.tensor([[0.8, 0.8]])).requires_grad_(), prox, prox, torch.ones(1, 2),
                       torch.ones(1, 2))
-    loss, m = algorithm("gspo").loss(far, Totals(2.0, 1.0))
+    loss, m = algorithm("gspo", clip_low=0.2, clip_high=0.28).loss(far, Totals(2.0, 1.0))
     loss.backward()
     assert m["clip_fraction"] == 1.0 and torch.equal(far.logprobs.grad, torch.zeros(1, 2))
 
@@ -256,3 +256,16 @@ def test_config_checks_that_every_trainer_rank_gets_samples_in_every_mini_batch(
         load_run(write_run(tmp_path, training={"prompts_per_step": 1}, algorithm={"group_size": 2, "mini_batches": 3}))
     with pytest.raises(ConfigError, match=r"rl.algorithm.name: 'dapo' is not allowed; allowed: 'grpo', 'dr_grpo'"):
         load_run(write_run(tmp_path, algorithm={"name": "dapo"}))
+
+
+def test_the_ratio_clip_defaults_to_the_token_ranges_and_to_gspos_sequence_ranges():
+    assert AlgorithmConfig(name="grpo").ratio_clip() == (0.2, 0.28)
+    assert AlgorithmConfig(name="gspo").ratio_clip() == (3e-4, 4e-4)
+    assert AlgorithmConfig(name="gspo", clip_high=0.01).ratio_clip() == (3e-4, 0.01)
+    # a sequence ratio of 1.001 is past GSPO's 1 + 4e-4: clipped by default
+    batch = PolicyBatch(torch.log(torch.tensor([[0.4004, 0.4004]])).requires_grad_(),
+                        torch.log(torch.tensor([[0.4, 0.4]])), torch.log(torch.tensor([[0.4, 0.4]])),
+                        torch.ones(1, 2), torch.ones(1, 2))
+    _, m = algorithm("gspo").loss(batch, Totals(2.0, 1.0))
+    assert m["clip_fraction"] == 1.0
+    assert AlgorithmConfig().gae_lambda == 1.0

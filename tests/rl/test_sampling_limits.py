@@ -99,3 +99,8 @@ def test_every_run_setting_the_servers_check_is_checked_against_the_same_limit(t
     with pytest.raises(ConfigError) as err:
         load_with(tmp_path, section, **{field: value})
     assert f"rl.{section}.{field}" in str(err.value) and "the rollout servers refuse anything else" in str(err.value)
+
+
+def test_an_rl_run_sampling_a_nucleus_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl\.sampling\.top_p: 0\.9 .*must be 1 for RL: .*biased low"):
+        load_with(tmp_path, "sampling", top_p=0.9)

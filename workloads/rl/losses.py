@@ -144,7 +144,7 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
         log_w = (batch.proximal_logprobs - batch.behaviour_logprobs).detach()
     raw_weight = torch.exp(log_w).expand_as(mask)
     weight = raw_weight.clamp(max=cfg.importance_cap)
-    surrogate, clipped = clipped_surrogate(ratio, batch.advantages, cfg.clip_low, cfg.clip_high)
+    surrogate, clipped = clipped_surrogate(ratio, batch.advantages, *cfg.ratio_clip())
     loss = -(weights * weight * surrogate).sum()
     metrics = {"clip_fraction": token_mean(clipped.to(mask.dtype)),
                "importance_weight_mean": token_mean(raw_weight),
