@@ -135,3 +135,20 @@ def test_the_staleness_rule_refuses_newer_weights_and_other_lineages():
     assert staleness_ok(VersionRef(2, 10), VersionRef(1, 9), 2, forks)
     assert not staleness_ok(VersionRef(2, 10), VersionRef(1, 10), 2, forks)
     assert VersionRef(0, 99) < VersionRef(1, 0) < VersionRef(1, 1)
+
+
+def test_persisted_state_and_batches_carry_their_format_and_a_newer_one_is_refused_not_misread():
+    from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer
+    from moe_rl_eks.workloads.rl.protocol import STATE_FORMAT, WIRE_FORMAT
+
+    state = GroupBuffer(prompts_per_step=1, max_staleness=0, correct_reward=1.0).snapshot().to_json()
+    assert state["format"] == STATE_FORMAT
+    old = {k: v for k, v in state.items() if k != "format"}  # written before formats were recorded
+    assert OrchestratorState.from_json(old).format == 1
+    with pytest.raises(ProtocolError, match=r"orchestrator_state\.format: .*format 9 by a newer moe-rl-eks; this one "
+                                            r"reads formats up to 1"):
+        OrchestratorState.from_json({**state, "format": 9})
+    sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, VersionRef(0, 0))
+    batch = Batch(0, 0, [sample], BatchStats(0.0, 1.0, 0.0, 0, 0, 0, 0, 1), format=WIRE_FORMAT).to_json()
+    with pytest.raises(ProtocolError, match=r"^batch\.format: 2 .*newer moe-rl-eks"):
+        Batch.from_json({**batch, "format": 2})

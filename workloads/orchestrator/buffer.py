@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..rl.protocol import (Batch, BatchStats, Group, OrchestratorState, PromptRecord, TrainingSample, VersionRef,
-                        staleness_ok)
+from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, OrchestratorState, PromptRecord,
+                          TrainingSample, VersionRef, staleness_ok)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
           "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests")
@@ -169,7 +169,7 @@ class GroupBuffer:
                            dropped_stale_groups=self.counts["dropped_stale_groups"],
                            filtered_groups=self.counts["filtered_groups"], retries=self.counts["retries"],
                            rewards_failed=self.counts["rewards_failed"], completed=self.counts["completed"])
-        batch = Batch(step=step, lineage=lineage, samples=samples, stats=stats)
+        batch = Batch(step=step, lineage=lineage, samples=samples, stats=stats, format=WIRE_FORMAT)
         self.batches[step] = batch
         return batch
 
@@ -182,7 +182,8 @@ class GroupBuffer:
         return OrchestratorState(next_prompt=self.next_prompt, consumed=self.consumed,
                                  pending=sorted(self.in_flight.values(), key=lambda p: p.index),
                                  buffered=list(self.buffered), batches=dict(self.batches), counts=dict(self.counts),
-                                 trainer=self.trainer, forks=dict(self.forks), first_step=self.first_step)
+                                 trainer=self.trainer, forks=dict(self.forks), first_step=self.first_step,
+                                 format=STATE_FORMAT)
 
     @classmethod
     def restore(cls, state: OrchestratorState, *, prompts_per_step: int, max_staleness: int,

@@ -32,6 +32,23 @@ class ProtocolError(ValueError):
         super().__init__(f"{path}: {shown if len(shown) <= 80 else shown[:77] + '...'} is not allowed; {expected}")
 
 
+# Layout versions: the records between the roles (WIRE_FORMAT) and the orchestrator's persisted state
+# (STATE_FORMAT). Writers set them explicitly; a record without one is from before formats were recorded, which is
+# format 1's layout. Bump one when its layout changes, and read the older one (migrate) or refuse it (check_format).
+WIRE_FORMAT = 1
+STATE_FORMAT = 1
+
+
+def check_format(found: int, current: int, what: str) -> tuple[str, str] | None:
+    """A record's format problem (for Record.check), None when this code reads it."""
+    if found > current:
+        return "format", (f"this {what} was written in format {found} by a newer moe-rl-eks; this one reads formats "
+                          f"up to {current}: upgrade every role, or resume from a checkpoint of this version")
+    if found < 1:
+        return "format", f"a format >= 1 (this code writes {current})"
+    return None
+
+
 # ---- decoding -------------------------------------------------------------------------------------------------
 def _decode(tp: Any, value: Any, path: str) -> Any:
     """`value` (parsed JSON) as type `tp`, or ProtocolError at `path`."""
@@ -354,16 +371,19 @@ class Batch(Record):
     lineage: int
     samples: list[TrainingSample]
     stats: BatchStats
+    format: int = 1  # WIRE_FORMAT of the orchestrator that formed it
 
     def check(self) -> tuple[str, str] | None:
         if not self.samples:
             return "samples", "at least one sample"
-        return None
+        return check_format(self.format, WIRE_FORMAT, "batch")
 
 
 @dataclass(frozen=True)
 class OrchestratorState(Record):
-    """What a checkpoint records of the orchestrator; a restarted one resumes from it."""
+    """What a checkpoint records of the orchestrator; a restarted one resumes from it. `format` says which layout
+    wrote it (STATE_FORMAT): a state from before formats were recorded has today's layout and reads as format 1;
+    a newer format is refused, never misread."""
 
     next_prompt: int
     consumed: int  # groups that went into batches
@@ -375,3 +395,7 @@ class OrchestratorState(Record):
     forks: dict[int, VersionRef] = field(default_factory=dict)  # lineage -> where it began (staleness_ok)
     source: dict[str, Any] = field(default_factory=dict)  # the prompt source's own state (its cursor)
     first_step: int | None = None  # the step of the first batch formed
+    format: int = 1
+
+    def check(self) -> tuple[str, str] | None:
+        return check_format(self.format, STATE_FORMAT, "orchestrator state")
