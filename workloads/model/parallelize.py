@@ -82,8 +82,8 @@ def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertPa
                             device=mesh.device_type)
     split_experts(model, ep if plan.ep_degree > 1 else None)
     checkpoint_layers(model, plan.activation_checkpointing)
-    if plan.fsdp:
-        raise ValueError("fsdp: not built yet")
+    if plan.fsdp and size > 1:
+        shard_dense(model, mesh)
     return model.ep
 
 
@@ -126,6 +126,26 @@ def checkpoint_layers(model: MoETransformer, mode: Checkpointing) -> None:
         layer.__dict__.pop("forward", None)  # back to the class's forward
         if mode != "off":
             layer.forward = functools.partial(_recomputed_forward, layer.forward, context)
+
+
+def shard_dense(model: MoETransformer, mesh) -> None:
+    """FSDP2 over `mesh`: one group per decoder layer (its attention, norms and router), then the root (embedding,
+    final norm, lm_head). The experts are left out: EP splits them, and their gradients already sum over ranks.
+    Float32 parameters and reductions (no MixedPrecisionPolicy): the trainer keeps float32 master weights and
+    autocasts to bf16 on GPUs. Gradients are summed, not averaged: each rank's loss is its share of the whole
+    batch's, as the EP trainer's all-reduce sums them."""
+    from torch.distributed.fsdp import fully_shard
+
+    experts = {p for name, p in model.named_parameters() if EXPERT_MARK in name}
+    groups = [fully_shard(layer, mesh=mesh, ignored_params=experts) for layer in model.model.layers]
+    groups.append(fully_shard(model, mesh=mesh, ignored_params=experts))
+    for group in groups:  # these two settings are each group's own (they do not recurse)
+        group.set_gradient_divide_factor(1.0)
+        # A plain SUM on the wire: a custom factor is otherwise NCCL's PREMUL_SUM, which gloo refuses.
+        group.set_force_sum_reduction_for_comms(True)
+    # A rank with no tokens leaves attention's projections out of its graph (Attention.forward's empty batch):
+    # zeros keep every rank's reduce-scatter the same size.
+    groups[-1].set_reduce_scatter_unused_params(True)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -161,7 +161,7 @@ class Trainer:
 
             self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
         self.plan = ParallelPlan(ep_degree=world, ep_backend=resolved_backend(run),
-                                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), fsdp=self.cfg.fsdp,
                                  activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute)
         torch.manual_seed(self.cfg.seed)
         self.model, self.ep = self._build_model(self.plan)
