@@ -5,8 +5,8 @@ import pytest
 import torch
 from rl_helpers import tiny_run, write_run
 from test_trainer import varied_batch
-from trainer_ranks import (ep_step_gradients, full_state, resumed_state, run_ranks, step_gradients, train_and_checkpoint,
-                           train_and_publish)
+from trainer_ranks import (ep_step_gradients, full_state, resumed_state, run_ranks, step_gradients,
+                           train_and_checkpoint, train_and_publish)
 
 from moe_rl_eks.workloads.rl.protocol import Batch
 from moe_rl_eks.workloads.trainer.loop import Trainer
