@@ -227,3 +227,28 @@ def parallelized_against_constructed(rank: int, world: int) -> dict:
     dist.all_gather_object(everyone, differ)
     return {"differ": sorted({name for names in everyone for name in names}), "names": sorted(results[1]),
             "expert_shape": tuple(seamed.model.layers[0].mlp.experts.gate_up_proj.shape)}
+
+
+def sharded_state_bytes(rank: int, world: int, config: ModelConfig) -> dict:
+    """This rank's float32 bytes of parameters, gradients and AdamW moments of `config`'s model laid out by the
+    trainer's FSDP plan on the meta device (nothing allocated): the sharded parameters themselves, gradients and
+    moments as AdamW makes them after one step on zero gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_rl_eks.workloads.model.parallelize import ParallelPlan, local, parallelize
+
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+                ParallelPlan(ep_degree=world, fsdp=True))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+
+    def nbytes(tensors) -> int:
+        return sum(local(t).numel() * local(t).element_size() for t in tensors)
+    moments = [v for state in optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"parameter_bytes": nbytes(params), "gradient_bytes": nbytes(p.grad for p in params),
+            "optimizer_bytes": nbytes(moments)}
