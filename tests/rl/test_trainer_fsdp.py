@@ -3,9 +3,9 @@
 rank. One process has no shards: it is the reference for every layout."""
 import pytest
 import torch
-from rl_helpers import tiny_run, write_run
+from rl_helpers import rewarded_batch, tiny_run, write_run
 from test_trainer import varied_batch
-from trainer_ranks import (ep_step_gradients, full_state, resumed_state, run_ranks, step_gradients,
+from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, resumed_state, run_ranks, step_gradients,
                            train_and_checkpoint, train_and_publish)
 
 from moe_rl_eks.workloads.rl.protocol import Batch
@@ -87,3 +87,13 @@ def test_the_fsdp_trainer_publishes_its_whole_weights_in_the_serving_dtype(tmp_p
     assert published.keys() == {name for name in state if not name.endswith(MOMENTS)}
     for name, tensor in published.items():
         assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+
+
+def test_the_fsdp_trainer_loop_warms_up_keeps_a_kl_reference_checkpoints_and_resumes(tmp_path):
+    # local.yaml's KL term (0.05): the reference beside the sharded policy has its dense weights replicated
+    path = write_run(tmp_path, training={"steps": 3, "checkpoint_every": 2, "warmup_sft_steps": 1, "fsdp": True})
+    first = run_ranks(2, loop_resumed, str(path), rewarded_batch)
+    assert [r["step"] for r in first] == [3, 3] and first[0]["latest"] == "step-00000003"
+    assert first[0]["announced"] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    again = run_ranks(2, loop_resumed, str(path), rewarded_batch)
+    assert [r["lineage"] for r in again] == [1, 1] and again[0]["announced"] == [(1, 3)]
