@@ -57,10 +57,11 @@ def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_
     assert ("value_head.weight" in want_state) == (algorithm == "ppo")
 
 
-def test_a_rank_with_no_samples_under_fsdp_still_gives_the_gradient_of_one_process(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_rank_with_no_samples_under_fsdp_still_gives_the_gradient_of_one_process(tmp_path, algorithm):
     # Its forwards are empty: attention's projections leave its graph, and FSDP reduce-scatters zeros for them
-    # (reduce_scatter_unused_params), so both ranks' collectives stay the same size.
-    algo = {"name": "grpo", "kl_coef": 0.0, "entropy_coef": 0.01}
+    # (reduce_scatter_unused_params), so both ranks' collectives stay the same size. PPO: its GAE has no tokens.
+    algo = {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01}
     batch = Batch(0, 0, varied_batch().samples[2:3], varied_batch().stats)
     want, want_metrics = step_gradients(Trainer(tiny_run(tmp_path, algorithm=algo, **SECTIONS), None, 0, 1), batch)
     ranks = run_ranks(2, ep_step_gradients, str(write_run(tmp_path, algorithm=algo, **SECTIONS)), batch.to_json())
