@@ -177,15 +177,19 @@ def load_full_state(model: MoETransformer, state: dict[str, torch.Tensor]) -> No
         target.copy_(source)
 
 
-def unsharded_state(model: MoETransformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's state with FSDP's dense shards all-gathered into whole tensors (a collective when sharded:
-    every rank calls it), the experts as this rank's slice, cast to `dtype` (floating tensors only)."""
+def unsharded_state(model: MoETransformer, dtype: torch.dtype | None = None, *, keep_dense: bool = True
+                    ) -> dict[str, torch.Tensor]:
+    """The model's state with the experts as this rank's slice and every other tensor whole, cast to `dtype`
+    (floating tensors only). FSDP's shards are all-gathered (a collective: every rank calls it) one tensor at a
+    time into host memory, so no GPU holds more than one whole dense tensor; a rank that does not need them
+    (`keep_dense` false: only rank 0 publishes the dense weights) drops them as they arrive."""
     state = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach()
         if is_sharded(tensor):
-            tensor = tensor.full_tensor()
-        state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            tensor = tensor.full_tensor().cpu()
+        if keep_dense or EXPERT_MARK in name:
+            state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     return state
 
 
@@ -194,8 +198,8 @@ def gather_state(model: MoETransformer, dtype: torch.dtype | None = None) -> dic
     `dtype`; None on the other ranks. A collective under EP or FSDP. Expert tensors travel one at a time and go
     to host memory as they arrive, so no GPU holds more than one tensor's experts beyond its own slice: a model
     larger than one GPU publishes like one that fits."""
-    state = unsharded_state(model, dtype)
     ep = model.ep
+    state = unsharded_state(model, dtype, keep_dense=ep is None or ep.rank == 0)
     if ep is None or ep.size == 1:
         return {k: v.cpu() for k, v in state.items()}
     root = ep.rank == 0

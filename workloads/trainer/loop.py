@@ -369,7 +369,8 @@ class Trainer:
     def publish(self, version: int) -> None:
         """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
         then announced to the batch source)."""
-        self.publisher.publish(version, unsharded_state(self.model))  # FSDP: an all-gather on every rank
+        # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
+        self.publisher.publish(version, unsharded_state(self.model, keep_dense=self.rank == 0))
         self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
         if self.announcer is not None:
             self.announcer.published(version)
