@@ -49,7 +49,7 @@ class ParallelPlan:
     """How the model is laid out over the mesh. The default is one process with nothing applied; the trainer's
     plan before FSDP (ep_degree = its ranks, fsdp off) is exactly the EP trainer it always was."""
 
-    ep_degree: int = 1  # ranks the experts are split over; must be 1 or the mesh's size
+    ep_degree: int = 1  # ranks the experts are split over: the mesh's size (the one layout built)
     ep_backend: EpBackend = "alltoall"  # the dispatcher between EP ranks (core.run.resolve_run chooses it)
     ranks_per_node: int | None = None  # EP ranks per node (DeepEP's intranode limit); default: all of them
     fsdp: bool = False  # FSDP2 of the dense weights over "dp" (default: replicated on every rank)
@@ -74,9 +74,10 @@ def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertPa
     if model.compute_name != plan.compute:
         raise ValueError(f"parallelize: the model was built with compute {model.compute_name!r}, the plan says "
                          f"{plan.compute!r}; build it as MoETransformer(config, compute=plan.compute)")
-    if plan.ep_degree not in (1, size):
-        raise ValueError(f"ep_degree {plan.ep_degree} on a mesh of {size} ranks: experts split over part of the "
-                         f"data-parallel ranks is not built; use 1 or {size}")
+    if plan.ep_degree != size:
+        # Experts replicated over some ranks would need their gradients summed over those ranks: not built.
+        raise ValueError(f"ep_degree {plan.ep_degree} on a mesh of {size} ranks: only experts split over every "
+                         f"rank is built; use ep_degree {size}")
     if plan.ep_degree > 1 and ep is None:
         ep = ExpertParallel(mesh.get_group("dp"), plan.ep_backend, ranks_per_node=plan.ranks_per_node,
                             device=mesh.device_type)
