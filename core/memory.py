@@ -3,14 +3,16 @@ sharing a GPU by memory shares) and for the trainer-at-scale planner. Bytes, not
 counts (core/run.py ModelConfig) are the input.
 
 The trainer keeps float32 master weights, float32 gradients and AdamW's two float32 moments (16 bytes per
-parameter when all its parameters are on one rank) and, with a KL term, a frozen reference in float32. A rollout
-replica holds the weights in the served dtype and its KV cache: keys and values of every layer per position."""
+parameter when all its parameters are on one rank) and, with a KL term, a frozen reference in float32. Its routed
+experts are split over its ranks (EP); its dense weights are replicated, or with FSDP (rl.training.fsdp) sharded
+over the same ranks, state and all; the reference's dense weights stay replicated either way (it is never sharded:
+model/parallelize.py). A rollout replica holds the weights in the served dtype and its KV cache: keys and values
+of every layer per position."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 FP32 = 4
-TRAINER_STATE_BYTES_PER_PARAMETER = 4 * FP32  # master weights, gradients, AdamW exp_avg and exp_avg_sq
 # CUDA context, the caching allocator's slack and the kernels' workspaces: measured around 1-2 GiB on an H200.
 CUDA_OVERHEAD_BYTES = 2 * 2**30
 
@@ -23,11 +25,32 @@ class RoleMemory:
     per_token_bytes: int = 0  # KV cache per position (0 for the trainer, whose activations are not modelled here)
 
 
-def trainer_memory(*, replicated: int, experts: int, ranks: int, reference: bool) -> RoleMemory:
-    """The trainer's state on each of `ranks` expert-parallel ranks: the routed experts split evenly, every other
-    parameter replicated (today's trainer; FSDP would shard those too)."""
-    per_parameter = TRAINER_STATE_BYTES_PER_PARAMETER + (FP32 if reference else 0)
-    return RoleMemory((replicated + -(-experts // ranks)) * per_parameter + CUDA_OVERHEAD_BYTES)
+@dataclass(frozen=True)
+class TrainerState:
+    """What each trainer rank holds of the trained model, in bytes (float32 throughout)."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # AdamW's exp_avg and exp_avg_sq
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def trainer_state(*, replicated: int, experts: int, ranks: int, fsdp: bool) -> TrainerState:
+    """Each of `ranks` ranks' share of the trained parameters: the routed experts split evenly, the `replicated`
+    (dense) ones whole on every rank, or split evenly too with `fsdp`."""
+    parameters = -(-experts // ranks) + (-(-replicated // ranks) if fsdp else replicated)
+    return TrainerState(parameters * FP32, parameters * FP32, 2 * parameters * FP32)
+
+
+def trainer_memory(*, replicated: int, experts: int, ranks: int, reference: bool, fsdp: bool = False) -> RoleMemory:
+    """The trainer's state on each of `ranks` ranks (trainer_state), its float32 KL reference (experts split,
+    dense weights replicated), the CUDA overhead."""
+    state = trainer_state(replicated=replicated, experts=experts, ranks=ranks, fsdp=fsdp)
+    reference_bytes = (replicated + -(-experts // ranks)) * FP32 if reference else 0
+    return RoleMemory(state.total_bytes + reference_bytes + CUDA_OVERHEAD_BYTES)
 
 
 def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -374,6 +374,9 @@ class TrainingConfig:
     # attention kernel's output (no attention recomputation: 4.5 % faster at 8 x 8k tokens of Qwen3's shape on an
     # H200, same peak memory; workloads/BENCHMARKS.md).
     activation_checkpointing: Literal["off", "full", "save_attention"] = "save_attention"
+    # FSDP2 of the dense (non-expert) weights, their gradients and AdamW state over the trainer's ranks (the
+    # experts stay split by expert parallelism); default: replicated on every rank. PPO's value head stays replicated.
+    fsdp: bool = False
     # Learning rate per optimizer step (steps x epochs x mini-batches of them): linear warm-up from 0 over
     # lr_warmup_steps, then constant or cosine down to min_learning_rate at the last optimizer step.
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -471,7 +471,7 @@ def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: 
     experts = m.routed_expert_parameter_count()
     replicated = m.parameter_count() - experts
     trainer = memory.trainer_memory(replicated=replicated, experts=experts, ranks=len(local.trainer.gpus),
-                                    reference=run.rl.algorithm.kl_coef > 0)
+                                    reference=run.rl.algorithm.kl_coef > 0, fsdp=run.rl.training.fsdp)
     rollout = memory.rollout_memory(replicated=replicated, experts=experts, gpus=run.rollout.gpus_per_server,
                                     dtype_bytes=m.bytes_per_parameter, layers=m.num_hidden_layers,
                                     kv_heads=m.num_key_value_heads, head_dim=m.head_dim)

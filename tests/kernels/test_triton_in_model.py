@@ -5,6 +5,7 @@ import torch
 
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
 
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, rope_theta=10000.0,
@@ -39,7 +40,7 @@ def test_fused_training_norms_under_autocast_match_the_plain_modules():
     config = ModelConfig(**{**TINY, "num_hidden_layers": 1})
     torch.manual_seed(0)
     model = MoETransformer(config, compute="triton")
-    model.activation_checkpointing = "save_attention"
+    checkpoint_layers(model, "save_attention")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

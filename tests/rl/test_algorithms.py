@@ -35,6 +35,11 @@ def test_gae_matches_hand_computation_and_ignores_padding():
     assert torch.allclose(ret, torch.tensor([[0.9, 1.0, 0.0]]))
 
 
+def test_gae_of_a_rank_with_no_samples_is_empty():
+    adv, ret = gae(torch.zeros(0, 0), torch.zeros(0, 0), torch.zeros(0, 0), gamma=1.0, lam=0.95)
+    assert adv.shape == ret.shape == (0, 0)
+
+
 def test_terminal_rewards_sit_on_the_last_completion_token():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     assert torch.equal(terminal_rewards(torch.tensor([2.0, 3.0]), mask), torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 0.0]]))

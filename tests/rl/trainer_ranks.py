@@ -65,19 +65,28 @@ def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:
     return seen, metrics
 
 
+def whole(name: str, tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """The whole tensor of what this rank holds: an FSDP shard all-gathered, the experts' slices concatenated from
+    every rank (both collectives: every rank calls it for the same names)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    if world > 1 and ".mlp.experts." in name:
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+    return tensor
+
+
 def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
-    """One RL step on `world` EP ranks; the gradients with the experts' slices gathered (full tensors)."""
+    """One RL step on `world` ranks; the gradients (whole tensors), the metrics, this rank's samples, and the
+    weights and AdamW moments after the step (whole tensors)."""
     trainer = Trainer(load_run(run_path), None, rank, world)
     grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
-    full = {}
-    for name, grad in grads.items():
-        if ".mlp.experts." in name:
-            parts = [torch.empty_like(grad) for _ in range(world)]
-            dist.all_gather(parts, grad)
-            grad = torch.cat(parts)
-        full[name] = grad
     share = trainer._share(Batch.from_json(batch_json).samples)
-    return {"grads": full, "metrics": metrics, "samples": sorted(s.id for s in share)}
+    return {"grads": {name: whole(name, grad, world) for name, grad in grads.items()}, "metrics": metrics,
+            "samples": sorted(s.id for s in share), "state": full_state(trainer)}
 
 
 class ListSource:
@@ -127,18 +136,12 @@ def _loop_result(trainer: Trainer, code: int) -> dict:
 
 
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Weights and AdamW moments by name, the experts' slices gathered from every rank (whole tensors)."""
+    """Weights and AdamW moments by name, whole tensors (FSDP shards and expert slices gathered from every rank)."""
     names = {id(t): n for n, t in trainer._trained_state().items()}
     state = {n: t.detach().clone() for n, t in trainer._trained_state().items()}
     for p, entries in trainer.optimizer.state.items():
         state.update({f"{names[id(p)]}.{k}": v.clone() for k, v in entries.items() if v.dim()})
-    if trainer.world > 1:
-        for name, t in state.items():
-            if ".mlp.experts." in name:
-                parts = [torch.empty_like(t) for _ in range(trainer.world)]
-                dist.all_gather(parts, t.contiguous())
-                state[name] = torch.cat(parts)
-    return state
+    return {name: whole(name, t, trainer.world) for name, t in state.items()}
 
 
 def train_and_checkpoint(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
@@ -175,3 +178,21 @@ def trained_then_resumed(rank: int, world: int, run_path: str, batches: list[dic
         resumed.step += 1
     a, b = full_state(straight), full_state(resumed)
     return [name for name in a if not torch.equal(a[name], b[name])]
+
+
+def train_and_publish(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step, then the weights published as version 1 (each rank writing its part); this rank's whole state
+    and, on rank 0, the published version's tensors."""
+    from moe_rl_eks.workloads.model.checkpoint import load_hf
+    from moe_rl_eks.workloads.rl.protocol import VersionRef
+
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    trainer.rl_step(Batch.from_json(batch_json))
+    trainer.start_publishing()
+    trainer.publish(1)
+    trainer.stop_publishing()
+    published = None
+    if rank == 0:
+        directory = trainer.store.fetch(VersionRef(trainer.lineage, 1), trainer.out / "fetched")
+        published = load_hf(directory)[1]
+    return {"state": full_state(trainer), "published": published}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.parallelize import checkpoint_layers, gather_state
 from moe_rl_eks.workloads.moe.parallel import ExpertParallel
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,14 +135,14 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
                 if scenario == "packed_recomputed":
                     # The trainer's micro-batch: this rank's sequences packed into one row, layers recomputed in
                     # the backward (their all-to-alls replayed); the local reference runs them unpacked, whole.
-                    model.activation_checkpointing = "save_attention"
+                    checkpoint_layers(model, "save_attention")
                     out = model(ids.reshape(1, -1), sequence_lengths=[ids.shape[1]] * ids.shape[0])
                     out.logits = out.logits.view(*ids.shape, config.vocab_size)
                 else:
                     out = model(ids, routing_replay=replay)
             loss = _loss(out)
             loss.backward()
-            ep.sum_replicated_grads(model)
+            ep.sum_replicated_grads(replicated(model))
             grads = {}
             for name, p in model.named_parameters():
                 g = p.grad.float().cpu()
@@ -149,6 +150,11 @@ def compare_backends(rank: int, world: int, backends: tuple[str, ...], device: s
             results[scenario, backend] = dict(logits=_gather_objects(out.logits.detach().float().cpu(), world),
                                               loss=sum(_gather_objects(loss.item(), world)), grads=grads)
     return results
+
+
+def replicated(model) -> list[torch.Tensor]:
+    """The weights every EP rank holds a copy of: all but the experts."""
+    return [p for name, p in model.named_parameters() if ".mlp.experts." not in name]
 
 
 def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
@@ -174,12 +180,12 @@ def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
         out = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, CONFIG.vocab_size), ids[:, 1:].reshape(-1))
         (loss + out.aux_loss).backward()
-        ep.sum_replicated_grads(model)
+        ep.sum_replicated_grads(replicated(model))
         optimizer.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    state, bf16 = model.gather_state(), model.gather_state(torch.bfloat16)
+    state, bf16 = gather_state(model), gather_state(model, torch.bfloat16)
     if rank == 0:
         save_hf(state, CONFIG, checkpoint_dir)
     else:
@@ -189,3 +195,60 @@ def train_toy(rank: int, world: int, steps: int, checkpoint_dir: str) -> dict:
         final = model(ids[:, :-1]).logits
     return dict(losses=losses, ids=ids, logits=final, rank1_down_proj=slices[1], backend=ep.backend,
                 bf16_down_proj=bf16 and bf16["model.layers.0.mlp.experts.down_proj"])
+
+
+def parallelized_against_constructed(rank: int, world: int) -> dict:
+    """The model laid out by `parallelize` from the meta device against `MoETransformer(ep=...)` on the same
+    weights and tokens: names of the tensors (loss, gradients) that differ on any rank, and the expert shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_rl_eks.workloads.model.parallelize import ParallelPlan, load_full_state, parallelize
+    from moe_rl_eks.workloads.model.transformer import expert_slice
+    from moe_rl_eks.workloads.moe.parallel import local_experts
+
+    torch.manual_seed(0)
+    full = MoETransformer(CONFIG).state_dict()
+    constructed = MoETransformer(CONFIG, ep=ExpertParallel(dist.group.WORLD, "alltoall"))
+    constructed.load_full_state_dict(full)
+    with torch.device("meta"):
+        seamed = MoETransformer(CONFIG)
+    ep = parallelize(seamed, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), ParallelPlan(ep_degree=world))
+    seamed.to_empty(device="cpu")
+    load_full_state(seamed, expert_slice(full, local_experts(ep, CONFIG.num_experts)))
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(rank))
+    results = []
+    for model in (constructed, seamed):
+        out = model(ids)
+        loss = out.logits.square().mean() + out.aux_loss
+        loss.backward()
+        results.append({"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}})
+    differ = [name for name, want in results[0].items() if not torch.equal(results[1][name], want)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, differ)
+    return {"differ": sorted({name for names in everyone for name in names}), "names": sorted(results[1]),
+            "expert_shape": tuple(seamed.model.layers[0].mlp.experts.gate_up_proj.shape)}
+
+
+def sharded_state_bytes(rank: int, world: int, config: ModelConfig) -> dict:
+    """This rank's float32 bytes of parameters, gradients and AdamW moments of `config`'s model laid out by the
+    trainer's FSDP plan on the meta device (nothing allocated): the sharded parameters themselves, gradients and
+    moments as AdamW makes them after one step on zero gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_rl_eks.workloads.model.parallelize import ParallelPlan, local, parallelize
+
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+                ParallelPlan(ep_degree=world, fsdp=True))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+
+    def nbytes(tensors) -> int:
+        return sum(local(t).numel() * local(t).element_size() for t in tensors)
+    moments = [v for state in optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"parameter_bytes": nbytes(params), "gradient_bytes": nbytes(p.grad for p in params),
+            "optimizer_bytes": nbytes(moments)}

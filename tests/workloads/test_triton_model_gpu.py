@@ -8,6 +8,7 @@ import torch
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.kernels.norm_training import rms_norm_training
 from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
 from moe_rl_eks.workloads.model.transformer import RMSNorm
 
 if not torch.cuda.is_available():
@@ -57,7 +58,7 @@ def test_fused_training_norms_are_as_close_to_float32_as_the_plain_modules():
     config = ModelConfig(**SHAPE)
     torch.manual_seed(0)
     model = MoETransformer(config, compute="torch").to("cuda")
-    model.activation_checkpointing = "save_attention"
+    checkpoint_layers(model, "save_attention")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -43,6 +43,7 @@ from moe_rl_eks.core.rl_config import AlgorithmConfig
 from moe_rl_eks.core.run import ModelConfig, load_run
 
 from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
 from moe_rl_eks.workloads.moe.parallel import ExpertParallel
 from moe_rl_eks.workloads.rl.algorithms import Algorithm
 from moe_rl_eks.workloads.rl.losses import PolicyBatch, Totals
@@ -370,7 +371,7 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
             print(result["errors"][-1], flush=True)
             continue
         for checkpointing in args.checkpointing.split(","):
-            step.model.activation_checkpointing = checkpointing
+            checkpoint_layers(step.model, checkpointing)
             for sequences, sequence in args.shapes:
                 row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
                 if args.profile and lead and row["status"] == "ok" and ep is None:

@@ -230,7 +230,7 @@ def save_hf(model_or_state_dict: nn.Module | dict[str, torch.Tensor], config: Mo
             *, max_shard_bytes: int = 5 * 2**30) -> dict[str, dict]:
     """Write config.json and safetensors shards (with an index when there is more than one) into `directory`;
     returns each file's manifest facts (size, checksums), computed while writing. A module is saved through its
-    state_dict(): pass `model.gather_state()` (a collective) from EP ranks. Files are written under temporary
+    state_dict(): pass `parallelize.gather_state(model)` (a collective) from EP ranks. Files are written under temporary
     names and renamed, so a crash leaves no half-written checkpoint."""
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
     state = {name: t.detach() for name, t in state.items()}

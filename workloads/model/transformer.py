@@ -1,24 +1,23 @@
 """A decoder-only MoE transformer with Qwen3-MoE's layout and parameter names (so Hugging Face checkpoints load
 and save; see checkpoint.py), DeepSeek-V3-style router options, expert parallelism, and routing replay for training
 on the experts the rollout used. Its forward is the trainer's (whole sequences, or sequences packed in one row);
-the rollout engine runs the same modules over its paged KV cache (workloads/rollout/model_runner.py)."""
+the rollout engine runs the same modules over its paged KV cache (workloads/rollout/model_runner.py). Plain
+PyTorch: activation checkpointing, FSDP and the trainer's expert split are applied from outside (parallelize.py),
+and so are the collectives that gather its state."""
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as recomputed, create_selective_checkpoint_contexts,
-                                    set_checkpoint_early_stop)
 from torch import nn
 
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.core.schema import parse
 
-from ..moe.dispatch import LocalDispatcher, through_host
+from ..moe.dispatch import LocalDispatcher
 from ..moe.layer import MoEBlock
 from ..moe.parallel import ExpertParallel, local_experts
 from ..moe.router import balance_bias_step
@@ -37,18 +36,6 @@ class ModelOutput:
     routing: list[torch.Tensor] | None  # per MoE layer: expert ids [B, S, k] (int64), when return_routing
     aux_loss: torch.Tensor  # router_aux_loss_coef x mean per-layer balance loss (0 when the coefficient is 0)
     expert_load: torch.Tensor  # [L, E] (token, slot) pairs per expert per layer, this rank's real tokens; detached
-
-
-# What "save_attention" checkpointing keeps of a layer: the attention kernels' outputs (flash, memory-efficient,
-# cuDNN on GPUs; the CPU kernel here), whose recomputation is the costliest part of a long sequence's layer.
-ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
-CHECKPOINTING = ("off", "full", "save_attention")
-
-
-def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +141,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         parse(ModelConfig, asdict(config), source="model config")  # ConfigError naming the field
         self.config, self.ep = config, ep
-        self.compute = get_compute(compute)
+        self.compute, self.compute_name = get_compute(compute), compute
         layers = []
         for _ in range(config.num_hidden_layers):
             dispatcher = (ep.dispatcher(self.compute, config.num_experts, config.hidden_size) if ep is not None
@@ -163,10 +150,6 @@ class MoETransformer(nn.Module):
                                        self.compute.norm))
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Recompute decoder layers' activations in the backward instead of keeping them (training only): "full"
-        # keeps only each layer's input, "save_attention" also the attention kernel's output (no attention
-        # recomputation). Set by the trainer from rl.training.activation_checkpointing.
-        self.activation_checkpointing: str = "off"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -215,22 +198,10 @@ class MoETransformer(nn.Module):
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, h.dtype)
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not one of {CHECKPOINTING}")
-        recompute = self.activation_checkpointing != "off" and torch.is_grad_enabled()
-        context = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_attention)}
-                   if self.activation_checkpointing == "save_attention" else {})
         routing, aux, loads = [], [], []
         for i, layer in enumerate(self.model.layers):
             replay = routing_replay[i].reshape(b * s, c.num_experts_per_tok) if routing_replay is not None else None
-            args = (h, cos, sin, mask, replay, sequence_lengths)
-            if recompute:
-                # Early stop off: the recomputation must replay every collective of the layer (the EP
-                # all-to-alls) on every rank, whatever the rank's own tensors need.
-                with set_checkpoint_early_stop(False):
-                    h, ids, layer_aux, load = recomputed(layer, *args, use_reentrant=False, **context)
-            else:
-                h, ids, layer_aux, load = layer(*args)
+            h, ids, layer_aux, load = layer(h, cos, sin, mask, replay, sequence_lengths)
             routing.append(ids.view(b, s, c.num_experts_per_tok))
             aux.append(layer_aux)
             loads.append(load)
@@ -248,31 +219,6 @@ class MoETransformer(nn.Module):
         for layer, load in zip(self.model.layers, expert_load):
             bias = layer.mlp.gate.e_score_correction_bias
             bias.copy_(balance_bias_step(bias, load, rate))
-
-    def gather_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-        """The whole model's state (Hugging Face names, fused experts [E, ...]) in host memory on EP rank 0, cast
-        to `dtype`; None on the other ranks. Under EP this is a collective. Tensors travel one at a time and go
-        to host memory as they arrive, so no GPU holds more than one tensor's experts beyond its own slice: a
-        model larger than one GPU publishes like one that fits."""
-        state = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
-                 for k, v in self.state_dict().items()}
-        if self.ep is None or self.ep.size == 1:
-            return {k: v.cpu() for k, v in state.items()}
-        import torch.distributed as dist
-
-        root = self.ep.rank == 0
-        gathered = {} if root else None
-        for name, tensor in state.items():
-            if ".mlp.experts." not in name:
-                if root:
-                    gathered[name] = tensor.cpu()
-                continue
-            local = tensor.cpu() if through_host(tensor, self.ep.group) else tensor.contiguous()
-            parts = [torch.empty_like(local) for _ in range(self.ep.size)] if root else None
-            dist.gather(local, parts, dst=dist.get_global_rank(self.ep.group, 0), group=self.ep.group)
-            if root:
-                gathered[name] = torch.cat([part.cpu() for part in parts])
-        return gathered
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""

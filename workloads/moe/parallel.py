@@ -116,12 +116,12 @@ class ExpertParallel:
             self._deepep_buffer = make_buffer(self.group, hidden_size)
         return DeepEPDispatcher(compute, num_experts, self._deepep_buffer)
 
-    def sum_replicated_grads(self, module) -> None:
-        """All-reduce (sum) the gradients of the weights every rank holds a copy of (all but the experts), so
+    def sum_replicated_grads(self, params) -> None:
+        """All-reduce (sum) the gradients of `params`, weights every rank holds a copy of (not the experts), so
         they equal the gradient of the sum of the ranks' losses, as the experts' gradients already do. A weight
         this rank's tokens never reached (a rank with no tokens) adds zeros, so every rank reduces the same
         bytes. One flat buffer, one collective."""
-        params = [p for name, p in module.named_parameters() if p.requires_grad and ".mlp.experts." not in name]
+        params = [p for p in params if p.requires_grad]
         if not params or self.size == 1:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

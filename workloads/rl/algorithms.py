@@ -153,8 +153,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     tokens, right-padded). Returns (advantages, returns) [B, T], zero outside the mask; the value after the last
     completion token is 0 (the episode ends)."""
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
+    # Sized from B alone: a trainer rank with no samples has [0, 0] and no position to index.
+    next_value = values.new_zeros(values.shape[0])
+    running = values.new_zeros(values.shape[0])
     for t in reversed(range(values.shape[1])):
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]

@@ -2,6 +2,8 @@
 and their optimizer state; replicated weights once), the metadata records each tensor's global shape, so a
 checkpoint loads on any number of trainer ranks: each reads the slices it owns now. Step, lineage, Python RNG and
 the orchestrator's state (data cursor, buffered and in-flight groups, served batches) are JSON from rank 0.
+Sharding the dense weights (rl.training.fsdp) changes no key and no global shape, only which rank writes which
+slice, so the format is the same with and without it: no version to tell them apart.
 
 Written into a staging directory and renamed into place once every rank has finished, so a crash mid-write
 leaves the previous checkpoint intact. Nothing is unpickled on load: tensors are read with torch.load's

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 import urllib.error
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Protocol
 
 import torch
@@ -31,6 +31,7 @@ from moe_rl_eks.core.run import RunConfig, resolve_run
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
+from ..model.parallelize import ParallelPlan, gather_state, load_full_state, parallelize, unsharded_state
 from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from ..rl.algorithms import SequenceScores, make_algorithm
@@ -151,18 +152,23 @@ class Trainer:
         self.out = output_dir(run)
         self.ckpt_root = self.out / "checkpoints"
         self.store = open_store(run.rl.weights, self.out / "weights")
-        backend = resolved_backend(run)
         self.device = train_device()
-        self.ep = (ExpertParallel(dist.group.WORLD, backend, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                                  device=str(self.device)) if world > 1 else None)
+        # One data-parallel dimension over every rank; the experts are split over the same ranks (EP degree =
+        # world), the dense weights replicated or, with rl.training.fsdp, sharded (model/parallelize.py).
+        self.mesh = None
+        if world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+        self.plan = ParallelPlan(ep_degree=world, ep_backend=resolved_backend(run),
+                                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), fsdp=self.cfg.fsdp,
+                                 activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute)
         torch.manual_seed(self.cfg.seed)
-        state = initial_weights(run, local_experts(self.ep, run.model.num_experts))
-        self.model = MoETransformer(run.model, ep=self.ep, compute=run.moe_compute)
-        self.model.load_state_dict(state)
-        self.model.to(self.device)
-        self.model.activation_checkpointing = self.cfg.activation_checkpointing
-        # PPO's critic: a linear value head on the final hidden states the model returns, replicated like every
-        # non-expert weight. It is not part of the published policy.
+        self.model, self.ep = self._build_model(self.plan)
+        load_full_state(self.model, initial_weights(run, local_experts(self.ep, run.model.num_experts)))
+        # PPO's critic: a linear value head on the final hidden states the model returns, replicated on every rank
+        # (also under FSDP: it is one row; its gradient is summed with the EP all-reduce). It is not part of the
+        # published policy.
         self.value_head: torch.nn.Linear | None = None
         if self.algorithm.needs_values:
             self.value_head = torch.nn.Linear(run.model.hidden_size, 1)
@@ -186,7 +192,6 @@ class Trainer:
         # (every collective on the CPU; object broadcasts and barriers beside NCCL) the two threads' calls would
         # meet in a different order on each rank. One rank has no peer to disagree with: the default group serves.
         self.checkpoint_group = dist.new_group(backend="gloo") if world > 1 else None
-        self._mesh = None
         self._pending_checkpoint = None
         self.publisher: Publisher | None = None
         self.announcer: Announcer | None = None
@@ -196,6 +201,15 @@ class Trainer:
         self.writer = None
         self.last_metrics: dict[str, float] = {}
         self.prometheus = Registry()
+
+    def _build_model(self, plan: ParallelPlan, ep: ExpertParallel | None = None
+                     ) -> tuple[MoETransformer, ExpertParallel | None]:
+        """The model laid out by `plan`, uninitialised on this rank's device: built on the meta device and
+        parallelized there, so no rank allocates the experts it does not own."""
+        with torch.device("meta"):
+            model = MoETransformer(self.run.model, compute=plan.compute)
+        ep = parallelize(model, self.mesh, plan, ep=ep)
+        return model.to_empty(device=self.device), ep
 
     # ---- batches as micro-batches -------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -355,7 +369,8 @@ class Trainer:
     def publish(self, version: int) -> None:
         """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
         then announced to the batch source)."""
-        self.publisher.publish(version, self.model.state_dict())
+        # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
+        self.publisher.publish(version, unsharded_state(self.model, keep_dense=self.rank == 0))
         self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
         if self.announcer is not None:
             self.announcer.published(version)
@@ -428,15 +443,13 @@ class Trainer:
         return state
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As DCP should see it: FSDP's shards are DTensors already; an expert slice becomes one (sharded along
+        the expert dimension over the EP ranks); a replicated tensor stays whole, and DCP writes it once."""
         if self.world == 1 or ".mlp.experts." not in name:
-            return tensor  # replicated: DCP writes it once
+            return tensor
         from torch.distributed.tensor import DTensor, Shard
 
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._mesh = init_device_mesh(self.device.type, (self.world,))
-        return DTensor.from_local(tensor, self._mesh, [Shard(0)], run_check=False)
+        return DTensor.from_local(tensor, self.mesh, [Shard(0)], run_check=False)
 
     def try_resume(self) -> bool:
         """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""
@@ -486,9 +499,11 @@ class Trainer:
             self._save_eval_weights("warmup")
         if self.algorithm.needs_reference:
             # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
-            self.reference = MoETransformer(self.run.model, ep=self.ep, compute=self.run.moe_compute)
-            self.reference.load_full_state_dict(load_hf(self.out / "eval" / "warmup")[1])
-            self.reference.to(self.device)
+            # Frozen, so its dense weights stay replicated (nothing of it is trained) and never recomputed.
+            plan = replace(self.plan, fsdp=False, activation_checkpointing="off")
+            self.reference, _ = self._build_model(plan, ep=self.ep)
+            full = load_hf(self.out / "eval" / "warmup")[1]
+            load_full_state(self.reference, expert_slice(full, local_experts(self.ep, self.run.model.num_experts)))
             self.reference.requires_grad_(False)
         self.publish(self.step)
         if self.rank == 0:
@@ -531,7 +546,7 @@ class Trainer:
 
     def _save_eval_weights(self, name: str) -> None:
         """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
-        state = self.model.gather_state()  # collective; the state on rank 0 only
+        state = gather_state(self.model)  # collective; the state on rank 0 only
         if self.rank == 0:
             save_hf(state, self.run.model, self.out / "eval" / name)
         if self.world > 1:

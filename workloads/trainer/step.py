@@ -1,7 +1,8 @@
 """One optimizer step of the trainer, from tensors: forward each micro-batch (packed sequences, hidden states,
 chunked token log-probabilities), its loss, backward (gradients accumulate), then the gradient all-reduce of the
-replicated weights, the global gradient norm and clipping, the optimizer step. Everything a step reports (loss
-terms, the norm's expert part, each rank's arrival time, the expert load) is reduced in ONE all-reduce.
+replicated weights (FSDP's shards were reduce-scattered in the backward), the global gradient norm and clipping,
+the optimizer step. Everything a step reports (loss terms, the norm's part from weights split over ranks, each
+rank's arrival time, the expert load) is reduced in ONE all-reduce.
 
 It knows nothing of fetching, publishing, checkpoints or signals (trainer.py's loop), nor of the algorithm beyond
 the loss function it is handed. Under expert parallelism every forward is a collective, so every rank must run
@@ -20,6 +21,7 @@ from moe_rl_eks.core.rl_config import TrainingConfig
 
 from ..model import MoETransformer
 from ..model.logprobs import token_logprobs_and_entropy
+from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
 from .microbatch import Sequences
 
@@ -55,8 +57,9 @@ def learning_rate(cfg: TrainingConfig, optimizer_step: int, total_steps: int) ->
 
 
 def squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of the squared gradient norms, float64, without a float64 copy of any gradient."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Sum of the squared gradient norms (of this rank's part of a sharded one), float64, without a float64 copy
+    of any gradient."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.nn.utils.get_total_norm(grads).double().square().to(device)
@@ -70,8 +73,11 @@ class TrainStep:
         self.ep, self.world, self.rank, self.device = ep, world, rank, device
         self.grad_clip, self.bf16 = grad_clip, bf16
         self.trained = torch.nn.ModuleList([model, *([value_head] if value_head is not None else [])])
-        self.expert_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK in n]
-        self.shared_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK not in n]
+        # Split across ranks (experts by EP, dense weights by FSDP): each rank adds its part's squared norm to the
+        # step's one all-reduce. Replicated (every other weight): summed by EP's all-reduce, then equal everywhere.
+        self.split_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK in n or is_sharded(p)]
+        split = set(self.split_params)
+        self.replicated_params = [p for p in self.trained.parameters() if p not in split]
 
     def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
                 values: bool = False) -> Forward:
@@ -108,20 +114,27 @@ class TrainStep:
             load = fwd.expert_load.double() if load is None else load + fwd.expert_load
         arrived = time.monotonic() - started
         if self.ep is not None:
-            self.ep.sum_replicated_grads(self.trained)
-        expert_sq = squared_norm(self.expert_params, self.device)
+            self.ep.sum_replicated_grads(self.replicated_params)
+        split_sq = squared_norm(self.split_params, self.device)
         keys = sorted(sums)
         arrivals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
         arrivals[self.rank] = arrived
-        # The one collective: loss terms, the experts' squared gradient norm (each rank holds other experts;
-        # replicated gradients are equal everywhere after the sync), arrivals, expert load.
+        # The one collective: loss terms, the split weights' squared gradient norm (each rank holds other experts
+        # and other shards; replicated gradients are equal everywhere after the sync), arrivals, expert load.
         packed = torch.cat([torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device),
-                            expert_sq.reshape(1), arrivals, load.reshape(-1).to(self.device)])
+                            split_sq.reshape(1), arrivals, load.reshape(-1).to(self.device)])
         if self.world > 1:
             dist.all_reduce(packed)
         n = len(keys)
-        norm = torch.sqrt(packed[n] + squared_norm(self.shared_params, self.device))
-        torch.nn.utils.clip_grads_with_norm_(self.trained.parameters(), self.grad_clip, norm)
+        norm = torch.sqrt(packed[n] + squared_norm(self.replicated_params, self.device))
+        # torch's clip_grads_with_norm_ on the local tensors (its foreach kernels take no mix of DTensors and
+        # tensors); the same coefficient and product, so replicated layouts step bitwise as before.
+        with torch.no_grad():
+            coefficient = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            for p in self.trained.parameters():
+                if p.grad is not None:
+                    grad = local(p.grad)
+                    grad.mul_(coefficient.to(grad.device))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

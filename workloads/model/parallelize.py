@@ -1,0 +1,218 @@
+"""Parallelism applied to a MoETransformer from outside it, torchtitan's `parallelize_<model>(model, dims, job)`
+shape: expert parallelism, activation checkpointing and FSDP2 over a DeviceMesh, chosen by a `ParallelPlan`. The
+model file stays plain PyTorch (no process group, no collective); every collective of the trainer's model state
+(publishing, gathering, loading) lives here, beside the layout that needs it.
+
+It lives in the model's room, not the trainer's, because it rewires the model's own modules and knows nothing of
+training beyond which weights are sharded; any role that holds a model may apply it (the trainer today; a sharded
+rollout replica still builds its experts' split through `MoETransformer(ep=...)`).
+
+Order, as torchtitan applies it: expert parallelism (each rank keeps its contiguous slice of the experts and a
+dispatcher over the EP ranks), activation checkpointing (each decoder layer recomputed in the backward), then
+FSDP2 (`fully_shard` per decoder layer, then the root) of the dense weights over the data-parallel mesh dimension,
+the experts left out (EP already splits them). Apply it to a model built on the meta device, then `to_empty` onto
+the rank's device and `load_full_state`: no rank ever holds every expert.
+
+Layouts: a 1-D mesh named "dp" whose ranks are also the EP ranks (EP degree = the mesh's size: the experts split
+over every rank, as the trainer always has); with `fsdp` the dense weights are sharded over the same ranks, else
+replicated. EP over part of the data-parallel ranks (torchtitan's `dp_shard_mod_ep`) is not built: refused."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as recomputed, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
+
+from moe_rl_eks.core.ep_backends import EpBackend
+
+from ..moe.dispatch import LocalDispatcher, through_host
+from ..moe.layer import Experts
+from ..moe.parallel import ExpertParallel
+from .transformer import MoETransformer
+
+EXPERT_MARK = ".mlp.experts."
+# What "save_attention" checkpointing keeps of a layer: the attention kernels' outputs (flash, memory-efficient,
+# cuDNN on GPUs; the CPU kernel here), whose recomputation is the costliest part of a long sequence's layer.
+ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
+CHECKPOINTING = ("off", "full", "save_attention")
+Checkpointing = Literal["off", "full", "save_attention"]
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the model is laid out over the mesh. The default is one process with nothing applied; the trainer's
+    plan before FSDP (ep_degree = its ranks, fsdp off) is exactly the EP trainer it always was."""
+
+    ep_degree: int = 1  # ranks the experts are split over: the mesh's size (the one layout built)
+    ep_backend: EpBackend = "alltoall"  # the dispatcher between EP ranks (core.run.resolve_run chooses it)
+    ranks_per_node: int | None = None  # EP ranks per node (DeepEP's intranode limit); default: all of them
+    fsdp: bool = False  # FSDP2 of the dense weights over "dp" (default: replicated on every rank)
+    activation_checkpointing: Checkpointing = "off"  # "full": keep each layer's input; "save_attention": also
+    # the attention kernels' outputs
+    compute: str = "torch"  # the model's compute backend (model/backends.py), chosen when the model is built
+
+    def __post_init__(self):
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not one of "
+                             f"{CHECKPOINTING}")
+        if self.ep_degree < 1:
+            raise ValueError(f"ep_degree must be >= 1, got {self.ep_degree}")
+
+
+def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertParallel | None = None
+                ) -> ExpertParallel | None:
+    """Apply `plan` to `model` (built on the meta device with `compute=plan.compute`, every expert) over `mesh`
+    (a 1-D DeviceMesh named "dp"; None for one process) in place. `ep`: an ExpertParallel already made for this
+    mesh (the policy's, for its reference model, so both share DeepEP's buffers). Returns the model's EP."""
+    size = 1 if mesh is None else mesh.size()
+    if model.compute_name != plan.compute:
+        raise ValueError(f"parallelize: the model was built with compute {model.compute_name!r}, the plan says "
+                         f"{plan.compute!r}; build it as MoETransformer(config, compute=plan.compute)")
+    if plan.ep_degree != size:
+        # Experts replicated over some ranks would need their gradients summed over those ranks: not built.
+        raise ValueError(f"ep_degree {plan.ep_degree} on a mesh of {size} ranks: only experts split over every "
+                         f"rank is built; use ep_degree {size}")
+    if plan.ep_degree > 1 and ep is None:
+        ep = ExpertParallel(mesh.get_group("dp"), plan.ep_backend, ranks_per_node=plan.ranks_per_node,
+                            device=mesh.device_type)
+    split_experts(model, ep if plan.ep_degree > 1 else None)
+    checkpoint_layers(model, plan.activation_checkpointing)
+    if plan.fsdp and size > 1:
+        shard_dense(model, mesh)
+    return model.ep
+
+
+def split_experts(model: MoETransformer, ep: ExpertParallel | None) -> None:
+    """Each MoE layer keeps this rank's contiguous slice of the experts and dispatches over `ep` (None: every
+    expert, local dispatch). The new expert tensors are made where the old ones were (meta, before to_empty)."""
+    c = model.config
+    for layer in model.model.layers:
+        block = layer.mlp
+        block.dispatcher = (ep.dispatcher(model.compute, c.num_experts, c.hidden_size) if ep is not None
+                            else LocalDispatcher(model.compute, c.num_experts))
+        if block.dispatcher.num_local_experts != block.experts.gate_up_proj.shape[0]:
+            with torch.device(block.experts.gate_up_proj.device):
+                block.experts = Experts(block.dispatcher.num_local_experts, c.hidden_size, c.moe_intermediate_size)
+    model.ep = ep
+
+
+def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed_forward(forward, context: dict, *args):
+    if not torch.is_grad_enabled():  # scoring, rollouts: nothing to keep for a backward
+        return forward(*args)
+    # Early stop off: the recomputation must replay every collective of the layer (the EP all-to-alls, FSDP's
+    # all-gathers are outside it) on every rank, whatever the rank's own tensors need.
+    with set_checkpoint_early_stop(False):
+        return recomputed(forward, *args, use_reentrant=False, **context)
+
+
+def checkpoint_layers(model: MoETransformer, mode: Checkpointing) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them ("off" undoes it). The
+    layer's own forward is wrapped in place rather than the layer in a wrapper module, so parameter names stay
+    Hugging Face's (checkpoints, publication, DCP keys)."""
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing {mode!r} is not one of {CHECKPOINTING}")
+    context = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_attention)}
+               if mode == "save_attention" else {})
+    for layer in model.model.layers:
+        layer.__dict__.pop("forward", None)  # back to the class's forward
+        if mode != "off":
+            layer.forward = functools.partial(_recomputed_forward, layer.forward, context)
+
+
+def shard_dense(model: MoETransformer, mesh) -> None:
+    """FSDP2 over `mesh`: one group per decoder layer (its attention, norms and router), then the root (embedding,
+    final norm, lm_head). The experts are left out: EP splits them, and their gradients already sum over ranks.
+    Float32 parameters and reductions (no MixedPrecisionPolicy): the trainer keeps float32 master weights and
+    autocasts to bf16 on GPUs. Gradients are summed, not averaged: each rank's loss is its share of the whole
+    batch's, as the EP trainer's all-reduce sums them."""
+    from torch.distributed.fsdp import fully_shard
+
+    experts = {p for name, p in model.named_parameters() if EXPERT_MARK in name}
+    groups = [fully_shard(layer, mesh=mesh, ignored_params=experts) for layer in model.model.layers]
+    groups.append(fully_shard(model, mesh=mesh, ignored_params=experts))
+    for group in groups:  # these two settings are each group's own (they do not recurse)
+        group.set_gradient_divide_factor(1.0)
+        # A plain SUM on the wire: a custom factor is otherwise NCCL's PREMUL_SUM, which gloo refuses.
+        group.set_force_sum_reduction_for_comms(True)
+    # A rank with no tokens leaves attention's projections out of its graph (Attention.forward's empty batch):
+    # zeros keep every rank's reduce-scatter the same size.
+    groups[-1].set_reduce_scatter_unused_params(True)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP shard's local tensor, or the tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+@torch.no_grad()
+def load_full_state(model: MoETransformer, state: dict[str, torch.Tensor]) -> None:
+    """Load a state whose dense tensors are whole and whose experts are this rank's slice (trainer.initial_weights)
+    into a parallelized model: FSDP's parameters take their shard of the whole tensor, cut here without a
+    collective (every rank holds the same whole tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mine = model.state_dict()
+    if mine.keys() != state.keys():
+        raise ValueError(f"load_full_state: missing {sorted(mine.keys() - state.keys())}, unexpected "
+                         f"{sorted(state.keys() - mine.keys())}")
+    for name, target in mine.items():
+        source = state[name].to(local(target).device)
+        if is_sharded(target):
+            source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=None)
+        target.copy_(source)
+
+
+def unsharded_state(model: MoETransformer, dtype: torch.dtype | None = None, *, keep_dense: bool = True
+                    ) -> dict[str, torch.Tensor]:
+    """The model's state with the experts as this rank's slice and every other tensor whole, cast to `dtype`
+    (floating tensors only). FSDP's shards are all-gathered (a collective: every rank calls it) one tensor at a
+    time into host memory, so no GPU holds more than one whole dense tensor; a rank that does not need them
+    (`keep_dense` false: only rank 0 publishes the dense weights) drops them as they arrive."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if is_sharded(tensor):
+            tensor = tensor.full_tensor().cpu()
+        if keep_dense or EXPERT_MARK in name:
+            state[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return state
+
+
+def gather_state(model: MoETransformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """The whole model's state (Hugging Face names, fused experts [E, ...]) in host memory on EP rank 0, cast to
+    `dtype`; None on the other ranks. A collective under EP or FSDP. Expert tensors travel one at a time and go
+    to host memory as they arrive, so no GPU holds more than one tensor's experts beyond its own slice: a model
+    larger than one GPU publishes like one that fits."""
+    ep = model.ep
+    state = unsharded_state(model, dtype, keep_dense=ep is None or ep.rank == 0)
+    if ep is None or ep.size == 1:
+        return {k: v.cpu() for k, v in state.items()}
+    root = ep.rank == 0
+    gathered = {} if root else None
+    for name, tensor in state.items():
+        if EXPERT_MARK not in name:
+            if root:
+                gathered[name] = tensor.cpu()
+            continue
+        part = tensor.cpu() if through_host(tensor, ep.group) else tensor.contiguous()
+        parts = [torch.empty_like(part) for _ in range(ep.size)] if root else None
+        dist.gather(part, parts, dst=dist.get_global_rank(ep.group, 0), group=ep.group)
+        if root:
+            gathered[name] = torch.cat([p.cpu() for p in parts])
+    return gathered
