@@ -30,7 +30,8 @@ def _enum_value(value: Any) -> Any:
 class NodePoolConfig(Validated):
     """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once).
 
-    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with a reservation behind them), on-demand, every
+    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with an On-Demand Capacity Reservation behind them;
+    a Capacity Block pool always starts at 0 and is scaled by `moerl scale-pool`), on-demand, every
     EFA interface of the type, a 200 GiB encrypted gp3 root volume, 5120 hugepages of 2 MiB."""
 
     instance_type: str
@@ -73,6 +74,11 @@ class NodePoolConfig(Validated):
         if self.capacity_type == "CAPACITY_BLOCK":
             if not self.capacity_reservation_id:
                 fail("capacity_reservation_id", self.capacity_reservation_id, "required when capacity_type is CAPACITY_BLOCK (cr-...)")
+            if self.min_size or self.desired_size:
+                fail("min_size" if self.min_size else "desired_size", self.min_size or self.desired_size,
+                     "a Capacity Block pool is created at 0 nodes: its instances exist only while the block is "
+                     "active, and a node group created before then (or with fewer free instances) fails and rolls "
+                     "the whole stack back; scale it once the block is active with `moerl scale-pool`")
         if self.capacity_reservation_id is not None and not re.fullmatch(r"cr-[0-9a-f]{8,17}", self.capacity_reservation_id):
             fail("capacity_reservation_id", self.capacity_reservation_id, "expected a reservation id like cr-0123456789abcdef0")
         if self.capacity_type == "SPOT" and self.capacity_reservation_id:

@@ -69,6 +69,9 @@ def test_efa_pool_waits_for_the_clusters_vpc_cni_without_the_app_wiring_it(platf
     (dict(instance_type="p5.48xlarge", capacity_type="RESERVED"), "capacity_type: 'RESERVED' is not allowed"),
     (dict(instance_type="p5.48xlarge", min_size=1, desired_size=1, max_size=2),
      "min_size: 1 is not allowed; a GPU pool starts at 0"),
+    (dict(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK, desired_size=2, max_size=2,
+          capacity_reservation_id="cr-0123456789abcdef0"),
+     "desired_size: 2 is not allowed; a Capacity Block pool is created at 0 nodes"),
 ])
 def test_node_pool_props_are_validated_when_built_in_code(props, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -77,7 +80,7 @@ def test_node_pool_props_are_validated_when_built_in_code(props, fragment):
 
 def test_node_pool_props_take_the_aws_cdk_lib_capacity_type():
     pool = NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
-                          capacity_reservation_id="cr-0123456789abcdef0", desired_size=2, max_size=2)
+                          capacity_reservation_id="cr-0123456789abcdef0", max_size=2)
     assert pool.capacity_type == "CAPACITY_BLOCK"
 
 

@@ -101,13 +101,16 @@ def test_capacity_block_pool_names_its_instance_type_in_the_launch_template_only
     assert on_demand["InstanceTypes"] == ["p5e.48xlarge"] and "InstanceType" not in on_demand_lt
 
 
-def test_pools_without_a_reservation_start_at_zero_nodes(templates):
+def test_pools_without_a_reservation_and_capacity_block_pools_start_at_zero_nodes(templates):
     for env in ("dev", "prod"):
         for role in ("trainer", "rollout"):
             props, data = pool(templates[env], role)
             scaling = props["ScalingConfig"]
-            if "CapacityReservationSpecification" not in data:
+            if "CapacityReservationSpecification" not in data or props["CapacityType"] == "CAPACITY_BLOCK":
                 assert (scaling["MinSize"], scaling["DesiredSize"]) == (0, 0), (env, role)
+    # prod's trainer pool is the Capacity Block one: created empty, scaled by `moerl scale-pool` once it is active.
+    props, _ = pool(templates["prod"], "trainer")
+    assert props["CapacityType"] == "CAPACITY_BLOCK" and props["ScalingConfig"]["DesiredSize"] == 0
 
 
 def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templates):
@@ -116,7 +119,7 @@ def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templa
         "AmiType": "AL2023_x86_64_NVIDIA", "CapacityType": "CAPACITY_BLOCK",
         "Labels": {"moe-rl/role": "trainer", "vpc.amazonaws.com/efa.present": "true", "nvidia.com/gpu.present": "true"},
         "Taints": [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_SCHEDULE"}],
-        "ScalingConfig": {"MinSize": 0, "DesiredSize": 4, "MaxSize": 16},
+        "ScalingConfig": {"MinSize": 0, "DesiredSize": 0, "MaxSize": 16},
     })
     props, data = pool(templates["prod"], "trainer")
     assert len(props["Subnets"]) == 1

@@ -29,7 +29,7 @@ class NewClusterStack(cdk.Stack):
         cluster = MoeRlCluster(self, "Cluster", vpc=vpc, admin_role=admin)
         EfaNodePool(self, "Trainers", cluster=cluster, subnet=vpc.private_subnets[0], role="trainer",
                     pool=NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
-                                        capacity_reservation_id="cr-0123456789abcdef0", desired_size=2, max_size=2),
+                                        capacity_reservation_id="cr-0123456789abcdef0", max_size=2),
                     taint_effect=eks.TaintEffect.NO_EXECUTE, extra_labels={"team": "research"})
         DevicePlugins(self, "Devices", cluster=cluster.cluster, depends_on=cluster.services_ready)
 
