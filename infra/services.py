@@ -17,7 +17,7 @@ from constructs import Construct, IDependable
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
-from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
+from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
 from ._ids import pascal
 from .checks import nag_partition
@@ -51,7 +51,6 @@ KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default oper
 # The JobSet chart names its controller `<fullname>-controller`; fullname is the release name when it contains the
 # chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.10.1).
 JOBSET_CONTROLLER = "jobset-controller"
-_GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 TRAINER_PRIORITY = 100_000
 ORCHESTRATOR_PRIORITY = 50_000
 ROLLOUT_PRIORITY = 10_000
@@ -73,26 +72,32 @@ def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
 
 class DevicePlugins(Construct):
     """The NVIDIA and EFA device plugins configured for EFA GPU pools, on any cluster with a kubectl provider (an
-    imported one too). Attribute: ``charts`` (name -> HelmChart)."""
+    imported one too). Attributes: ``charts`` (name -> HelmChart), ``tolerations`` (the plugins' DaemonSets')."""
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster,
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, pools: Sequence[EfaNodePool],
                  depends_on: Sequence[IDependable] = ()) -> None:
         """
         :param cluster: the cluster; it needs a kubectl provider (aws_eks_v2 ``kubectl_provider_options``).
+        :param pools: the GPU pools the plugins serve: their DaemonSets tolerate every taint of these pools (a
+            node whose taint they do not tolerate advertises no GPU or EFA, and GPU pods never land on it).
         :param depends_on: what must exist first (a new cluster's nodes and CoreDNS); default nothing.
         """
         super().__init__(scope, id)
+        if not pools or not all(isinstance(p, EfaNodePool) for p in pools):
+            raise ValueError(f"pools: {list(pools)!r} is not allowed; one or more EfaNodePool, whose taints the "
+                             "plugins tolerate")
+        self.tolerations = tolerations(t for p in pools for t in p.taints)
         self.charts = {
             # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
             # EFA device plugin's allocation.
             "nvidia-device-plugin": add_chart(self, cluster, "nvidia-device-plugin", {
-                "mofedEnabled": False, "tolerations": [_GPU_TOLERATION]}, depends_on),
+                "mofedEnabled": False, "tolerations": self.tolerations}, depends_on),
             # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
             # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
             "aws-efa-k8s-device-plugin": add_chart(self, cluster, "aws-efa-k8s-device-plugin", {
                 "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
                                             "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
-                "tolerations": [_GPU_TOLERATION]}, depends_on),
+                "tolerations": self.tolerations}, depends_on),
         }
 
 
@@ -114,7 +119,8 @@ class ClusterServices(Construct):
         super().__init__(scope, id)
         self._moe_cluster = cluster
         eks_cluster = cluster.cluster
-        self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, depends_on=cluster.services_ready)
+        self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, pools=list(pools.values()),
+                                            depends_on=cluster.services_ready)
         self.charts: dict[str, eks.HelmChart] = dict(self.device_plugins.charts)
         self.autoscaler_role = self._cluster_autoscaler(eks_cluster)
         keda = self._chart(eks_cluster, "keda", {"nodeSelector": _SYSTEM_NODES, "priorityClassName": _CRITICAL})
@@ -209,7 +215,7 @@ class ClusterServices(Construct):
         flavor = f"moe-rl-{role}"
         objects = [
             {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": flavor},
-             "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": [_GPU_TOLERATION]}},
+             "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": pool.tolerations}},
             {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
              "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
                       "resourceGroups": [{"coveredResources": list(quota), "flavors": [{

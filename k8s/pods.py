@@ -186,12 +186,12 @@ def env_vars(values: dict[str, str], secret_env: tuple[str, str, str] | None = N
     return out
 
 
-def gpu_placement(role: str) -> dict:
-    """Keyword arguments for k8s.PodSpec: only nodes of `role`'s pool, tolerating their GPU taint."""
+def gpu_placement(role: str, pool: NodePoolConfig) -> dict:
+    """Keyword arguments for k8s.PodSpec: only nodes of `role`'s pool, tolerating that pool's taints."""
     return dict(
         affinity=k8s.Affinity(node_affinity=k8s.NodeAffinity(
             required_during_scheduling_ignored_during_execution=k8s.NodeSelector(node_selector_terms=[
                 k8s.NodeSelectorTerm(match_expressions=[
                     k8s.NodeSelectorRequirement(key=labels.ROLE_LABEL, operator="In", values=[role])])]))),
-        tolerations=[k8s.Toleration(key=labels.GPU_TAINT_KEY, operator="Exists", effect="NoSchedule")],
+        tolerations=[k8s.Toleration(**t) for t in labels.tolerations(pool.taints)],
     )

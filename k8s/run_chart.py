@@ -149,7 +149,7 @@ class RunChart(cdk8s.Chart):
             topology_spread_constraints=[k8s.TopologySpreadConstraint(
                 max_skew=1, topology_key="kubernetes.io/hostname", when_unsatisfiable="ScheduleAnyway",
                 label_selector=match)],
-            **gpu_placement("rollout"))
+            **gpu_placement("rollout", env.rollout_pool))
         spec = k8s.DeploymentSpec(
             # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
             replicas=None if rollout.autoscaled else rollout.min_servers,

@@ -404,3 +404,23 @@ def test_a_run_claiming_an_efa_capable_deepep_makes_the_startup_check_verify_the
                  "--cdk-json", str(ROOT / "cdk.json")]) == 0
     docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
     assert [env[DEEPEP_EFA_ENV] for env in trainer_envs(docs, "qwen3-30b-a3b-p5")] == ["1", "1"]  # trainer, doctor
+
+
+def test_run_pods_tolerate_exactly_their_pools_taints_no_execute_included(tmp_path, manifests):
+    from moe_rl_eks.k8s.manifests import main
+
+    def tolerations(docs: list[dict], kind: str, name: str) -> list[list[dict]]:
+        return [spec["tolerations"] for spec in pod_specs(find(docs, kind, name))]
+
+    no_schedule = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    shipped = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    assert tolerations(shipped, "JobSet", "qwen3-30b-a3b-p5-trainer") == [no_schedule]
+    cdk = json.loads((ROOT / "cdk.json").read_text())
+    cdk["context"]["environments"]["dev"]["trainer_pool"]["taint_effect"] = "NO_EXECUTE"
+    (tmp_path / "cdk.json").write_text(json.dumps(cdk))
+    assert main(["--run", str(run_file("qwen3-30b-a3b-p5")), "--outputs", str(EXAMPLE_OUTPUTS),
+                 "--out", str(tmp_path / "dist"), "--cdk-json", str(tmp_path / "cdk.json")]) == 0
+    docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
+    no_execute = [{**no_schedule[0], "effect": "NoExecute"}]
+    assert tolerations(docs, "JobSet", "qwen3-30b-a3b-p5-trainer") == [no_execute]
+    assert tolerations(docs, "Deployment", "qwen3-30b-a3b-p5-rollout") == [no_schedule]  # its own pool's taint
