@@ -88,10 +88,13 @@ class DevicePlugins(Construct):
                              "plugins tolerate")
         self.tolerations = tolerations(t for p in pools for t in p.taints)
         self.charts = {
-            # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
-            # EFA device plugin's allocation.
+            # Set explicitly, whatever the chart's default (0.19.0 turned all three on, 0.19.3 off again): MOFED
+            # injection mounts every uverbs device into GPU pods, clashing with the EFA device plugin's allocation;
+            # GDS is unused; GDRCopy passes /dev/gdrdrv into GPU containers (NVIDIA_GDRCOPY=enabled), which DeepEP's
+            # NVSHMEM proxy over EFA needs, where the node loads the gdrdrv module (the EKS AMI does not).
             "nvidia-device-plugin": add_chart(self, cluster, "nvidia-device-plugin", {
-                "mofedEnabled": False, "tolerations": self.tolerations}, depends_on),
+                "mofedEnabled": False, "gdsEnabled": False, "gdrcopyEnabled": True,
+                "tolerations": self.tolerations}, depends_on),
             # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
             # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
             "aws-efa-k8s-device-plugin": add_chart(self, cluster, "aws-efa-k8s-device-plugin", {

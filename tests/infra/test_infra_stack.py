@@ -259,7 +259,9 @@ def test_cluster_services_are_pinned_and_configured_for_efa(templates):
     charts = helm_charts(templates["prod"])
     assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in CHARTS.items()}
     assert charts["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.35.0"  # the cluster's minor version
-    assert charts["nvidia-device-plugin"]["Values"]["mofedEnabled"] is False
+    nvidia = charts["nvidia-device-plugin"]["Values"]
+    # Each set explicitly (the chart's defaults moved twice in 0.19.x): no MOFED, no GDS, GDRCopy into GPU pods.
+    assert (nvidia["mofedEnabled"], nvidia["gdsEnabled"], nvidia["gdrcopyEnabled"]) == (False, False, True)
     efa_types = charts["aws-efa-k8s-device-plugin"]["Values"]["supportedInstanceLabels"]["values"]
     assert set(efa_types) == {n for n, t in CATALOG.items() if t.has_efa}
     assert charts["cluster-autoscaler"]["Values"]["rbac"]["serviceAccount"] == {"create": False, "name": "cluster-autoscaler"}

@@ -99,6 +99,9 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["MOERL_EP_BACKEND"] == resolved(run).ep_backend
     assert env.get("NVSHMEM_REMOTE_TRANSPORT") == nvshmem
+    if nvshmem:  # DeepEP over EFA: NVSHMEM's NIC policy and GDRCopy as AWS's DeepEP reference sets them
+        assert env["NVSHMEM_NETDEVS_POLICY"] == "EXTERNAL_SHARING_PCIE_SWITCH_NIC_EXCLUSIVE"
+        assert env["NVIDIA_GDRCOPY"] == "enabled"
     # torchrun must leave the workers' SIGTERM checkpoint time before it SIGKILLs them, inside the pod's grace
     spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
     assert 60 <= int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < spec["terminationGracePeriodSeconds"]
