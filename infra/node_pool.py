@@ -111,6 +111,7 @@ class EfaNodePool(Construct):
         node_role: iam.IRole | None = None,
         cluster_placement: bool | None = None,
         extra_labels: Mapping[str, str] | None = None,
+        auto_repair: bool = True,
     ) -> None:
         """
         :param cluster: a :class:`MoeRlCluster` (the pool then waits for its VPC CNI add-on) or any ``eks.ICluster``;
@@ -127,6 +128,9 @@ class EfaNodePool(Construct):
             capacity reservation; a reservation (capacity block or ODCR) already fixes placement, and targeting one
             made outside the group would make launches fail.
         :param extra_labels: more node labels; default none. The pool's own labels (role, EFA, GPU) cannot be set here.
+        :param auto_repair: EKS node auto-repair (the node monitoring agent's GPU, network and kubelet conditions
+            replace an unhealthy node), one node at a time; default on. A gang cannot finish on a node whose GPU or
+            EFA failed, and JobSet restarts the gang from its checkpoint once the replacement joins.
         """
         super().__init__(scope, id)
         if not isinstance(pool, NodePoolConfig):
@@ -205,6 +209,8 @@ class EfaNodePool(Construct):
             taints=[eks.CfnNodegroup.TaintProperty(key=t.key, value=t.value, effect=pool.taint_effect)
                     for t in self.taints],
             tags=self.autoscaler_tags(),
+            node_repair_config=eks.CfnNodegroup.NodeRepairConfigProperty(
+                enabled=True, max_parallel_nodes_repaired_count=1) if auto_repair else None,
         )
         if network_ready is not None:
             # A node joins only once the CNI can wire its interfaces.

@@ -249,10 +249,13 @@ def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_pr
     assert max(c["value"] for c in classes.values()) < 2_000_000_000  # far below system-cluster-critical
 
 
-def test_system_nodes_have_room_for_controller_and_orchestrator_images(templates):
+def test_system_nodes_have_room_for_controllers_orchestrators_and_their_images(templates):
     (system,) = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::Nodegroup").values()
                  if r["Properties"]["Labels"]["moe-rl/role"] == "system"]
     assert system["DiskSize"] == 100
+    # 8 vCPU / 32 GiB: either of the two nodes alone holds the controllers and two orchestrators of 2 vCPU / 4 GiB.
+    assert system["InstanceTypes"] == ["m6i.2xlarge"]
+    assert system["ScalingConfig"]["MinSize"] == 2
 
 
 def test_cluster_services_are_pinned_and_configured_for_efa(templates):
@@ -470,3 +473,37 @@ def test_every_core_kubernetes_object_the_stack_applies_passes_strict_validation
             kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')), version, strict=True)
             kinds.add(obj["kind"])
     assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job"}
+
+
+def _rules(template: dict, kind: str, group: dict) -> set[tuple]:
+    """(from port, to port, peer) of every TCP rule of `kind` (Ingress/Egress) on `group`, inline or separate."""
+    peer_key = "SourceSecurityGroupId" if kind == "Ingress" else "DestinationSecurityGroupId"
+    separate = [r["Properties"] for r in resources_of(template, f"AWS::EC2::SecurityGroup{kind}").values()
+                if r["Properties"]["GroupId"] == group]
+    inline = []
+    if "Fn::GetAtt" in group and group["Fn::GetAtt"][0] in template["Resources"]:
+        inline = template["Resources"][group["Fn::GetAtt"][0]]["Properties"].get(f"SecurityGroup{kind}", [])
+    return {(r["FromPort"], r["ToPort"], json.dumps(r.get(peer_key), sort_keys=True))
+            for r in separate + inline if r.get("IpProtocol") == "tcp"}
+
+
+def test_lustre_ports_are_open_both_ways_between_fsx_and_the_cluster_security_group(templates):
+    template = templates["prod"]
+    (fs,) = resources_of(template, "AWS::FSx::FileSystem").values()
+    (lustre,) = fs["Properties"]["SecurityGroupIds"]
+    _, data = pool(template, "trainer")
+    cluster_sg = data["NetworkInterfaces"][0]["Groups"][1]  # every node interface carries it
+
+    def lnet_from(group: dict) -> set[tuple]:  # servers and clients each open LNet connections on these ports
+        return {(low, high, json.dumps(group, sort_keys=True)) for low, high in ((988, 988), (1018, 1023))}
+
+    assert lnet_from(cluster_sg) <= _rules(template, "Ingress", lustre)
+    assert lnet_from(cluster_sg) <= _rules(template, "Egress", lustre)
+    assert lnet_from(lustre) <= _rules(template, "Ingress", cluster_sg)
+
+
+def test_gpu_pools_repair_unhealthy_nodes_one_at_a_time(templates):
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            props, _ = pool(templates[env], role)
+            assert props["NodeRepairConfig"] == {"Enabled": True, "MaxParallelNodesRepairedCount": 1}, (env, role)

@@ -427,3 +427,25 @@ def test_run_pods_tolerate_exactly_their_pools_taints_no_execute_included(tmp_pa
     no_execute = [{**no_schedule[0], "effect": "NoExecute"}]
     assert tolerations(docs, "JobSet", "qwen3-30b-a3b-p5-trainer") == [no_execute]
     assert tolerations(docs, "Deployment", "qwen3-30b-a3b-p5-rollout") == [no_schedule]  # its own pool's taint
+
+
+def test_validation_pods_carry_their_own_metadata_block_applied_before_the_run(manifests):
+    from moe_rl_eks.k8s.run_chart import role_labels
+
+    run = "qwen3-30b-a3b-p5"
+    (policy,) = [d for d in manifests[f"{run}/validation.k8s.yaml"] if d["kind"] == "NetworkPolicy"
+                 and "Egress" in d["spec"]["policyTypes"]]
+    assert policy["metadata"]["name"] == f"{run}-validation-no-instance-metadata"  # not the run's own policy
+    assert policy["spec"]["podSelector"]["matchLabels"] == {labels.RUN_LABEL: run, labels.ROLE_LABEL: "validation"}
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= role_labels(run, "validation").items()
+    (rule,) = policy["spec"]["egress"]
+    assert rule["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}]
+
+
+def test_rollout_pods_request_no_efa_on_an_efa_pool(manifests):
+    # Whatever the pool (EFA pools: tests/k8s/test_pod_resources.py), a server spans one node's GPUs only.
+    for run in CLUSTER_RUNS:
+        (spec,) = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "Deployment", f"{run}-rollout"))
+        for c in spec["containers"] + spec["initContainers"]:
+            assert labels.EFA_RESOURCE not in c["resources"]["requests"], (run, c["name"])
+        assert "--efa" not in spec["initContainers"][0]["command"]
