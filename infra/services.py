@@ -17,6 +17,7 @@ from constructs import Construct, IDependable
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
+from moe_rl_eks.core.environment import NodePoolConfig
 from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
 from ._ids import pascal
@@ -31,17 +32,31 @@ class Chart:
     chart: str
     version: str
     namespace: str
+    # The Kubernetes minors this release supports or was tested on: (lowest, highest; None: no upper bound stated),
+    # and where that was read (source, date). Every accepted core.cluster.KUBERNETES_VERSIONS must fall inside.
+    kubernetes: tuple[str, str | None]
+    kubernetes_source: str
 
 
 # Pinned chart versions; bump deliberately (each is a cluster-wide upgrade).
 CHARTS = {
-    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.17.2", "keda"),
-    "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.10.1", "jobset-system"),
-    "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.13.4", "kueue-system"),
-    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0", "kube-system"),
-    "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.0", "kube-system"),
-    "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6", "kube-system"),
+    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.20.2", "keda", ("1.33", "1.35"),
+                  "keda.sh/docs/2.22/operate/cluster, tested window per release (read 2026-12-01)"),
+    "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.12.0", "jobset-system", ("1.34", "1.36"),
+                    "JobSet README at v0.12.0 (2026-05-08): the latest 3 minors; built on k8s.io/api v0.36.0"),
+    "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.19.2", "kueue-system", ("1.34", "1.36"),
+                   "no window stated; v0.19.2 (2026-08-20) is built on k8s.io/api v0.36.2, read 2026-12-01"),
+    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0",
+                                "kube-system", ("1.35", "1.35"), "one autoscaler minor per Kubernetes minor: image "
+                                "CLUSTER_AUTOSCALER_IMAGE_TAG (autoscaler README, read 2026-11)"),
+    "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.3",
+                                  "kube-system", ("1.10", None), "chart kubeVersion '>= 1.10.0-0' at v0.19.3; "
+                                  "kubelet device plugin API v1beta1 (read 2026-12-01)"),
+    "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6",
+                                       "kube-system", ("1.10", None), "no window stated; kubelet device plugin API "
+                                       "v1beta1 (read 2026-11)"),
 }
+KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"  # matches the cluster's minor version (core.cluster.KUBERNETES_VERSIONS)
 # Helm waits for the release's pods to be ready; the kubectl provider's Lambda runs at most 15 minutes.
 CHART_TIMEOUT = Duration.minutes(12)
@@ -49,7 +64,7 @@ CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 _SYSTEM_NODES = {ROLE_LABEL: "system"}
 KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default operator service account
 # The JobSet chart names its controller `<fullname>-controller`; fullname is the release name when it contains the
-# chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.10.1).
+# chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.12.0).
 JOBSET_CONTROLLER = "jobset-controller"
 TRAINER_PRIORITY = 100_000
 ORCHESTRATOR_PRIORITY = 50_000
@@ -207,27 +222,30 @@ class ClusterServices(Construct):
 
     def _queues(self, cluster: eks.ICluster, role: str, pool: EfaNodePool, namespace: str,
                 namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
-        spec, n = pool.spec, pool.pool.max_size
-        # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
-        # request must be covered or Kueue refuses the workload.
-        quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
-        if pool.efa_interfaces:
-            quota[EFA_RESOURCE] = pool.efa_interfaces * n
-        if pool.pool.hugepages_2mi:
-            quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.pool.hugepages_2mi) * n}Mi"
-        flavor = f"moe-rl-{role}"
-        objects = [
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": flavor},
-             "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": pool.tolerations}},
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
-             "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
-                      "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
-                          "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-             "metadata": {"name": names.local_queue(role), "namespace": namespace},
-             "spec": {"clusterQueue": names.cluster_queue(role)}},
-        ]
-        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *objects)
+        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *queue_objects(role, pool.pool, namespace))
         manifest.node.add_dependency(self.charts["kueue"], namespace_manifest)
         return manifest
 
+
+def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]:
+    """The pool's Kueue ResourceFlavor, ClusterQueue and LocalQueue (in ``namespace``)."""
+    spec, n = pool.spec, pool.max_size
+    # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
+    # request must be covered or Kueue refuses the workload.
+    quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
+    if pool.efa and spec.efa_interfaces:
+        quota[EFA_RESOURCE] = spec.efa_interfaces * n
+    if pool.hugepages_2mi:
+        quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.hugepages_2mi) * n}Mi"
+    flavor = f"moe-rl-{role}"
+    return [
+        {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": flavor},
+         "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": tolerations(pool.taints)}},
+        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
+         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+                  "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
+                      "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
+        {"apiVersion": KUEUE_API, "kind": "LocalQueue",
+         "metadata": {"name": names.local_queue(role), "namespace": namespace},
+         "spec": {"clusterQueue": names.cluster_queue(role)}},
+    ]

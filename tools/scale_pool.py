@@ -92,7 +92,8 @@ def main(argv: list[str], aws: ScaleClients | None = None) -> int:
     parser.add_argument("--env", required=True, help="environment name in cdk.json")
     parser.add_argument("--role", required=True, help="the pool: trainer or rollout")
     parser.add_argument("--nodes", required=True, type=int, help="nodes to hold (0 hands the pool back)")
-    parser.add_argument("--cdk-json", default="cdk.json", help="the cdk.json holding the environments (default ./cdk.json)")
+    parser.add_argument("--cdk-json", default="cdk.json",
+                        help="the cdk.json holding the environments (default ./cdk.json)")
     parser.add_argument("--cluster", help="cluster name (default moe-rl-<env>, as the stack names it)")
     args = parser.parse_args(argv)
     try:

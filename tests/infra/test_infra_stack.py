@@ -277,6 +277,7 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
     for role, max_nodes, spec in (("trainer", 16, CATALOG["p5en.48xlarge"]), ("rollout", 8, CATALOG["p5e.48xlarge"])):
         queue = by_kind["ClusterQueue"][names.cluster_queue(role)]
+        assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta2"  # v1beta1 is not served from Kueue 0.20
         quota = {r["name"]: r["nominalQuota"] for r in queue["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
         assert quota["nvidia.com/gpu"] == spec.gpus * max_nodes
         assert quota["vpc.amazonaws.com/efa"] == spec.efa_interfaces * max_nodes
@@ -507,3 +508,22 @@ def test_gpu_pools_repair_unhealthy_nodes_one_at_a_time(templates):
         for role in ("trainer", "rollout"):
             props, _ = pool(templates[env], role)
             assert props["NodeRepairConfig"] == {"Enabled": True, "MaxParallelNodesRepairedCount": 1}, (env, role)
+
+
+def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept():
+    from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+
+    def minor(version: str) -> tuple[int, int]:
+        major, minor_ = version.split(".")
+        return int(major), int(minor_)
+
+    for name, chart in CHARTS.items():
+        low, high = chart.kubernetes
+        assert chart.kubernetes_source, name
+        for version in KUBERNETES_VERSIONS:
+            assert minor(low) <= minor(version) and (high is None or minor(version) <= minor(high)), \
+                f"{name} {chart.version} supports Kubernetes {low} to {high or 'any'} ({chart.kubernetes_source}), " \
+                f"not {version}"
+    # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
+    assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
+        ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
