@@ -8,6 +8,7 @@ a chart's webhooks guard (Kueue's queues) are applied only after it: the kubectl
 webhook that does not answer yet would fail the deploy."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,30 @@ CHARTS = {
                                        "v1beta1 (read 2026-11)"),
 }
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
+# An admitted gang must have every pod ready within this time (nodes launched from zero, the images pulled, each
+# pod's doctor passed), or Kueue evicts all of it and requeues it after a backoff of 60 s doubling up to 1 h.
+KUEUE_PODS_READY_TIMEOUT = "30m"
+
+
+def kueue_configuration() -> dict:
+    """Kueue's manager configuration, which replaces the chart's whole default: its probes, metrics, webhook and
+    leader election as the chart at the pinned version sets them, the integrations used here, and waitForPodsReady. With scale-from-zero, quota alone admits
+    a gang whose nodes may never all come: it would hold the nodes it got, and two such runs can each hold part of
+    the pool forever. Here an admitted gang that is not all ready in time gives back every pod, and
+    ``blockAdmission`` admits nothing else while one gang is still coming up, so at most one gang is ever partial."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+        "health": {"healthProbeBindAddress": ":8081"}, "metrics": {"bindAddress": ":8443"},
+        "webhook": {"port": 9443},
+        "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
+        # Only what runs here goes through Kueue; the chart registers webhooks for these alone.
+        "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
+        "waitForPodsReady": {
+            "timeout": KUEUE_PODS_READY_TIMEOUT, "blockAdmission": True,
+            # Requeued without a limit: a run waits for capacity rather than being deactivated.
+            "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60, "backoffMaxSeconds": 3600},
+        },
+    }
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"  # matches the cluster's minor version (core.cluster.KUBERNETES_VERSIONS)
 # Helm waits for the release's pods to be ready; the kubectl provider's Lambda runs at most 15 minutes.
 CHART_TIMEOUT = Duration.minutes(12)
@@ -158,8 +183,10 @@ class ClusterServices(Construct):
             apply_patch={"spec": {"template": {"spec": {"priorityClassName": _CRITICAL}}}},
             restore_patch={"spec": {"template": {"spec": {"priorityClassName": None}}}})
         priority.node.add_dependency(jobset)
-        self._chart(eks_cluster, "kueue", {"controllerManager": {
-            "nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}}})
+        self._chart(eks_cluster, "kueue", {
+            "controllerManager": {"nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}},
+            # JSON is YAML: the chart writes this string into the manager's config map as it is.
+            "managerConfig": {"controllerManagerConfigYaml": json.dumps(kueue_configuration())}})
         self._priority_classes(eks_cluster)
         self.cluster_queues = {role: self._queues(eks_cluster, role, pool, run_namespace, namespace_manifest)
                                for role, pool in pools.items()}

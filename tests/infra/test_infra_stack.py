@@ -527,3 +527,19 @@ def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept
     # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
     assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
         ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
+
+
+def test_kueue_gives_back_a_whole_gang_that_is_not_ready_in_time_and_admits_one_partial_gang_at_most(templates):
+    values = helm_charts(templates["prod"])["kueue"]["Values"]
+    config = json.loads(values["managerConfig"]["controllerManagerConfigYaml"])  # JSON is the YAML the chart reads
+    assert (config["apiVersion"], config["kind"]) == ("config.kueue.x-k8s.io/v1beta2", "Configuration")
+    assert config["waitForPodsReady"] == {
+        "timeout": "30m", "blockAdmission": True,
+        "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60, "backoffMaxSeconds": 3600}}
+    # The trainer gang is a JobSet: its integration must stay on, or Kueue would not suspend and admit it.
+    assert "jobset.x-k8s.io/jobset" in config["integrations"]["frameworks"]
+    assert config["leaderElection"]["leaderElect"] is True and config["webhook"]["port"] == 9443
+    # The trainer queue admits a gang only against the whole pool's quota (all of its pods or none).
+    (trainer_queue,) = [o for o in kubernetes_objects(templates["prod"])
+                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.cluster_queue("trainer")]
+    assert trainer_queue["spec"]["resourceGroups"][0]["flavors"][0]["name"] == "moe-rl-trainer"
