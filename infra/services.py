@@ -101,6 +101,14 @@ _CRITICAL = names.CLUSTER_SERVICES_PRIORITY_CLASS
 def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
               depends_on: Sequence[IDependable] = ()) -> eks.HelmChart:
     """One of CHARTS, pinned, installed with Helm's --wait (so what depends on it finds it running)."""
+    if cluster.kubectl_provider is None:
+        # Otherwise aws-cdk-lib fails later with "Kubectl Provider is not defined in this cluster", naming neither
+        # the chart nor what to pass.
+        raise ValueError(
+            f"cluster: {cluster.node.path!r} is not allowed for the {name} chart; it has no kubectl provider: import "
+            "it with eks.Cluster.from_cluster_attributes(..., kubectl_provider=eks.KubectlProvider."
+            "from_kubectl_provider_attributes(...)) to use an existing one, or with kubectl_provider_options="
+            "eks.KubectlProviderOptions(kubectl_layer=...) to create one")
     c = CHARTS[name]
     chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=c.chart, repository=c.repository,
                           version=c.version, namespace=c.namespace, release=name, values=values,

@@ -227,6 +227,16 @@ def test_a_no_execute_pool_is_tolerated_by_the_device_plugins_and_its_kueue_flav
     assert flavors["moe-rl-rollout"]["tolerations"] == [both[1]]
 
 
+def test_device_plugins_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass():
+    stack = PlatformStack(cdk.App(), "NoKubectl")
+    vpc = stack.cluster.cluster.vpc
+    imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster", vpc=vpc,
+                                                   cluster_security_group_id="sg-0123456789abcdef0")
+    with pytest.raises(ValueError, match=r"cluster: 'NoKubectl/Theirs' is not allowed for the nvidia-device-plugin "
+                                         r"chart; it has no kubectl provider: import it with .*kubectl_provider="):
+        DevicePlugins(stack, "Devices", cluster=imported, pools=[stack.pool])
+
+
 def test_device_plugins_need_the_pools_whose_taints_they_tolerate():
     stack = PlatformStack(cdk.App(), "NoPools")
     with pytest.raises(ValueError, match=r"pools: \[\] is not allowed; one or more EfaNodePool"):
