@@ -17,9 +17,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from moe_rl_eks.core.environment import EnvironmentConfig, load_cdk_json, select_environment
+from moe_rl_eks.core.environment import EnvironmentConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
-from moe_rl_eks.core.schema import ConfigError
+
+from .preflight import add_environment_arguments, environment_from
 
 
 class ScaleRefused(Exception):
@@ -89,17 +90,13 @@ def scale_pool(env: EnvironmentConfig, role: str, nodes: int, aws: ScaleClients,
 
 def main(argv: list[str], aws: ScaleClients | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moerl scale-pool", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", required=True, help="environment name in cdk.json")
+    add_environment_arguments(parser)
     parser.add_argument("--role", required=True, help="the pool: trainer or rollout")
     parser.add_argument("--nodes", required=True, type=int, help="nodes to hold (0 hands the pool back)")
-    parser.add_argument("--cdk-json", default="cdk.json",
-                        help="the cdk.json holding the environments (default ./cdk.json)")
     parser.add_argument("--cluster", help="cluster name (default moe-rl-<env>, as the stack names it)")
     args = parser.parse_args(argv)
-    try:
-        env = select_environment(load_cdk_json(args.cdk_json), args.env)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    env = environment_from(args)
+    if env is None:
         return 2
     from botocore.exceptions import BotoCoreError, ClientError
     try:
