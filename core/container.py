@@ -19,3 +19,16 @@ DEEPEP_VARIANTS = ("efa-v1", "stock-v1", "none")
 # when the run file says its trainer image carries an EFA-capable DeepEP (deploy.images.deepep_efa).
 EP_BACKEND_ENV = "MOERL_EP_BACKEND"
 DEEPEP_EFA_ENV = "MOERL_DEEPEP_EFA"
+
+# NVSHMEM for AWS's EFA-patched DeepEP, as AWS's own DeepEP image and Kubernetes jobs set it (awslabs/
+# awsome-distributed-ai, micro-benchmarks/expert-parallelism/deepep-benchmark): the host proxy over libfabric's
+# EFA provider; each GPU takes the NIC(s) behind its own PCIe switch, not shared with another GPU (without the
+# policy NVSHMEM may pick one NIC for several GPUs); and GDRCopy, which the NVIDIA container runtime then mounts
+# as /dev/gdrdrv (NVSHMEM's proxy reads GPU-side flags through it). k8s/ sets these; `moerl doctor` checks them.
+DEEPEP_EFA_NVSHMEM_ENV = {
+    "NVSHMEM_REMOTE_TRANSPORT": "libfabric",
+    "NVSHMEM_LIBFABRIC_PROVIDER": "efa",
+    "NVSHMEM_NETDEVS_POLICY": "EXTERNAL_SHARING_PCIE_SWITCH_NIC_EXCLUSIVE",
+    "NVIDIA_GDRCOPY": "enabled",
+}
+GDRDRV_DEVICE = "/dev/gdrdrv"  # GDRCopy's kernel driver, on the node and passed into the container

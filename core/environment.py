@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from .catalog import CATALOG
+from .labels import TAINT_EFFECTS, Taint, gpu_taints
 from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, vpc_fits_subnets
 from .schema import ConfigError, Validated, fail, parse
 
 # The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
 CapacityType = Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"]
 CAPACITY_TYPES = ("ON_DEMAND", "SPOT", "CAPACITY_BLOCK")
+# The values of aws_eks_v2.TaintEffect.
+TaintEffect = Literal["NO_SCHEDULE", "NO_EXECUTE", "PREFER_NO_SCHEDULE"]
 
 
 def _enum_value(value: Any) -> Any:
@@ -30,7 +33,8 @@ def _enum_value(value: Any) -> Any:
 class NodePoolConfig(Validated):
     """A GPU node pool: the props of infra.EfaNodePool and a pool of a cdk.json environment (written once).
 
-    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with a reservation behind them), on-demand, every
+    Defaults: 0 to 1 nodes, starting at 0 (more at creation only with an On-Demand Capacity Reservation behind them;
+    a Capacity Block pool always starts at 0 and is scaled by `moerl scale-pool`), on-demand, every
     EFA interface of the type, a 200 GiB encrypted gp3 root volume, 5120 hugepages of 2 MiB."""
 
     instance_type: str
@@ -42,14 +46,20 @@ class NodePoolConfig(Validated):
     efa: bool = True  # attach every EFA interface the type has; a rollout pool may opt out
     root_volume_gib: int = 200
     hugepages_2mi: int = 5120  # 2 MiB pages reserved at boot (10 GiB), for libfabric/NVSHMEM buffers
+    # Effect of the nvidia.com/gpu taint that keeps other pods off (aws_eks_v2.TaintEffect or its name); the device
+    # plugins, the pool's Kueue flavor and the run's pods tolerate exactly the pool's taints (core.labels).
+    taint_effect: TaintEffect = "NO_SCHEDULE"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_type", _enum_value(self.capacity_type))
+        object.__setattr__(self, "taint_effect", _enum_value(self.taint_effect))
         super().__post_init__()
 
     def validate(self) -> None:
         if self.capacity_type not in CAPACITY_TYPES:
             fail("capacity_type", self.capacity_type, "allowed: " + ", ".join(CAPACITY_TYPES))
+        if self.taint_effect not in TAINT_EFFECTS:
+            fail("taint_effect", self.taint_effect, "allowed: " + ", ".join(TAINT_EFFECTS))
         if self.instance_type not in CATALOG:
             fail("instance_type", self.instance_type, "supported: " + ", ".join(CATALOG))
         for name in ("min_size", "desired_size", "max_size"):
@@ -73,6 +83,11 @@ class NodePoolConfig(Validated):
         if self.capacity_type == "CAPACITY_BLOCK":
             if not self.capacity_reservation_id:
                 fail("capacity_reservation_id", self.capacity_reservation_id, "required when capacity_type is CAPACITY_BLOCK (cr-...)")
+            if self.min_size or self.desired_size:
+                fail("min_size" if self.min_size else "desired_size", self.min_size or self.desired_size,
+                     "a Capacity Block pool is created at 0 nodes: its instances exist only while the block is "
+                     "active, and a node group created before then (or with fewer free instances) fails and rolls "
+                     "the whole stack back; scale it once the block is active with `moerl scale-pool`")
         if self.capacity_reservation_id is not None and not re.fullmatch(r"cr-[0-9a-f]{8,17}", self.capacity_reservation_id):
             fail("capacity_reservation_id", self.capacity_reservation_id, "expected a reservation id like cr-0123456789abcdef0")
         if self.capacity_type == "SPOT" and self.capacity_reservation_id:
@@ -85,6 +100,11 @@ class NodePoolConfig(Validated):
     @property
     def spec(self):
         return CATALOG[self.instance_type]
+
+    @property
+    def taints(self) -> tuple[Taint, ...]:
+        """The pool's node taints, in Kubernetes' spelling."""
+        return gpu_taints(self.taint_effect)
 
 
 @dataclass(frozen=True)

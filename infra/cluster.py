@@ -70,7 +70,7 @@ class MoeRlCluster(Construct):
         admin_role: iam.IRole | None = None,
         secrets_key: kms.IKey | None = None,
         subnets: Sequence[ec2.ISubnet] | None = None,
-        system_instance_type: str = "m6i.xlarge",
+        system_instance_type: str = "m6i.2xlarge",
         system_nodes: int = 2,
         system_root_volume_gib: int = 100,
         vpc_cni_version: str | None = VPC_CNI_VERSION,
@@ -87,7 +87,9 @@ class MoeRlCluster(Construct):
         :param subnets: control-plane subnets; default the VPC's private subnets.
         :param system_instance_type: instance type of the untainted system node group that runs CoreDNS, the
             autoscaler, Kueue, KEDA, the orchestrator and the other cluster services (GPU pools are tainted);
-            default m6i.xlarge.
+            default m6i.2xlarge (8 vCPU, 32 GiB): with the default 2 nodes, one alone holds the controllers (Kueue's
+            manager alone requests 0.5 vCPU and 512 MiB) and two runs' orchestrators (2 vCPU and 4 GiB each), so a
+            node lost or replaced in an upgrade leaves nothing pending.
         :param system_nodes: size of the system node group (spread over the private subnets); default 2.
         :param system_root_volume_gib: root volume of system nodes, which hold the controllers' and the
             orchestrator's images; default 100.

@@ -12,7 +12,7 @@ from constructs import Construct
 
 from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
 from moe_rl_eks.core.environment import NodePoolConfig
-from moe_rl_eks.core.labels import EFA_PRESENT_LABEL, EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
+from moe_rl_eks.core.labels import EFA_PRESENT_LABEL, EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
 from .cluster import MoeRlCluster
 from .node_role import node_role as new_node_role
@@ -25,9 +25,6 @@ RESERVED_LABELS = (ROLE_LABEL, EFA_PRESENT_LABEL, GPU_PRESENT_LABEL)
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-# Kubernetes spells taint effects differently from EKS (the Cluster Autoscaler's node-template tags use the former).
-_KUBERNETES_EFFECT = {eks.TaintEffect.NO_SCHEDULE: "NoSchedule", eks.TaintEffect.NO_EXECUTE: "NoExecute",
-                      eks.TaintEffect.PREFER_NO_SCHEDULE: "PreferNoSchedule"}
 _CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 _MIME_BOUNDARY = "==MOERL=="
 
@@ -98,7 +95,8 @@ class EfaNodePool(Construct):
     Attributes: ``pool`` (the validated props), ``efa_interfaces`` (per node), ``security_group`` (all traffic to
     and from itself: NCCL/libfabric between the pool's nodes), ``placement_group`` (cluster strategy; None without
     EFA or with a reservation), ``launch_template``, ``nodegroup`` (the CfnNodegroup), ``node_role``, ``spec`` (the
-    catalog entry), ``labels``, ``taints``.
+    catalog entry), ``labels``, ``taints`` (Kubernetes spelling, core.labels.Taint), ``tolerations`` (what the
+    device plugins, the pool's Kueue flavor and its pods need to land on it).
     """
 
     def __init__(
@@ -112,8 +110,8 @@ class EfaNodePool(Construct):
         pool: NodePoolConfig,
         node_role: iam.IRole | None = None,
         cluster_placement: bool | None = None,
-        taint_effect: eks.TaintEffect = eks.TaintEffect.NO_SCHEDULE,
         extra_labels: Mapping[str, str] | None = None,
+        auto_repair: bool = True,
     ) -> None:
         """
         :param cluster: a :class:`MoeRlCluster` (the pool then waits for its VPC CNI add-on) or any ``eks.ICluster``;
@@ -123,13 +121,16 @@ class EfaNodePool(Construct):
         :param subnet: the one subnet (the zone of the GPU capacity). EFA traffic does not cross zones.
         :param role: value of the ``moe-rl/role`` node label, e.g. ``trainer`` or ``rollout``.
         :param pool: instance type, sizes, capacity (``capacity_type`` takes ``eks.CapacityType`` or its name), EFA,
-            root volume and hugepages: :class:`~moe_rl_eks.core.environment.NodePoolConfig`, validated when built.
+            root volume, hugepages and the GPU taint's effect (``taint_effect`` takes ``eks.TaintEffect``; default
+            NO_SCHEDULE): :class:`~moe_rl_eks.core.environment.NodePoolConfig`, validated when built.
         :param node_role: default: a new role with the node policies EKS documents, less the CNI policy.
         :param cluster_placement: launch into a cluster placement group. Default: yes for EFA pools without a
             capacity reservation; a reservation (capacity block or ODCR) already fixes placement, and targeting one
             made outside the group would make launches fail.
-        :param taint_effect: effect of the ``nvidia.com/gpu`` taint that keeps other pods off; default NO_SCHEDULE.
         :param extra_labels: more node labels; default none. The pool's own labels (role, EFA, GPU) cannot be set here.
+        :param auto_repair: EKS node auto-repair (the node monitoring agent's GPU, network and kubelet conditions
+            replace an unhealthy node), one node at a time; default on. A gang cannot finish on a node whose GPU or
+            EFA failed, and JobSet restarts the gang from its checkpoint once the replacement joins.
         """
         super().__init__(scope, id)
         if not isinstance(pool, NodePoolConfig):
@@ -140,8 +141,6 @@ class EfaNodePool(Construct):
                 raise ValueError(f"extra_labels: {key!r} is not allowed; the pool sets {', '.join(RESERVED_LABELS)}")
             _check_label_key(key)
             _check_label_value(f"extra_labels[{key!r}]", value)
-        if taint_effect not in _KUBERNETES_EFFECT:
-            raise ValueError(f"taint_effect: {taint_effect!r} is not allowed; an aws_eks_v2.TaintEffect")
         network_ready = cluster.network_ready if isinstance(cluster, MoeRlCluster) else None
         eks_cluster: eks.ICluster = cluster.cluster if isinstance(cluster, MoeRlCluster) else cluster
         vpc, cluster_sg_id = _cluster_network(eks_cluster)
@@ -192,8 +191,8 @@ class EfaNodePool(Construct):
         self.labels = {ROLE_LABEL: role, GPU_PRESENT_LABEL: "true", **(extra_labels or {})}
         if efa_interfaces:
             self.labels[EFA_PRESENT_LABEL] = "true"
-        self.taints = [eks.CfnNodegroup.TaintProperty(key=GPU_TAINT_KEY, value="true", effect=taint_effect.value)]
-        self._taint_effect = taint_effect
+        self.taints = pool.taints
+        self.tolerations = tolerations(self.taints)
         self.nodegroup = eks.CfnNodegroup(
             self, "Nodegroup",
             cluster_name=eks_cluster.cluster_name,
@@ -207,8 +206,11 @@ class EfaNodePool(Construct):
             scaling_config=eks.CfnNodegroup.ScalingConfigProperty(
                 min_size=pool.min_size, desired_size=pool.desired_size, max_size=pool.max_size),
             labels=self.labels,
-            taints=self.taints,
+            taints=[eks.CfnNodegroup.TaintProperty(key=t.key, value=t.value, effect=pool.taint_effect)
+                    for t in self.taints],
             tags=self.autoscaler_tags(),
+            node_repair_config=eks.CfnNodegroup.NodeRepairConfigProperty(
+                enabled=True, max_parallel_nodes_repaired_count=1) if auto_repair else None,
         )
         if network_ready is not None:
             # A node joins only once the CNI can wire its interfaces.
@@ -224,7 +226,7 @@ class EfaNodePool(Construct):
             resources[HUGEPAGES_RESOURCE] = f"{hugepages_mib(self.pool.hugepages_2mi)}Mi"
         tags = {f"{_CA_TEMPLATE}/resources/{k}": v for k, v in resources.items()}
         tags.update({f"{_CA_TEMPLATE}/label/{k}": v for k, v in self.labels.items()})
-        tags[f"{_CA_TEMPLATE}/taint/{GPU_TAINT_KEY}"] = f"true:{_KUBERNETES_EFFECT[self._taint_effect]}"
+        tags.update({f"{_CA_TEMPLATE}/taint/{t.key}": f"{t.value}:{t.effect}" for t in self.taints})
         return tags
 
 

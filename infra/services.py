@@ -8,6 +8,7 @@ a chart's webhooks guard (Kueue's queues) are applied only after it: the kubectl
 webhook that does not answer yet would fail the deploy."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ from constructs import Construct, IDependable
 from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
-from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, GPU_TAINT_KEY, ROLE_LABEL
+from moe_rl_eks.core.environment import NodePoolConfig
+from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
 from ._ids import pascal
 from .checks import nag_partition
@@ -31,17 +33,55 @@ class Chart:
     chart: str
     version: str
     namespace: str
+    # The Kubernetes minors this release supports or was tested on: (lowest, highest; None: no upper bound stated),
+    # and where that was read (source, date). Every accepted core.cluster.KUBERNETES_VERSIONS must fall inside.
+    kubernetes: tuple[str, str | None]
+    kubernetes_source: str
 
 
 # Pinned chart versions; bump deliberately (each is a cluster-wide upgrade).
 CHARTS = {
-    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.17.2", "keda"),
-    "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.10.1", "jobset-system"),
-    "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.13.4", "kueue-system"),
-    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0", "kube-system"),
-    "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.0", "kube-system"),
-    "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6", "kube-system"),
+    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.20.2", "keda", ("1.33", "1.35"),
+                  "keda.sh/docs/2.22/operate/cluster, tested window per release (read 2026-12-01)"),
+    "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.12.0", "jobset-system", ("1.34", "1.36"),
+                    "JobSet README at v0.12.0 (2026-05-08): the latest 3 minors; built on k8s.io/api v0.36.0"),
+    "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.19.2", "kueue-system", ("1.34", "1.36"),
+                   "no window stated; v0.19.2 (2026-08-20) is built on k8s.io/api v0.36.2, read 2026-12-01"),
+    "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0",
+                                "kube-system", ("1.35", "1.35"), "one autoscaler minor per Kubernetes minor: image "
+                                "CLUSTER_AUTOSCALER_IMAGE_TAG (autoscaler README, read 2026-11)"),
+    "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.3",
+                                  "kube-system", ("1.10", None), "chart kubeVersion '>= 1.10.0-0' at v0.19.3; "
+                                  "kubelet device plugin API v1beta1 (read 2026-12-01)"),
+    "aws-efa-k8s-device-plugin": Chart("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.6",
+                                       "kube-system", ("1.10", None), "no window stated; kubelet device plugin API "
+                                       "v1beta1 (read 2026-11)"),
 }
+KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
+# An admitted gang must have every pod ready within this time (nodes launched from zero, the images pulled, each
+# pod's doctor passed), or Kueue evicts all of it and requeues it after a backoff of 60 s doubling up to 1 h.
+KUEUE_PODS_READY_TIMEOUT = "30m"
+
+
+def kueue_configuration() -> dict:
+    """Kueue's manager configuration, which replaces the chart's whole default: its probes, metrics, webhook and
+    leader election as the chart at the pinned version sets them, the integrations used here, and waitForPodsReady. With scale-from-zero, quota alone admits
+    a gang whose nodes may never all come: it would hold the nodes it got, and two such runs can each hold part of
+    the pool forever. Here an admitted gang that is not all ready in time gives back every pod, and
+    ``blockAdmission`` admits nothing else while one gang is still coming up, so at most one gang is ever partial."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+        "health": {"healthProbeBindAddress": ":8081"}, "metrics": {"bindAddress": ":8443"},
+        "webhook": {"port": 9443},
+        "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
+        # Only what runs here goes through Kueue; the chart registers webhooks for these alone.
+        "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
+        "waitForPodsReady": {
+            "timeout": KUEUE_PODS_READY_TIMEOUT, "blockAdmission": True,
+            # Requeued without a limit: a run waits for capacity rather than being deactivated.
+            "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60, "backoffMaxSeconds": 3600},
+        },
+    }
 CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"  # matches the cluster's minor version (core.cluster.KUBERNETES_VERSIONS)
 # Helm waits for the release's pods to be ready; the kubectl provider's Lambda runs at most 15 minutes.
 CHART_TIMEOUT = Duration.minutes(12)
@@ -49,9 +89,8 @@ CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 _SYSTEM_NODES = {ROLE_LABEL: "system"}
 KEDA_OPERATOR_SERVICE_ACCOUNT = "keda-operator"  # the KEDA chart's default operator service account
 # The JobSet chart names its controller `<fullname>-controller`; fullname is the release name when it contains the
-# chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.10.1).
+# chart's name (charts/jobset/templates/controller/_helpers.tpl at v0.12.0).
 JOBSET_CONTROLLER = "jobset-controller"
-_GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 TRAINER_PRIORITY = 100_000
 ORCHESTRATOR_PRIORITY = 50_000
 ROLLOUT_PRIORITY = 10_000
@@ -62,6 +101,14 @@ _CRITICAL = names.CLUSTER_SERVICES_PRIORITY_CLASS
 def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
               depends_on: Sequence[IDependable] = ()) -> eks.HelmChart:
     """One of CHARTS, pinned, installed with Helm's --wait (so what depends on it finds it running)."""
+    if cluster.kubectl_provider is None:
+        # Otherwise aws-cdk-lib fails later with "Kubectl Provider is not defined in this cluster", naming neither
+        # the chart nor what to pass.
+        raise ValueError(
+            f"cluster: {cluster.node.path!r} is not allowed for the {name} chart; it has no kubectl provider: import "
+            "it with eks.Cluster.from_cluster_attributes(..., kubectl_provider=eks.KubectlProvider."
+            "from_kubectl_provider_attributes(...)) to use an existing one, or with kubectl_provider_options="
+            "eks.KubectlProviderOptions(kubectl_layer=...) to create one")
     c = CHARTS[name]
     chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=c.chart, repository=c.repository,
                           version=c.version, namespace=c.namespace, release=name, values=values,
@@ -73,26 +120,35 @@ def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
 
 class DevicePlugins(Construct):
     """The NVIDIA and EFA device plugins configured for EFA GPU pools, on any cluster with a kubectl provider (an
-    imported one too). Attribute: ``charts`` (name -> HelmChart)."""
+    imported one too). Attributes: ``charts`` (name -> HelmChart), ``tolerations`` (the plugins' DaemonSets')."""
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster,
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, pools: Sequence[EfaNodePool],
                  depends_on: Sequence[IDependable] = ()) -> None:
         """
         :param cluster: the cluster; it needs a kubectl provider (aws_eks_v2 ``kubectl_provider_options``).
+        :param pools: the GPU pools the plugins serve: their DaemonSets tolerate every taint of these pools (a
+            node whose taint they do not tolerate advertises no GPU or EFA, and GPU pods never land on it).
         :param depends_on: what must exist first (a new cluster's nodes and CoreDNS); default nothing.
         """
         super().__init__(scope, id)
+        if not pools or not all(isinstance(p, EfaNodePool) for p in pools):
+            raise ValueError(f"pools: {list(pools)!r} is not allowed; one or more EfaNodePool, whose taints the "
+                             "plugins tolerate")
+        self.tolerations = tolerations(t for p in pools for t in p.taints)
         self.charts = {
-            # MOFED injection (on by default since 0.19) mounts every uverbs device into GPU pods, clashing with the
-            # EFA device plugin's allocation.
+            # Set explicitly, whatever the chart's default (0.19.0 turned all three on, 0.19.3 off again): MOFED
+            # injection mounts every uverbs device into GPU pods, clashing with the EFA device plugin's allocation;
+            # GDS is unused; GDRCopy passes /dev/gdrdrv into GPU containers (NVIDIA_GDRCOPY=enabled), which DeepEP's
+            # NVSHMEM proxy over EFA needs, where the node loads the gdrdrv module (the EKS AMI does not).
             "nvidia-device-plugin": add_chart(self, cluster, "nvidia-device-plugin", {
-                "mofedEnabled": False, "tolerations": [_GPU_TOLERATION]}, depends_on),
+                "mofedEnabled": False, "gdsEnabled": False, "gdrcopyEnabled": True,
+                "tolerations": self.tolerations}, depends_on),
             # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
             # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
             "aws-efa-k8s-device-plugin": add_chart(self, cluster, "aws-efa-k8s-device-plugin", {
                 "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
                                             "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
-                "tolerations": [_GPU_TOLERATION]}, depends_on),
+                "tolerations": self.tolerations}, depends_on),
         }
 
 
@@ -114,7 +170,8 @@ class ClusterServices(Construct):
         super().__init__(scope, id)
         self._moe_cluster = cluster
         eks_cluster = cluster.cluster
-        self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, depends_on=cluster.services_ready)
+        self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, pools=list(pools.values()),
+                                            depends_on=cluster.services_ready)
         self.charts: dict[str, eks.HelmChart] = dict(self.device_plugins.charts)
         self.autoscaler_role = self._cluster_autoscaler(eks_cluster)
         keda = self._chart(eks_cluster, "keda", {"nodeSelector": _SYSTEM_NODES, "priorityClassName": _CRITICAL})
@@ -134,8 +191,10 @@ class ClusterServices(Construct):
             apply_patch={"spec": {"template": {"spec": {"priorityClassName": _CRITICAL}}}},
             restore_patch={"spec": {"template": {"spec": {"priorityClassName": None}}}})
         priority.node.add_dependency(jobset)
-        self._chart(eks_cluster, "kueue", {"controllerManager": {
-            "nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}}})
+        self._chart(eks_cluster, "kueue", {
+            "controllerManager": {"nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}},
+            # JSON is YAML: the chart writes this string into the manager's config map as it is.
+            "managerConfig": {"controllerManagerConfigYaml": json.dumps(kueue_configuration())}})
         self._priority_classes(eks_cluster)
         self.cluster_queues = {role: self._queues(eks_cluster, role, pool, run_namespace, namespace_manifest)
                                for role, pool in pools.items()}
@@ -198,27 +257,30 @@ class ClusterServices(Construct):
 
     def _queues(self, cluster: eks.ICluster, role: str, pool: EfaNodePool, namespace: str,
                 namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
-        spec, n = pool.spec, pool.pool.max_size
-        # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
-        # request must be covered or Kueue refuses the workload.
-        quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
-        if pool.efa_interfaces:
-            quota[EFA_RESOURCE] = pool.efa_interfaces * n
-        if pool.pool.hugepages_2mi:
-            quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.pool.hugepages_2mi) * n}Mi"
-        flavor = f"moe-rl-{role}"
-        objects = [
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": flavor},
-             "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": [_GPU_TOLERATION]}},
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
-             "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
-                      "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
-                          "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
-            {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-             "metadata": {"name": names.local_queue(role), "namespace": namespace},
-             "spec": {"clusterQueue": names.cluster_queue(role)}},
-        ]
-        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *objects)
+        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *queue_objects(role, pool.pool, namespace))
         manifest.node.add_dependency(self.charts["kueue"], namespace_manifest)
         return manifest
 
+
+def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]:
+    """The pool's Kueue ResourceFlavor, ClusterQueue and LocalQueue (in ``namespace``)."""
+    spec, n = pool.spec, pool.max_size
+    # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
+    # request must be covered or Kueue refuses the workload.
+    quota = {"cpu": spec.vcpus * n, "memory": f"{spec.memory_gib * n}Gi", GPU_RESOURCE: spec.gpus * n}
+    if pool.efa and spec.efa_interfaces:
+        quota[EFA_RESOURCE] = spec.efa_interfaces * n
+    if pool.hugepages_2mi:
+        quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.hugepages_2mi) * n}Mi"
+    flavor = f"moe-rl-{role}"
+    return [
+        {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": flavor},
+         "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": tolerations(pool.taints)}},
+        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
+         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+                  "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
+                      "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
+        {"apiVersion": KUEUE_API, "kind": "LocalQueue",
+         "metadata": {"name": names.local_queue(role), "namespace": namespace},
+         "spec": {"clusterQueue": names.cluster_queue(role)}},
+    ]

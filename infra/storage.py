@@ -15,7 +15,7 @@ from moe_rl_eks.core.cluster import ROLLOUT_LOGS_PREFIX
 # under prompts/ or weights/ in the bucket appears under /fsx/prompts/ and /fsx/weights/.
 FSX_LINK_PATH = "/"
 _REPOSITORY_PREFIX = re.compile(r"[a-z0-9]+(?:[._/-][a-z0-9]+)*")
-LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
+LUSTRE_PORT_RANGES = ((988, 988), (1018, 1023))  # TCP
 
 
 class MoeRlStorage(Construct):
@@ -107,10 +107,19 @@ class MoeRlStorage(Construct):
         sg = ec2.SecurityGroup(self, "LustreSecurityGroup", vpc=vpc, allow_all_outbound=False,
                                description="FSx for Lustre: Lustre ports from the cluster nodes")
         client = (ec2.Peer.security_group_id(client_sg_id) if client_sg_id else ec2.Peer.ipv4(vpc.vpc_cidr_block))
-        for port in LUSTRE_PORTS:
+        # LNet connections are opened from either end (servers call clients back on 988 and 1018-1023), so the
+        # Lustre ports are open both ways between the file system and its clients.
+        for i, (low, high) in enumerate(LUSTRE_PORT_RANGES):
+            port = ec2.Port.tcp_range(low, high)
             sg.add_ingress_rule(client, port, "Lustre clients")
+            sg.add_egress_rule(client, port, "Lustre servers to their clients")
             sg.add_ingress_rule(sg, port, "Lustre servers among themselves")
             sg.add_egress_rule(sg, port, "Lustre servers among themselves")
+            if client_sg_id:
+                # The clients' group is the cluster security group, made by EKS, not by this stack.
+                ec2.CfnSecurityGroupIngress(
+                    self, f"LustreToClients{i}", group_id=client_sg_id, ip_protocol="tcp", from_port=low, to_port=high,
+                    source_security_group_id=sg.security_group_id, description="Lustre servers to their clients")
         file_system = fsx.LustreFileSystem(
             self, "FileSystem", vpc=vpc, vpc_subnet=subnet, security_group=sg, kms_key=self.key,
             storage_capacity_gib=capacity_gib, removal_policy=removal,

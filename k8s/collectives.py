@@ -6,6 +6,7 @@ fork). Tests pin the result per instance type and backend, so a change here is a
 from __future__ import annotations
 
 from moe_rl_eks.core.catalog import instance_type as lookup
+from moe_rl_eks.core.container import DEEPEP_EFA_NVSHMEM_ENV
 from moe_rl_eks.core.ep_backends import EpBackend
 
 # Pod interfaces NCCL must not pick for its bootstrap sockets (loopback and container bridges).
@@ -34,8 +35,8 @@ def collective_env(instance_type: str, backend: EpBackend) -> dict[str, str]:
         if spec.efa_gpudirect_rdma:
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     if backend == "deepep":
-        # Stock DeepEP needs InfiniBand GPU-initiated RDMA; over EFA, AWS's fork runs NVSHMEM on libfabric.
+        # Stock DeepEP needs InfiniBand GPU-initiated RDMA; over EFA, AWS's fork runs NVSHMEM on libfabric (with
+        # the NIC policy and GDRCopy AWS's reference sets).
         # Without EFA only the intranode (NVLink) kernels run and NVSHMEM needs no remote transport.
-        env |= ({"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"} if spec.has_efa
-                else {"NVSHMEM_REMOTE_TRANSPORT": "none"})
+        env |= DEEPEP_EFA_NVSHMEM_ENV if spec.has_efa else {"NVSHMEM_REMOTE_TRANSPORT": "none"}
     return env

@@ -62,13 +62,11 @@ def trainer_size(pool: NodePoolConfig) -> PodSize:
 
 
 def rollout_size(pool: NodePoolConfig, gpus_per_server: int) -> PodSize:
-    """A rollout server gets its GPUs' share of the node, EFA interfaces included (none if the share rounds to 0:
-    asking for one would fit fewer servers on a node than its GPUs allow)."""
+    """A rollout server gets its GPUs' share of the node and no EFA interface: a server spans GPUs of one node only
+    (NVLink), and weights arrive over the node's IP network; a share of EFA would only cap servers per node."""
     spec = pool.spec
-    fraction = gpus_per_server / spec.gpus
-    cpu, memory = _node_share(pool, fraction, 0)
-    efa = spec.efa_interfaces * gpus_per_server // spec.gpus if pool.efa else 0
-    return PodSize(cpu, memory, gpus=gpus_per_server, efa=efa)
+    cpu, memory = _node_share(pool, gpus_per_server / spec.gpus, 0)
+    return PodSize(cpu, memory, gpus=gpus_per_server)
 
 
 ORCHESTRATOR_SIZE = PodSize(cpu_millis=2000, memory_mib=4096)
@@ -186,12 +184,12 @@ def env_vars(values: dict[str, str], secret_env: tuple[str, str, str] | None = N
     return out
 
 
-def gpu_placement(role: str) -> dict:
-    """Keyword arguments for k8s.PodSpec: only nodes of `role`'s pool, tolerating their GPU taint."""
+def gpu_placement(role: str, pool: NodePoolConfig) -> dict:
+    """Keyword arguments for k8s.PodSpec: only nodes of `role`'s pool, tolerating that pool's taints."""
     return dict(
         affinity=k8s.Affinity(node_affinity=k8s.NodeAffinity(
             required_during_scheduling_ignored_during_execution=k8s.NodeSelector(node_selector_terms=[
                 k8s.NodeSelectorTerm(match_expressions=[
                     k8s.NodeSelectorRequirement(key=labels.ROLE_LABEL, operator="In", values=[role])])]))),
-        tolerations=[k8s.Toleration(key=labels.GPU_TAINT_KEY, operator="Exists", effect="NoSchedule")],
+        tolerations=[k8s.Toleration(**t) for t in labels.tolerations(pool.taints)],
     )

@@ -143,13 +143,13 @@ class RunChart(cdk8s.Chart):
         pod = pod_spec(
             container, volumes, service_account=cluster.ROLLOUT_SERVICE_ACCOUNT,
             priority_class=cluster.ROLLOUT_PRIORITY_CLASS,
-            init_containers=[startup_check(container, "rollout", efa=bool(size.efa))],
+            init_containers=[startup_check(container, "rollout", efa=False)],  # rollout pods take no EFA
             termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
             # Spread servers over nodes: one lost node takes few of them.
             topology_spread_constraints=[k8s.TopologySpreadConstraint(
                 max_skew=1, topology_key="kubernetes.io/hostname", when_unsatisfiable="ScheduleAnyway",
                 label_selector=match)],
-            **gpu_placement("rollout"))
+            **gpu_placement("rollout", env.rollout_pool))
         spec = k8s.DeploymentSpec(
             # Under autoscaling KEDA owns the replica count; a `replicas` here would fight it.
             replicas=None if rollout.autoscaled else rollout.min_servers,
@@ -282,13 +282,15 @@ class RunChart(cdk8s.Chart):
         no_metadata_egress(self, self.name)
 
 
-def no_metadata_egress(scope: Construct, run: str) -> k8s.KubeNetworkPolicy:
-    """Egress anywhere but the instance metadata service, for every pod of the run (its validation jobs too): the
-    node's credentials and user data stay out of reach (IMDSv2's hop limit of 2 admits containers)."""
+def no_metadata_egress(scope: Construct, run: str, role: str | None = None) -> k8s.KubeNetworkPolicy:
+    """Egress anywhere but the instance metadata service, for every pod of the run, or only its `role`'s pods
+    (the validation chart is applied before the run's and deleted on its own, so it carries its own): the node's
+    credentials and user data stay out of reach (IMDSv2's hop limit of 2 admits containers)."""
+    name = f"{run}-{role}-no-instance-metadata" if role else f"{run}-no-instance-metadata"
     return k8s.KubeNetworkPolicy(
         scope, "netpol-no-instance-metadata",
-        metadata=k8s.ObjectMeta(name=f"{run}-no-instance-metadata", labels={labels.RUN_LABEL: run}),
+        metadata=k8s.ObjectMeta(name=name, labels={labels.RUN_LABEL: run}),
         spec=k8s.NetworkPolicySpec(
-            pod_selector=k8s.LabelSelector(match_labels=selector(run)), policy_types=["Egress"],
+            pod_selector=k8s.LabelSelector(match_labels=selector(run, role)), policy_types=["Egress"],
             egress=[k8s.NetworkPolicyEgressRule(to=[k8s.NetworkPolicyPeer(
                 ip_block=k8s.IpBlock(cidr="0.0.0.0/0", except_=[IMDS_CIDR]))])]))

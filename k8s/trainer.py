@@ -86,7 +86,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
                    priority_class=cluster.TRAINER_PRIORITY_CLASS, restart_policy="Never",
                    init_containers=[startup_check(container, "trainer", efa=bool(size.efa))],
                    termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
-                   **gpu_placement("trainer"))
+                   **gpu_placement("trainer", env.trainer_pool))
     job_spec = k8s.JobSpec(
         parallelism=nodes, completions=nodes, completion_mode="Indexed", backoff_limit=0,
         template=k8s.PodTemplateSpec(metadata=k8s.ObjectMeta(labels=job.pod_labels, annotations=job.pod_annotations),

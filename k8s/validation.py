@@ -23,7 +23,7 @@ from moe_rl_eks.core.run import ResolvedRun
 
 from .outputs import StackOutputs
 from .pods import RUN_CONFIG_DIR, aws_env
-from .run_chart import role_labels, selector
+from .run_chart import no_metadata_egress, role_labels, selector
 from .trainer import GangJob, add_gang_job
 
 CHECK_SCRIPT = Path(__file__).parent / "scripts" / "collectives_check.py"
@@ -59,3 +59,4 @@ class ValidationChart(cdk8s.Chart):
                                   spec=k8s.NetworkPolicySpec(
                                       pod_selector=k8s.LabelSelector(match_labels=selector(name, ROLE)),
                                       policy_types=["Ingress"], ingress=ingress))
+        no_metadata_egress(self, name, ROLE)

@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                       "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
     "doctor": ("moe_rl_eks.tools.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),
     "preflight": ("moe_rl_eks.tools.preflight", "main", "check an AWS account can hold an environment (boto3)"),
+    "scale-pool": ("moe_rl_eks.tools.scale_pool", "main",
+                   "size a Capacity Block pool once its block is active (boto3)"),
 }
 
 

@@ -12,7 +12,7 @@ Checks, by role (the orchestrator image has no GPU, so its role checks none):
   `efa` provider (`fi_info`), the aws-ofi-nccl net plugin and its tuner load, `ulimit -l` is unlimited and
   2 MiB hugepages are reserved;
 - trainer: which expert-parallel backends can load: `deep_ep` and the variant the image records
-  (MOERL_DEEPEP_VARIANT), and for the EFA variant NVSHMEM's libfabric transport.
+  (MOERL_DEEPEP_VARIANT), and for the EFA variant NVSHMEM's libfabric transport, its variables and /dev/gdrdrv.
 
 Only the standard library is imported at module level: torch and deep_ep are imported inside their checks,
 so the doctor reports a broken install as a blocker instead of dying on it.
@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, Mapping
 
-from moe_rl_eks.core.container import (DEEPEP_EFA_ENV, DEEPEP_VARIANT_ENV, DEEPEP_VARIANTS, EP_BACKEND_ENV, ROLE_COMMANDS,
-                                       ROLES, Role)
+from moe_rl_eks.core.container import (DEEPEP_EFA_ENV, DEEPEP_EFA_NVSHMEM_ENV, DEEPEP_VARIANT_ENV, DEEPEP_VARIANTS,
+                                       EP_BACKEND_ENV, GDRDRV_DEVICE, ROLE_COMMANDS, ROLES, Role)
 
 Status = Literal["ok", "warn", "blocker"]
 FI_INFO_CANDIDATES = ("fi_info", "/opt/amazon/efa/bin/fi_info")
@@ -50,11 +50,13 @@ class Check:
 
 @dataclass(frozen=True)
 class Context:
-    """What the checks read from outside: the environment, /proc/meminfo, and whether EFA is expected."""
+    """What the checks read from outside: the environment, /proc/meminfo, GDRCopy's device, and whether EFA is
+    expected."""
     role: Role
     env: Mapping[str, str]
     expect_efa: bool
     meminfo: Path = MEMINFO
+    gdrdrv: Path = Path(GDRDRV_DEVICE)
 
 
 # --- checks every role runs ---------------------------------------------------------------------------------
@@ -271,16 +273,20 @@ def check_deepep(ctx: Context) -> Check:
 
 
 def _check_nvshmem_libfabric(ctx: Context, where: Path) -> Check:
-    # The EFA variant reaches other nodes through NVSHMEM's host proxy over libfabric: NVSHMEM must be told to
-    # use that transport and its plugin library must be on the loader path.
-    wanted = {"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"}
-    wrong = [f"{k}={ctx.env.get(k)!r} (needs {v!r})" for k, v in wanted.items() if ctx.env.get(k) != v]
+    # The EFA variant reaches other nodes through NVSHMEM's host proxy over libfabric: NVSHMEM must be set up as
+    # AWS's reference sets it, its transport library must be on the loader path, and GDRCopy's device must be in
+    # the container.
+    wrong = [f"{k}={ctx.env.get(k)!r} (needs {v!r})" for k, v in DEEPEP_EFA_NVSHMEM_ENV.items() if ctx.env.get(k) != v]
     if wrong:
         return Check("ep backends", "blocker", "DeepEP efa-v1 needs " + ", ".join(wrong))
     transport = _find_library("nvshmem_transport_libfabric.so", ctx.env)
     if transport is None:
         return Check("ep backends", "blocker", "NVSHMEM's libfabric transport (nvshmem_transport_libfabric.so*) is "
                      "not on LD_LIBRARY_PATH")
+    if not ctx.gdrdrv.is_char_device():
+        return Check("ep backends", "blocker", f"{ctx.gdrdrv} is missing: DeepEP efa-v1's NVSHMEM proxy needs GDRCopy. "
+                     "The node must load GDRCopy's gdrdrv kernel module (the EKS AL2023 NVIDIA AMI does not) and the "
+                     "container get the device (NVIDIA device plugin gdrcopyEnabled, or NVIDIA_GDRCOPY=enabled)")
     return Check("ep backends", "ok", f"alltoall, deepep intranode and internode over EFA (efa-v1 at {where}; "
                  f"NVSHMEM transport {transport})")
 

@@ -273,17 +273,29 @@ def format_table(findings: Iterable[Finding]) -> str:
     return "\n".join(f"{r[0]:{widths[0]}}  {r[1]:{widths[1]}}  {r[2]:{widths[2]}}  {r[3]}" for r in rows)
 
 
-def main(argv: list[str], aws: AwsClients | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moerl preflight", description=__doc__.split("\n\n")[0])
+def add_environment_arguments(parser: argparse.ArgumentParser) -> None:
+    """--env and --cdk-json, as every command that works on one environment of an account takes them."""
     parser.add_argument("--env", required=True, help="environment name in cdk.json")
     parser.add_argument("--cdk-json", default="cdk.json", help="the cdk.json holding the environments (default ./cdk.json)")
+
+
+def environment_from(args: argparse.Namespace) -> EnvironmentConfig | None:
+    """The environment ``args`` name; None, with the reason printed, when there is none."""
+    try:
+        return select_environment(load_cdk_json(args.cdk_json), args.env)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str], aws: AwsClients | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moerl preflight", description=__doc__.split("\n\n")[0])
+    add_environment_arguments(parser)
     parser.add_argument("--after-deploy", action="store_true", help="also check the deployed stack, bucket and repositories")
     parser.add_argument("--stack", help="stack name for --after-deploy (default MoeRl-<env>, as app.py names it)")
     args = parser.parse_args(argv)
-    try:
-        env = select_environment(load_cdk_json(args.cdk_json), args.env)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    env = environment_from(args)
+    if env is None:
         return 2
     from botocore.exceptions import BotoCoreError, ClientError
     aws = aws or AwsClients.for_region(env.region)

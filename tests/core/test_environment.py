@@ -53,6 +53,9 @@ def _set(path: str, value):
     ("prod", "storage.fsx_storage_capacity_gib", 2000, "1200 or a multiple of 2400"),
     ("prod", "trainer_pool.capacity_reservation_id", "reservation-1", "cr-0123456789abcdef0"),
     ("prod", "rollout_pool.desired_size", 2, "a GPU pool starts at 0 nodes unless a capacity reservation backs it"),
+    ("prod", "trainer_pool.desired_size", 4, "a Capacity Block pool is created at 0 nodes: its instances exist "
+     "only while the block is active, and a node group created before then (or with fewer free instances) fails and "
+     "rolls the whole stack back; scale it once the block is active with `moerl scale-pool`"),
     ("prod", "admin_role_arn", None, "required: the IAM role that administers the cluster"),
     ("prod", "admin_role_arn", "arn:aws:iam::222222222222:user/alice", "expected an IAM role ARN"),
     ("dev", "endpoint", {"public": True, "public_cidrs": "203.0.113.0/24"}, "expected a list"),

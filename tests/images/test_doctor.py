@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl_eks.core.container import DEEPEP_EFA_NVSHMEM_ENV
 from moe_rl_eks.tools import doctor
 from moe_rl_eks.tools.doctor import Context, checks_for
 
@@ -138,17 +139,28 @@ def test_deepep_variant_the_image_records(variant, status, fragment):
     assert (check.status, check.detail.startswith(fragment)) == (status, True), check.detail
 
 
-def test_efa_deepep_needs_nvshmem_libfabric_transport(tmp_path):
+def test_efa_deepep_needs_nvshmem_as_aws_sets_it_its_libfabric_transport_and_gdrcopy(tmp_path):
     where = Path("/opt/venv/deep_ep")
-    env = {"NVSHMEM_REMOTE_TRANSPORT": "ibgda", "NVSHMEM_LIBFABRIC_PROVIDER": "efa", "LD_LIBRARY_PATH": str(tmp_path)}
-    check = doctor._check_nvshmem_libfabric(Context(role="trainer", env=env, expect_efa=True), where)
+    env = {**DEEPEP_EFA_NVSHMEM_ENV, "NVSHMEM_REMOTE_TRANSPORT": "ibgda", "LD_LIBRARY_PATH": str(tmp_path)}
+    del env["NVSHMEM_NETDEVS_POLICY"]
+    missing_gdrdrv = Context(role="trainer", env=env, expect_efa=True, gdrdrv=tmp_path / "gdrdrv")
+    check = doctor._check_nvshmem_libfabric(missing_gdrdrv, where)
     assert (check.status, check.detail) == ("blocker", "DeepEP efa-v1 needs NVSHMEM_REMOTE_TRANSPORT='ibgda' "
-                                                       "(needs 'libfabric')")
-    env["NVSHMEM_REMOTE_TRANSPORT"] = "libfabric"
-    check = doctor._check_nvshmem_libfabric(Context(role="trainer", env=env, expect_efa=True), where)
+                                            "(needs 'libfabric'), NVSHMEM_NETDEVS_POLICY=None (needs "
+                                            "'EXTERNAL_SHARING_PCIE_SWITCH_NIC_EXCLUSIVE')")
+    env.update(DEEPEP_EFA_NVSHMEM_ENV)
+    check = doctor._check_nvshmem_libfabric(missing_gdrdrv, where)
     assert check.status == "blocker" and "(nvshmem_transport_libfabric.so*) is not on LD_LIBRARY_PATH" in check.detail
     (tmp_path / "nvshmem_transport_libfabric.so.3").write_bytes(b"")
-    check = doctor._check_nvshmem_libfabric(Context(role="trainer", env=env, expect_efa=True), where)
+    (tmp_path / "gdrdrv").write_bytes(b"")  # a regular file is not the driver's character device
+    check = doctor._check_nvshmem_libfabric(missing_gdrdrv, where)
+    assert (check.status, check.detail) == ("blocker", f"{tmp_path}/gdrdrv is missing: DeepEP efa-v1's NVSHMEM proxy "
+                                            "needs GDRCopy. The node must load GDRCopy's gdrdrv kernel module (the EKS "
+                                            "AL2023 NVIDIA AMI does not) and the container get the device (NVIDIA "
+                                            "device plugin gdrcopyEnabled, or NVIDIA_GDRCOPY=enabled)")
+    # Any character device stands in for /dev/gdrdrv.
+    check = doctor._check_nvshmem_libfabric(Context(role="trainer", env=env, expect_efa=True, gdrdrv=Path("/dev/null")),
+                                            where)
     assert check.status == "ok" and str(tmp_path / "nvshmem_transport_libfabric.so.3") in check.detail
 
 

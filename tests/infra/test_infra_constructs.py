@@ -12,7 +12,7 @@ from aws_cdk.assertions import Match, Template
 from infra_helpers import REPO
 from moe_rl_eks.core.environment import EnvironmentConfig, NodePoolConfig, load_environments
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.infra import EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
+from moe_rl_eks.infra import DevicePlugins, EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
 from moe_rl_eks.infra.checks import EksGuardrails
 from moe_rl_eks.infra.node_pool import network_interfaces, user_data
 
@@ -69,6 +69,9 @@ def test_efa_pool_waits_for_the_clusters_vpc_cni_without_the_app_wiring_it(platf
     (dict(instance_type="p5.48xlarge", capacity_type="RESERVED"), "capacity_type: 'RESERVED' is not allowed"),
     (dict(instance_type="p5.48xlarge", min_size=1, desired_size=1, max_size=2),
      "min_size: 1 is not allowed; a GPU pool starts at 0"),
+    (dict(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK, desired_size=2, max_size=2,
+          capacity_reservation_id="cr-0123456789abcdef0"),
+     "desired_size: 2 is not allowed; a Capacity Block pool is created at 0 nodes"),
 ])
 def test_node_pool_props_are_validated_when_built_in_code(props, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -77,7 +80,7 @@ def test_node_pool_props_are_validated_when_built_in_code(props, fragment):
 
 def test_node_pool_props_take_the_aws_cdk_lib_capacity_type():
     pool = NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
-                          capacity_reservation_id="cr-0123456789abcdef0", desired_size=2, max_size=2)
+                          capacity_reservation_id="cr-0123456789abcdef0", max_size=2)
     assert pool.capacity_type == "CAPACITY_BLOCK"
 
 
@@ -201,6 +204,43 @@ def test_stack_without_fsx_and_prometheus_and_with_an_allow_listed_public_endpoi
     template.has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig": Match.object_like(
         {"EndpointPublicAccess": True, "PublicAccessCidrs": ["203.0.113.0/24"]})})
     assert "PersistentVolume" not in json.dumps(template.to_json())
+
+
+def test_a_no_execute_pool_is_tolerated_by_the_device_plugins_and_its_kueue_flavor():
+    from infra_helpers import helm_charts, kubernetes_objects
+
+    context = json.loads((REPO / "cdk.json").read_text())["context"]
+    context["environments"]["dev"]["trainer_pool"]["taint_effect"] = "NO_EXECUTE"
+    stack = MoeRlStack(cdk.App(), "NoExecute", config=load_environments(context)["dev"])
+    template = Template.from_stack(stack).to_json()
+    template_props = [r["Properties"] for r in template["Resources"].values() if r["Type"] == "AWS::EKS::Nodegroup"]
+    (trainer,) = [p for p in template_props if p["Labels"]["moe-rl/role"] == "trainer"]
+    assert trainer["Taints"] == [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_EXECUTE"}]
+    assert trainer["Tags"]["k8s.io/cluster-autoscaler/node-template/taint/nvidia.com/gpu"] == "true:NoExecute"
+    toleration = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true"}
+    both = [{**toleration, "effect": "NoExecute"}, {**toleration, "effect": "NoSchedule"}]  # trainer and rollout pools
+    charts = helm_charts(template)
+    for plugin in ("nvidia-device-plugin", "aws-efa-k8s-device-plugin"):
+        assert charts[plugin]["Values"]["tolerations"] == both, plugin
+    flavors = {o["metadata"]["name"]: o["spec"] for o in kubernetes_objects(template) if o["kind"] == "ResourceFlavor"}
+    assert flavors["moe-rl-trainer"]["tolerations"] == [both[0]]
+    assert flavors["moe-rl-rollout"]["tolerations"] == [both[1]]
+
+
+def test_device_plugins_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass():
+    stack = PlatformStack(cdk.App(), "NoKubectl")
+    vpc = stack.cluster.cluster.vpc
+    imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster", vpc=vpc,
+                                                   cluster_security_group_id="sg-0123456789abcdef0")
+    with pytest.raises(ValueError, match=r"cluster: 'NoKubectl/Theirs' is not allowed for the nvidia-device-plugin "
+                                         r"chart; it has no kubectl provider: import it with .*kubectl_provider="):
+        DevicePlugins(stack, "Devices", cluster=imported, pools=[stack.pool])
+
+
+def test_device_plugins_need_the_pools_whose_taints_they_tolerate():
+    stack = PlatformStack(cdk.App(), "NoPools")
+    with pytest.raises(ValueError, match=r"pools: \[\] is not allowed; one or more EfaNodePool"):
+        DevicePlugins(stack, "Devices", cluster=stack.cluster.cluster, pools=[])
 
 
 @pytest.mark.parametrize("literals, expected", [(True, "aws"), (False, "<AWS::Partition>")])

@@ -101,13 +101,16 @@ def test_capacity_block_pool_names_its_instance_type_in_the_launch_template_only
     assert on_demand["InstanceTypes"] == ["p5e.48xlarge"] and "InstanceType" not in on_demand_lt
 
 
-def test_pools_without_a_reservation_start_at_zero_nodes(templates):
+def test_pools_without_a_reservation_and_capacity_block_pools_start_at_zero_nodes(templates):
     for env in ("dev", "prod"):
         for role in ("trainer", "rollout"):
             props, data = pool(templates[env], role)
             scaling = props["ScalingConfig"]
-            if "CapacityReservationSpecification" not in data:
+            if "CapacityReservationSpecification" not in data or props["CapacityType"] == "CAPACITY_BLOCK":
                 assert (scaling["MinSize"], scaling["DesiredSize"]) == (0, 0), (env, role)
+    # prod's trainer pool is the Capacity Block one: created empty, scaled by `moerl scale-pool` once it is active.
+    props, _ = pool(templates["prod"], "trainer")
+    assert props["CapacityType"] == "CAPACITY_BLOCK" and props["ScalingConfig"]["DesiredSize"] == 0
 
 
 def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templates):
@@ -116,7 +119,7 @@ def test_gpu_pools_use_the_al2023_nvidia_ami_one_subnet_labels_and_taints(templa
         "AmiType": "AL2023_x86_64_NVIDIA", "CapacityType": "CAPACITY_BLOCK",
         "Labels": {"moe-rl/role": "trainer", "vpc.amazonaws.com/efa.present": "true", "nvidia.com/gpu.present": "true"},
         "Taints": [{"Key": "nvidia.com/gpu", "Value": "true", "Effect": "NO_SCHEDULE"}],
-        "ScalingConfig": {"MinSize": 0, "DesiredSize": 4, "MaxSize": 16},
+        "ScalingConfig": {"MinSize": 0, "DesiredSize": 0, "MaxSize": 16},
     })
     props, data = pool(templates["prod"], "trainer")
     assert len(props["Subnets"]) == 1
@@ -246,17 +249,22 @@ def test_cluster_services_run_at_system_cluster_critical_and_the_orchestrator_pr
     assert max(c["value"] for c in classes.values()) < 2_000_000_000  # far below system-cluster-critical
 
 
-def test_system_nodes_have_room_for_controller_and_orchestrator_images(templates):
+def test_system_nodes_have_room_for_controllers_orchestrators_and_their_images(templates):
     (system,) = [r["Properties"] for r in resources_of(templates["prod"], "AWS::EKS::Nodegroup").values()
                  if r["Properties"]["Labels"]["moe-rl/role"] == "system"]
     assert system["DiskSize"] == 100
+    # 8 vCPU / 32 GiB: either of the two nodes alone holds the controllers and two orchestrators of 2 vCPU / 4 GiB.
+    assert system["InstanceTypes"] == ["m6i.2xlarge"]
+    assert system["ScalingConfig"]["MinSize"] == 2
 
 
 def test_cluster_services_are_pinned_and_configured_for_efa(templates):
     charts = helm_charts(templates["prod"])
     assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in CHARTS.items()}
     assert charts["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.35.0"  # the cluster's minor version
-    assert charts["nvidia-device-plugin"]["Values"]["mofedEnabled"] is False
+    nvidia = charts["nvidia-device-plugin"]["Values"]
+    # Each set explicitly (the chart's defaults moved twice in 0.19.x): no MOFED, no GDS, GDRCopy into GPU pods.
+    assert (nvidia["mofedEnabled"], nvidia["gdsEnabled"], nvidia["gdrcopyEnabled"]) == (False, False, True)
     efa_types = charts["aws-efa-k8s-device-plugin"]["Values"]["supportedInstanceLabels"]["values"]
     assert set(efa_types) == {n for n, t in CATALOG.items() if t.has_efa}
     assert charts["cluster-autoscaler"]["Values"]["rbac"]["serviceAccount"] == {"create": False, "name": "cluster-autoscaler"}
@@ -269,6 +277,7 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
     for role, max_nodes, spec in (("trainer", 16, CATALOG["p5en.48xlarge"]), ("rollout", 8, CATALOG["p5e.48xlarge"])):
         queue = by_kind["ClusterQueue"][names.cluster_queue(role)]
+        assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta2"  # v1beta1 is not served from Kueue 0.20
         quota = {r["name"]: r["nominalQuota"] for r in queue["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
         assert quota["nvidia.com/gpu"] == spec.gpus * max_nodes
         assert quota["vpc.amazonaws.com/efa"] == spec.efa_interfaces * max_nodes
@@ -465,3 +474,72 @@ def test_every_core_kubernetes_object_the_stack_applies_passes_strict_validation
             kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')), version, strict=True)
             kinds.add(obj["kind"])
     assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job"}
+
+
+def _rules(template: dict, kind: str, group: dict) -> set[tuple]:
+    """(from port, to port, peer) of every TCP rule of `kind` (Ingress/Egress) on `group`, inline or separate."""
+    peer_key = "SourceSecurityGroupId" if kind == "Ingress" else "DestinationSecurityGroupId"
+    separate = [r["Properties"] for r in resources_of(template, f"AWS::EC2::SecurityGroup{kind}").values()
+                if r["Properties"]["GroupId"] == group]
+    inline = []
+    if "Fn::GetAtt" in group and group["Fn::GetAtt"][0] in template["Resources"]:
+        inline = template["Resources"][group["Fn::GetAtt"][0]]["Properties"].get(f"SecurityGroup{kind}", [])
+    return {(r["FromPort"], r["ToPort"], json.dumps(r.get(peer_key), sort_keys=True))
+            for r in separate + inline if r.get("IpProtocol") == "tcp"}
+
+
+def test_lustre_ports_are_open_both_ways_between_fsx_and_the_cluster_security_group(templates):
+    template = templates["prod"]
+    (fs,) = resources_of(template, "AWS::FSx::FileSystem").values()
+    (lustre,) = fs["Properties"]["SecurityGroupIds"]
+    _, data = pool(template, "trainer")
+    cluster_sg = data["NetworkInterfaces"][0]["Groups"][1]  # every node interface carries it
+
+    def lnet_from(group: dict) -> set[tuple]:  # servers and clients each open LNet connections on these ports
+        return {(low, high, json.dumps(group, sort_keys=True)) for low, high in ((988, 988), (1018, 1023))}
+
+    assert lnet_from(cluster_sg) <= _rules(template, "Ingress", lustre)
+    assert lnet_from(cluster_sg) <= _rules(template, "Egress", lustre)
+    assert lnet_from(lustre) <= _rules(template, "Ingress", cluster_sg)
+
+
+def test_gpu_pools_repair_unhealthy_nodes_one_at_a_time(templates):
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            props, _ = pool(templates[env], role)
+            assert props["NodeRepairConfig"] == {"Enabled": True, "MaxParallelNodesRepairedCount": 1}, (env, role)
+
+
+def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept():
+    from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+
+    def minor(version: str) -> tuple[int, int]:
+        major, minor_ = version.split(".")
+        return int(major), int(minor_)
+
+    for name, chart in CHARTS.items():
+        low, high = chart.kubernetes
+        assert chart.kubernetes_source, name
+        for version in KUBERNETES_VERSIONS:
+            assert minor(low) <= minor(version) and (high is None or minor(version) <= minor(high)), \
+                f"{name} {chart.version} supports Kubernetes {low} to {high or 'any'} ({chart.kubernetes_source}), " \
+                f"not {version}"
+    # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
+    assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
+        ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
+
+
+def test_kueue_gives_back_a_whole_gang_that_is_not_ready_in_time_and_admits_one_partial_gang_at_most(templates):
+    values = helm_charts(templates["prod"])["kueue"]["Values"]
+    config = json.loads(values["managerConfig"]["controllerManagerConfigYaml"])  # JSON is the YAML the chart reads
+    assert (config["apiVersion"], config["kind"]) == ("config.kueue.x-k8s.io/v1beta2", "Configuration")
+    assert config["waitForPodsReady"] == {
+        "timeout": "30m", "blockAdmission": True,
+        "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60, "backoffMaxSeconds": 3600}}
+    # The trainer gang is a JobSet: its integration must stay on, or Kueue would not suspend and admit it.
+    assert "jobset.x-k8s.io/jobset" in config["integrations"]["frameworks"]
+    assert config["leaderElection"]["leaderElect"] is True and config["webhook"]["port"] == 9443
+    # The trainer queue admits a gang only against the whole pool's quota (all of its pods or none).
+    (trainer_queue,) = [o for o in kubernetes_objects(templates["prod"])
+                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.cluster_queue("trainer")]
+    assert trainer_queue["spec"]["resourceGroups"][0]["flavors"][0]["name"] == "moe-rl-trainer"

@@ -7,7 +7,9 @@ BASE = {"NCCL_SOCKET_IFNAME": "^docker,lo,veth", "NCCL_DEBUG": "WARN"}
 EFA = {**BASE, "FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "NCCL_NET_PLUGIN": "ofi", "NCCL_TUNER_PLUGIN": "ofi",
        "NCCL_BUFFSIZE": "8388608", "NCCL_P2P_NET_CHUNKSIZE": "524288"}
 EFA_RDMA = {**EFA, "FI_EFA_USE_DEVICE_RDMA": "1"}
-NVSHMEM_EFA = {"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"}
+# As AWS's EFA-patched DeepEP image and jobs set it (awsome-distributed-ai deepep-benchmark).
+NVSHMEM_EFA = {"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa",
+               "NVSHMEM_NETDEVS_POLICY": "EXTERNAL_SHARING_PCIE_SWITCH_NIC_EXCLUSIVE", "NVIDIA_GDRCOPY": "enabled"}
 
 
 @pytest.mark.parametrize("instance, backend, expected", [

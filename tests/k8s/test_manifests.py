@@ -99,6 +99,9 @@ def test_trainer_env_follows_the_resolved_backend(manifests, run, nvshmem):
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["MOERL_EP_BACKEND"] == resolved(run).ep_backend
     assert env.get("NVSHMEM_REMOTE_TRANSPORT") == nvshmem
+    if nvshmem:  # DeepEP over EFA: NVSHMEM's NIC policy and GDRCopy as AWS's DeepEP reference sets them
+        assert env["NVSHMEM_NETDEVS_POLICY"] == "EXTERNAL_SHARING_PCIE_SWITCH_NIC_EXCLUSIVE"
+        assert env["NVIDIA_GDRCOPY"] == "enabled"
     # torchrun must leave the workers' SIGTERM checkpoint time before it SIGKILLs them, inside the pod's grace
     spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer"))[0]
     assert 60 <= int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < spec["terminationGracePeriodSeconds"]
@@ -404,3 +407,45 @@ def test_a_run_claiming_an_efa_capable_deepep_makes_the_startup_check_verify_the
                  "--cdk-json", str(ROOT / "cdk.json")]) == 0
     docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
     assert [env[DEEPEP_EFA_ENV] for env in trainer_envs(docs, "qwen3-30b-a3b-p5")] == ["1", "1"]  # trainer, doctor
+
+
+def test_run_pods_tolerate_exactly_their_pools_taints_no_execute_included(tmp_path, manifests):
+    from moe_rl_eks.k8s.manifests import main
+
+    def tolerations(docs: list[dict], kind: str, name: str) -> list[list[dict]]:
+        return [spec["tolerations"] for spec in pod_specs(find(docs, kind, name))]
+
+    no_schedule = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    shipped = manifests["qwen3-30b-a3b-p5/run.k8s.yaml"]
+    assert tolerations(shipped, "JobSet", "qwen3-30b-a3b-p5-trainer") == [no_schedule]
+    cdk = json.loads((ROOT / "cdk.json").read_text())
+    cdk["context"]["environments"]["dev"]["trainer_pool"]["taint_effect"] = "NO_EXECUTE"
+    (tmp_path / "cdk.json").write_text(json.dumps(cdk))
+    assert main(["--run", str(run_file("qwen3-30b-a3b-p5")), "--outputs", str(EXAMPLE_OUTPUTS),
+                 "--out", str(tmp_path / "dist"), "--cdk-json", str(tmp_path / "cdk.json")]) == 0
+    docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
+    no_execute = [{**no_schedule[0], "effect": "NoExecute"}]
+    assert tolerations(docs, "JobSet", "qwen3-30b-a3b-p5-trainer") == [no_execute]
+    assert tolerations(docs, "Deployment", "qwen3-30b-a3b-p5-rollout") == [no_schedule]  # its own pool's taint
+
+
+def test_validation_pods_carry_their_own_metadata_block_applied_before_the_run(manifests):
+    from moe_rl_eks.k8s.run_chart import role_labels
+
+    run = "qwen3-30b-a3b-p5"
+    (policy,) = [d for d in manifests[f"{run}/validation.k8s.yaml"] if d["kind"] == "NetworkPolicy"
+                 and "Egress" in d["spec"]["policyTypes"]]
+    assert policy["metadata"]["name"] == f"{run}-validation-no-instance-metadata"  # not the run's own policy
+    assert policy["spec"]["podSelector"]["matchLabels"] == {labels.RUN_LABEL: run, labels.ROLE_LABEL: "validation"}
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= role_labels(run, "validation").items()
+    (rule,) = policy["spec"]["egress"]
+    assert rule["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}]
+
+
+def test_rollout_pods_request_no_efa_on_an_efa_pool(manifests):
+    # Whatever the pool (EFA pools: tests/k8s/test_pod_resources.py), a server spans one node's GPUs only.
+    for run in CLUSTER_RUNS:
+        (spec,) = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "Deployment", f"{run}-rollout"))
+        for c in spec["containers"] + spec["initContainers"]:
+            assert labels.EFA_RESOURCE not in c["resources"]["requests"], (run, c["name"])
+        assert "--efa" not in spec["initContainers"][0]["command"]

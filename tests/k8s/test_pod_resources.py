@@ -1,6 +1,7 @@
 """GPU, EFA, hugepages and memory per pod, from the instance catalog and the pool."""
 import pytest
 
+from moe_rl_eks.core import labels
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.environment import NodePoolConfig
 from moe_rl_eks.core.schema import ConfigError
@@ -33,16 +34,13 @@ def test_trainer_memory_leaves_node_headroom_and_the_hugepages():
     assert size.cpu_millis == 172_000  # 90 % of 192 vCPUs
 
 
-@pytest.mark.parametrize("instance, efa_pool, gpus_per_server, expected_efa", [
-    ("p5e.48xlarge", True, 8, 32),
-    ("p5e.48xlarge", True, 2, 8),  # a quarter of the node
-    ("p5en.48xlarge", True, 1, 2),
-    ("g6e.12xlarge", True, 1, 0),  # 1 EFA for 4 GPUs: a share of 0, so none (not 1, which would fit 1 server)
-    ("p5e.48xlarge", False, 8, 0),  # the pool opted out of EFA
+@pytest.mark.parametrize("instance, efa_pool, gpus_per_server", [
+    ("p5e.48xlarge", True, 8), ("p5e.48xlarge", True, 2), ("p5en.48xlarge", True, 1), ("g6e.12xlarge", True, 1),
 ])
-def test_rollout_server_gets_its_gpu_share_of_efa(instance, efa_pool, gpus_per_server, expected_efa):
+def test_rollout_server_takes_its_gpus_and_no_efa_even_on_an_efa_pool(instance, efa_pool, gpus_per_server):
     size = rollout_size(NodePoolConfig(instance_type=instance, efa=efa_pool), gpus_per_server)
-    assert (size.gpus, size.efa, size.hugepages_mib) == (gpus_per_server, expected_efa, 0)
+    assert (size.gpus, size.efa, size.hugepages_mib) == (gpus_per_server, 0, 0)
+    assert labels.EFA_RESOURCE not in size.resources().requests
 
 
 def test_shm_larger_than_half_the_pod_memory_is_refused():

@@ -18,6 +18,10 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.x-k8s.io_v1alpha2_JobSet.json",
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_ScaledObject.json",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda.sh_v1alpha1_TriggerAuthentication.json",
+    # Applied by the infra stack (infra.services.queue_objects), validated here with the run's objects' schemas.
+    ("kueue.x-k8s.io/v1beta2", "ResourceFlavor"): "kueue.x-k8s.io_v1beta2_ResourceFlavor.json",
+    ("kueue.x-k8s.io/v1beta2", "ClusterQueue"): "kueue.x-k8s.io_v1beta2_ClusterQueue.json",
+    ("kueue.x-k8s.io/v1beta2", "LocalQueue"): "kueue.x-k8s.io_v1beta2_LocalQueue.json",
 }
 CLUSTER_VERSION = load_cdk_json(ROOT / "cdk.json")["dev"].kubernetes_version
 
@@ -123,7 +127,22 @@ def test_crd_schema_files_name_their_source():
 def test_crd_schemas_are_from_the_versions_the_infra_stack_installs():
     from moe_rl_eks.infra.services import CHARTS  # loads aws_cdk (~2 s); the pin is what matters
 
-    for (_, kind), name in CRD_SCHEMAS.items():
+    for (api_version, kind), name in CRD_SCHEMAS.items():
+        group = api_version.split("/")[0]
         comment = json.loads((DATA / "crd_schemas" / name).read_text())["$comment"]
-        chart = CHARTS["jobset" if kind == "JobSet" else "keda"]
+        chart = CHARTS[{"jobset.x-k8s.io": "jobset", "keda.sh": "keda", "kueue.x-k8s.io": "kueue"}[group]]
         assert f" v{chart.version.lstrip('v')} (" in comment, (kind, chart.version, comment)
+
+
+def test_the_kueue_objects_the_stack_applies_match_kueues_v1beta2_schemas():
+    from moe_rl_eks.infra.services import queue_objects  # loads aws_cdk (~2 s)
+
+    for env in load_cdk_json(ROOT / "cdk.json").values():
+        for role, pool in env.pools().items():
+            objects = queue_objects(role, pool, env.run_namespace)
+            assert [o["kind"] for o in objects] == ["ResourceFlavor", "ClusterQueue", "LocalQueue"]
+            for obj in objects:
+                assert crd_errors(obj) == [], (env.name, role, obj["kind"])
+    flavor = queue_objects("trainer", load_cdk_json(ROOT / "cdk.json")["dev"].trainer_pool, "moe-rl")[0]
+    flavor["spec"]["toleration"] = flavor["spec"].pop("tolerations")
+    assert any("'toleration' was unexpected" in e for e in crd_errors(flavor))

@@ -27,11 +27,13 @@ class NewClusterStack(cdk.Stack):
         vpc.add_flow_log("FlowLog")
         admin = iam.Role.from_role_arn(self, "Admin", "arn:aws:iam::444444444444:role/TeamAdmin", mutable=False)
         cluster = MoeRlCluster(self, "Cluster", vpc=vpc, admin_role=admin)
-        EfaNodePool(self, "Trainers", cluster=cluster, subnet=vpc.private_subnets[0], role="trainer",
-                    pool=NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
-                                        capacity_reservation_id="cr-0123456789abcdef0", desired_size=2, max_size=2),
-                    taint_effect=eks.TaintEffect.NO_EXECUTE, extra_labels={"team": "research"})
-        DevicePlugins(self, "Devices", cluster=cluster.cluster, depends_on=cluster.services_ready)
+        trainers = EfaNodePool(
+            self, "Trainers", cluster=cluster, subnet=vpc.private_subnets[0], role="trainer",
+            pool=NodePoolConfig(instance_type="p5en.48xlarge", capacity_type=eks.CapacityType.CAPACITY_BLOCK,
+                                capacity_reservation_id="cr-0123456789abcdef0", max_size=2,
+                                taint_effect=eks.TaintEffect.NO_EXECUTE),
+            extra_labels={"team": "research"})
+        DevicePlugins(self, "Devices", cluster=cluster.cluster, pools=[trainers], depends_on=cluster.services_ready)
 
 
 class ImportedClusterStack(cdk.Stack):
@@ -49,9 +51,9 @@ class ImportedClusterStack(cdk.Stack):
         cluster = eks.Cluster.from_cluster_attributes(
             self, "Theirs", cluster_name="their-cluster", vpc=vpc, cluster_security_group_id="sg-0123456789abcdef0",
             kubectl_provider=provider)
-        EfaNodePool(self, "Rollout", cluster=cluster, subnet=vpc.private_subnets[1], role="rollout",
-                    pool=NodePoolConfig(instance_type="p5.48xlarge", max_size=4))
-        DevicePlugins(self, "Devices", cluster=cluster)
+        rollout = EfaNodePool(self, "Rollout", cluster=cluster, subnet=vpc.private_subnets[1], role="rollout",
+                              pool=NodePoolConfig(instance_type="p5.48xlarge", max_size=4))
+        DevicePlugins(self, "Devices", cluster=cluster, pools=[rollout])
 
 
 app = cdk.App(outdir=sys.argv[1])
