@@ -71,3 +71,17 @@ def test_an_async_run_longer_than_its_sync_pair_is_judged_by_wall_time_and_compa
     s = summarize(results)
     assert s["async_seconds"] == 15.0 and s["fraction"] == pytest.approx(0.75)
     assert s["pairs"][0]["reward_gap_per_version"] == pytest.approx((0.0 - 0.1 - 0.1) / 3)
+
+
+def test_time_to_reward_is_judged_like_for_like_and_says_whether_a_level_holds():
+    from moe_rl_eks.tools.bench.rl import like_for_like
+
+    sync = [{"seconds": t, "reward": r} for t, r in ((0, 0.1), (10, 0.5), (20, 0.8), (30, 0.9))]
+    # async gets there in half the time but falls back from 0.9 to 0.7 afterwards
+    asyn = [{"seconds": t, "reward": r} for t, r in ((0, 0.1), (5, 0.5), (10, 0.9), (15, 0.7), (20, 0.88))]
+    low, top = like_for_like({"sync": sync, "async": asyn}, [0.5, 0.9])
+    assert (low["sync"], low["async"], low["ratio"]) == ({"seconds": 10, "holds": True},
+                                                          {"seconds": 5, "holds": True}, 0.5)
+    assert top["async"] == {"seconds": 10, "holds": False} and top["ratio"] == pytest.approx(10 / 30)
+    never = like_for_like({"sync": sync, "async": asyn[:2]}, [0.9])[0]
+    assert never["async"] == {"seconds": None, "holds": False} and never["ratio"] is None

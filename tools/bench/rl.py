@@ -199,6 +199,30 @@ def time_to_reach(curve: list[dict], reward: float) -> float | None:
     return next((p["seconds"] for p in curve if p["reward"] >= reward), None)
 
 
+HOLD_MARGIN = 0.05  # a level holds while the curve stays within this of it after first reaching it
+
+
+def first_crossing(curve: list[dict], reward: float) -> dict:
+    """When a curve first reaches `reward` and whether it holds there afterwards (never more than HOLD_MARGIN
+    below it at a later evaluated point)."""
+    index = next((i for i, p in enumerate(curve) if p["reward"] >= reward), None)
+    if index is None:
+        return {"seconds": None, "holds": False}
+    return {"seconds": curve[index]["seconds"],
+            "holds": all(p["reward"] >= reward - HOLD_MARGIN for p in curve[index + 1:])}
+
+
+def like_for_like(curves: dict[str, list[dict]], levels: list[float]) -> list[dict]:
+    """Time-to-reward like for like: at each reward level, each mode's mean curve's first crossing of it (and
+    whether it holds), and async's time over sync's; the synchronous run's end is not the yardstick."""
+    rows = []
+    for level in levels:
+        sync, asyn = first_crossing(curves["sync"], level), first_crossing(curves["async"], level)
+        ratio = asyn["seconds"] / sync["seconds"] if asyn["seconds"] is not None and sync["seconds"] else None
+        rows.append({"reward": level, "sync": sync, "async": asyn, "ratio": ratio})
+    return rows
+
+
 def mean_curve(runs: list[dict]) -> list[dict]:
     """The runs' evaluation curves averaged point by point (reward and wall time), over the evaluation targets
     every run has."""
@@ -245,7 +269,11 @@ def summarize(results: list[dict]) -> dict:
         levels.append({"target": point["target"], "reward": point["reward"], "sync_seconds": t_sync,
                        "async_seconds": t_async,
                        "ratio": None if t_async is None or not t_sync else t_async / t_sync})
+    # The headline: each mode's first crossing of the same levels (the sync mean curve's at each quarter, its final
+    # reward last), not async's first crossing over sync's end.
+    same = like_for_like(curves, [x["reward"] for x in levels[:3]] + [target])
     return {"sync_final_reward": target, "sync_wall_seconds": sync_wall, "async_seconds": reached, "levels": levels,
+            "like_for_like": same,
             "fraction": None if reached is None else reached / sync_wall,
             "throughput_ratio": mean["async"]["samples_per_second"] / mean["sync"]["samples_per_second"],
             "pairs": pairs, "mean": mean, "curves": curves}
@@ -279,6 +307,12 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _seconds(crossing: dict) -> str:
+    if crossing["seconds"] is None:
+        return "never"
+    return f"{crossing['seconds']:.0f} s" + ("" if crossing["holds"] else " (does not hold)")
+
+
 def _fraction(seconds: float | None, wall: float) -> str:
     return "never" if seconds is None else f"{seconds:.0f} s = {seconds / wall:.0%}"
 
@@ -302,6 +336,10 @@ def table(results: list[dict]) -> str:
     lines.append(f"async mean curve reached the sync runs' mean final evaluation reward {s['sync_final_reward']:.3f}: "
                  f"{_fraction(s['async_seconds'], s['sync_wall_seconds'])} (sync's mean wall time "
                  f"{s['sync_wall_seconds']:.0f} s; goal <= {GOAL_FRACTION:.0%})")
+    lines.append("like for like, each mode's mean curve first at the same reward (holds: stays within "
+                 f"{HOLD_MARGIN} of it after): " + "; ".join(
+                     f"{x['reward']:.3f}: sync {_seconds(x['sync'])}, async {_seconds(x['async'])}"
+                     + ("" if x["ratio"] is None else f" = {x['ratio']:.2f}x") for x in s["like_for_like"]))
     lines.append("sync mean curve's reward at versions " + ", ".join(
         f"{x['target']} ({x['reward']:.3f}): async first at " +
         ("never" if x["async_seconds"] is None else f"{x['async_seconds']:.0f} s") +
