@@ -409,3 +409,15 @@ def test_a_rank_starts_from_its_own_expert_slice_of_the_pretrained_or_random_wei
         cut = slice(2, 4) if ".mlp.experts." in name else slice(None)
         assert torch.equal(random_half[name], random_full[name][cut]), name
         assert torch.equal(from_disk[name], pretrained[name][cut]), name
+
+
+def test_milestone_weights_are_written_only_where_something_reads_them(tmp_path):
+    from dataclasses import replace as changed
+
+    from moe_rl_eks.workloads.trainer.loop import eval_snapshots
+
+    local = tiny_run(tmp_path)
+    assert eval_snapshots(local, needs_reference=False) == ("initial", "warmup")  # local-run evaluates both
+    cluster = changed(local, environment="dev")
+    assert eval_snapshots(cluster, needs_reference=True) == ("warmup",)  # the KL reference's only
+    assert eval_snapshots(cluster, needs_reference=False) == ()

@@ -490,21 +490,27 @@ class Trainer:
     def run_loop(self) -> int:
         resumed = self.try_resume()
         self.start_publishing()
+        snapshots = eval_snapshots(self.run, self.algorithm.needs_reference)
         if not resumed:
-            self._save_eval_weights("initial")
+            if "initial" in snapshots:
+                self._save_eval_weights("initial")
             for i in range(self.cfg.warmup_sft_steps):
                 loss = self.sft_step(i)
                 if self.rank == 0:
                     log.info("warm-up step %d/%d loss %.3f", i + 1, self.cfg.warmup_sft_steps, loss)
-            self._save_eval_weights("warmup")
+            if "warmup" in snapshots:
+                self._save_eval_weights("warmup")
         if self.algorithm.needs_reference:
             # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
-            # Frozen, so its dense weights stay replicated (nothing of it is trained) and never recomputed.
+            # Frozen, so its dense weights stay replicated (nothing of it is trained) and never recomputed. Each rank
+            # reads only its own experts of the snapshot, and keeps them in the compute dtype: bf16 on GPUs.
             plan = replace(self.plan, fsdp=False, activation_checkpointing="off")
             self.reference, _ = self._build_model(plan, ep=self.ep)
-            full = load_hf(self.out / "eval" / "warmup")[1]
-            load_full_state(self.reference, expert_slice(full, local_experts(self.ep, self.run.model.num_experts)))
+            mine = local_experts(self.ep, self.run.model.num_experts)
+            load_full_state(self.reference, load_hf(self.out / "eval" / "warmup", experts=mine)[1])
             self.reference.requires_grad_(False)
+            if self.train_step.bf16:
+                self.reference.to(torch.bfloat16)
         self.publish(self.step)
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -577,6 +583,15 @@ class Trainer:
                               (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
+
+
+def eval_snapshots(run: RunConfig, needs_reference: bool) -> tuple[str, ...]:
+    """The milestone weights the trainer writes (float32, the whole model): where something reads them. A local
+    run's evaluation reads both (initial and post-warm-up); elsewhere only the KL reference reads the post-warm-up
+    weights."""
+    if run.environment is None and run.resolved is None:
+        return ("initial", "warmup")
+    return ("warmup",) if needs_reference else ()
 
 
 def initial_weights(run: RunConfig, experts: range | None = None) -> dict[str, torch.Tensor]:
