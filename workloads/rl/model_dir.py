@@ -34,8 +34,10 @@ def model_run_data(directory: str | Path, *, name: str | None = None, max_new_to
                         "max_batch_size": max_batch_size},
             "rl": {"sampling": {"tokenizer": str(directory), "max_tokens": new_tokens,
                                 "max_prompt_tokens": max(1, context - new_tokens)},
-                   # Nothing trains here, but the run must stay valid: a micro-batch holds the longest sample.
-                   "training": {"max_tokens_per_microbatch": max(context, 16384)}}}
+                   # Nothing trains or orchestrates here, but the run must stay valid: a micro-batch holds the
+                   # longest sample, and the deadline cap the longest request at the default floor rate.
+                   "training": {"max_tokens_per_microbatch": max(context, 16384)},
+                   "orchestrator": {"request_timeout_s": max(30.0, float(new_tokens) + 30.0)}}}
 
 
 def model_run(directory: str | Path, **options):
