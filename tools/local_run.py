@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from moe_rl_eks.core.launch import launch
-from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine, load_run
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine
 from moe_rl_eks.core.schema import parse
 from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
 
@@ -271,17 +271,17 @@ def placement(run: RunConfig) -> str:
             f"({local.trainer.memory_share:.0%}, NCCL)")
 
 
-def quick_data(path: str) -> dict:
-    """The run file's data with a quarter of its RL steps, warm-up steps and evaluation prompts (at least one)."""
+def quick_data(path: str, run: RunConfig) -> dict:
+    """The data of the run file at `path` (loaded as `run`) with a quarter of its RL steps, warm-up steps and
+    evaluation prompts (at least one)."""
     data = yaml.safe_load(Path(path).read_text())
     rl = data.setdefault("rl", {})
     training, evaluation = rl.setdefault("training", {}), rl.setdefault("evaluation", {})
-    defaults = load_run(path).rl
-    for section, name, value in ((training, "steps", defaults.training.steps),
-                                 (training, "warmup_sft_steps", defaults.training.warmup_sft_steps),
-                                 (evaluation, "prompts", defaults.evaluation.prompts)):
+    for section, name, value in ((training, "steps", run.rl.training.steps),
+                                 (training, "warmup_sft_steps", run.rl.training.warmup_sft_steps),
+                                 (evaluation, "prompts", run.rl.evaluation.prompts)):
         section[name] = max(1, value // 4) if value else 0
-    training["checkpoint_every"] = max(1, min(defaults.training.checkpoint_every, training["steps"]))
+    training["checkpoint_every"] = max(1, min(run.rl.training.checkpoint_every, training["steps"]))
     return data
 
 
@@ -294,7 +294,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run_path, run = args.run, load(args.run)
     if args.quick:  # the roles read the quick form's run file, written beside the run's outputs
-        quick = quick_data(args.run)
+        quick = quick_data(args.run, run)
         run = parse(RunConfig, quick, source=f"{args.run} (--quick)")
         run_path = str(output_dir(run).parent / f"{run.name}-quick.yaml")
     if run.local_gpus is not None:

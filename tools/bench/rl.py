@@ -419,7 +419,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--duration", type=float, default=90, help="--chaos: seconds of each run")
     parser.add_argument("--kill-every", type=float, default=20, help="--chaos: seconds between kills")
     parser.add_argument("--out", default="runs/bench-rl")
+    parser.add_argument("--report", nargs="+", metavar="RESULTS_JSON",
+                        help="print the table of recorded results (a run's results.json, or several pooled) instead "
+                             "of running")
     args = parser.parse_args(argv)
+    if args.report:
+        print(table([r for path in args.report for r in json.loads(Path(path).read_text())]))
+        return 0
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load(Path(args.run).read_text())

@@ -88,19 +88,23 @@ class CountdownTask:
     def __init__(self, cfg: TaskConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
 
-    def problem(self, index: int) -> Problem:
+    def operands(self, index: int) -> tuple[int, int]:
+        """Problem `index`'s (a, b)."""
         rng = random.Random(self.seed * 1_000_003 + index)
         low, high = math.log(self.cfg.min_steps), math.log(self.cfg.max_steps + 1)
         steps = min(self.cfg.max_steps, int(math.exp(rng.uniform(low, high))))
         b = rng.randint(2, 9)
-        a = steps * b + rng.randrange(b)
+        return steps * b + rng.randrange(b), b
+
+    def problem(self, index: int) -> Problem:
+        a, b = self.operands(index)
         return Problem(index, f"{a}-{b}=", self.cfg.countdown(a, b))
 
     def well_formed_example(self, index: int) -> str:
         """A warm-up trace of problem `index`: each step is wrong with probability trace_error_rate (off by 1 to
         b), and counting goes on from the wrong number, so every trace follows the procedure but slips."""
         rng = random.Random(self.seed * 7_919 + index)
-        a, b = map(int, self.problem(index).prompt[:-1].split("-"))
+        a, b = self.operands(index)
         values, y = [], a
         while y >= b:
             y -= b

@@ -503,14 +503,12 @@ class Trainer:
         if self.algorithm.needs_reference:
             # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
             # Frozen, so its dense weights stay replicated (nothing of it is trained) and never recomputed. Each rank
-            # reads only its own experts of the snapshot, and keeps them in the compute dtype: bf16 on GPUs.
+            # reads only its own experts of the snapshot.
             plan = replace(self.plan, fsdp=False, activation_checkpointing="off")
             self.reference, _ = self._build_model(plan, ep=self.ep)
             mine = local_experts(self.ep, self.run.model.num_experts)
             load_full_state(self.reference, load_hf(self.out / "eval" / "warmup", experts=mine)[1])
             self.reference.requires_grad_(False)
-            if self.train_step.bf16:
-                self.reference.to(torch.bfloat16)
         self.publish(self.step)
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
