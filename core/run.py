@@ -277,7 +277,8 @@ class RunConfig:
 
     def _validate_local_gpus(self, local: LocalGpus) -> None:
         if self.environment is not None or self.resolved is not None:
-            fail("local_gpus", "...", "places a local run's roles on this machine's GPUs; a cluster run has none")
+            fail("local_gpus", self.environment or "resolved", "places a local run's roles on this machine's GPUs; "
+                 "a run with an environment (or resolved for a cluster) has none")
         ranks = self.parallelism.ranks_per_node
         if ranks is not None and ranks != len(local.trainer.gpus):
             fail("parallelism.ranks_per_node", ranks, f"must equal the {len(local.trainer.gpus)} GPUs of "

@@ -122,3 +122,8 @@ def test_the_local_run_shows_each_role_only_its_gpus_and_starts_one_trainer_rank
     assert (s0["CUDA_VISIBLE_DEVICES"], s1["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert trainer_env["CUDA_VISIBLE_DEVICES"] == "2,3" and "--nproc-per-node=2" in trainer_argv
     assert "GPU [0, 1]" in local_run.placement(run) and "trainer on GPU [2, 3]" in local_run.placement(run)
+
+
+def test_a_cluster_run_with_local_gpus_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"local_gpus: 'dev' .*a run with an environment"):
+        gpu_run(tmp_path, ONE_GPU, environment="dev")
