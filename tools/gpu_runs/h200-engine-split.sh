@@ -7,7 +7,7 @@
 #   mkdir -p .fetched/before-split && git archive 8018258 core kernels workloads tools | tar -x -C .fetched/before-split
 # Results in $OUT: steps.txt, rollout-{before,after}-{1,2}.{json,log}, kernels.log.
 set -u
-BUDGET=570
+BUDGET=${BUDGET:-570}
 # shellcheck source=tools/gpu_runs/budget.sh
 source "$(dirname "$0")/budget.sh"
 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1

@@ -7,7 +7,7 @@ mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools
 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 S=$SECONDS
-timeout --kill-after=5 115 python3 -m pytest tests/rl/test_generation.py -q -p no:cacheprovider -k "cuda or triton" > "$OUT"/tests-generation.log 2>&1
+timeout --kill-after=5 115 python3 -m pytest tests/rl/test_generation.py tests/rl/test_weight_staging.py -q -p no:cacheprovider -k "cuda or triton or gpu" > "$OUT"/tests-generation.log 2>&1
 echo "generation: rc $? after $((SECONDS-S)) s"; tail -n 3 "$OUT"/tests-generation.log
 timeout --kill-after=5 60 python3 - > "$OUT"/fp32-grouped-gemm.log 2>&1 <<'PY'
 import torch
