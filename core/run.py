@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from . import memory
+from . import memory, planner
 from .cluster import FSX_MOUNT_PATH
 from .deploy import DeployConfig
 from .ep_backends import EpBackend, EpBackendChoice, Topology, UnsupportedBackend, check_backend, resolve_backend
@@ -364,6 +364,7 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
     except UnsupportedBackend as exc:
         raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
     if env is not None:
+        _check_trainer_plan(run, env, src)
         _check_cluster_run(run, env, src)
     return ResolvedRun(run, env, topo, backend, why)
 
@@ -428,6 +429,26 @@ def _check_fits(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
         raise ConfigError(src, "rollout.gpus_per_server", r.gpus_per_server,
                           f"{weights_gib:.0f} GiB of weights need more than 80 % of {r.gpus_per_server} x "
                           f"{rspec.gpu_memory_gib:.0f} GiB ({rspec.gpu_model}); raise gpus_per_server")
+
+
+def _check_trainer_plan(run: RunConfig, env: EnvironmentConfig, src: str) -> None:
+    """The trainer's per-GPU memory as the planner counts it (`moerl plan`) must fit the trainer pool's GPUs."""
+    t, p = run.rl.training, run.parallelism
+    spec = env.trainer_pool.spec
+    ranks = p.trainer_nodes * (p.ranks_per_node or spec.gpus)
+    shape = planner.TrainingShape(microbatch_tokens=t.max_tokens_per_microbatch,
+                                  checkpointing=t.activation_checkpointing, fsdp=t.fsdp,
+                                  reference=run.rl.algorithm.kl_coef > 0)
+    need = planner.gpu_memory(run.model, ranks, shape).total
+    have = planner.USABLE_FRACTION * spec.gpu_memory_mib * 2**20
+    if need > have:
+        raise ConfigError(src, "parallelism.trainer_nodes", p.trainer_nodes,
+                          f"each of the {ranks} trainer GPUs ({env.trainer_pool.instance_type}) would need "
+                          f"{need / 2**30:.1f} GiB (parameters, gradients, AdamW state"
+                          f"{', the KL reference' if shape.reference else ''} and activations of "
+                          f"{t.max_tokens_per_microbatch}-token micro-batches; `moerl plan`) of the "
+                          f"{have / 2**30:.1f} GiB usable; add nodes, turn on rl.training.fsdp or shrink "
+                          "rl.training.max_tokens_per_microbatch")
 
 
 def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None:

@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                      "the rollout server's HTTP cost over its engine (tokens/s and latency per concurrency)"),
     "bench-weights": ("moe_rl_eks.tools.bench.weights", "main",
                       "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
+    "plan": ("moe_rl_eks.tools.plan", "main",
+             "per-GPU memory, the smallest trainer that fits and the step time, for a model on N nodes"),
     "doctor": ("moe_rl_eks.tools.doctor", "main", "can this container do its role here (GPU, NCCL, EFA, DeepEP)"),
     "preflight": ("moe_rl_eks.tools.preflight", "main", "check an AWS account can hold an environment (boto3)"),
     "scale-pool": ("moe_rl_eks.tools.scale_pool", "main",

@@ -8,7 +8,8 @@ import torch
 
 from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.model.checkpoint import VARIANT_MODEL_TYPE, load_hf, save_hf
+from moe_rl_eks.core.hf_config import VARIANT_MODEL_TYPE
+from moe_rl_eks.workloads.model.checkpoint import load_hf, save_hf
 from moe_rl_eks.tools.example_data import write_tokenizer_dir
 from moe_rl_eks.workloads.rl.tokenizer import (CharTokenizer, load_tokenizer, write_checkpoint_metadata,
                                                write_tokenizer_files)

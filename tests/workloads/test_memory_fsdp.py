@@ -1,20 +1,18 @@
-"""The torch-free memory model (core/memory.py) against the trainer's FSDP layout itself, built per rank on the
-meta device: Qwen3-30B-A3B's layer shape at 2 layers (the per-layer sizes that decide the sharding)."""
+"""The torch-free memory model (core/memory.py, which the planner `moerl plan` uses) against the trainer's FSDP
+layout itself, built per rank on the meta device: Qwen3-30B-A3B's and Qwen3-235B-A22B's layer shapes at 2 layers
+(the per-layer sizes that decide the sharding)."""
+from dataclasses import replace
+
 import pytest
 
 from ep_ranks import run_ranks, sharded_state_bytes
 from moe_rl_eks.core import memory
-from moe_rl_eks.core.run import ModelConfig
-
-QWEN3_30B_A3B_TWO_LAYERS = ModelConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=2,
-                                       num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                       moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                                       rope_theta=1e6, max_position_embeddings=4096, dtype="bfloat16")
+from moe_rl_eks.core.models import known_model
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_memory_model_holds_the_fsdp_ranks_parameter_gradient_and_adamw_bytes_within_one_percent(world):
-    config = QWEN3_30B_A3B_TWO_LAYERS
+@pytest.mark.parametrize("name, world", [("qwen3-30b-a3b", 2), ("qwen3-30b-a3b", 4), ("qwen3-235b-a22b", 4)])
+def test_the_memory_model_holds_the_fsdp_ranks_parameter_gradient_and_adamw_bytes_within_one_percent(name, world):
+    config = replace(known_model(name), num_hidden_layers=2)
     experts = config.routed_expert_parameter_count()
     model = memory.trainer_state(replicated=config.parameter_count() - experts, experts=experts, ranks=world,
                                  fsdp=True)
