@@ -42,3 +42,20 @@ def test_bad_rank_options_are_refused_naming_them(argv, message, capsys):
 def test_ranks_that_do_not_divide_the_experts_are_refused(capsys):
     assert main(["--tiny", "--ranks", "3"]) == 2
     assert "--ranks 3 must divide the model's 8 experts" in capsys.readouterr().err
+
+
+def test_one_ranks_ep_share_trains_its_local_experts_and_prints_the_planners_memory(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--tiny", "--ep-share", "4", "--compute", "torch", "--checkpointing", "full", "--shapes", "2x32",
+                 "--steps", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["num_experts"] == TINY.num_experts // 4
+    assert result["config"]["num_experts_per_tok"] == TINY.num_experts_per_tok
+    [row] = result["rows"]
+    assert row["status"] == "ok" and row["ep_share"] == 4 and row["planned_peak_above_gib"] > 0
+    assert "planned GiB" in capsys.readouterr().out
+
+
+def test_an_ep_share_that_leaves_fewer_local_experts_than_top_k_is_refused(capsys):
+    assert main(["--tiny", "--ep-share", "8"]) == 2  # 8 experts / 8 = 1 < top-2
+    assert "--ep-share 8 must divide the model's 8 experts into shares of at least top-k (2)" in capsys.readouterr().err

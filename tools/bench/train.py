@@ -17,7 +17,11 @@ against the dense bf16 matmul rate measured in the same run (8192^3).
 `--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
 per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given
 shape. A row is then the slowest rank's median step time, the tokens of all ranks, MFU against N times the dense
-rate, and each rank's peak memory. `--publish DIR` then publishes the trained weights once through the trainer's
+rate, and each rank's peak memory. `--ep-share N` instead trains on one GPU what one rank of an N-rank EP trainer
+computes: E / N local experts, each token routed to top-k of them (the expert rows uniform routing sends a rank:
+its tokens x k), no all-to-all; `--model qwen3-235b-a22b --ep-share 8` is one EP8 rank of Qwen3-235B-A22B. Each
+row also prints what the planner (core/planner.py, `moerl plan`) predicts for that rank: the weights + AdamW
+state and the peak above them (gradients and activations). `--publish DIR` then publishes the trained weights once through the trainer's
 Publisher (trainer/publisher.py: each rank writes its experts, rank 0 commits the version) into a directory store at
 DIR and reports the snapshot and commit times. An out-of-memory step on one rank leaves the others waiting in a
 collective: under --ranks an OOM ends the run rather than making a row."""
@@ -39,8 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_rl_eks.core import memory, planner
+from moe_rl_eks.core.models import KNOWN_MODELS, known_model
 from moe_rl_eks.core.rl_config import AlgorithmConfig
-from moe_rl_eks.core.run import ModelConfig, load_run
+from moe_rl_eks.core.run import ModelConfig
 
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
@@ -51,7 +57,6 @@ from moe_rl_eks.workloads.trainer.microbatch import Sequences
 from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef
 from moe_rl_eks.workloads.trainer.step import TrainStep
 
-QWEN3_RUN = Path(__file__).resolve().parents[1] / "configs" / "runs" / "qwen3-30b-a3b-p5.yaml"
 TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, dtype="float32")
 
@@ -144,6 +149,15 @@ class Step:
             torch.cuda.empty_cache()
 
 
+def planned(config: ModelConfig, checkpointing: str, tokens: int) -> dict:
+    """The planner's numbers for this one-GPU model (every parameter on this rank, dense weights replicated)."""
+    experts = config.routed_expert_parameter_count()
+    state = memory.trainer_state(replicated=config.parameter_count() - experts, experts=experts, ranks=1, fsdp=False)
+    activations = planner.activation_bytes(config, config.num_hidden_layers, tokens, checkpointing)
+    return {"planned_weights_and_optimizer_gib": (state.parameter_bytes + state.optimizer_bytes) / 2**30,
+            "planned_peak_above_gib": (state.gradient_bytes + activations) / 2**30}
+
+
 def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
     c, device = step.config, step.device
     rank = step.ep.rank if step.ep is not None else 0
@@ -197,16 +211,17 @@ def table(result: dict) -> str:
              + (f" per rank; {result['ranks']} EP ranks ({result['ep_backend']} over {result['transport']}): a row is "
                 f"every rank's tokens at the slowest rank's step, MFU of {result['ranks']} x the dense peak, the "
                 f"highest rank's memory" if "ranks" in result else ""),
-             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB | planned GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         shape = f"{r['sequences']} x {r['sequence']:,}"
         if r["status"] != "ok":
-            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | |")
+            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | | |")
             continue
         mem = f"{r['peak_above_gib']:.1f}" if "peak_above_gib" in r else "-"
+        plan = f"{r['planned_peak_above_gib']:.1f}" if "planned_peak_above_gib" in r else "-"
         lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} |")
+                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} | {plan} |")
     return "\n".join(lines)
 
 
@@ -224,8 +239,11 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moerl bench-train", description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers of Qwen3-30B-A3B's shape (48 do not fit "
-                                                          "one GPU with AdamW)")
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(KNOWN_MODELS), help="the layer shape")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the model's shape (Qwen3-30B-A3B's 48 do "
+                                                          "not fit one GPU with AdamW)")
+    ap.add_argument("--ep-share", type=int, default=1, metavar="N",
+                    help="train one rank's share of an N-rank EP trainer on one GPU (E / N local experts)")
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("32x2048,8x8192,2x32768"),
                     help="micro-batches as SEQUENCESxTOKENS, comma-separated")
     ap.add_argument("--compute", default="torch,triton", help="MoE compute backends, comma-separated")
@@ -245,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.ranks < 1:
         ap.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.ep_share < 1 or (args.ep_share > 1 and args.ranks > 1):
+        ap.error(f"--ep-share {args.ep_share}: must be >= 1, and 1 with --ranks (it stands in for the other ranks)")
     if args.publish and args.ranks == 1:
         ap.error("--publish measures expert-parallel publication: it needs --ranks >= 2")
     return args
@@ -262,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench-train --ranks {args.ranks} needs one GPU per rank; this machine has "
                   f"{torch.cuda.device_count()}", file=sys.stderr)
             return 2
-        config, device = replace(load_run(QWEN3_RUN).model, num_hidden_layers=args.layers), torch.device("cuda")
+        config, device = replace(known_model(args.model), num_hidden_layers=args.layers), torch.device("cuda")
+    if args.ep_share > 1:
+        if config.num_experts % args.ep_share or config.num_experts // args.ep_share < config.num_experts_per_tok:
+            print(f"bench-train --ep-share {args.ep_share} must divide the model's {config.num_experts} experts into "
+                  f"shares of at least top-k ({config.num_experts_per_tok})", file=sys.stderr)
+            return 2
+        config = replace(config, num_experts=config.num_experts // args.ep_share)
     if config.num_experts % args.ranks:
         print(f"bench-train --ranks {args.ranks} must divide the model's {config.num_experts} experts",
               file=sys.stderr)
@@ -379,7 +405,9 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
                                  args.profile)
                 if ep is not None:
                     row = _across_ranks(row, ep)
-                row.update(compute=compute, checkpointing=checkpointing)
+                row.update(compute=compute, checkpointing=checkpointing, ep_share=args.ep_share)
+                if ep is None:
+                    row.update(planned(config, checkpointing, sequence * sequences))
                 if "weights_and_optimizer_gib" in row:
                     result["weights_and_optimizer_gib"] = row["weights_and_optimizer_gib"]
                 result["rows"].append(row)
