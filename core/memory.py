@@ -5,8 +5,7 @@ counts (core/run.py ModelConfig) are the input.
 The trainer keeps float32 master weights, float32 gradients and AdamW's two float32 moments (16 bytes per
 parameter when all its parameters are on one rank) and, with a KL term, a frozen reference in float32. Its routed
 experts are split over its ranks (EP); its dense weights are replicated, or with FSDP (rl.training.fsdp) sharded
-over the same ranks, state and all; the reference's dense weights stay replicated either way (it is never sharded:
-model/parallelize.py). A rollout replica holds the weights in the served dtype and its KV cache: keys and values
+over the same ranks, state and all; the reference is laid out as the policy (model/parallelize.py). A rollout replica holds the weights in the served dtype and its KV cache: keys and values
 of every layer per position."""
 from __future__ import annotations
 
@@ -45,12 +44,16 @@ def trainer_state(*, replicated: int, experts: int, ranks: int, fsdp: bool) -> T
     return TrainerState(parameters * FP32, parameters * FP32, 2 * parameters * FP32)
 
 
+def reference_bytes(*, replicated: int, experts: int, ranks: int, fsdp: bool) -> int:
+    """Each rank's share of the float32 KL reference: its experts, and the dense weights whole or (FSDP) split."""
+    return trainer_state(replicated=replicated, experts=experts, ranks=ranks, fsdp=fsdp).parameter_bytes
+
+
 def trainer_memory(*, replicated: int, experts: int, ranks: int, reference: bool, fsdp: bool = False) -> RoleMemory:
-    """The trainer's state on each of `ranks` ranks (trainer_state), its float32 KL reference (experts split,
-    dense weights replicated), the CUDA overhead."""
+    """The trainer's state on each of `ranks` ranks (trainer_state), its KL reference, the CUDA overhead."""
     state = trainer_state(replicated=replicated, experts=experts, ranks=ranks, fsdp=fsdp)
-    reference_bytes = (replicated + -(-experts // ranks)) * FP32 if reference else 0
-    return RoleMemory(state.total_bytes + reference_bytes + CUDA_OVERHEAD_BYTES)
+    ref = reference_bytes(replicated=replicated, experts=experts, ranks=ranks, fsdp=fsdp) if reference else 0
+    return RoleMemory(state.total_bytes + ref + CUDA_OVERHEAD_BYTES)
 
 
 def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -137,7 +137,8 @@ def gpu_memory(m: ModelConfig, ranks: int, shape: TrainingShape) -> GpuMemory:
     experts = m.routed_expert_parameter_count()
     dense = m.parameter_count() - experts
     state = memory.trainer_state(replicated=dense, experts=experts, ranks=ranks, fsdp=shape.fsdp)
-    reference = (dense + -(-experts // ranks)) * memory.FP32 if shape.reference else 0
+    reference = memory.reference_bytes(replicated=dense, experts=experts, ranks=ranks,
+                                       fsdp=shape.fsdp) if shape.reference else 0
     return GpuMemory(state.parameter_bytes, state.gradient_bytes, state.optimizer_bytes, reference,
                      activation_bytes(m, m.num_hidden_layers, shape.microbatch_tokens, shape.checkpointing),
                      memory.CUDA_OVERHEAD_BYTES)

@@ -88,14 +88,14 @@ def test_a_colocated_run_whose_trainer_state_does_not_fit_its_share_is_refused_w
     check_local_machine(gpu_run(tmp_path, fits, model=shape, rl=rl), [H200])
 
 
-def test_the_trainer_state_splits_the_routed_experts_over_its_ranks_and_replicates_the_rest():
+def test_the_trainer_state_splits_the_routed_experts_over_its_ranks_and_the_rest_by_fsdp_reference_too():
     one = memory.trainer_memory(replicated=100, experts=800, ranks=1, reference=False)
     four = memory.trainer_memory(replicated=100, experts=800, ranks=4, reference=True)
     assert one.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == 900 * 16
     assert four.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == 300 * 20  # 100 + 800 / 4, plus a float32 reference
-    # FSDP shards the dense 100 too (ceil 100 / 3 = 34 a rank); the frozen reference keeps them whole
+    # FSDP shards the dense 100 too (ceil 100 / 3 = 34 a rank), the frozen reference's as the policy's
     sharded = memory.trainer_memory(replicated=100, experts=900, ranks=3, reference=True, fsdp=True)
-    assert sharded.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == (34 + 300) * 16 + (100 + 300) * 4
+    assert sharded.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == (34 + 300) * 16 + (34 + 300) * 4
     assert memory.trainer_state(replicated=100, experts=900, ranks=3, fsdp=True).optimizer_bytes == (34 + 300) * 8
     kv = memory.rollout_memory(replicated=10, experts=40, gpus=2, dtype_bytes=2, layers=8, kv_heads=4, head_dim=128)
     assert kv.per_token_bytes == 2 * 8 * 4 * 128 * 2 and kv.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == 30 * 2

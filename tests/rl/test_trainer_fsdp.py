@@ -5,8 +5,9 @@ import pytest
 import torch
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from test_trainer import varied_batch
-from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, resumed_state, run_ranks, step_gradients,
-                           train_and_checkpoint, train_and_publish)
+from trainer_ranks import (ep_step_gradients, ep_step_gradients_from_reference, full_state, loop_resumed,
+                           resumed_state, run_ranks, step_gradients, train_and_checkpoint, train_and_publish,
+                           warm_then_reference)
 
 from moe_rl_eks.workloads.rl.protocol import Batch
 from moe_rl_eks.workloads.trainer.loop import Trainer
@@ -94,8 +95,25 @@ def test_the_fsdp_trainer_publishes_its_whole_weights_in_the_serving_dtype(tmp_p
         assert torch.equal(tensor, state[name].to(tensor.dtype)), name
 
 
+def test_the_kl_reference_is_sharded_as_the_policy_and_the_step_equals_one_processes(tmp_path):
+    algo = {"name": "grpo", "kl_coef": 0.05, "entropy_coef": 0.0}
+    one = Trainer(tiny_run(tmp_path, algorithm=algo, **SECTIONS), None, rank=0, world=1)
+    warm_then_reference(one)
+    want_grads, want_metrics = step_gradients(one, varied_batch())
+    assert want_metrics["kl"] > 0  # the policy has moved off its reference: the KL term has a gradient
+    (tmp_path / "ranks").mkdir()
+    path = write_run(tmp_path / "ranks", algorithm=algo, **SECTIONS)
+    for r in run_ranks(2, ep_step_gradients_from_reference, str(path), varied_batch().to_json()):
+        assert r["reference_embedding_sharded"]
+        # the KL is a small difference of log-probabilities: their float32 rounding is a larger part of it
+        assert r["metrics"]["kl"] == pytest.approx(want_metrics["kl"], rel=1e-4)
+        assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-6)
+        for name, grad in want_grads.items():
+            assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
+
+
 def test_the_fsdp_trainer_loop_warms_up_keeps_a_kl_reference_checkpoints_and_resumes(tmp_path):
-    # local.yaml's KL term (0.05): the reference beside the sharded policy has its dense weights replicated
+    # local.yaml's KL term (0.05): the reference beside the sharded policy, sharded as it is
     path = write_run(tmp_path, training={"steps": 3, "checkpoint_every": 2, "warmup_sft_steps": 1, "fsdp": True})
     first = run_ranks(2, loop_resumed, str(path), rewarded_batch)
     assert [r["step"] for r in first] == [3, 3] and first[0]["latest"] == "step-00000003"

@@ -89,6 +89,28 @@ def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) ->
             "samples": sorted(s.id for s in share), "state": full_state(trainer)}
 
 
+def warm_then_reference(trainer: Trainer) -> None:
+    """The KL reference from the weights now (as after a warm-up), then the policy's weights scaled by 1.1, so
+    the policy the RL step trains differs from its reference alike in every layout (an elementwise change: no
+    summation order)."""
+    trainer._save_eval_weights("warmup")
+    trainer.load_reference()
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.mul_(1.1)
+
+
+def ep_step_gradients_from_reference(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """ep_step_gradients with a KL reference (warm_then_reference), and whether its dense weights are sharded."""
+    from moe_rl_eks.workloads.model.parallelize import is_sharded
+
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    warm_then_reference(trainer)
+    grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
+    return {"grads": {name: whole(name, grad, world) for name, grad in grads.items()}, "metrics": metrics,
+            "reference_embedding_sharded": is_sharded(trainer.reference.model.embed_tokens.weight)}
+
+
 class ListSource:
     """Batches made on demand, as an orchestrator would hand them out."""
 

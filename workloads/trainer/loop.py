@@ -346,6 +346,10 @@ class Trainer:
             if reference is not None:
                 reference[rows, :w] = self.train_step.forward(self.reference, mb, temperature=temperature,
                                                               replay=replay).logprobs
+        if reference is not None and self.plan.fsdp and self.world > 1:
+            # FSDP keeps a root's weights gathered after its forward, for the backward that follows; the
+            # reference has none, so its embedding and lm_head go back to their shards.
+            self.reference.reshard()
         return proximal, values, reference
 
     # ---- weights, checkpoints -----------------------------------------------------------------------------
@@ -501,14 +505,7 @@ class Trainer:
             if "warmup" in snapshots:
                 self._save_eval_weights("warmup")
         if self.algorithm.needs_reference:
-            # The reference is the policy RL started from (after warm-up), also when resuming mid-run.
-            # Frozen, so its dense weights stay replicated (nothing of it is trained) and never recomputed. Each rank
-            # reads only its own experts of the snapshot.
-            plan = replace(self.plan, fsdp=False, activation_checkpointing="off")
-            self.reference, _ = self._build_model(plan, ep=self.ep)
-            mine = local_experts(self.ep, self.run.model.num_experts)
-            load_full_state(self.reference, load_hf(self.out / "eval" / "warmup", experts=mine)[1])
-            self.reference.requires_grad_(False)
+            self.load_reference()  # the policy RL started from (after warm-up), also when resuming mid-run
         self.publish(self.step)
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -547,6 +544,15 @@ class Trainer:
             # checkpoint (seen once in a clean-clone `make test`). Every rank leaves together.
             dist.barrier()
         return 0
+
+    def load_reference(self) -> None:
+        """The frozen KL reference from the post-warm-up snapshot, laid out as the policy is (model/parallelize.py:
+        experts by EP rank, dense weights sharded with FSDP like the policy's, so it costs each rank its share),
+        never recomputed (nothing of it is trained). Each rank reads only its own experts of the snapshot."""
+        self.reference, _ = self._build_model(replace(self.plan, activation_checkpointing="off"), ep=self.ep)
+        mine = local_experts(self.ep, self.run.model.num_experts)
+        load_full_state(self.reference, load_hf(self.out / "eval" / "warmup", experts=mine)[1])
+        self.reference.requires_grad_(False)
 
     def _save_eval_weights(self, name: str) -> None:
         """Keep the weights at a milestone (initial, after warm-up) for evaluation after the run."""
