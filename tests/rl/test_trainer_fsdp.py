@@ -77,11 +77,18 @@ def test_a_rank_with_no_samples_under_fsdp_still_gives_the_gradient_of_one_proce
             assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
 
 
-def test_a_checkpoint_written_on_the_fsdp_layout_resumes_on_one_rank_bitwise(tmp_path):
-    path = write_run(tmp_path, algorithm={"name": "ppo", "kl_coef": 0.0, "entropy_coef": 0.0}, **SECTIONS)
-    saved = run_ranks(2, train_and_checkpoint, str(path), varied_batch().to_json())[0]
+@pytest.mark.parametrize("saved_on, resumed_on, resumed_fsdp", [(4, 2, True), (4, 1, False), (2, 4, True)])
+def test_a_checkpoint_resumes_bitwise_on_another_ep_degree_and_fsdp_layout(tmp_path, saved_on, resumed_on,
+                                                                            resumed_fsdp):
+    # EP4 x FSDP -> EP2 x FSDP and -> one rank; EP2 x FSDP -> EP4 x FSDP: each rank reads the slices it owns now
+    algo = {"name": "ppo", "kl_coef": 0.0, "entropy_coef": 0.0}
+    path = write_run(tmp_path, algorithm=algo, **SECTIONS)
+    saved = run_ranks(saved_on, train_and_checkpoint, str(path), varied_batch().to_json())[0]
     assert "model.layers.0.self_attn.q_proj.weight.exp_avg" in saved and "value_head.weight.exp_avg" in saved
-    resumed = resumed_state(0, 1, str(path))
+    path = write_run(tmp_path, algorithm=algo, **{**SECTIONS, "training": {**SECTIONS["training"],
+                                                                           "fsdp": resumed_fsdp}})
+    resumed = (run_ranks(resumed_on, resumed_state, str(path))[0] if resumed_on > 1
+               else resumed_state(0, 1, str(path)))
     assert resumed.keys() == saved.keys()
     assert [name for name, tensor in saved.items() if not torch.equal(resumed[name], tensor)] == []
 
