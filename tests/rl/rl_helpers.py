@@ -19,14 +19,14 @@ LOCAL_RUN = REPO / "configs" / "runs" / "local.yaml"
 
 
 def write_run(tmp_path: Path, name: str = "run", **rl_sections) -> Path:
-    """configs/runs/local.yaml with its output under tmp_path and the given `rl:` sections updated; the file
-    is what the role processes read."""
+    """configs/runs/local.yaml with its output under tmp_path and the given `rl:` sections (and `rollout`,
+    `model`) updated; the file is what the role processes read."""
     data = yaml.safe_load(LOCAL_RUN.read_text())
     rl = data.setdefault("rl", {})
     rl.setdefault("training", {})["output_dir"] = str(tmp_path / "out")
     for section, changes in rl_sections.items():
-        if section == "rollout":
-            data["rollout"].update(changes)
+        if section in ("rollout", "model"):
+            data[section].update(changes)
         else:
             rl.setdefault(section, {}).update(changes)
     path = tmp_path / f"{name}.yaml"

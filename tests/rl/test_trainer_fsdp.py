@@ -25,18 +25,19 @@ MOMENTS = (".exp_avg", ".exp_avg_sq")
 GRAD_TOLERANCE = 2e-6
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("world, algorithm", [(2, "grpo"), (4, "grpo"), (4, "dr_grpo"), (4, "gspo"), (4, "ppo"),
+                                              (8, "ppo"), (8, "gspo")])
 def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_path, world, algorithm):
     # entropy on, several micro-batches, layers recomputed (the default save_attention); PPO adds its value head,
     # kept replicated beside the sharded policy
     algo = {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01}
-    one = Trainer(tiny_run(tmp_path, algorithm=algo, **SECTIONS), None, rank=0, world=1)
+    model = {"num_experts": max(4, world)}  # one expert a rank at least
+    one = Trainer(tiny_run(tmp_path, algorithm=algo, model=model, **SECTIONS), None, rank=0, world=1)
     want_grads, want_metrics = step_gradients(one, varied_batch())
     want_state = full_state(one)
     layouts = {}
     for fsdp in (True, False):  # FSDP x EP, and the EP trainer with replicated dense weights
-        sections = {**SECTIONS, "training": {**SECTIONS["training"], "fsdp": fsdp}}
+        sections = {**SECTIONS, "model": model, "training": {**SECTIONS["training"], "fsdp": fsdp}}
         (tmp_path / f"fsdp-{fsdp}").mkdir()
         path = write_run(tmp_path / f"fsdp-{fsdp}", algorithm=algo, **sections)
         layouts[fsdp] = run_ranks(world, ep_step_gradients, str(path), varied_batch().to_json())
