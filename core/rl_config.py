@@ -377,6 +377,11 @@ class TrainingConfig:
     # FSDP2 of the dense (non-expert) weights, their gradients and AdamW state over the trainer's ranks (the
     # experts stay split by expert parallelism); default: replicated on every rank. PPO's value head stays replicated.
     fsdp: bool = False
+    # Context parallelism: this many consecutive trainer ranks share each packed micro-batch, each running a
+    # contiguous slice of its tokens, attention made whole by an all-to-all over heads (DeepSpeed-Ulysses:
+    # workloads/model/context_parallel.py says why). Must divide the trainer's ranks and the query heads; a sample
+    # may then be up to this many times longer than one rank's activations hold. 1 = off.
+    context_parallel: int = 1
     # Learning rate per optimizer step (steps x epochs x mini-batches of them): linear warm-up from 0 over
     # lr_warmup_steps, then constant or cosine down to min_learning_rate at the last optimizer step.
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -384,7 +389,7 @@ class TrainingConfig:
     min_learning_rate: float = 0.0
 
     def validate(self) -> None:
-        for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch"):
+        for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch", "context_parallel"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
         if self.lr_warmup_steps < 0:

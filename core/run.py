@@ -353,6 +353,12 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
                         num_experts=run.model.num_experts, nvlink_domain=trainer.nvlink_domain, dtype=run.model.dtype,
                         deepep_internode=run.deploy is not None and run.deploy.images.deepep_efa)
     samples, ranks_total = run.rl.training.prompts_per_step * run.rl.algorithm.group_size, topo.ep_size
+    cp = run.rl.training.context_parallel
+    # a local run's trainer ranks are its torchrun's (the trainer checks them); a cluster run's are known here
+    if run.model.num_attention_heads % cp or (env is not None and ranks_total % cp):
+        raise ConfigError(src, "rl.training.context_parallel", cp,
+                          f"must divide the model's {run.model.num_attention_heads} query heads"
+                          + (f" and the {ranks_total} trainer ranks" if env is not None else ""))
     if samples < ranks_total * run.rl.algorithm.mini_batches:
         raise ConfigError(src, "rl.training.prompts_per_step", run.rl.training.prompts_per_step,
                           f"prompts_per_step x rl.algorithm.group_size ({run.rl.algorithm.group_size}) = {samples} "

@@ -32,7 +32,8 @@ from moe_rl_eks.core.ep_backends import EpBackend
 from ..moe.dispatch import LocalDispatcher, through_host
 from ..moe.layer import Experts
 from ..moe.parallel import ExpertParallel
-from .transformer import MoETransformer
+from .context_parallel import ContextParallel, check_heads, context_parallel_group, ulysses_attention
+from .transformer import MoETransformer, packed_attention
 
 EXPERT_MARK = ".mlp.experts."
 # What "save_attention" checkpointing keeps of a layer: the attention kernels' outputs (flash, memory-efficient,
@@ -56,6 +57,7 @@ class ParallelPlan:
     activation_checkpointing: Checkpointing = "off"  # "full": keep each layer's input; "save_attention": also
     # the attention kernels' outputs
     compute: str = "torch"  # the model's compute backend (model/backends.py), chosen when the model is built
+    cp_degree: int = 1  # context parallelism: consecutive ranks sharing each packed micro-batch's tokens
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING:
@@ -63,6 +65,8 @@ class ParallelPlan:
                              f"{CHECKPOINTING}")
         if self.ep_degree < 1:
             raise ValueError(f"ep_degree must be >= 1, got {self.ep_degree}")
+        if self.cp_degree < 1 or self.ep_degree % self.cp_degree:
+            raise ValueError(f"cp_degree {self.cp_degree} must be >= 1 and divide the {self.ep_degree} ranks")
 
 
 def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertParallel | None = None
@@ -82,6 +86,8 @@ def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertPa
         ep = ExpertParallel(mesh.get_group("dp"), plan.ep_backend, ranks_per_node=plan.ranks_per_node,
                             device=mesh.device_type)
     split_experts(model, ep if plan.ep_degree > 1 else None)
+    if plan.cp_degree > 1:
+        split_context(model, context_parallel_group(plan.cp_degree))
     checkpoint_layers(model, plan.activation_checkpointing)
     if plan.fsdp and size > 1:
         shard_dense(model, mesh)
@@ -100,6 +106,14 @@ def split_experts(model: MoETransformer, ep: ExpertParallel | None) -> None:
             with torch.device(block.experts.gate_up_proj.device):
                 block.experts = Experts(block.dispatcher.num_local_experts, c.hidden_size, c.moe_intermediate_size)
     model.ep = ep
+
+
+def split_context(model: MoETransformer, cp: ContextParallel) -> None:
+    """Each rank runs its slice of a packed row; attention gathers every token of its heads (context_parallel.py)."""
+    check_heads(cp.size, model.config.num_attention_heads)
+    model.cp = cp
+    for layer in model.model.layers:
+        layer.self_attn.attend = functools.partial(ulysses_attention, cp, packed_attention)
 
 
 def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -73,6 +73,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, fused_norm)
+        # Packed attention, replaced from outside by context parallelism (context_parallel.py) with the same
+        # signature: (q [1, H, S, D], k, v [1, H_kv, S, D], segments, gqa) -> [1, S, H, D].
+        self.attend: Callable | None = None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> q [..., H, D], k and v [..., H_kv, D], before the norms and the rotary embedding."""
@@ -96,18 +99,24 @@ class Attention(nn.Module):
         if b == 0 or s == 0:  # an EP rank may hold no tokens; CUDA's SDPA returns None for an empty batch
             out = q.new_zeros(q.shape).transpose(1, 2)
         elif segments is not None:
-            # Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs):
-            # no [S, S] mask over the packed row, and no token attends across a sequence boundary. Each output is
-            # concatenated as [1, S_i, H, D], so the packed row is built in the o_proj's layout (no copy after).
-            # cuDNN's backend is left out: it builds a plan per new shape (about 11 ms per call on an H200, measured
-            # in a warm-up step of configs/runs/gpu.yaml), and every packed sequence has a length of its own.
-            parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
-            with sdpa_kernel(PACKED_SDPA_BACKENDS):
-                out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-                                 .transpose(1, 2) for qs, ks, vs in parts], 1)
+            out = (self.attend or packed_attention)(q, k, v, segments, gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int], gqa: bool
+                     ) -> torch.Tensor:
+    """Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs): no
+    [S, S] mask over the packed row, and no token attends across a sequence boundary. q [1, H, S, D], k and v
+    [1, H_kv, S, D] -> [1, S, H, D]: each output is concatenated as [1, S_i, H, D], so the packed row is built in
+    the o_proj's layout (no copy after). cuDNN's backend is left out: it builds a plan per new shape (about 11 ms
+    per call on an H200, measured in a warm-up step of configs/runs/gpu.yaml), and every packed sequence has a
+    length of its own."""
+    parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
+    with sdpa_kernel(PACKED_SDPA_BACKENDS):
+        return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+                          for qs, ks, vs in parts], 1)
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +150,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         parse(ModelConfig, asdict(config), source="model config")  # ConfigError naming the field
         self.config, self.ep = config, ep
+        self.cp = None  # context parallelism (context_parallel.ContextParallel), set by parallelize
         self.compute, self.compute_name = get_compute(compute), compute
         layers = []
         for _ in range(config.num_hidden_layers):
@@ -173,22 +183,29 @@ class MoETransformer(nn.Module):
         """input_ids [B, S], each row attending causally to itself. positions [B, S] default: 0..S-1.
         routing_replay: per MoE layer the expert ids [B, S, k] to use instead of routing (rollout routing replay).
         sequence_lengths: packed sequences (training): B = 1 and the row is these sequences back to back; each
-        attends causally within itself and its positions start at 0 (no padding).
+        attends causally within itself and its positions start at 0 (no padding). Under context parallelism
+        input_ids (and routing_replay) are this rank's slice of that row, sequence_lengths the whole row's.
         logits=False skips the lm_head (the trainer scores tokens from `hidden` in chunks, model/logprobs.py)."""
         b, s = input_ids.shape
         c = self.config
+        split = self.cp.size if self.cp is not None and sequence_lengths is not None else 1
         if sequence_lengths is not None:
             sequence_lengths = [int(n) for n in sequence_lengths]
-            if b != 1 or sum(sequence_lengths) != s:
+            if b != 1 or sum(sequence_lengths) != s * split:
                 raise ValueError(f"sequence_lengths {sequence_lengths} (sum {sum(sequence_lengths)}) need one packed "
-                                 f"row of that many tokens (got [{b}, {s}])")
+                                 f"row of that many tokens (got [{b}, {s}]" + (f" x {split} CP ranks)" if split > 1
+                                                                             else ")"))
         if routing_replay is not None and len(routing_replay) != c.num_hidden_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} layers; the model has {c.num_hidden_layers}")
         device = input_ids.device
         if positions is None and sequence_lengths is not None:
             lengths = torch.tensor(sequence_lengths, device=device, dtype=torch.long)
-            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=s)
-            positions = (torch.arange(s, device=device) - starts).unsqueeze(0)
+            total = s * split
+            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+            positions = (torch.arange(total, device=device) - starts).unsqueeze(0)
+            if split > 1:
+                lo, hi = self.cp.slice_bounds(total)
+                positions = positions[:, lo:hi]
         elif positions is None:
             positions = torch.arange(s, device=device).expand(b, s)
         mask = None

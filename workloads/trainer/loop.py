@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.cluster import TRAINER_METRICS_PORT
 from moe_rl_eks.core.run import RunConfig, resolve_run
+from moe_rl_eks.core.schema import ConfigError
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
@@ -148,6 +149,9 @@ class Trainer:
     def __init__(self, run: RunConfig, source: BatchSource | None, rank: int, world: int) -> None:
         self.run, self.source, self.rank, self.world = run, source, rank, world
         self.cfg = run.rl.training
+        if world % self.cfg.context_parallel:
+            raise ConfigError(f"run {run.name!r}", "rl.training.context_parallel", self.cfg.context_parallel,
+                              f"must divide the trainer's {world} ranks")
         self.algorithm = make_algorithm(run.rl)
         self.out = output_dir(run)
         self.ckpt_root = self.out / "checkpoints"
@@ -162,7 +166,8 @@ class Trainer:
             self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
         self.plan = ParallelPlan(ep_degree=world, ep_backend=resolved_backend(run),
                                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), fsdp=self.cfg.fsdp,
-                                 activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute)
+                                 activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute,
+                                 cp_degree=self.cfg.context_parallel)
         torch.manual_seed(self.cfg.seed)
         self.model, self.ep = self._build_model(self.plan)
         load_full_state(self.model, initial_weights(run, local_experts(self.ep, run.model.num_experts)))
@@ -228,16 +233,26 @@ class Trainer:
         return [plan + [[]] * (int(n) - len(plan)) for plan, n in zip(plans, most.tolist())]
 
     def _totals(self, seqs: Sequences, parts: list[list[int]]) -> torch.Tensor:
-        """[parts, 3] float64 over every rank: completion tokens, sequences with one, all real tokens."""
+        """[parts, 3] float64 over every rank: completion tokens, sequences with one, all real tokens (a CP
+        group's ranks hold the same samples: counted once)."""
         local = []
         for rows in parts:
             part = seqs.select(rows)
             local.append(torch.cat([Totals.local(part.mask), part.valid.sum().reshape(1).double()]))
-        return self._all_reduce(torch.stack(local).to(self.device) if local else torch.zeros(0, 3, device=self.device))
+        return self._batch_sum(torch.stack(local).to(self.device) if local else torch.zeros(0, 3, device=self.device))
+
+    def _batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A sum over the batch of what each rank holds of it: over every rank, a CP group's samples counted once."""
+        self._all_reduce(t)
+        if self.cfg.context_parallel > 1:
+            t /= self.cfg.context_parallel
+        return t
 
     def _share(self, samples: list) -> list:
-        """This rank's samples of a batch: shares balanced by tokens across ranks (microbatch.rank_shares)."""
-        share = rank_shares([sequence_tokens(s) for s in samples], self.world)[self.rank]
+        """This rank's samples of a batch: shares balanced by tokens across the data-parallel groups
+        (microbatch.rank_shares); the ranks of a context-parallel group share theirs."""
+        cp = self.cfg.context_parallel
+        share = rank_shares([sequence_tokens(s) for s in samples], self.world // cp)[self.rank // cp]
         return [samples[i] for i in share]
 
     # ---- the two kinds of step ----------------------------------------------------------------------------
@@ -283,7 +298,7 @@ class Trainer:
         if score_policy or self.reference is not None:
             proximal, old_values, reference = self._score(seqs, plans, score_policy, temperature, replay)
         advantages, returns = algo.token_advantages(SequenceScores(seqs.rewards, seqs.advantages, seqs.mask),
-                                                    old_values, self._all_reduce if self.world > 1 else None)
+                                                    old_values, self._batch_sum if self.world > 1 else None)
 
         def cut(full: torch.Tensor | None, rows: list[int], width: int) -> torch.Tensor | None:
             return None if full is None else full[rows, :width]

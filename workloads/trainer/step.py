@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from moe_rl_eks.core.rl_config import TrainingConfig
 
@@ -82,18 +83,34 @@ class TrainStep:
     def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
                 values: bool = False) -> Forward:
         """The micro-batch's sequences packed into one row; log-probabilities of its targets at `temperature`
-        straight from the final hidden states (no [tokens, vocabulary] logits kept)."""
+        straight from the final hidden states (no [tokens, vocabulary] logits kept). Under context parallelism
+        this rank runs its slice of the row (padded to a multiple of the group by a sequence of its own) and the
+        per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's."""
+        inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
+        routing = mb.packed_routing() if replay else None
+        cp, tokens = model.cp, inputs.shape[1]
+        if cp is not None:
+            pad = -tokens % cp.size
+            if pad:
+                inputs, targets, lengths = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad)), [*lengths, pad]
+                routing = None if routing is None else [F.pad(r, (0, 0, 0, pad)) for r in routing]
+            lo, hi = cp.slice_bounds(tokens + pad)
+            inputs, targets = inputs[:, lo:hi], targets[lo:hi]
+            routing = None if routing is None else [r[:, lo:hi] for r in routing]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = model(mb.packed_inputs(), sequence_lengths=mb.lengths, logits=False,
-                        routing_replay=mb.packed_routing() if replay else None)
+            out = model(inputs, sequence_lengths=lengths, logits=False, routing_replay=routing)
             hidden = out.hidden[0]
-            logp, entropy = token_logprobs_and_entropy(hidden, model.lm_head.weight, mb.packed_targets(),
+            logp, entropy = token_logprobs_and_entropy(hidden, model.lm_head.weight, targets,
                                                        temperature=temperature)
         value = None
         if values:
             # Detached: the critic reads the policy's features but its loss does not reshape the policy.
-            value = mb.unpack(self.value_head(hidden.detach().float()).squeeze(-1))
-        return Forward(mb.unpack(logp), mb.unpack(entropy), value, out.aux_loss, out.expert_load)
+            value = self.value_head(hidden.detach().float()).squeeze(-1)
+        if cp is not None:
+            logp, entropy = cp.gather(logp)[:tokens], cp.gather(entropy)[:tokens]
+            value = None if value is None else cp.gather(value)[:tokens]
+        return Forward(mb.unpack(logp), mb.unpack(entropy), None if value is None else mb.unpack(value),
+                       out.aux_loss, out.expert_load)
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
              replay: bool) -> dict:
@@ -107,8 +124,13 @@ class TrainStep:
             fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
                                values=self.value_head is not None)
             loss, metrics = loss_fn(j, mb, fwd)
-            loss.backward()
             metrics["loss"] = float(loss.detach())
+            if self.model.cp is not None:
+                # Every rank of a CP group computed the whole micro-batch's loss from the gathered outputs; the
+                # gather's backward sums the group's gradients into each slice, and the step sums over ranks.
+                loss = loss / self.model.cp.size
+                metrics = {key: value / self.model.cp.size for key, value in metrics.items()}
+            loss.backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             load = fwd.expert_load.double() if load is None else load + fwd.expert_load
