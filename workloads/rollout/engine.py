@@ -102,6 +102,7 @@ class RolloutEngine:
         self._step_seconds: float | None = None
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
         self._ttft, self._itl = self.metrics[M.ROLLOUT_TIME_TO_FIRST_TOKEN], self.metrics[M.ROLLOUT_INTER_TOKEN_LATENCY]
+        self._swaps_in_flight, self._rows_at_swap = self.metrics[M.ROLLOUT_SWAPS_IN_FLIGHT], self.metrics[M.ROLLOUT_ROWS_AT_SWAP]
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -303,8 +304,8 @@ class RolloutEngine:
             running = self._in_ranks[0]
             result = getattr(self.replica, item.op)(*item.args)
             if item.op == "swap" and running:  # in flight: those rows' next tokens are the new version's
-                self.metrics[M.ROLLOUT_SWAPS_IN_FLIGHT].inc()
-                self.metrics[M.ROLLOUT_ROWS_AT_SWAP].inc(running)
+                self._swaps_in_flight.inc()
+                self._rows_at_swap.inc(running)
             elif item.op == "swap" and not self._has_work():
                 # a step without rows: the first version's decoders are built now, not at a request
                 self._report_ranks(self.replica.step(self._plan([[] for _ in range(self.replica.size)])))
