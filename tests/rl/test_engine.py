@@ -13,14 +13,21 @@ from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 
-@pytest.fixture
-def engine(tmp_path):
-    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40},
+def engine_of(tmp_path, **rollout):
+    """An engine serving version 0 of a tiny run (its rollout section changed by `rollout`)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40, **rollout},
                    sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
     store = DirectoryStore(tmp_path / "weights")
     publish_initial(run, store)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
     engine.load_version(0)
+    return engine
+
+
+@pytest.fixture
+def engine(tmp_path):
+    engine = engine_of(tmp_path)
     yield engine
     engine.stop()
 
@@ -191,7 +198,7 @@ def served_model(engine, version):
 
 
 def test_a_drained_swap_waits_for_the_running_row_which_has_one_version(tmp_path):
-    engine = engine_of(tmp_path, "drain")
+    engine = engine_of(tmp_path, weight_swap="drain")
     try:
         old = swap_under_a_running_row(engine)
         assert len(old.token_ids) == 30 and old.weight_version == 0  # it ran to its end while the swap waited
@@ -209,22 +216,11 @@ def test_a_drained_swap_waits_for_the_running_row_which_has_one_version(tmp_path
 
 def decode_once(tmp_path, swap):
     """The swap tests' row on a fresh engine serving version 0 only."""
-    engine = engine_of(tmp_path, swap)
+    engine = engine_of(tmp_path, weight_swap=swap)
     try:
         return engine.submit(rows("running", 1, 30, 0, stop_token_ids=())).result(timeout=60)
     finally:
         engine.stop()
-
-
-def engine_of(tmp_path, swap):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40, "weight_swap": swap},
-                   sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
-    store = DirectoryStore(tmp_path / "weights")
-    publish_initial(run, store)
-    engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
-    engine.load_version(0)
-    return engine
 
 
 def test_a_row_running_across_an_inflight_swap_finishes_on_the_new_weights_with_the_kv_it_has(engine):
