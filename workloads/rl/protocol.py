@@ -416,7 +416,7 @@ class Group(Record):
 class TrainingSample(Record):
     """What a trainer rank trains on: one completion with its advantage. Its behaviour logprobs are per token, each
     under the weights its span of `versions` names, which is what the decoupled objective's importance weights
-    divide by (trainer/objectives)."""
+    divide by (rl/losses.py, policy_objective)."""
 
     id: str  # "<request id>/<choice>": unique in a run, so accounting can prove nothing is trained twice
     prompt_ids: list[int]
