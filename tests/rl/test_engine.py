@@ -186,13 +186,13 @@ def swap_under_a_running_row(engine, max_tokens=30):
 
 
 def served_model(engine, version):
-    """A fresh copy of the served model holding `version`, as the replica builds and fills it."""
+    """A fresh copy of the served model holding `version`, as the replica builds and fills it (on its device)."""
     from moe_rl_eks.workloads.model.checkpoint import load_hf
     from moe_rl_eks.workloads.rollout.replica import empty_model
     from moe_rl_eks.workloads.rollout.weight_staging import install
 
     config, state = load_hf(engine.store.fetch(version, engine.cache_dir / "reference"))
-    model = empty_model(config, None, engine.run.moe_compute, torch.device("cpu"))
+    model = empty_model(config, None, engine.run.moe_compute, engine.replica.device)
     install(model, state)
     return model.eval(), state
 
@@ -243,7 +243,7 @@ def test_a_row_running_across_an_inflight_swap_finishes_on_the_new_weights_with_
     model, _ = served_model(engine, 0)
     _, state1 = served_model(engine, 1)
     request = rows("running", 1, 30, 0, stop_token_ids=())[0]
-    decoder = Decoder(model, slots=4, max_len=engine._max_len(), eos_ids=engine._eos_ids(), cuda_graphs=False)
+    decoder = Decoder(model, slots=4, max_len=engine._max_len(), eos_ids=engine._eos_ids())  # CUDA graphs on a GPU
     seq = decoder.add(request)
     while len(seq.tokens) < a:
         decoder.step()
@@ -258,7 +258,7 @@ def test_a_row_running_across_an_inflight_swap_finishes_on_the_new_weights_with_
     # context (its own keys and values for the first a tokens too) has another logprob, and version 0 decoding
     # on would have sampled other tokens.
     v1, _ = served_model(engine, 1)
-    context = torch.tensor([list(request.prompt_ids) + out.token_ids[:a + 1]])
+    context = torch.tensor([list(request.prompt_ids) + out.token_ids[:a + 1]], device=engine.replica.device)
     with torch.no_grad():
         logits = v1(context).logits[0, len(request.prompt_ids) + a - 1].float()
     recomputed = torch.log_softmax(logits, -1)[out.token_ids[a]].item()
