@@ -48,6 +48,10 @@ WEIGHT_PUBLISH_SECONDS = Metric("moerl_weight_publish_seconds", "gauge", "Time t
 WEIGHT_LOAD_SECONDS = Metric("moerl_weight_load_seconds", "gauge", "Time for a rollout server to load the last weight version")
 ROLLOUT_WEIGHT_VERSION = Metric("moerl_rollout_weight_version", "gauge", "Weight version this rollout server serves")
 ROLLOUT_WEIGHT_LINEAGE = Metric("moerl_rollout_weight_lineage", "gauge", "Trainer lineage of the weight version this rollout server serves")
+ROLLOUT_SWAPS_IN_FLIGHT = Metric("moerl_rollout_swaps_in_flight_total", "counter", "Weight versions this rollout server swapped in while rows were running (rollout.weight_swap: inflight)")
+ROLLOUT_ROWS_AT_SWAP = Metric("moerl_rollout_rows_at_swap_total", "counter", "Rows running when a weight version was swapped in under them (their next tokens are the new version's)")
+# Per token: a trained sample's token sampled with version v at step s counts s - v (0 = on-policy).
+SAMPLE_TOKEN_STALENESS = Metric("moerl_sample_token_staleness", "histogram", "Weight-version lag of each trained token (trainer step minus the version that sampled it)", buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 ROLLOUT_BUSY_SECONDS = Metric("moerl_rollout_busy_seconds_total", "counter", "Seconds this rollout server spent generating")
 ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion requests re-sent to another server (failure, deadline or straggler)")
 ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter", "Completion attempts given up at their deadline (from max_tokens and the server's per-row rate), apart from server faults")
@@ -62,4 +66,5 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        TRAINER_STEP_SECONDS,
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
+       ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION)

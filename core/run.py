@@ -136,6 +136,11 @@ class RolloutConfig:
     # Liveness: a server whose engine loop has neither finished a step nor idled for this long answers /health
     # with 503 (Kubernetes then restarts it). Longer than the slowest step: a full batch's prefill.
     hung_after_s: float = 120.0
+    # When a server takes a new weight version in: `inflight` between two decode steps, rows running go on with the
+    # new weights and the KV cache they have (PipelineRL's in-flight updates; each token records its version), or
+    # `drain`: once no row runs, every row of one version (strictly on-policy). Default: inflight, or drain when
+    # rl.orchestrator.max_staleness is 0 (RunConfig.weight_swap).
+    weight_swap: Literal["inflight", "drain"] | None = None
 
     def validate(self) -> None:
         if not 1 <= self.min_servers <= self.max_servers:
@@ -269,6 +274,10 @@ class RunConfig:
                          f"triton (its kernels read expert rows through TMA, which needs {TMA_ROW_BYTES}-byte rows)")
         if self.local_gpus is not None:
             self._validate_local_gpus(self.local_gpus)
+        if self.rollout.weight_swap == "inflight" and o.max_staleness == 0:
+            fail("rollout.weight_swap", "inflight",
+                 "needs rl.orchestrator.max_staleness >= 1 (it is 0): a row running across a swap has tokens of two "
+                 "versions, and a synchronous run trains only the newest; use drain, or allow staleness 1")
         if self.model.num_experts % self.rollout.gpus_per_server:
             fail("rollout.gpus_per_server", self.rollout.gpus_per_server,
                  f"must divide model.num_experts ({self.model.num_experts}): a server splits the experts evenly "
@@ -292,6 +301,13 @@ class RunConfig:
             fail("local_gpus.rollout.gpus", list(local.rollout.gpus),
                  f"must list {wanted} GPUs: rollout.min_servers ({servers}) x rollout.gpus_per_server "
                  f"({self.rollout.gpus_per_server})")
+
+    @property
+    def weight_swap(self) -> Literal["inflight", "drain"]:
+        """rollout.weight_swap as the servers apply it (its default resolved against rl.orchestrator.max_staleness)."""
+        if self.rollout.weight_swap is not None:
+            return self.rollout.weight_swap
+        return "drain" if self.rl.orchestrator.max_staleness == 0 else "inflight"
 
     def server_gpus(self, index: int) -> tuple[int, ...]:
         """The GPUs of rollout server `index` in a local GPU run."""

@@ -25,6 +25,7 @@ class Endpoint:
     in_flight: int = 0
     peak_in_flight: int = 0
     loads: list = field(default_factory=list)
+    loads_held: bool = False  # weight loads do not answer (or take effect) while this is set: a slow load
     url: str = ""
 
 
@@ -71,6 +72,8 @@ class FakeRollouts:
     def _load(e: Endpoint):
         async def handler(request: web.Request) -> web.Response:
             body = await request.json()
+            while e.loads_held:
+                await asyncio.sleep(0.01)
             e.loads.append((body.get("lineage", 0), body["version"]))
             e.previous, e.holds = e.holds, (body.get("lineage", 0), body["version"])
             return web.json_response({"weight_version": e.holds[1], "weight_lineage": e.holds[0], "load_seconds": 0.0})
@@ -116,7 +119,8 @@ class FakeRollouts:
                 tokens = [ord(str(digit)), 2]
                 choices.append({"index": i, "text": str(digit), "token_ids": tokens, "finish_reason": "stop",
                                 "logprobs": {"tokens": [], "token_logprobs": [-0.5, -0.1], "top_logprobs": None,
-                                             "text_offset": []}, "routed_experts": None})
+                                             "text_offset": []}, "routed_experts": None,
+                                "weight_versions": [{"version": holds[1], "lineage": holds[0], "tokens": 2}]})
             return web.json_response({"id": "cmpl", "object": "text_completion", "created": 0, "model": body.get("model") or "policy",
                                       "weight_version": holds[1], "weight_lineage": holds[0], "choices": choices})
         return handler

@@ -41,10 +41,10 @@ def tiny_run(tmp_path: Path, **rl_sections):
 def rewarded_batch(step: int = 0):
     """One trainer batch (protocol.Batch) of a prompt's two completions: token 9 rewarded (+1), token 10
     penalised (-1)."""
-    from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef
+    from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, one_version
 
     samples = [TrainingSample(f"p0/{i}", [1, 6, 13, 6, 16], completion, [-2.0] * len(completion), reward, adv, True,
-                              VersionRef(0, 0))
+                              one_version(VersionRef(0, 0), len(completion)))
                for i, (completion, reward, adv) in enumerate([([9, 2], 1.0, 1.0), ([10, 2], -1.0, -1.0)])]
     return Batch(step, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 2))
 

@@ -71,6 +71,26 @@ def test_decoupled_ppo_loss_with_truncated_importance_weight_and_clip():
     assert torch.allclose(batch.logprobs.grad, torch.tensor([[-1.25, 0.0]]))
 
 
+def test_a_sample_sampled_across_a_weight_swap_is_weighted_per_token_by_the_version_that_sampled_each():
+    from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionSpan
+    from moe_rl_eks.workloads.trainer.microbatch import Sequences
+
+    # Three tokens: two sampled with version 3 (probabilities 0.1, 0.4 under it), one with version 4 after an
+    # in-flight swap (0.5 under it). The trainer's proximal policy gives them 0.4, 0.4, 0.25.
+    sample = TrainingSample("p0/0", [1, 2], [5, 6, 7], [math.log(0.1), math.log(0.4), math.log(0.5)], 1.0, 1.0, True,
+                            [VersionSpan(0, 3, 2), VersionSpan(0, 4, 1)])
+    seqs = Sequences.of([sample])
+    behaviour = seqs.behaviour[seqs.mask.bool()]
+    assert torch.allclose(behaviour, torch.log(torch.tensor([0.1, 0.4, 0.5])))  # each token its own version's
+    proximal = torch.log(torch.tensor([[0.4, 0.4, 0.25]]))
+    batch = PolicyBatch(logprobs=proximal.clone().requires_grad_(), proximal_logprobs=proximal,
+                        behaviour_logprobs=behaviour[None], advantages=torch.ones(1, 3), mask=torch.ones(1, 3))
+    # w per token = proximal / behaviour: 4, 1, 0.5 (no cap hit at 10); r = 1 -> loss -(4 + 1 + 0.5) / 3
+    loss, m = algorithm("grpo", importance_cap=10.0).loss(batch, Totals(3.0, 1.0))
+    assert m["importance_weight_mean"] == pytest.approx(5.5 / 3, abs=1e-6)
+    assert loss.item() == pytest.approx(-5.5 / 3, abs=1e-6)
+
+
 def test_clip_higher_is_asymmetric():
     batch = _two_token_batch(mask=torch.tensor([[1.0, 0.0]]))
     # r = 1.25, A = +1, w = 2: symmetric clip 0.2 caps r at 1.2 -> loss -2.4; clip_high 0.28 leaves 1.25 -> -2.5

@@ -13,14 +13,21 @@ from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 
-@pytest.fixture
-def engine(tmp_path):
-    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40},
+def engine_of(tmp_path, **rollout):
+    """An engine serving version 0 of a tiny run (its rollout section changed by `rollout`)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    run = tiny_run(tmp_path, rollout={"max_batch_size": 4, "max_new_tokens": 40, **rollout},
                    sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
     store = DirectoryStore(tmp_path / "weights")
     publish_initial(run, store)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())
     engine.load_version(0)
+    return engine
+
+
+@pytest.fixture
+def engine(tmp_path):
+    engine = engine_of(tmp_path)
     yield engine
     engine.stop()
 
@@ -158,28 +165,106 @@ def test_a_failed_step_fails_its_rows_with_the_reason_and_the_engine_keeps_servi
     assert engine.health().running_rows == 0
 
 
-def test_rows_never_mix_weight_versions_across_a_swap(engine, tmp_path):
-    store = engine.store
-    publish_initial(engine.run, store, version=1, seed=5)
+def swap_under_a_running_row(engine, max_tokens=30):
+    """Publish version 1 and load it while a row of version 0 (seed 0: it runs all `max_tokens` tokens) decodes
+    slowly; returns the row's output once both are done."""
+    publish_initial(engine.run, engine.store, version=1, seed=5)
     started = threading.Event()
 
     def slow_row(event):  # keeps the row running (on the engine thread) while the load below queues its swap
         started.set()
         time.sleep(0.05)
 
-    before = engine.submit(rows("before", 1, 30, 0, stop_token_ids=()), slow_row)  # seed 0 runs all 30 tokens
+    running = engine.submit(rows("running", 1, max_tokens, 0, stop_token_ids=()), slow_row)
     started.wait(timeout=60)
     swapped = threading.Thread(target=engine.load_version, args=(1,))
     swapped.start()
-    (old,) = before.result(timeout=60)  # the running row finishes on the version it started with
-    assert len(old.token_ids) == 30  # it ran while the swap waited
+    (out,) = running.result(timeout=60)
     swapped.join(timeout=60)
-    # The swap held behind the running row happens once it finishes, with no new request to wake the engine
-    # (a server behind the published version gets none from the orchestrator).
     assert not swapped.is_alive() and engine.version == 1
-    (new,) = engine.submit(rows("after", 1, 30, 0, stop_token_ids=())).result(timeout=60)
-    assert old.weight_version == 0 and new.weight_version == 1 and engine.version == 1
-    assert old.token_ids != new.token_ids  # same seed and prompt, other weights
+    return out
+
+
+def served_model(engine, version):
+    """A fresh copy of the served model holding `version`, as the replica builds and fills it (on its device)."""
+    from moe_rl_eks.workloads.model.checkpoint import load_hf
+    from moe_rl_eks.workloads.rollout.replica import empty_model
+    from moe_rl_eks.workloads.rollout.weight_staging import install
+
+    config, state = load_hf(engine.store.fetch(version, engine.cache_dir / "reference"))
+    model = empty_model(config, None, engine.run.moe_compute, engine.replica.device)
+    install(model, state)
+    return model.eval(), state
+
+
+def test_a_drained_swap_waits_for_the_running_row_which_has_one_version(tmp_path):
+    engine = engine_of(tmp_path, weight_swap="drain")
+    try:
+        old = swap_under_a_running_row(engine)
+        assert len(old.token_ids) == 30 and old.weight_version == 0  # it ran to its end while the swap waited
+        assert [(s.lineage, s.version, s.tokens) for s in old.weight_versions] == [(0, 0, 30)]
+        (new,) = engine.submit(rows("after", 1, 30, 0, stop_token_ids=())).result(timeout=60)
+        assert new.weight_version == 1
+        assert [(s.version, s.tokens) for s in new.weight_versions] == [(1, len(new.token_ids))]
+        assert old.token_ids != new.token_ids  # same seed and prompt, other weights
+        (alone,) = decode_once(tmp_path / "alone", "drain")  # today's answer: version 0 alone
+        assert old.token_ids == alone.token_ids and old.logprobs == pytest.approx(alone.logprobs, abs=1e-6)
+        assert engine.metrics.registry.get_sample_value("moerl_rollout_swaps_in_flight_total") == 0
+    finally:
+        engine.stop()
+
+
+def decode_once(tmp_path, swap):
+    """The swap tests' row on a fresh engine serving version 0 only."""
+    engine = engine_of(tmp_path, weight_swap=swap)
+    try:
+        return engine.submit(rows("running", 1, 30, 0, stop_token_ids=())).result(timeout=60)
+    finally:
+        engine.stop()
+
+
+def test_a_row_running_across_an_inflight_swap_finishes_on_the_new_weights_with_the_kv_it_has(engine):
+    from moe_rl_eks.workloads.rollout.decoder import Decoder
+    from moe_rl_eks.workloads.rollout.weight_staging import install
+
+    assert engine.run.weight_swap == "inflight"  # the default with max_staleness >= 1
+    out = swap_under_a_running_row(engine)
+    spans = [(s.lineage, s.version, s.tokens) for s in out.weight_versions]
+    assert len(spans) == 2 and spans[0][:2] == (0, 0) and spans[1][:2] == (0, 1)
+    a, b = spans[0][2], spans[1][2]
+    assert a >= 1 and b >= 1 and a + b == len(out.token_ids)  # no drain: it ran on across the swap
+    assert out.weight_version == 1
+    assert engine.metrics.registry.get_sample_value("moerl_rollout_swaps_in_flight_total") == 1
+    assert engine.metrics.registry.get_sample_value("moerl_rollout_rows_at_swap_total") == 1
+
+    # The reference: the same row in a decoder of its own, version 0 for a tokens, then version 1 copied into the
+    # same tensors (as Replica.swap installs) and decoded on from the KV cache it has: the same tokens and
+    # logprobs, the ones after the swap included (sampling is counter-based on (seed, row, token index)).
+    model, _ = served_model(engine, 0)
+    _, state1 = served_model(engine, 1)
+    request = rows("running", 1, 30, 0, stop_token_ids=())[0]
+    decoder = Decoder(model, slots=4, max_len=engine._max_len(), eos_ids=engine._eos_ids())  # CUDA graphs on a GPU
+    seq = decoder.add(request)
+    while len(seq.tokens) < a:
+        decoder.step()
+    assert len(seq.tokens) == a
+    install(model, state1)
+    decoder.load_weights()
+    while decoder.busy:
+        decoder.step()
+    assert seq.tokens == out.token_ids and seq.logprobs == pytest.approx(out.logprobs, abs=1e-6)
+
+    # ... and not what either version alone gives: the token after the swap scored by version 1 over the whole
+    # context (its own keys and values for the first a tokens too) has another logprob, and version 0 decoding
+    # on would have sampled other tokens.
+    v1, _ = served_model(engine, 1)
+    context = torch.tensor([list(request.prompt_ids) + out.token_ids[:a + 1]], device=engine.replica.device)
+    with torch.no_grad():
+        logits = v1(context).logits[0, len(request.prompt_ids) + a - 1].float()
+    recomputed = torch.log_softmax(logits, -1)[out.token_ids[a]].item()
+    assert abs(recomputed - out.logprobs[a]) > 1e-3
+    (on_v0,) = decode_once(engine.cache_dir.parent / "v0", "inflight")
+    assert on_v0.token_ids[:a] == out.token_ids[:a] and on_v0.logprobs[a:] != pytest.approx(out.logprobs[a:], abs=1e-3)
 
 
 def test_the_same_version_number_of_a_new_lineage_is_loaded_and_reported(engine, tmp_path):

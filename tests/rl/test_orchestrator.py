@@ -13,7 +13,8 @@ from rl_helpers import tiny_run
 from moe_rl_eks.workloads.orchestrator.app import build, resume_state
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, StepConflict
 from moe_rl_eks.workloads.orchestrator.pool import ServerPool, expand_endpoint
-from moe_rl_eks.workloads.rl.protocol import (Group, OrchestratorState, PromptRecord, Sample, VersionRef)
+from moe_rl_eks.workloads.rl.protocol import (Group, OrchestratorState, PromptRecord, Sample, VersionRef, VersionSpan,
+                                              one_version)
 
 GRPO = lambda rewards: [r - sum(rewards) / len(rewards) for r in rewards]  # centred: enough to check placement
 
@@ -23,7 +24,7 @@ def prompt(i):
 
 
 def group(i, version, rewards=(1.0, 0.0), lineage=0):
-    samples = [Sample([5, 2], [-1.0, -0.5], r, True) for r in rewards]
+    samples = [Sample([5, 2], [-1.0, -0.5], r, True, one_version(VersionRef(lineage, version), 2)) for r in rewards]
     return Group(f"p{i}", i, [1, 4], VersionRef(lineage, version), samples)
 
 
@@ -51,6 +52,23 @@ def test_groups_too_stale_for_the_step_or_from_its_future_are_dropped_and_counte
         buf.batch(5, 0, 0, GRPO)
     with pytest.raises(StepConflict, match="step 2: its batch was forgotten"):
         buf.batch(2, 0, 3, GRPO)  # committed 3: batch 2 is gone, a trainer asking for it again cannot get it
+
+
+def test_a_group_is_as_stale_as_its_oldest_token_and_is_dropped_whole_when_one_token_is_too_old():
+    buf = GroupBuffer(prompts_per_step=1, max_staleness=1, correct_reward=1.0)
+    buf.set_trainer(VersionRef(0, 3))
+    swapped = [VersionSpan(0, 1, 1), VersionSpan(0, 2, 1)]  # its server swapped version 2 in after one token
+    for i, spans in [(0, swapped), (1, [VersionSpan(0, 2, 1), VersionSpan(0, 3, 1)])]:
+        buf.issue(prompt(i))
+        samples = [Sample([5, 2], [-1.0, -0.5], 1.0, True, spans),
+                   Sample([6, 2], [-1.0, -0.5], 0.0, True, one_version(VersionRef(0, 3), 2))]
+        buf.complete(Group(f"p{i}", i, [1, 4], spans[0].ref, samples), rewards_failed=0, dynamic_sampling=False)
+    # p0's first token (version 1) lags step 3 by 2 > 1, although its other token and its other sample are fresh
+    assert [g.request_id for g in buf.drop_stale(3, 0)] == ["p0"]
+    batch = buf.batch(3, 0, 0, GRPO)
+    assert [s.versions for s in batch.samples] == [[VersionSpan(0, 2, 1), VersionSpan(0, 3, 1)],
+                                                   one_version(VersionRef(0, 3), 2)]
+    assert batch.stats.staleness_mean == 0.5  # per sample, by its oldest token: (1 + 0) / 2
 
 
 def test_no_new_prompt_beyond_the_staleness_budget_and_none_before_the_trainer_posts():
@@ -94,7 +112,8 @@ def test_a_new_lineage_trains_its_shared_history_but_never_the_dead_lineages_lat
         complete(buf, i, v)
     assert buf.batch(3, 0, 0, GRPO) is not None
     buf.set_trainer(VersionRef(0, 5))  # the dead trainer went on to version 5 and fetched batch 4 ...
-    assert [s.version for s in buf.batch(4, 0, 0, GRPO).samples] == [VersionRef(0, 3)] * 2 + [VersionRef(0, 2)] * 2
+    assert [s.versions for s in buf.batch(4, 0, 0, GRPO).samples] == [one_version(VersionRef(0, 3), 2)] * 2 + [
+        one_version(VersionRef(0, 2), 2)] * 2
     for i, v in [(4, 5), (5, 4)]:  # ... while servers sampled its versions 4 and 5
         complete(buf, i, v)
     state = OrchestratorState.from_json(json.loads(json.dumps(buf.snapshot().to_json())))
@@ -109,7 +128,7 @@ def test_a_new_lineage_trains_its_shared_history_but_never_the_dead_lineages_lat
     assert sorted(g.request_id for g in dropped) == ["p4", "p5"]
     for i, v in [(6, 3), (7, 4)]:
         complete(new, i, v, lineage=1)
-    assert {s.version for s in new.batch(5, 1, 3, GRPO).samples} == {VersionRef(1, 3), VersionRef(1, 4)}
+    assert {s.versions[0].ref for s in new.batch(5, 1, 3, GRPO).samples} == {VersionRef(1, 3), VersionRef(1, 4)}
 
 
 def test_a_dead_lineages_batch_outside_the_new_history_is_dropped_and_formed_again():
@@ -146,7 +165,7 @@ def test_resume_latest_reads_the_newest_checkpoint_or_starts_fresh(tmp_path):
     (tmp_path / "checkpoints" / "step-00000010" / "orchestrator.json").write_text(json.dumps(state.to_json()))
     (tmp_path / "checkpoints" / "LATEST").write_text("step-00000010")
     assert resume_state("latest", tmp_path) == state
-    (tmp_path / "bad.json").write_text('{"next_prompt": "x"}')
+    (tmp_path / "bad.json").write_text('{"format": 2, "next_prompt": "x"}')
     with pytest.raises(ValueError, match=r"bad.json.next_prompt: 'x' is not allowed; expected an integer"):
         resume_state(str(tmp_path / "bad.json"), tmp_path)
 
@@ -158,13 +177,29 @@ def test_a_burst_spreads_over_the_pool_even_while_servers_still_load_the_new_ver
     for url in pool.urls():
         pool.healthy(url, 0, 0)
     pool.healthy("http://c", 1, 0)
-    sent = [pool.acquire(new, demand=6 - i) for i in range(6)]
+    sent = [pool.acquire(new.__eq__, demand=6 - i) for i in range(6)]
     assert sent == ["http://c", "http://c", None, None, None, None]  # its share of 6 over 3 healthy servers
     pool.healthy("http://a", 1, 0)
     pool.unhealthy("http://b")  # a server whose load failed releases its share
-    assert pool.acquire(new, demand=4) == "http://a"
+    assert pool.acquire(new.__eq__, demand=4) == "http://a"
     pool.release("http://c")
     assert {v.url: v.in_flight for v in pool.view()} == {"http://a": 1, "http://b": 0, "http://c": 1}
+
+
+def test_requests_go_to_any_server_within_the_staleness_bound_the_newest_first_among_equals():
+    buf = GroupBuffer(prompts_per_step=1, max_staleness=1, correct_reward=1.0)
+    assert not buf.usable(VersionRef(0, 0))  # no trainer version yet: nothing may be sampled
+    buf.set_trainer(VersionRef(0, 3))
+    pool = ServerPool(["http://a", "http://b", "http://c", "http://d"], max_in_flight=4)
+    for url, version in [("http://a", 1), ("http://b", 2), ("http://c", 3), ("http://d", 4)]:
+        pool.healthy(url, version, 0)
+    # a (version 1) lags by 2; d (version 4) is newer than the trainer (a dead lineage's, or a step not taken)
+    assert [buf.usable(VersionRef(0, v)) for v in (1, 2, 3, 4)] == [False, True, True, False]
+    sent = [pool.acquire(buf.usable) for _ in range(4)]
+    assert sent == ["http://c", "http://b", "http://c", "http://b"]  # b still loads version 3: it gets work too
+    buf.set_trainer(VersionRef(1, 2))  # a trainer restarted from step 2 of lineage 0: version 3 of it is dead
+    assert buf.usable(VersionRef(0, 1)) and buf.usable(VersionRef(0, 2)) and not buf.usable(VersionRef(0, 3))
+    assert pool.acquire(buf.usable) == "http://a"  # version 1 is within the bound of step 2, c's 3 never
 
 
 def test_weight_pushes_go_once_to_each_healthy_server_that_lacks_the_version():
@@ -221,6 +256,34 @@ async def until(predicate, timeout=20.0):
             return
         await asyncio.sleep(0.02)
     raise AssertionError("timed out")
+
+
+def test_requests_go_on_to_a_server_still_loading_the_new_version_while_its_weights_are_within_the_bound(
+        tmp_path, fakes):
+    servers = fakes(1)
+    (server,) = servers.endpoints
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, orchestrator={"max_staleness": 1})
+        await orch.start()
+        await orch.publish(VersionRef(0, 0))
+        first = await orch.batch(0, 0, timeout_s=20)
+        await until(lambda: server.completions == 4)  # the budget at trainer version 0: (0 + 1 + 1) x 2 groups
+        server.loads_held = True
+        await orch.publish(VersionRef(0, 1))  # the server does not answer its load: it still holds version 0
+        await until(lambda: server.completions == 6)  # step 1's budget, sampled with version 0 (staleness 1)
+        second = await orch.batch(1, 0, timeout_s=20)
+        holds = server.holds
+        server.loads_held = False
+        await orch.stop()
+        return orch, first, second, holds
+
+    orch, first, second, holds = asyncio.run(scenario())
+    assert holds == (0, 0) and {span.ref for s in second.samples for span in s.versions} == {VersionRef(0, 0)}
+    assert second.stats.staleness_mean == 1.0 and first.stats.staleness_mean == 0.0
+    value = orch.metrics.registry.get_sample_value
+    # per token: 8 trained at staleness 0 (step 0), 8 at staleness 1 (step 1)
+    assert value("moerl_sample_token_staleness_count") == 16 and value("moerl_sample_token_staleness_sum") == 8
 
 
 def test_a_4xx_that_repeats_everywhere_fails_the_request_not_the_servers(tmp_path, fakes):
@@ -329,8 +392,9 @@ def test_restarting_orchestrator_and_trainer_while_servers_hold_newer_versions_t
     history = {VersionRef(0, v) for v in range(4)}
     for b in batches:
         for s in b.samples:
-            assert s.version.lineage == 1 or s.version in history, (b.step, s.id, s.version)
-            assert 0 <= b.step - s.version.version <= 1
+            for span in s.versions:  # every token's weights
+                assert span.lineage == 1 or span.ref in history, (b.step, s.id, span)
+                assert 0 <= b.step - span.version <= 1
     assert all(e.loads[-1][0] == 1 for e in servers.endpoints)  # every server was moved to the new lineage
     assert counts["dropped_stale_groups"] >= 1  # samples of (0, 6) arrived, and were not trained
     seen = [s.id for b in batches for s in b.samples]

@@ -11,12 +11,14 @@ from pydantic import ValidationError
 from moe_rl_eks.workloads.rl.openai_api import CompletionRequest, read_completion
 from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, Group,
                                               OrchestratorState, PromptRecord, ProtocolError, Sample, TrainingSample, VersionRef,
-                                              decode_routing, derive_seed, encode_routing, staleness_ok)
+                                              VersionSpan, decode_routing, derive_seed, encode_routing, one_version,
+                                              staleness_ok)
 
 
 def sample(i, lineage=1, version=3):
     return TrainingSample(id=f"p{i}/0", prompt_ids=[1, 2], completion_ids=[5, 2], logprobs=[-0.5, -0.1],
-                          reward=1.0, advantage=0.5, finished=True, version=VersionRef(lineage, version))
+                          reward=1.0, advantage=0.5, finished=True,
+                          versions=[VersionSpan(lineage, version - 1, 1), VersionSpan(lineage, version, 1)])
 
 
 def batch():
@@ -28,19 +30,23 @@ def batch():
 def test_records_round_trip_through_json():
     b = batch()
     assert Batch.from_json(json.loads(json.dumps(b.to_json()))) == b
-    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, encode_routing(np.zeros((3, 2, 2), np.int64)))])
+    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, one_version(VersionRef(0, 2), 2), encode_routing(np.zeros((3, 2, 2), np.int64)))])
     pending = PromptRecord(8, [1, 2], "1+1=", "2", "arithmetic", {"level": [1]})
     state = OrchestratorState(next_prompt=9, consumed=2, pending=[pending], buffered=[group], batches={4: b},
                               counts={"retries": 1}, trainer=VersionRef(1, 4), forks={1: VersionRef(0, 2)},
                               source={"cursor": 9})
     back = OrchestratorState.from_json(json.loads(json.dumps(state.to_json())))
-    assert back == state and back.batches[4].samples[1].version == VersionRef(1, 3)
+    assert back == state and back.batches[4].samples[1].versions == [VersionSpan(1, 2, 1), VersionSpan(1, 3, 1)]
 
 
 @pytest.mark.parametrize("mutate, path, expected", [
     (lambda d: d["samples"][1].update(advantage="x"), "batch.samples[1].advantage", "a finite number"),
     (lambda d: d["samples"][0].update(logprobs=[-0.5]), "batch.samples[0].logprobs", "one per completion token"),
-    (lambda d: d["samples"][0]["version"].update(lineage=-1), "batch.samples[0].version.lineage", ">= 0"),
+    (lambda d: d["samples"][0]["versions"][1].update(lineage=-1), "batch.samples[0].versions[1].lineage", ">= 0"),
+    (lambda d: d["samples"][0]["versions"][1].update(tokens=2), "batch.samples[0].versions",
+     "add up to the completion's 2 tokens"),
+    (lambda d: d["samples"][0]["versions"].reverse(), "batch.samples[0].versions", "each of newer weights"),
+    (lambda d: d["samples"][0]["versions"][0].update(tokens=0), "batch.samples[0].versions[0].tokens", ">= 1"),
     (lambda d: d["samples"][0].pop("reward"), "batch.samples[0].reward", "required field missing"),
     (lambda d: d["stats"].update(colour=1), "batch.stats.colour", "unknown field"),
     (lambda d: d.update(step=True), "batch.step", "an integer"),
@@ -60,11 +66,19 @@ def test_a_completion_response_is_read_into_typed_choices():
     body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy", "weight_version": 5,
             "weight_lineage": 2,
             "choices": [{"index": 1, "text": "3", "token_ids": [9, 2], "finish_reason": "length",
-                         "logprobs": logprobs([-0.25, -0.5]), "routed_experts": None},
+                         "logprobs": logprobs([-0.25, -0.5]), "routed_experts": None,
+                         "weight_versions": [{"version": 5, "lineage": 2, "tokens": 1},
+                                             {"version": 6, "lineage": 2, "tokens": 1}]},
                         {"index": 0, "text": "4", "token_ids": [10], "finish_reason": "stop",
-                         "logprobs": logprobs([-1.0])}]}
+                         "logprobs": logprobs([-1.0]), "weight_versions": [{"version": 5, "lineage": 2, "tokens": 1}]}]}
     c = read_completion(body)
     assert c.version == VersionRef(2, 5) and [ch.index for ch in c.choices] == [0, 1] and c.lineage_reported
+    assert c.choices[1].versions == [VersionSpan(2, 5, 1), VersionSpan(2, 6, 1)]  # swapped in flight after a token
+    older = json.loads(json.dumps(body))  # a server from before per-token versions
+    del older["choices"][0]["weight_versions"]
+    with pytest.raises(ProtocolError, match=r"^response.choices\[0\].weight_versions: None .*servers of wire format 2 "
+                                            r"on return: upgrade the rollout server"):
+        read_completion(older)
     assert c.choices[1].logprobs == [-0.25, -0.5] and c.choices[0].finish_reason == "stop"
     assert not read_completion({**body, "weight_lineage": None}).lineage_reported
     body["choices"][0]["logprobs"]["token_logprobs"] = [-0.25]
@@ -137,18 +151,45 @@ def test_the_staleness_rule_refuses_newer_weights_and_other_lineages():
     assert VersionRef(0, 99) < VersionRef(1, 0) < VersionRef(1, 1)
 
 
-def test_persisted_state_and_batches_carry_their_format_and_a_newer_one_is_refused_not_misread():
+def test_a_mixed_version_samples_staleness_is_its_oldest_tokens_and_every_span_keeps_the_lineage_rule():
+    from moe_rl_eks.workloads.rl.protocol import first_tokens, sample_staleness, tokens_trainable
+
+    spans = [VersionSpan(0, 3, 5), VersionSpan(0, 4, 2)]  # 5 tokens of version 3, then 2 of version 4 (a swap)
+    assert sample_staleness(5, spans) == 2 and sample_staleness(5, []) == 0
+    assert tokens_trainable(VersionRef(0, 5), spans, 2)
+    assert not tokens_trainable(VersionRef(0, 5), spans, 1)  # the oldest token, not the newest, bounds it
+    assert not tokens_trainable(VersionRef(0, 3), spans, 2)  # a token newer than the trainer's step
+    # Across a trainer restart: lineage 1 began at lineage 0's step 3, so version 3 of lineage 0 is its history
+    # but a token of lineage 0's version 4 (a dead trainer's) is not, whichever span holds it.
+    forks = {1: VersionRef(0, 3)}
+    assert tokens_trainable(VersionRef(1, 4), [VersionSpan(0, 3, 5), VersionSpan(1, 4, 2)], 2, forks)
+    assert not tokens_trainable(VersionRef(1, 4), spans, 2, forks)
+    assert first_tokens(spans, 6) == [VersionSpan(0, 3, 5), VersionSpan(0, 4, 1)]  # cut at a stop string
+    assert first_tokens(spans, 5) == [VersionSpan(0, 3, 5)] and first_tokens(spans, 0) == []
+
+
+def test_persisted_state_and_batches_carry_their_format_and_an_older_or_newer_one_is_refused_not_misread():
     from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer
     from moe_rl_eks.workloads.rl.protocol import STATE_FORMAT, WIRE_FORMAT
 
+    assert (WIRE_FORMAT, STATE_FORMAT) == (2, 2)  # format 2: per-token weight versions
     state = GroupBuffer(prompts_per_step=1, max_staleness=0, correct_reward=1.0).snapshot().to_json()
-    assert state["format"] == STATE_FORMAT
-    old = {k: v for k, v in state.items() if k != "format"}  # written before formats were recorded
-    assert OrchestratorState.from_json(old).format == 1
+    assert state["format"] == STATE_FORMAT and OrchestratorState.from_json(state).format == 2
+    old = {k: v for k, v in state.items() if k != "format"}  # written before formats were recorded: format 1
+    with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 1 .*format 1 by an older moe-rl-eks; this "
+                                            r"one reads format 2 only \(format 2 records each sample's per-token "
+                                            r"weight versions\)"):
+        OrchestratorState.from_json(old)
     with pytest.raises(ProtocolError, match=r"orchestrator_state\.format: .*format 9 by a newer moe-rl-eks; this one "
-                                            r"reads formats up to 1"):
+                                            r"reads formats up to 2"):
         OrchestratorState.from_json({**state, "format": 9})
-    sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, VersionRef(0, 0))
+    sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, one_version(VersionRef(0, 0), 1))
     batch = Batch(0, 0, [sample], BatchStats(0.0, 1.0, 0.0, 0, 0, 0, 0, 1), format=WIRE_FORMAT).to_json()
-    with pytest.raises(ProtocolError, match=r"^batch\.format: 2 .*newer moe-rl-eks"):
-        Batch.from_json({**batch, "format": 2})
+    assert Batch.from_json(batch).samples[0].versions == [VersionSpan(0, 0, 1)]
+    with pytest.raises(ProtocolError, match=r"^batch\.format: 3 .*newer moe-rl-eks"):
+        Batch.from_json({**batch, "format": 3})
+    # A format-1 batch (each sample one `version`, no `versions`) is refused as older, not as a field missing.
+    format_1 = {**batch, "format": 1, "samples": [{**{k: v for k, v in batch["samples"][0].items() if k != "versions"},
+                                                   "version": {"lineage": 0, "version": 0}}]}
+    with pytest.raises(ProtocolError, match=r"^batch\.format: 1 .*older moe-rl-eks; this one reads format 2 only"):
+        Batch.from_json(format_1)

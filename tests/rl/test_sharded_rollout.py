@@ -3,10 +3,15 @@ batching its own rows continuously. It must answer exactly as a one-process serv
 import json
 import os
 import signal
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from rl_helpers import call, publish_initial, write_run
 
 from safetensors.torch import save_file
@@ -163,3 +168,79 @@ def test_a_sharded_server_streams_the_tokens_one_process_answers(servers):
         mine = [c[0] for c in chunks if c and c[0]["index"] == i]
         assert len(mine) >= len(choice["token_ids"]) > 0  # an event per sampled token
         assert "".join(c["text"] for c in mine) == choice["text"]
+
+
+SWAP_PROMPTS = [(1, 6, 13, 7, 16), (1, 4, 13, 5, 16)]  # two prompts: the engine puts one on each rank
+
+
+def inflight_rank(rank: int, port: int, run_path: str, root: str, out: dict) -> None:
+    """Rank 0 runs the engine over a two-rank replica: two rows decode (one per rank) while version 1 is loaded;
+    rank 1 follows."""
+    from moe_rl_eks.workloads.moe.parallel import ExpertParallel
+    from moe_rl_eks.workloads.rollout.engine import RowRequest, SamplingParams
+    from moe_rl_eks.workloads.rollout.replica import Replica, follow
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        run = load_run(run_path)
+        replica = Replica(run, ep=ExpertParallel(dist.group.WORLD, "alltoall"), control=dist.new_group(backend="gloo"),
+                          device=torch.device("cpu"))
+        if rank > 0:
+            follow(replica)
+            return
+        engine = RolloutEngine(run, DirectoryStore(root), Path(root).parent / "cache", CharTokenizer(), replica)
+        engine.load_version(0)
+        loader = threading.Thread(target=engine.load_version, args=(1,))
+
+        def slow_rows(events):  # the first tokens start the load; the rows run on slowly while it swaps in
+            if not loader.is_alive() and engine.version == 0:
+                loader.start()
+            time.sleep(0.05)
+
+        requests = [RowRequest(p, SamplingParams(30, seed=0), "swap", i) for i, p in enumerate(SWAP_PROMPTS)]
+        outputs = engine.submit(requests, slow_rows).result(timeout=120)
+        loader.join(timeout=60)
+        out["rows"] = [(o.token_ids, o.logprobs, [(s.lineage, s.version, s.tokens) for s in o.weight_versions])
+                       for o in outputs]
+        out["swaps"] = engine.metrics.registry.get_sample_value("moerl_rollout_rows_at_swap_total")
+        engine.stop()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_replica_swaps_in_flight_on_both_ranks_and_each_row_goes_on_from_its_kv(tmp_path):
+    from moe_rl_eks.workloads.model.checkpoint import load_hf
+    from moe_rl_eks.workloads.rollout.decoder import Decoder
+    from moe_rl_eks.workloads.rollout.engine import RowRequest, SamplingParams
+    from moe_rl_eks.workloads.rollout.replica import empty_model
+    from moe_rl_eks.workloads.rollout.weight_staging import install
+
+    path = write_run(tmp_path, rollout={"gpus_per_server": 2, "max_batch_size": 4, "max_new_tokens": 40},
+                     sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
+    run = load_run(path)
+    assert run.weight_swap == "inflight"
+    store = DirectoryStore(tmp_path / "weights")
+    publish_initial(run, store, version=0, seed=1)
+    publish_initial(run, store, version=1, seed=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.start_processes(inflight_rank, args=(port, str(path), str(store.root), out), nprocs=2, start_method="spawn")
+    assert out["swaps"] == 2  # both rows were running (one on each rank) when version 1 came in
+    states = [load_hf(store.fetch(v, tmp_path / "reference"))[1] for v in (0, 1)]
+    for prompt, (tokens, logprobs, spans) in zip(SWAP_PROMPTS, out["rows"]):
+        assert [span[:2] for span in spans] == [(0, 0), (0, 1)] and sum(span[2] for span in spans) == len(tokens)
+        # One process, the whole model, swapped by hand after the same token: the same continuation
+        model = empty_model(run.model, None, run.moe_compute, torch.device("cpu"))
+        install(model, states[0])
+        max_len = min(run.model.max_position_embeddings, run.rl.sampling.max_prompt_tokens + 40)
+        decoder = Decoder(model.eval(), slots=2, max_len=max_len, eos_ids=CharTokenizer().eos_ids, cuda_graphs=False)
+        seq = decoder.add(RowRequest(prompt, SamplingParams(30, seed=0), "swap", SWAP_PROMPTS.index(prompt)))
+        while len(seq.tokens) < spans[0][2]:
+            decoder.step()
+        install(model, states[1])
+        decoder.load_weights()
+        while decoder.busy:
+            decoder.step()
+        assert seq.tokens == tokens and seq.logprobs == pytest.approx(logprobs, abs=1e-5)

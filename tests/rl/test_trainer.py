@@ -15,7 +15,8 @@ from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_sto
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.trainer.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
-from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, encode_routing
+from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, TrainingSample, VersionRef, encode_routing,
+                                              one_version)
 from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.trainer.step import learning_rate
 from moe_rl_eks.workloads.trainer.loop import (Trainer, expert_load_imbalance, init_trainer_process_group,
@@ -27,7 +28,7 @@ FAST = {"kl_coef": 0.0, "entropy_coef": 0.0}
 
 def sample(i, prompt, completion, advantage=0.0, reward=0.0, logprobs=None, routing=None):
     return TrainingSample(f"p{i}/0", prompt, completion, logprobs or [-1.0] * len(completion), reward, advantage,
-                          True, VersionRef(0, 0), routing)
+                          True, one_version(VersionRef(0, 0), len(completion)), routing)
 
 
 def varied_batch(step: int = 0) -> Batch:

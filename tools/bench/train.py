@@ -54,7 +54,7 @@ from moe_rl_eks.workloads.moe.parallel import ExpertParallel
 from moe_rl_eks.workloads.rl.algorithms import Algorithm
 from moe_rl_eks.workloads.rl.losses import PolicyBatch, Totals
 from moe_rl_eks.workloads.trainer.microbatch import Sequences
-from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef
+from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef, one_version
 from moe_rl_eks.workloads.trainer.step import TrainStep
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -126,7 +126,8 @@ class Step:
         ids = torch.randint(0, self.config.vocab_size, (sequences, sequence + 1), generator=generator).tolist()
         prompt = min(64, sequence // 2)
         samples = [TrainingSample(f"s{i}", seq[:prompt], seq[prompt:], [-1.0] * (len(seq) - prompt), 0.0,
-                                  1.0 if i % 2 else -1.0, True, VersionRef(0, 0)) for i, seq in enumerate(ids)]
+                                  1.0 if i % 2 else -1.0, True, one_version(VersionRef(0, 0), len(seq) - prompt))
+                   for i, seq in enumerate(ids)]
         return Sequences.of(samples).to(self.device)
 
     def run(self, batch: Sequences) -> None:

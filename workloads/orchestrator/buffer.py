@@ -5,9 +5,10 @@ what a checkpoint records (`snapshot`/`restore`).
 
 - Staleness budget (AReaL's rule): no new prompt while consumed + buffered + in flight groups would exceed
   (trainer version + max_staleness + 1) x prompts_per_step; max_staleness 0 is synchronous on-policy training.
-- A group trains step `s` of lineage `L` only if its weights `v` are in L's history (its own lineage, or an
-  older one up to where L forked from it) and `0 <= s - v <= max_staleness` (protocol.staleness_ok); others are
-  dropped at batch time and counted.
+- A group trains step `s` of lineage `L` only if the weights of every token of every sample are in L's history
+  (their own lineage, or an older one up to where L forked from it) and `0 <= s - v <= max_staleness` for each
+  token's version `v` (protocol.tokens_trainable: the oldest token bounds a sample's staleness); others are dropped
+  at batch time and counted. A group is kept or dropped whole: its advantages compare its samples.
 - Batches are idempotent by step (a restarted trainer gets the batch its dead predecessor fetched, if every
   sample of it is in the new lineage's history; else it and every later batch are dropped and re-formed), in
   prompt order (which rank trains which sample must not depend on timing).
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, OrchestratorState, PromptRecord,
-                          TrainingSample, VersionRef, staleness_ok)
+                          TrainingSample, VersionRef, VersionSpan, sample_staleness, tokens_trainable)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
           "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests")
@@ -104,14 +105,24 @@ class GroupBuffer:
         self.trainer = ref
         return True
 
-    def trainable(self, sample: VersionRef, step: int, lineage: int) -> bool:
-        return staleness_ok(VersionRef(lineage, step), sample, self.max_staleness, self.forks)
+    def trainable(self, spans: list[VersionSpan], step: int, lineage: int) -> bool:
+        """Whether step `step` of `lineage` may train a sample whose tokens these spans' weights sampled."""
+        return tokens_trainable(VersionRef(lineage, step), spans, self.max_staleness, self.forks)
+
+    def usable(self, weights: VersionRef) -> bool:
+        """Whether a server holding `weights` may get a request now: its tokens could train the trainer's next
+        step (the weights are within max_staleness of it, in its lineage's history, not newer)."""
+        return self.trainer is not None and self.trainable([VersionSpan(weights.lineage, weights.version, 1)],
+                                                           self.trainer.version, self.trainer.lineage)
+
+    def _group_trainable(self, group: Group, step: int, lineage: int) -> bool:
+        return all(self.trainable(s.versions, step, lineage) for s in group.samples)
 
     def drop_stale(self, step: int, lineage: int) -> list[Group]:
         """Remove and return the groups that step `step` of `lineage` may not train."""
-        stale = [g for g in self.buffered if not self.trainable(g.version, step, lineage)]
+        stale = [g for g in self.buffered if not self._group_trainable(g, step, lineage)]
         if stale:
-            self.buffered = [g for g in self.buffered if self.trainable(g.version, step, lineage)]
+            self.buffered = [g for g in self.buffered if self._group_trainable(g, step, lineage)]
             self.counts["dropped_stale_groups"] += len(stale)
         return stale
 
@@ -120,7 +131,7 @@ class GroupBuffer:
         lineage's history (a dead trainer's batch formed from its own later versions), it and every later batch
         are dropped (their groups counted stale) and re-formed. Returns the dropped request ids."""
         kept = self.batches.get(step)
-        if kept is None or all(self.trainable(x.version, step, lineage) for x in kept.samples):
+        if kept is None or all(self.trainable(x.versions, step, lineage) for x in kept.samples):
             return []
         dropped = []
         for s in sorted(k for k in self.batches if k >= step):
@@ -161,11 +172,12 @@ class GroupBuffer:
             for j, (s, a) in enumerate(zip(g.samples, adv)):
                 samples.append(TrainingSample(id=f"{g.request_id}/{j}", prompt_ids=g.prompt_ids,
                                               completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
-                                              advantage=a, finished=s.finished, version=g.version, routing=s.routing))
+                                              advantage=a, finished=s.finished, versions=s.versions,
+                                              routing=s.routing))
         rewards = [s.reward for s in samples]
         stats = BatchStats(reward_mean=sum(rewards) / len(rewards),
                            accuracy=sum(r >= self.correct_reward for r in rewards) / len(rewards),
-                           staleness_mean=sum(step - g.version.version for g in taken) / len(taken),
+                           staleness_mean=sum(sample_staleness(step, s.versions) for s in samples) / len(samples),
                            dropped_stale_groups=self.counts["dropped_stale_groups"],
                            filtered_groups=self.counts["filtered_groups"], retries=self.counts["retries"],
                            rewards_failed=self.counts["rewards_failed"], completed=self.counts["completed"])

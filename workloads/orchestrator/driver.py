@@ -145,8 +145,9 @@ class Orchestrator:
 
     # ---- the trainer's side ---------------------------------------------------------------------------------
     async def publish(self, ref: VersionRef) -> VersionRef | None:
-        """The trainer published `ref`: requests go only to servers holding it from now on, and every healthy
-        server is told to load it (in the background: a slow server never stalls the trainer)."""
+        """The trainer published `ref`: requests go to servers whose weights are within max_staleness of it from
+        now on (GroupBuffer.usable), and every healthy server is told to load it (in the background: a slow server
+        never stalls the trainer)."""
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
             self._push_all(ref)
@@ -185,6 +186,10 @@ class Orchestrator:
     def _formed(self, batch: Batch) -> None:
         self.metrics[M.REWARD_MEAN].set(batch.stats.reward_mean)
         self.metrics[M.SAMPLE_STALENESS].set(batch.stats.staleness_mean)
+        token_staleness = self.metrics[M.SAMPLE_TOKEN_STALENESS]
+        for sample in batch.samples:
+            for span in sample.versions:
+                token_staleness.observe(batch.step - span.version, span.tokens)
         self._event("batched", step=batch.step, request_ids=sorted({s.id.split("/")[0] for s in batch.samples}))
         self._wake.set()  # the budget moved
 
@@ -205,14 +210,13 @@ class Orchestrator:
     def _fill(self) -> None:
         """Draw every prompt the budget allows (they count as in flight from now on), then send those that wait
         for a server while the pool has room."""
-        target = self.buffer.trainer
-        if target is None:
+        if self.buffer.trainer is None:
             return
         for _ in range(self.buffer.budget_left() if time.monotonic() >= self._paused_until else 0):
             self.buffer.issue(prompt_record(self.source.next()))
         waiting = sorted((p.index, rid) for rid, p in self.buffer.in_flight.items() if rid not in self._tasks)
         for i, (_, request_id) in enumerate(waiting):
-            url = self.pool.acquire(target, demand=len(waiting) - i)
+            url = self.pool.acquire(self.buffer.usable, demand=len(waiting) - i)
             if url is None:
                 return
             prompt = self.buffer.in_flight[request_id]
@@ -273,8 +277,8 @@ class Orchestrator:
     async def _server_for_retry(self, exclude: str) -> str:
         """A server for the next attempt: another ready one if there is one, else whichever becomes ready."""
         while True:
-            target = self.buffer.trainer
-            url = self.pool.acquire(target, exclude=(exclude,)) or self.pool.acquire(target)
+            usable = self.buffer.usable
+            url = self.pool.acquire(usable, exclude=(exclude,)) or self.pool.acquire(usable)
             if url is not None:
                 return url
             await asyncio.sleep(HEALTH_INTERVAL_S / 2)
@@ -311,7 +315,7 @@ class Orchestrator:
             sent_wait.cancel()
             done, _ = await asyncio.wait(calls, timeout=deadline.straggler_after_s if sent.is_set() else 0)
             while not done and sent.is_set():  # straggling: hedge as soon as another server has room
-                hedge_url = self.pool.acquire(self.buffer.trainer, exclude=(url,))
+                hedge_url = self.pool.acquire(self.buffer.usable, exclude=(url,))
                 if hedge_url is not None:
                     log.info("request %s straggles on %s; also sent to %s", request_id, url, hedge_url)
                     self._count("hedges")
@@ -405,5 +409,6 @@ def prompt_record(prompt: Any) -> PromptRecord:
 
 
 def sample_of(choice: Choice, reward: float) -> Sample:
-    return Sample(choice.token_ids, choice.logprobs, reward, choice.finish_reason == "stop", choice.routing)
+    return Sample(choice.token_ids, choice.logprobs, reward, choice.finish_reason == "stop", choice.versions,
+                  choice.routing)
 

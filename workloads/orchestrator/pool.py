@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..rl.protocol import VersionRef
@@ -127,20 +128,23 @@ class ServerPool:
                     server.holds = ref
 
     # ---- choice ---------------------------------------------------------------------------------------------
-    def acquire(self, target: VersionRef, *, demand: int = 0, exclude: tuple[str, ...] = ()) -> str | None:
+    def acquire(self, usable: Callable[[VersionRef], bool], *, demand: int = 0,
+                exclude: tuple[str, ...] = ()) -> str | None:
         """Where a new request goes, counted in flight there (the caller must `release` it): the least busy
-        healthy server holding `target`, unless it already holds its fair share of `demand` (the requests that
-        want a server now, including this one, plus those in flight) over every healthy server. A server still
-        loading `target` is healthy but not ready: without the share, the burst issued when a version is
-        published would pile onto whichever server loaded it first while the rest of the pool idles."""
+        healthy server whose weights are `usable` (within the staleness bound: GroupBuffer.usable), the newest
+        weights among equals, unless it already holds its fair share of `demand` (the requests that want a server
+        now, including this one, plus those in flight) over every healthy server. A server still loading a version
+        is healthy but may not be usable yet: without the share, the burst issued when a version is published
+        would pile onto whichever server loaded it first while the rest of the pool idles."""
         with self.lock:
             healthy = [s for s in self._servers.values() if s.healthy]
-            ready = [s for s in healthy if s.holds == target and s.in_flight < self.max_in_flight
-                     and s.url not in exclude]
+            ready = [s for s in healthy if s.holds is not None and usable(s.holds)
+                     and s.in_flight < self.max_in_flight and s.url not in exclude]
             if not ready:
                 return None
-            # Least in flight first; among equals the one sent to longest ago, so no server wins by its place.
-            best = min(ready, key=lambda s: (s.in_flight, s.last_sent))
+            # Least in flight first; then the newest weights (the least stale tokens); then the one sent to longest
+            # ago, so no server wins by its place.
+            best = min(ready, key=lambda s: (s.in_flight, -s.holds.lineage, -s.holds.version, s.last_sent))
             if demand:
                 share = -(-(sum(s.in_flight for s in healthy) + demand) // len(healthy))
                 if best.in_flight >= share:

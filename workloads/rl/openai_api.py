@@ -133,7 +133,9 @@ class Usage(BaseModel):
 
 
 class Versioned(BaseModel):
-    """Every answer says which weights sampled it; all of its tokens come from that one version."""
+    """Every answer says which weights sampled it: `weight_version` the oldest of any of its tokens, each choice's
+    `weight_versions` which token came from which (a server swapping weights between decode steps may change
+    them under a running row)."""
     id: str
     created: int
     model: str
@@ -149,6 +151,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class WeightSpan(BaseModel):
+    """`tokens` consecutive tokens of a choice sampled with weights `version` of `lineage` (protocol.VersionSpan)."""
+    version: int
+    lineage: int
+    tokens: int
+
+
+WeightSpans = Field(None, description="the weights of the choice's tokens, in order: spans of (version, lineage, "
+                                      "tokens) covering every token; one span unless weights were swapped mid-row")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -159,6 +172,7 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = Field(
         None, description="base64 .npy [prompt + completion - 1, layers, k] (uint8, int16 above 256 experts)")
+    weight_versions: list[WeightSpan] | None = WeightSpans
 
 
 class CompletionResponse(Versioned):
@@ -197,6 +211,7 @@ class ChatChoiceFields(BaseModel):
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
     routed_experts: str | None = None
+    weight_versions: list[WeightSpan] | None = WeightSpans
 
 
 class ChatChoice(ChatChoiceFields):
@@ -295,9 +310,14 @@ def read_completion(body: object, path: str = "response") -> Completion:
         where = f"{path}.choices[{i}]"
         if c.logprobs is None:
             raise ProtocolError(f"{where}.logprobs", None, "expected an object with token_logprobs")
+        if c.weight_versions is None:
+            raise ProtocolError(f"{where}.weight_versions", None, "expected the weights of every token (spans of "
+                                "version, lineage, tokens), which servers of wire format 2 on return: upgrade the "
+                                "rollout server")
         choices.append(Choice._from_json({
             "index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs.token_logprobs,
-            "finish_reason": c.finish_reason, "text": c.text, "routing": c.routed_experts}, where))
+            "finish_reason": c.finish_reason, "text": c.text, "routing": c.routed_experts,
+            "versions": [w.model_dump() for w in c.weight_versions]}, where))
     if sorted(c.index for c in choices) != list(range(len(choices))):
         raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")
     if not choices:

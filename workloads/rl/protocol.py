@@ -16,7 +16,7 @@ import io
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 
 R = TypeVar("R", bound="Record")
@@ -35,17 +35,25 @@ class ProtocolError(ValueError):
 # Layout versions: the records between the roles (WIRE_FORMAT) and the orchestrator's persisted state
 # (STATE_FORMAT). Writers set them explicitly; a record without one is from before formats were recorded, which is
 # format 1's layout. Bump one when its layout changes, and read the older one (migrate) or refuse it (check_format).
-WIRE_FORMAT = 1
-STATE_FORMAT = 1
+# Format 2 (both): every sample carries the weight versions of its tokens (VersionSpan), which a format-1 record
+# lacks and cannot be given after the fact (its server may have swapped weights under it), so it is refused.
+WIRE_FORMAT = 2
+STATE_FORMAT = 2
+FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions"}
 
 
-def check_format(found: int, current: int, what: str) -> tuple[str, str] | None:
-    """A record's format problem (for Record.check), None when this code reads it."""
+def check_format(found: int, current: int, what: str) -> str | None:
+    """What is wrong with a record of format `found` (checked before its fields, so an older layout is refused as
+    such, not as a field missing), None when this code reads it."""
     if found > current:
-        return "format", (f"this {what} was written in format {found} by a newer moe-rl-eks; this one reads formats "
-                          f"up to {current}: upgrade every role, or resume from a checkpoint of this version")
+        return (f"this {what} was written in format {found} by a newer moe-rl-eks; this one reads formats up to "
+                f"{current}: upgrade every role, or resume from a checkpoint of this version")
     if found < 1:
-        return "format", f"a format >= 1 (this code writes {current})"
+        return f"a format >= 1 (this code writes {current})"
+    if found < current:
+        return (f"this {what} was written in format {found} by an older moe-rl-eks; this one reads format {current} "
+                f"only ({FORMAT_CHANGES[current]}): run every role at one moe-rl-eks version, and resume only from "
+                f"a checkpoint this version wrote")
     return None
 
 
@@ -136,7 +144,10 @@ def _encode(value: Any) -> Any:
 
 
 class Record:
-    """Base of the wire records (dataclasses): JSON out, checked JSON in, then the record's own `check()`."""
+    """Base of the wire records (dataclasses): JSON out, checked JSON in, then the record's own `check()`. A
+    record with a `format` field names (its current format, what it is) in FORMAT."""
+
+    FORMAT: ClassVar[tuple[int, str] | None] = None
 
     def to_json(self) -> dict:
         """Plain JSON types; an optional field that is None (its default) is left out."""
@@ -152,6 +163,11 @@ class Record:
         if not isinstance(data, dict):
             raise ProtocolError(path, data, f"expected an object ({cls.__name__})")
         hints, fields = _schema(cls)
+        if cls.FORMAT is not None:
+            found = _decode(int, data.get("format", 1), f"{path}.format")
+            problem = check_format(found, *cls.FORMAT)
+            if problem is not None:
+                raise ProtocolError(f"{path}.format", found, problem)
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ProtocolError(f"{path}.{unknown[0]}", data[unknown[0]], "unknown field; known: " + ", ".join(fields))
@@ -215,6 +231,66 @@ def staleness_ok(trainer: VersionRef, sample: VersionRef, max_staleness: int,
     return sample.version <= bound
 
 
+@dataclass(frozen=True)
+class VersionSpan(Record):
+    """`tokens` consecutive tokens of a completion sampled with the weights (lineage, version). A completion's
+    spans are in token order and cover every token (check_spans); a server that swaps weights between decode
+    steps (rollout.weight_swap: inflight) gives a row that ran across a swap one span per version, a draining one
+    always one."""
+
+    lineage: int
+    version: int
+    tokens: int
+
+    @property
+    def ref(self) -> VersionRef:
+        return VersionRef(self.lineage, self.version)
+
+    def check(self) -> tuple[str, str] | None:
+        if self.tokens < 1:
+            return "tokens", "must be >= 1 (a span holds at least one token)"
+        return self.ref.check()
+
+
+def check_spans(spans: list[VersionSpan], token_ids: list[int]) -> tuple[str, str] | None:
+    """A completion's spans: their tokens add up to its tokens, and each span's weights are newer than the one
+    before (a server's versions only move forward, and equal neighbours are one span)."""
+    if sum(s.tokens for s in spans) != len(token_ids):
+        return "versions", f"spans whose tokens add up to the completion's {len(token_ids)} tokens"
+    if any(a.ref >= b.ref for a, b in zip(spans, spans[1:])):
+        return "versions", "spans in token order, each of newer weights (lineage, version) than the one before"
+    return None
+
+
+def one_version(ref: VersionRef, tokens: int) -> list[VersionSpan]:
+    """The spans of `tokens` tokens all sampled with `ref` (a drained server's row, or data no server sampled)."""
+    return [VersionSpan(ref.lineage, ref.version, tokens)] if tokens else []
+
+
+def first_tokens(spans: list[VersionSpan], n: int) -> list[VersionSpan]:
+    """The spans of a completion's first `n` tokens (a completion cut at a stop string keeps those)."""
+    out = []
+    for span in spans:
+        if n <= 0:
+            break
+        out.append(span if span.tokens <= n else dataclasses.replace(span, tokens=n))
+        n -= span.tokens
+    return out
+
+
+def tokens_trainable(trainer: VersionRef, spans: list[VersionSpan], max_staleness: int,
+                     forks: dict[int, VersionRef] | None = None) -> bool:
+    """The staleness rule for a sample whose tokens come from several versions: every span must pass
+    `staleness_ok`, so the oldest token's version bounds the sample's staleness (trainer step - oldest version <=
+    max_staleness), no token is newer than the trainer, and each span's lineage is in the trainer's history."""
+    return all(staleness_ok(trainer, s.ref, max_staleness, forks) for s in spans)
+
+
+def sample_staleness(step: int, spans: list[VersionSpan]) -> int:
+    """A sample's staleness at `step`: how many steps its oldest token's version lags (0 without tokens)."""
+    return max((step - s.version for s in spans), default=0)
+
+
 # ---- routing replay -------------------------------------------------------------------------------------------
 def encode_routing(array: Any) -> str:
     """Routed expert ids [tokens - 1, layers, k] (positions of prompt + completion[:-1]) -> base64 of `.npy`
@@ -276,16 +352,18 @@ class Choice(Record):
     token_ids: list[int]
     logprobs: list[float]  # of each token in token_ids, in the request's logprob_mode
     finish_reason: FinishReason
+    versions: list[VersionSpan]  # the weights of each token (check_spans)
     text: str = ""
     routing: str | None = None  # encode_routing of [prompt + completion - 1, layers, k]
 
     def check(self) -> tuple[str, str] | None:
-        return one_logprob_per_token(self.logprobs, self.token_ids)
+        return one_logprob_per_token(self.logprobs, self.token_ids) or check_spans(self.versions, self.token_ids)
 
 
 @dataclass(frozen=True)
 class Completion(Record):
-    """A rollout server's answer: every token of every choice was sampled with the weights `version`."""
+    """A rollout server's answer: `version` is the oldest weights any of its tokens was sampled with (each choice's
+    `versions` say which token came from which)."""
 
     version: VersionRef
     choices: list[Choice]
@@ -314,15 +392,18 @@ class Sample(Record):
     logprobs: list[float]  # behaviour policy's, one per completion token
     reward: float
     finished: bool  # ended by EOS/stop, not cut by max_tokens
+    versions: list[VersionSpan]  # the weights that sampled its tokens (check_spans)
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        return one_logprob_per_token(self.logprobs, self.completion_ids)
+        return one_logprob_per_token(self.logprobs, self.completion_ids) or check_spans(self.versions,
+                                                                                        self.completion_ids)
 
 
 @dataclass(frozen=True)
 class Group(Record):
-    """One prompt's scored completions (those whose reward did not fail), sampled with weights `version`."""
+    """One prompt's scored completions (those whose reward did not fail); `version` is its answer's (the oldest
+    weights of any token), each sample's `versions` say which weights sampled which of its tokens."""
 
     request_id: str
     prompt_index: int
@@ -333,7 +414,9 @@ class Group(Record):
 
 @dataclass(frozen=True)
 class TrainingSample(Record):
-    """What a trainer rank trains on: one completion with its advantage."""
+    """What a trainer rank trains on: one completion with its advantage. Its behaviour logprobs are per token, each
+    under the weights its span of `versions` names, which is what the decoupled objective's importance weights
+    divide by (rl/losses.py, policy_objective)."""
 
     id: str  # "<request id>/<choice>": unique in a run, so accounting can prove nothing is trained twice
     prompt_ids: list[int]
@@ -342,18 +425,19 @@ class TrainingSample(Record):
     reward: float
     advantage: float  # sequence-level (the algorithm's sequence_advantages); PPO's are 0 and made by the trainer
     finished: bool
-    version: VersionRef
+    versions: list[VersionSpan]  # the weights that sampled its tokens (check_spans)
     routing: str | None = None
 
     def check(self) -> tuple[str, str] | None:
-        return one_logprob_per_token(self.logprobs, self.completion_ids)
+        return one_logprob_per_token(self.logprobs, self.completion_ids) or check_spans(self.versions,
+                                                                                        self.completion_ids)
 
 
 @dataclass(frozen=True)
 class BatchStats(Record):
     reward_mean: float
     accuracy: float
-    staleness_mean: float
+    staleness_mean: float  # of its samples, each by its oldest token (sample_staleness)
     dropped_stale_groups: int
     filtered_groups: int
     retries: int
@@ -371,19 +455,20 @@ class Batch(Record):
     lineage: int
     samples: list[TrainingSample]
     stats: BatchStats
-    format: int = 1  # WIRE_FORMAT of the orchestrator that formed it
+    format: int = WIRE_FORMAT  # of the orchestrator that formed it (read without one: format 1)
+    FORMAT: ClassVar[tuple[int, str]] = (WIRE_FORMAT, "batch")
 
     def check(self) -> tuple[str, str] | None:
         if not self.samples:
             return "samples", "at least one sample"
-        return check_format(self.format, WIRE_FORMAT, "batch")
+        return None
 
 
 @dataclass(frozen=True)
 class OrchestratorState(Record):
     """What a checkpoint records of the orchestrator; a restarted one resumes from it. `format` says which layout
-    wrote it (STATE_FORMAT): a state from before formats were recorded has today's layout and reads as format 1;
-    a newer format is refused, never misread."""
+    wrote it (STATE_FORMAT): a state from before formats were recorded reads as format 1; an older or a newer
+    format is refused, never misread (check_format)."""
 
     next_prompt: int
     consumed: int  # groups that went into batches
@@ -395,7 +480,5 @@ class OrchestratorState(Record):
     forks: dict[int, VersionRef] = field(default_factory=dict)  # lineage -> where it began (staleness_ok)
     source: dict[str, Any] = field(default_factory=dict)  # the prompt source's own state (its cursor)
     first_step: int | None = None  # the step of the first batch formed
-    format: int = 1
-
-    def check(self) -> tuple[str, str] | None:
-        return check_format(self.format, STATE_FORMAT, "orchestrator state")
+    format: int = STATE_FORMAT  # read without one: format 1
+    FORMAT: ClassVar[tuple[int, str]] = (STATE_FORMAT, "orchestrator state")

@@ -12,8 +12,10 @@ Locking rule: callers only append to the inbox under `_lock` (and wake the loop)
 the rows' state) belongs to the engine thread alone.
 
 Weight swaps: `load_version` reads a version in the background while serving goes on, then asks the loop to swap
-it in. Rows admitted before the swap finish on the old weights, and rows submitted after it wait until the swap,
-so every token of a row (and its `weight_version`) comes from one version. The engine sends each new row to the
+it in (`RunConfig.weight_swap`). In flight (`inflight`), the loop swaps at its next step whatever runs: rows keep
+their slots and KV cache and sample their next tokens with the new weights, and each row's `weight_versions` spans
+say which tokens came from which version. Drained (`drain`), the swap waits until no row runs and holds the rows
+submitted after it, so every token of a row comes from one version (one span). The engine sends each new row to the
 replica's rank with the fewest (one rank in one process; one per GPU with `rollout.gpus_per_server` > 1, each with
 its own decoder and rows), and every step runs on all ranks together (`Replica.step`): one step path in both.
 """
@@ -62,7 +64,7 @@ class _Call:
 
 @dataclass(eq=False)
 class _Control:
-    """A replica operation for the loop to run; `swap` waits until no row is running."""
+    """A replica operation for the loop to run; a drained `swap` waits until no row is running."""
 
     op: str
     args: tuple
@@ -100,6 +102,7 @@ class RolloutEngine:
         self._step_seconds: float | None = None
         self._tokens = self.metrics[M.ROLLOUT_GENERATION_TOKENS]
         self._ttft, self._itl = self.metrics[M.ROLLOUT_TIME_TO_FIRST_TOKEN], self.metrics[M.ROLLOUT_INTER_TOKEN_LATENCY]
+        self._swaps_in_flight, self._rows_at_swap = self.metrics[M.ROLLOUT_SWAPS_IN_FLIGHT], self.metrics[M.ROLLOUT_ROWS_AT_SWAP]
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -264,12 +267,12 @@ class RolloutEngine:
         return bool(self._batch or self._rank_of)
 
     def _admit_pending(self) -> None:
-        """Queue submitted rows, in order, for the next step to send to the ranks; a swap waits until no row runs,
-        and holds what follows."""
+        """Queue submitted rows, in order, for the next step to send to the ranks; a drained swap waits until no
+        row runs, and holds what follows."""
         while self._pending:
             item = self._pending[0]
             if isinstance(item, _Control):
-                if item.op == "swap" and self._has_work():
+                if item.op == "swap" and self._has_work() and self.run.weight_swap == "drain":
                     return
                 self._pending.popleft()
                 self._run_control(item)
@@ -298,8 +301,13 @@ class RolloutEngine:
 
     def _run_control(self, item: _Control) -> None:
         try:
+            running = self._in_ranks[0]
             result = getattr(self.replica, item.op)(*item.args)
-            if item.op == "swap":  # a step without rows: the first version's decoders are built now, not at a request
+            if item.op == "swap" and running:  # in flight: those rows' next tokens are the new version's
+                self._swaps_in_flight.inc()
+                self._rows_at_swap.inc(running)
+            elif item.op == "swap" and not self._has_work():
+                # a step without rows: the first version's decoders are built now, not at a request
                 self._report_ranks(self.replica.step(self._plan([[] for _ in range(self.replica.size)])))
             item.done.set_result(result)
         except Exception as exc:  # noqa: BLE001 -- report to the loader, keep serving the old version

@@ -3,7 +3,7 @@ Torch-free, so the HTTP protocol modules can import them; `engine.py` re-exports
 that consumes them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 
 from moe_rl_eks.core import sampling as limits
 from moe_rl_eks.core.sampling import LOGPROB_MODES
+
+from ..rl.protocol import VersionSpan
 
 
 def _bad(name: str, value, allowed: str) -> ValueError:
@@ -103,10 +105,19 @@ class RowOutput:
     # expert ids [prompt + completion - 1, layers, k] (vLLM's layout): uint8 when experts <= 256, else int16
     routing: "numpy.ndarray | None"
     weight_version: int
-    weight_lineage: int = 0  # with weight_version: the published version (protocol.VersionRef) it sampled from
+    weight_lineage: int = 0  # with weight_version: the published version (protocol.VersionRef) served as it ended
     # with params.prompt_logprobs: one per prompt token, the first None (nothing precedes it), and the alternatives
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # The weights of each token in order (protocol.check_spans): more than one span when versions were swapped in
+    # while the row ran; empty without tokens, or from a decoder run outside a replica (decode_all: no version).
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+
+    @property
+    def oldest(self) -> tuple[int, int]:
+        """(lineage, version) of its oldest token's weights, or of the weights it ended on without tokens."""
+        first = self.weight_versions[0] if self.weight_versions else None
+        return (first.lineage, first.version) if first else (self.weight_lineage, self.weight_version)
 
 
 @dataclass

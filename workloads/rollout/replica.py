@@ -114,7 +114,9 @@ class Replica:
         return read
 
     def swap(self, version: int, lineage: int = 0) -> None:
-        """Install the weights `begin_read` read, on every rank or (if any rank failed to read them) on none."""
+        """Install the weights `begin_read` read, on every rank or (if any rank failed to read them) on none.
+        Between steps, with or without rows running: they keep their slots and KV cache and decode their next
+        token with the new weights (their spans say from which token on)."""
         self._tell("swap", version, lineage)
         error = model = state = None
         try:
@@ -167,6 +169,8 @@ class Replica:
             if seq is not None and self.decoder.cancel(seq):
                 report.finished.append(seq.output(self.version, self.lineage))
         events = self.decoder.step(agree=self._any if self.size > 1 else None)
+        for seq, *_ in events.sampled:  # the weights of this step sampled them (a swap comes between steps)
+            seq.weights_of(self.lineage or 0, self.version)
         report.sampled = [(s.request.request_id, s.request.row, token, logprob, top)
                           for s, token, logprob, top in events.sampled]
         for seq in events.finished:

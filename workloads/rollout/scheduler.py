@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..rl.protocol import VersionSpan
 from .engine_api import RowOutput, RowRequest, SamplingParams
 from .kv_cache_manager import PagedCache
 
@@ -41,6 +42,7 @@ class Sequence:
     preempted: int = 0  # times its blocks were taken back and it was queued to be recomputed
     prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs, once its prefill ended
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    spans: list[VersionSpan] = field(default_factory=list)  # the weights of its tokens, in order (weights_of)
 
     @property
     def params(self) -> SamplingParams:
@@ -56,13 +58,22 @@ class Sequence:
         not fed yet: prefilling it samples the next token, as the decode step would have)."""
         return self.request.prompt_ids + tuple(self.tokens)
 
+    def weights_of(self, lineage: int, version: int) -> None:
+        """Its newest token was sampled with weights (lineage, version): the last span grows, or a new one begins
+        (the replica's weights were swapped while it ran)."""
+        last = self.spans[-1] if self.spans else None
+        if last is not None and (last.lineage, last.version) == (lineage, version):
+            self.spans[-1] = VersionSpan(lineage, version, last.tokens + 1)
+        else:
+            self.spans.append(VersionSpan(lineage, version, 1))
+
     def output(self, version: int | None, lineage: int | None) -> RowOutput:
         """The finished row as the engine reports it; its routing leaves the device here, as [positions, layers,
         k]."""
         routing = self.routing.cpu().numpy() if self.routing is not None else None
         return RowOutput(self.request.request_id, self.request.row, list(self.tokens), list(self.logprobs),
                          self.top_logprobs, self.finish_reason, self.error, routing, version, lineage or 0,
-                         self.prompt_logprobs, self.prompt_top_logprobs)
+                         self.prompt_logprobs, self.prompt_top_logprobs, list(self.spans))
 
 
 @dataclass(eq=False)

@@ -3,7 +3,8 @@
   POST /v1/completions, /v1/chat/completions  OpenAI's fields, vLLM's (top_k, min_p, stop_token_ids,
         return_token_ids, logprob_mode) and ours (return_routing: the routed experts for routing replay);
         `stream: true` answers server-sent events as tokens are sampled. Every answer carries weight_version and
-        weight_lineage: the weights that sampled all of its tokens.
+        weight_lineage (the oldest weights that sampled any of its tokens), and each choice weight_versions: spans
+        of (version, lineage, tokens) in token order (rollout.weight_swap: inflight swaps under running rows).
   GET  /v1/models, /openapi.json, /health (liveness: 503 once the engine loop is hung), /ready (200 once weights
        are loaded), /metrics (Prometheus)
   POST /v1/weights/load {"version", "lineage"} (Authorization: Bearer <token>): fetch and swap in a published
@@ -42,7 +43,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..rl import openai_api as api
-from ..rl.protocol import VersionRef, encode_routing
+from ..rl.protocol import VersionRef, encode_routing, first_tokens
 from ..rl.runtime import HttpError, Registry, cap_gpu_memory, json_api, load, output_dir, serve
 from ..rl.tokenizer import Tokenizer, UnknownText
 from .detokenizer import CompletionText
@@ -363,6 +364,7 @@ class Answer:
     finish_reason: api.FinishReason
     stop_reason: int | str | None
     routing: str | None
+    versions: list[api.WeightSpan]  # the weights of token_ids' tokens
 
 
 def choice_of(row: StreamedChoice, out: RowOutput, stop_token_ids: tuple[int, ...]) -> Answer:
@@ -377,7 +379,9 @@ def choice_of(row: StreamedChoice, out: RowOutput, stop_token_ids: tuple[int, ..
     if out.routing is not None:  # positions of prompt + completion[:-1]
         routing = encode_routing(out.routing[:len(row.prompt) + len(ids) - 1])
     top = out.top_logprobs[:kept] if out.top_logprobs is not None else None
-    return Answer(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routing)
+    versions = [api.WeightSpan(version=s.version, lineage=s.lineage, tokens=s.tokens)
+                for s in first_tokens(out.weight_versions, kept)]
+    return Answer(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routing, versions)
 
 
 class RolloutServer:
@@ -435,10 +439,10 @@ class RolloutServer:
 
     def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Answer], dict, api.Usage]:
         choices = [choice_of(row, o, gen.plan.params[0].stop_token_ids) for row, o in zip(gen.rows, outputs)]
-        # A request's rows are admitted together and the engine swaps weights between steps, so they share one
-        # version; were they ever to differ, the oldest is reported, so staleness is never understated.
-        oldest = min(outputs, key=lambda o: (o.weight_lineage, o.weight_version))
-        head = self._head(gen, oldest.weight_version, oldest.weight_lineage)
+        # The oldest weights of any token (a swap in flight changes them under running rows, and a request's rows
+        # may even start on different versions): staleness read from the head is never understated.
+        lineage, version = min(o.oldest for o in outputs)
+        head = self._head(gen, version, lineage)
         prompt = sum(len(p) for p in gen.plan.prompts)
         completion = sum(len(c.token_ids) for c in choices)
         return choices, head, api.Usage(prompt_tokens=prompt, completion_tokens=completion,
@@ -460,11 +464,12 @@ class RolloutServer:
                 out.append(api.CompletionChoice(
                     index=c.index, text=echo + row.text.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing,
+                    weight_versions=c.versions,
                     prompt_token_ids=list(row.prompt) if plan.return_token_ids else None, logprobs=logprobs))
             return api.CompletionResponse(**head, choices=out, usage=usage)
         out = [api.ChatChoice(
             index=c.index, message=api.AssistantMessage(content=row.text.text), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing,
+            stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing, weight_versions=c.versions,
             prompt_token_ids=list(row.prompt) if plan.return_token_ids else None,
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
             if plan.logprobs is not None else None)
@@ -497,11 +502,11 @@ class RolloutServer:
                 if plan.kind == "chat":
                     chunk = api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
                         index=c.index, delta=api.Delta(content=text), finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, routed_experts=c.routing)])
+                        stop_reason=c.stop_reason, routed_experts=c.routing, weight_versions=c.versions)])
                 else:
                     chunk = api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=c.index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        routed_experts=c.routing)])
+                        routed_experts=c.routing, weight_versions=c.versions)])
                 yield _sse(chunk)
             if plan.include_usage:
                 cls = api.ChatCompletionChunk if plan.kind == "chat" else api.CompletionResponse

@@ -39,7 +39,7 @@ from ..rl.algorithms import SequenceScores, make_algorithm
 from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
 from ..rl.losses import PolicyBatch, Totals
-from ..rl.protocol import Batch, TrainingSample, VersionRef
+from ..rl.protocol import Batch, TrainingSample, VersionRef, one_version
 from ..rl.runtime import Registry, cap_gpu_memory, http_json, load, output_dir, run_argparser
 from ..rl.tokenizer import load_tokenizer, write_checkpoint_metadata
 from ..rl.weights import open_store
@@ -263,7 +263,7 @@ class Trainer:
             self._format_examples = FormatExamples(self.run, load_tokenizer(self.run.rl.sampling.tokenizer))
         n = self.cfg.prompts_per_step * self.run.rl.algorithm.group_size
         samples = [TrainingSample(f"sft/{index * n + i}", list(prompt), completion, [0.0] * len(completion), 0.0,
-                                  0.0, True, VersionRef(0, 0))
+                                  0.0, True, one_version(VersionRef(0, 0), len(completion)))
                    for i, (prompt, completion) in enumerate(self._format_examples.pairs(index * n, n))]
         seqs = Sequences.of(self._share(samples)).to(self.device)
         rows = list(range(len(seqs.lengths)))
