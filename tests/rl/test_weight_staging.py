@@ -70,7 +70,7 @@ def test_each_version_is_read_into_the_same_staging_and_copied_into_the_same_ser
         assert served_equals(replica, states[1])
         served_at = {k: v.data_ptr() for k, v in replica.model.state_dict().items()}
         staging_at = {name: b.data_ptr() for name, b in replica.staging.buffers.items()}
-        _, read = replica.begin_read(2, str(store.fetch(2, tmp_path))).result()
+        read = replica.begin_read(2, str(store.fetch(2, tmp_path))).result().state
         # No second host copy: every tensor read is a view of a staging buffer, the same buffers as version 1's.
         assert {name: b.data_ptr() for name, b in replica.staging.buffers.items()} == staging_at
         bases = {b.untyped_storage().data_ptr() for b in replica.staging.buffers.values()}
