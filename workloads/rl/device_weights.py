@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
@@ -123,9 +124,13 @@ class DeviceExporter:
             self._offered = ref
         return True
 
-    def close(self) -> None:
-        """Stop answering; a server that holds the export keeps its own mapping until it releases."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop answering, then wait (up to `timeout_s`) until no server holds the export: the memory a server
+        maps is this process's, and goes when it exits."""
         self._listener.close()
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._takers, timeout_s):
+                log.warning("a rollout server still holds weight version %s after %.0f s", self._offered, timeout_s)
 
     # ---- the exporter's thread ---------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -162,6 +167,7 @@ class DeviceExporter:
             if held:
                 with self._cond:
                     self._takers -= 1
+                    self._cond.notify_all()
             conn.close()
 
 
@@ -194,7 +200,7 @@ class DeviceImporter:
         """Version `ref` from the trainer's export, or None: no trainer listening, or it offers another version."""
         try:
             conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
-        except OSError as exc:
+        except (OSError, AuthenticationError) as exc:
             log.info("no weights exporter to take version %s from (%s): reading the store", ref, exc)
             return None
         try:

@@ -671,6 +671,7 @@ def main(argv: list[str]) -> int:
     from ..rl.model_dir import ModelDirectoryStore, model_run
     from .replica import Replica, follow
     from ..rl.tokenizer import load_tokenizer
+    from ..rl.device_weights import DeviceImporter, channel as device_channel
     from ..rl.weights import open_store
 
     parser = argparse.ArgumentParser(prog="moerl serve-rollout",
@@ -695,7 +696,10 @@ def main(argv: list[str]) -> int:
     if processes != run.rollout.gpus_per_server:
         raise SystemExit(f"rollout.gpus_per_server is {run.rollout.gpus_per_server} but this server has {processes} "
                          "process(es); start one per GPU with torchrun (moe_rl_eks.core.launch)")
-    replica = Replica.sharded(run) if processes > 1 else Replica(run)
+    # A server on its trainer's GPU takes versions from the trainer's GPU memory (rl/device_weights.py).
+    channel = device_channel(run) if processes == 1 else None
+    replica = Replica.sharded(run) if processes > 1 else Replica(
+        run, importer=DeviceImporter(*channel) if channel is not None else None)
     if replica.rank > 0:  # the HTTP server and the engine live on rank 0; this rank follows its operations
         follow(replica)
         return 0
