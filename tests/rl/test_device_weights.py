@@ -23,31 +23,36 @@ from moe_rl_eks.workloads.trainer.publisher import Publisher
 REPLY_TIMEOUT_S = 120  # the spawned server imports torch on a shared 2-core machine
 
 
-def trainer_state(run, seed):
+def trainer_state(run, seed, device):
     torch.manual_seed(seed)
-    return MoETransformer(run.model).state_dict()  # float32 masters; served (and published) in bfloat16
+    # float32 masters on the trainer's device; served (and published) in bfloat16
+    return {k: v.to(device) for k, v in MoETransformer(run.model).state_dict().items()}
 
 
-def server(run, channel, commands, replies) -> None:
-    """The rollout server's side, in its own process: a CPU replica taking versions from the trainer's export."""
+def server(run, channel, device, commands, replies) -> None:
+    """The rollout server's side, in its own process: a replica on `device` taking versions from the trainer's
+    export (on a GPU through CUDA IPC handles)."""
     from moe_rl_eks.workloads.rollout.replica import Replica
 
-    replica = Replica(run, device=torch.device("cpu"), importer=DeviceImporter(*channel))
+    replica = Replica(run, device=torch.device(device), importer=DeviceImporter(*channel))
     for op, version, path in iter(commands.get, None):
         try:
             if op == "read":
                 replies.put(replica.begin_read(version, path).result().via)
             else:
                 replica.swap(version)
-                replies.put((replica.version, {k: v.clone() for k, v in replica.model.state_dict().items()}))
+                replies.put((replica.version, {k: v.cpu() for k, v in replica.model.state_dict().items()}))
         except Exception as exc:  # noqa: BLE001 -- reported to the test
             replies.put(f"{type(exc).__name__}: {exc}")
     replica.stop()
 
 
-@pytest.fixture
-def colocated(tmp_path):
-    """A trainer's side (store publisher and device exporter) and a server process connected to it."""
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA IPC handles need a GPU"))])
+def colocated(tmp_path, request):
+    """A trainer's side (store publisher and device exporter) and a server process connected to it, both on the
+    CPU (shared memory) or on one GPU (CUDA IPC)."""
+    device = request.param
     run = tiny_run(tmp_path)
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, router="sigmoid", dtype="bfloat16"))
     channel = (address(tmp_path), secrets.token_hex(16).encode())
@@ -56,7 +61,7 @@ def colocated(tmp_path):
     publisher = Publisher(store, run.model, lineage=0)
     context = multiprocessing.get_context("spawn")
     commands, replies = context.Queue(), context.Queue()
-    process = context.Process(target=server, args=(run, channel, commands, replies), daemon=True)
+    process = context.Process(target=server, args=(run, channel, device, commands, replies), daemon=True)
     process.start()
 
     def ask(op, version):
@@ -69,7 +74,7 @@ def colocated(tmp_path):
 
     def publish(version):
         """The trainer's publish: the store (written, then the version announced), and the export."""
-        state = trainer_state(run, version)
+        state = trainer_state(run, version, device)
         publisher.publish(version, state)
         offered = exporter.export(VersionRef(0, version), state)
         publisher.flush()
@@ -83,7 +88,7 @@ def colocated(tmp_path):
 
 
 def served_equals(served, state) -> bool:
-    return served.keys() == state.keys() and all(torch.equal(served[k], v.to(served[k].dtype))
+    return served.keys() == state.keys() and all(torch.equal(served[k], v.cpu().to(served[k].dtype))
                                                  for k, v in state.items())
 
 
