@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     device_take = statistics.median(r["take_s"] for r in steady)
     device_swap = statistics.median(r["swap_s"] for r in steady)
     device_load = device_take + device_swap
+    device_end_to_end = snapshot + device_export + write + device_load
 
     end_to_end = snapshot + write + fetch + load
     serving_end_to_end = snapshot + write + fetch + serving
@@ -297,13 +298,15 @@ def main(argv: list[str] | None = None) -> int:
             ("**end to end to a serving replica** (snapshot + write + fetch + read + swap)", serving_end_to_end),
             ("disk floor: bytes/write_bw + bytes/read_bw", floor),
             ("device path: trainer export (cast into its GPU export; critical path)", device_export),
-            ("device path: server take (IPC handles, opened once) ", device_take),
+            ("device path: server take (IPC handles, opened once)", device_take),
             ("device path: server swap, device to device, in place", device_swap),
-            ("**device path: server load (take + swap)**, vs the store's read + swap above", device_load)]
+            ("**device path: server load (take + swap)**, vs the store's read + swap above", device_load),
+            ("**end to end to the colocated server** (snapshot + export + write + take + swap: the version is "
+             "announced once in the store)", device_end_to_end)]
     print(f"\n| stage | seconds ({layers} layers, {gb:.2f} GB) | GB/s | seconds for 48 layers ({full / 1e9:.1f} GB, "
           "linear) |\n|---|---|---|---|")
     for name, seconds in rows:
-        print(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {seconds * scale:.1f} |")
+        print(f"| {name} | {seconds:.3f} | {gb / seconds:.2f} | {seconds * scale:.2f} |")
     print(f"\nend to end to a serving replica = {floor / serving_end_to_end:.0%} of the disk's sequential bandwidth "
           f"(target >= 70 %); through load_hf to the GPU {floor / end_to_end:.0%}", flush=True)
     print(f"server load through device memory {device_load:.3f} s against {serving:.2f} s through the store "
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     "disk_floor": floor, "serving_first_load": first_serving, "serving_read_host": read_host,
                     "serving_swap": swap, "serving_load_cold": serving, "serving_end_to_end": serving_end_to_end,
                     "device_export": device_export, "device_take": device_take, "device_swap": device_swap,
-                    "device_load": device_load},
+                    "device_load": device_load, "device_end_to_end": device_end_to_end},
         "device_path": device_rows,
         "efficiency": floor / end_to_end, "serving_efficiency": floor / serving_end_to_end,
         "serving_staging_pinned": pinned, "critical_path_48_layers_s": snapshot * scale, "mismatched": mismatched,

@@ -205,9 +205,11 @@ class DeviceImporter:
             return None
         try:
             conn.send((TAKE, ref.lineage, ref.version))
-            reply = conn.recv()
-        except (EOFError, OSError):
+            reply = conn.recv()  # opens the export's IPC handles (or shared-memory files)
+        except Exception as exc:  # noqa: BLE001 -- the trainer went away, or its memory cannot be opened here
             conn.close()
+            log.warning("taking version %s from the trainer's device memory failed (%s: %s): reading the store",
+                        ref, type(exc).__name__, exc)
             return None
         if reply is None:
             conn.close()

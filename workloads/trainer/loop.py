@@ -365,7 +365,10 @@ class Trainer:
                                    extra_files=functools.partial(write_checkpoint_metadata, run=self.run))
         channel = device_channel(self.run) if self.world == 1 else None
         if channel is not None:
-            self.exporter = DeviceExporter(self.run.model, *channel)
+            try:
+                self.exporter = DeviceExporter(self.run.model, *channel)
+            except OSError as exc:  # its address taken (an earlier trainer of this run still exiting): the store
+                log.warning("weight versions go through the store only: the device channel is unavailable (%s)", exc)
         if self.rank == 0 and self.source is not None:
             self.announcer = Announcer(self.publisher, self.source, self.lineage,
                                        background=self.run.rl.orchestrator.max_staleness > 0)
