@@ -182,7 +182,7 @@ class Taken:
     _conn: Connection
 
     def release(self) -> None:
-        self.state = {}  # the mappings close with the last reference
+        self.state.clear()  # every holder of this dict lets go of the export's tensors (their mappings)
         try:
             self._conn.send(RELEASE)
         except OSError:  # the trainer is gone: nothing to tell
