@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 TAKE, RELEASE = "take", "release"
 
 
-def address(output_dir: Path) -> str:
-    """The exporter's socket for the run writing into `output_dir`: an abstract Unix socket (no file to clean up
+def address(directory: Path) -> str:
+    """The exporter's socket for the run writing into `directory`: an abstract Unix socket (no file to clean up
     after a crash, no path length limit) named after the directory, so a trainer and its servers agree on it."""
-    digest = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:24]
     return f"\0moerl-weights-{digest}"
 
 
