@@ -137,3 +137,20 @@ def test_a_peer_without_the_runs_key_is_refused_and_the_exporter_goes_on_serving
     assert DeviceImporter(where, b"not the key").take(VersionRef(0, 0)) is None
     assert ask("read", 0) == "device"
     assert ask("swap", 0)[0] == 0
+
+
+def test_bench_weights_device_path_takes_three_versions_bit_equal_through_a_server_process(tmp_path):
+    # tools/gpu_runs/h200-weights-ipc.sh runs this on the GPU at 8 layers of the 30B shape; here the CPU, tiny
+    from moe_rl_eks.tools.bench.weights import device_swaps, serving_run
+
+    run = tiny_run(tmp_path)
+    config = dataclasses.replace(run.model, dtype="bfloat16")
+    state = MoETransformer(config).state_dict()
+    store = DirectoryStore(tmp_path / "store")
+    publisher = Publisher(store, config, lineage=0)
+    publisher.publish(0, state)
+    publisher.close()
+    directory = store.fetch(0, tmp_path / "cache")
+    rows, mismatched = device_swaps(serving_run(directory), config, state, directory, torch.device("cpu"))
+    assert mismatched == [] and [(r["version"], r["via"]) for r in rows] == [(0, "device"), (1, "device"),
+                                                                             (2, "device")]

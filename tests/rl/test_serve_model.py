@@ -79,3 +79,15 @@ def test_on_the_cpu_a_served_checkpoint_runs_torch_with_the_smaller_batch_unless
     assert (run.moe_compute, run.rollout.max_batch_size) == ("torch", 64)
     told = model_served(argparse.Namespace(**{**vars(args), "max_num_seqs": 8, "compute": "triton"}), 1, cuda=False)
     assert (told.moe_compute, told.rollout.max_batch_size) == ("triton", 8)
+
+
+def test_bench_load_times_dd_and_the_replicas_read_of_the_same_files(checkpoint, tmp_path):
+    import json
+
+    from moe_rl_eks.tools.bench.load import main as bench_load
+
+    assert bench_load(["--model", str(checkpoint), "--json", str(tmp_path / "load.json")]) == 0
+    results = json.loads((tmp_path / "load.json").read_text())
+    assert results["files"] == len(list(checkpoint.glob("*.safetensors")))
+    assert results["bytes"] == pytest.approx(sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")), abs=1)
+    assert results["seconds"]["dd_direct"] > 0 and results["seconds"]["staging_read"] > 0
