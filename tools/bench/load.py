@@ -24,16 +24,19 @@ from moe_rl_eks.workloads.model.checkpoint import save_hf
 from moe_rl_eks.workloads.rollout.replica import Replica
 from moe_rl_eks.workloads.rollout.weight_staging import HostStaging
 
+from ..example_data import write_tokenizer_dir
 from .weights import QWEN3_30B_A3B, drop_page_cache, serving_run, shapes, sync
 
 TARGET = 0.7
 
 
 def random_checkpoint(directory: Path, layers: int) -> Path:
-    """`layers` layers of the Qwen3-30B-A3B shape, random bf16 weights, as a Hugging Face checkpoint."""
+    """`layers` layers of the Qwen3-30B-A3B shape, random bf16 weights, as a Hugging Face checkpoint a server can
+    serve (a small generated tokenizer beside them: the benchmarks send token ids)."""
     config = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)
     state = {k: torch.randn(s, dtype=torch.bfloat16) * 0.02 for k, s in shapes(config).items()}
     save_hf(state, config, directory)
+    write_tokenizer_dir(directory, ["a served checkpoint of random weights"] * 8)
     return directory
 
 
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: write one)")
     parser.add_argument("--dir", type=Path, default=Path("runs/bench-load"), help="where to write it")
     parser.add_argument("--layers", type=int, default=8, help="layers of the 30B shape written without --model")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint written (to serve it next)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         results["seconds"]["server_first_load"] = served
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    if written:
+    if written and not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
     return 0
 
