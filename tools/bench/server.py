@@ -154,11 +154,14 @@ def measure(name: str, concurrency: int, call, engine) -> dict:
     longer (more busy seconds for the same tokens)."""
     busy = engine.busy_seconds
     tokens, latencies, wall = call()  # wall: first request sent to last answer, inside the sending process
-    latencies.sort()
     return {"way": name, "concurrency": concurrency, "tokens": tokens, "seconds": wall,
-            "tokens_per_second": tokens / wall, "p50_s": statistics.median(latencies),
-            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "engine_busy_s": engine.busy_seconds - busy}
+            "tokens_per_second": tokens / wall, **latency(latencies), "engine_busy_s": engine.busy_seconds - busy}
+
+
+def latency(seconds: list[float]) -> dict:
+    """The median and 95th percentile of requests' latencies."""
+    seconds = sorted(seconds)
+    return {"p50_s": statistics.median(seconds), "p95_s": seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))]}
 
 
 def table(results: list[dict]) -> str:
@@ -283,10 +286,8 @@ def against(args, command: str) -> int:
         runs = []
         for _ in range(args.repeats):
             tokens, latencies, wall = over_http(args.url, bodies[:args.requests or c], c, False)
-            latencies.sort()
             runs.append({"way": "HTTP", "url": args.url, "concurrency": c, "tokens": tokens, "seconds": wall,
-                         "tokens_per_second": tokens / wall, "p50_s": statistics.median(latencies),
-                         "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]})
+                         "tokens_per_second": tokens / wall, **latency(latencies)})
             log(f"concurrency {c}, HTTP to {args.url}: {runs[-1]['tokens_per_second']:.0f} tokens/s")
         r = sorted(runs, key=lambda r: r["tokens_per_second"])[args.repeats // 2]
         results.append(r)
