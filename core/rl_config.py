@@ -338,6 +338,10 @@ class WeightStoreConfig:
     prefix: str = "weights"  # s3 key prefix
     endpoint_url: str | None = None  # s3: a non-AWS endpoint (tests use moto's server on 127.0.0.1)
     keep_versions: int = 3  # older versions are deleted after a newer one is published
+    # A rollout server on its trainer's GPU (a local GPU run, RunConfig.weights_over_device) takes each version
+    # from the trainer's GPU memory (CUDA IPC) instead of reading it from the store, which is still written
+    # (restarts, other machines, the record of versions). False: through the store alone.
+    device_transfer: bool = True
 
     def validate(self) -> None:
         if self.kind == "s3" and not self.bucket:

@@ -309,6 +309,15 @@ class RunConfig:
             return self.rollout.weight_swap
         return "drain" if self.rl.orchestrator.max_staleness == 0 else "inflight"
 
+    @property
+    def weights_over_device(self) -> bool:
+        """Versions go from the trainer's GPU memory straight to the rollout server's (workloads/rl/device_weights):
+        a local GPU run whose trainer is one rank on the one GPU its one rollout server also uses, unless
+        rl.weights.device_transfer is off. Expert-parallel trainers and servers go through the store."""
+        local = self.local_gpus
+        return (local is not None and self.rl.weights.device_transfer and len(local.trainer.gpus) == 1
+                and self.rollout.gpus_per_server == 1 and local.rollout.gpus == local.trainer.gpus)
+
     def server_gpus(self, index: int) -> tuple[int, ...]:
         """The GPUs of rollout server `index` in a local GPU run."""
         per = self.rollout.gpus_per_server
@@ -520,8 +529,11 @@ def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: 
                                     dtype_bytes=m.bytes_per_parameter, layers=m.num_hidden_layers,
                                     kv_heads=m.num_key_value_heads, head_dim=m.head_dim)
     row = run.rl.sampling.max_prompt_tokens + run.rollout.max_new_tokens  # the longest row a server admits
-    needs = {"trainer": (trainer.fixed_bytes, "float32 weights, gradients and AdamW state"
-                         + (" and the KL reference" if run.rl.algorithm.kl_coef > 0 else "")),
+    # Versions over device memory: the trainer keeps one export of the served weights on its GPU.
+    export = m.parameter_count() * m.bytes_per_parameter if run.weights_over_device else 0
+    needs = {"trainer": (trainer.fixed_bytes + export, "float32 weights, gradients and AdamW state"
+                         + (" and the KL reference" if run.rl.algorithm.kl_coef > 0 else "")
+                         + (" and the weights' export to the rollout server" if export else "")),
              "rollout": (rollout.fixed_bytes + row * rollout.per_token_bytes,
                          f"the weights and the KV cache of one {row}-token row")}
     for role, (need, what) in needs.items():

@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                       "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
     "bench-server": ("moe_rl_eks.tools.bench.server", "main",
                      "the rollout server's HTTP cost over its engine (tokens/s and latency per concurrency)"),
+    "bench-load": ("moe_rl_eks.tools.bench.load", "main",
+                   "a served checkpoint's cold read against dd iflag=direct on the same files"),
     "bench-weights": ("moe_rl_eks.tools.bench.weights", "main",
                       "weight publication and loading stage by stage against the disk's bandwidth (GPU)"),
     "plan": ("moe_rl_eks.tools.plan", "main",

@@ -75,7 +75,7 @@ def test_a_colocated_run_whose_trainer_state_does_not_fit_its_share_is_refused_w
     shape = {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
              "num_experts_per_tok": 8, "max_position_embeddings": 40960, "dtype": "bfloat16"}
-    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}}
+    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}, "weights": {"device_transfer": False}}
     run = gpu_run(tmp_path, ONE_GPU, model=shape, rl=rl)
     need = run.model.parameter_count() * 16 + memory.CUDA_OVERHEAD_BYTES
     assert 80 * GIB < need < 90 * GIB
@@ -86,6 +86,31 @@ def test_a_colocated_run_whose_trainer_state_does_not_fit_its_share_is_refused_w
     assert f"the trainer needs {need / GIB:.1f} GiB there (float32 weights, gradients and AdamW state)" in text
     fits = {"trainer": {"gpus": [0], "memory_share": 0.7}, "rollout": {"gpus": [0], "memory_share": 0.3}}
     check_local_machine(gpu_run(tmp_path, fits, model=shape, rl=rl), [H200])
+
+
+def test_a_colocated_trainer_also_holds_the_export_of_the_served_weights_unless_device_transfer_is_off(tmp_path):
+    shape = {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
+             "num_experts_per_tok": 8, "max_position_embeddings": 40960, "dtype": "bfloat16"}
+    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}}
+    share = {"trainer": {"gpus": [0], "memory_share": 0.68}, "rollout": {"gpus": [0], "memory_share": 0.3}}
+    run = gpu_run(tmp_path, share, model=shape, rl=rl)
+    assert run.weights_over_device
+    need = run.model.parameter_count() * (16 + 2) + memory.CUDA_OVERHEAD_BYTES  # float32 state + bf16 export
+    with pytest.raises(ConfigError) as err:
+        check_local_machine(run, [H200])
+    assert (f"the trainer needs {need / GIB:.1f} GiB there (float32 weights, gradients and AdamW state and the "
+            "weights' export to the rollout server)") in str(err.value), str(err.value)
+    off = gpu_run(tmp_path, share, model=shape, rl={**rl, "weights": {"device_transfer": False}})
+    assert not off.weights_over_device
+    check_local_machine(off, [H200])  # 0.68 x 140 GiB holds the state without the export
+
+
+def test_only_a_one_rank_trainer_and_one_gpu_server_on_the_same_gpu_exchange_weights_over_device_memory(tmp_path):
+    assert gpu_run(tmp_path, ONE_GPU).weights_over_device
+    apart = {"trainer": {"gpus": [1], "memory_share": 0.5}, "rollout": {"gpus": [0], "memory_share": 0.4}}
+    assert not gpu_run(tmp_path, apart).weights_over_device
+    assert not load_run(LOCAL).weights_over_device  # on the CPU
 
 
 def test_the_trainer_state_splits_the_routed_experts_over_its_ranks_and_the_rest_by_fsdp_reference_too():

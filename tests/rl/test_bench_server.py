@@ -12,3 +12,20 @@ def test_engine_http_and_streamed_http_generate_the_same_tokens(tmp_path, capsys
     assert [r["way"] for r in results] == ["engine", "HTTP", "HTTP stream"]
     assert len({r["tokens"] for r in results}) == 1 and 3 <= results[0]["tokens"] <= 3 * 2 * 4
     assert "| 2 | HTTP stream |" in capsys.readouterr().out
+
+
+def test_bench_server_sends_the_same_requests_to_a_running_server_with_url(tmp_path, capsys):
+    # `--url`: only the HTTP way, to a server already serving (tools/gpu_runs/h200-serve-model.sh: serve-rollout
+    # --model against bench-server's own engine at the same shape); here a server of the tiny shape
+    flags = ["--concurrency", "2", "--requests", "3", "--n", "2", "--max-tokens", "4", "--prompt-tokens", "8",
+             "--repeats", "1"]
+    engine, http = bench_server.build(bench_server.parse(flags), tmp_path)
+    try:
+        assert bench_server.main([*flags, "--url", http.url, "--json", str(tmp_path / "url.json")]) == 0
+    finally:
+        http.stop()
+        engine.stop()
+    results = json.loads((tmp_path / "url.json").read_text())["results"]
+    assert [(r["way"], r["concurrency"]) for r in results] == [("HTTP", 2)]
+    assert 3 <= results[0]["tokens"] <= 3 * 2 * 4
+    assert f"--url {http.url}`" in capsys.readouterr().out

@@ -70,7 +70,7 @@ def test_each_version_is_read_into_the_same_staging_and_copied_into_the_same_ser
         assert served_equals(replica, states[1])
         served_at = {k: v.data_ptr() for k, v in replica.model.state_dict().items()}
         staging_at = {name: b.data_ptr() for name, b in replica.staging.buffers.items()}
-        _, read = replica.begin_read(2, str(store.fetch(2, tmp_path))).result()
+        read = replica.begin_read(2, str(store.fetch(2, tmp_path))).result().state
         # No second host copy: every tensor read is a view of a staging buffer, the same buffers as version 1's.
         assert {name: b.data_ptr() for name, b in replica.staging.buffers.items()} == staging_at
         bases = {b.untyped_storage().data_ptr() for b in replica.staging.buffers.values()}
@@ -177,3 +177,27 @@ def test_a_file_with_none_of_the_wanted_tensors_stages_nothing(tmp_path):
     staging = HostStaging(pin=False)
     assert read_file(tmp_path / "rank-1.safetensors", lambda name: False, torch.device("cpu"), into=staging) == {}
     assert staging.buffers == {}
+
+
+def test_a_file_read_whole_with_o_direct_into_the_staging_has_the_bytes_the_page_cache_read_gives(tmp_path, run):
+    # The served checkpoint's path: every tensor of each file wanted, read whole into a block-aligned buffer
+    from moe_rl_eks.workloads.model.checkpoint import save_hf
+    from moe_rl_eks.workloads.model.safetensors_io import DIRECT_ALIGN, IntegrityError, read_file
+    from moe_rl_eks.workloads.rollout.weight_staging import HostStaging
+
+    state = trainer_state(run, 3)
+    save_hf(state, run.model, tmp_path / "ckpt", max_shard_bytes=1 << 16)  # several files of odd sizes
+    files = sorted((tmp_path / "ckpt").glob("*.safetensors"))
+    assert len(files) > 1 and any(f.stat().st_size % DIRECT_ALIGN for f in files)
+    staging = HostStaging(pin=False)
+    for path in files:
+        direct = read_file(path, lambda name: True, torch.device("cpu"), into=staging)
+        # read whole (the direct layout: the file's bytes from offset 0, rounded up to whole blocks)
+        assert staging.buffers[path.name].numel() == -(-path.stat().st_size // DIRECT_ALIGN) * DIRECT_ALIGN
+        cached = read_file(path, lambda name: True, torch.device("cpu"))
+        assert direct.keys() == cached.keys() and direct
+        assert all(torch.equal(direct[k].view(torch.uint8), cached[k].view(torch.uint8)) for k in direct)
+    with open(files[0], "r+b") as f:
+        f.truncate(files[0].stat().st_size - 3)
+    with pytest.raises(IntegrityError, match="before the data its header describes"):
+        read_file(files[0], lambda name: True, torch.device("cpu"), into=staging)

@@ -154,11 +154,14 @@ def measure(name: str, concurrency: int, call, engine) -> dict:
     longer (more busy seconds for the same tokens)."""
     busy = engine.busy_seconds
     tokens, latencies, wall = call()  # wall: first request sent to last answer, inside the sending process
-    latencies.sort()
     return {"way": name, "concurrency": concurrency, "tokens": tokens, "seconds": wall,
-            "tokens_per_second": tokens / wall, "p50_s": statistics.median(latencies),
-            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "engine_busy_s": engine.busy_seconds - busy}
+            "tokens_per_second": tokens / wall, **latency(latencies), "engine_busy_s": engine.busy_seconds - busy}
+
+
+def latency(seconds: list[float]) -> dict:
+    """The median and 95th percentile of requests' latencies."""
+    seconds = sorted(seconds)
+    return {"p50_s": statistics.median(seconds), "p95_s": seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))]}
 
 
 def table(results: list[dict]) -> str:
@@ -198,6 +201,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for the routed experts, as the orchestrator does with routing replay on (default)")
     parser.add_argument("--json", help="also write the results here (after every run)")
+    parser.add_argument("--url", help="instead of an engine of its own: send the HTTP way's requests to the server "
+                        "running there (e.g. `moerl serve-rollout --model DIR` of --model's shape), to set its "
+                        "tokens/s beside this benchmark's at the same shape")
     args = parser.parse_args(argv)
     if args.layers is not None and args.model != "qwen3":
         parser.error("--layers: only the qwen3 shape has a layer count to choose")
@@ -220,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                + f" --n {args.n} "
                f"--max-tokens {args.max_tokens} --prompt-tokens {args.prompt_tokens} --repeats {args.repeats}"
                + ("" if args.routing else " --no-routing"))
+    if args.url:
+        return against(args, command + f" --url {args.url}")
     results: list[dict] = []  # the median run of each way and concurrency
     measured: list[dict] = []  # every run, saved as it ends: a run cut short by a time limit keeps what it measured
 
@@ -260,6 +268,35 @@ def main(argv: list[str] | None = None) -> int:
             http.stop()
             engine.stop()
     print(table(results))
+    print(f"\n`{command}`")
+    return 0
+
+
+def against(args, command: str) -> int:
+    """The HTTP way only, against the server at `--url` (its model of `--model`'s vocabulary): the same requests,
+    the same warm-up, the median of `--repeats` runs per concurrency."""
+    from .rollout import QWEN3_30B_A3B, TINY
+
+    vocab = (TINY if args.model == "tiny" else QWEN3_30B_A3B).vocab_size
+    bodies = requests(args, vocab, max(args.requests or c for c in args.concurrency))
+    over_http(args.url, [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]], max(args.concurrency), False)
+    results = []
+    lines = ["| concurrency | tokens | tokens/s | p50 latency (s) | p95 latency (s) | wall (s) |", "|---|---|---|---|---|---|"]
+    for c in args.concurrency:
+        runs = []
+        for _ in range(args.repeats):
+            tokens, latencies, wall = over_http(args.url, bodies[:args.requests or c], c, False)
+            runs.append({"way": "HTTP", "url": args.url, "concurrency": c, "tokens": tokens, "seconds": wall,
+                         "tokens_per_second": tokens / wall, **latency(latencies)})
+            log(f"concurrency {c}, HTTP to {args.url}: {runs[-1]['tokens_per_second']:.0f} tokens/s")
+        r = sorted(runs, key=lambda r: r["tokens_per_second"])[args.repeats // 2]
+        results.append(r)
+        lines.append(f"| {c} | {r['tokens']} | {r['tokens_per_second']:.0f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
+                     f"{r['seconds']:.2f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command, "machine": machine(), "results": results},
+                                                  indent=1))
+    print("\n".join(lines))
     print(f"\n`{command}`")
     return 0
 

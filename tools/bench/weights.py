@@ -8,7 +8,10 @@ parallel straight to the GPU with checksums verified, page cache dropped first: 
 server's own load: its replica, already serving the model, reads the version into its pinned host staging
 (checksums verified; the GPU holds the served weights and a KV cache, so not a second GPU copy), page cache
 dropped first, then swaps it into the served tensors in place (weight_staging.py). End to end to a serving
-replica = snapshot + write + fetch + read + swap, against the floor bytes/write_bw + bytes/read_bw. The trainer
+replica = snapshot + write + fetch + read + swap, against the floor bytes/write_bw + bytes/read_bw. Beside it, in the
+same run, the device path a server on the trainer's GPU takes (workloads/rl/device_weights.py): the trainer's export
+(cast into its GPU export), then a server in another process takes it by CUDA IPC handle and swaps it in device to
+device, three versions (the first also builds the server's model). The trainer
 holds float32 master weights and publishes bf16, as ours does. Layers are scaled down to what the disk holds
 (three versions and a baseline file); every figure is also extrapolated linearly in bytes to the 48-layer model.
 Run as `python3 -m moe_rl_eks.tools.bench.weights --dir DIR --out results.json`.
@@ -18,7 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
+import secrets
 import shutil
 import statistics
 import time
@@ -31,7 +36,9 @@ from moe_rl_eks.core.schema import parse
 
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import load_hf, published_dtype
+from moe_rl_eks.workloads.rl.device_weights import DeviceExporter, DeviceImporter, address
 from moe_rl_eks.workloads.rl.model_dir import model_run_data
+from moe_rl_eks.workloads.rl.protocol import VersionRef
 from moe_rl_eks.workloads.trainer.publisher import Publisher
 from moe_rl_eks.workloads.rollout.replica import Replica
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
@@ -95,18 +102,72 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def serving_load(directory: Path, device: torch.device) -> tuple[Replica, float]:
-    """A one-GPU rollout server's replica serving the checkpoint in `directory` (its first load builds the model
-    and pins the host staging), and that first load's seconds. The built-in tokenizer: this benchmark serves no
-    text."""
+def serving_run(directory: Path) -> RunConfig:
+    """A run serving the checkpoint in `directory`, with the built-in tokenizer: this benchmark serves no text."""
     data = model_run_data(directory)
     data["rl"]["sampling"]["tokenizer"] = "builtin"
-    replica = Replica(parse(RunConfig, data, source=f"bench-weights {directory}"), device=device)
+    return parse(RunConfig, data, source=f"bench-weights {directory}")
+
+
+def serving_load(directory: Path, device: torch.device) -> tuple[Replica, float]:
+    """A one-GPU rollout server's replica serving the checkpoint in `directory` (its first load builds the model
+    and pins the host staging), and that first load's seconds."""
+    replica = Replica(serving_run(directory), device=device)
     start = time.perf_counter()
     replica.begin_read(0, str(directory)).result()
     replica.swap(0)
     sync(device)
     return replica, time.perf_counter() - start
+
+
+def device_server(run: RunConfig, channel: tuple[str, bytes], device: str, commands, replies) -> None:
+    """A rollout server on the trainer's GPU, in its own process (a CUDA IPC handle cannot be opened by the
+    process that made it): for each version asked, take it from the trainer's export and swap it in, timed; the
+    served tensors go back (as IPC handles) for the trainer's side to compare."""
+    replica = Replica(run, device=torch.device(device), importer=DeviceImporter(*channel))
+    for version, path in iter(commands.get, None):
+        start = time.perf_counter()
+        via = replica.begin_read(version, path).result().via
+        read = time.perf_counter() - start
+        start = time.perf_counter()
+        replica.swap(version)
+        sync(replica.device)
+        replies.put((via, read, time.perf_counter() - start, replica.model.state_dict()))
+        commands.get()  # compared: the next version may be swapped in
+    replica.stop()
+
+
+def device_swaps(run: RunConfig, config: ModelConfig, state: dict[str, torch.Tensor], directory: Path,
+                 device: torch.device, versions: int = 3) -> tuple[list[dict], list[str]]:
+    """The device path (rl/device_weights.py) to a server process on the same GPU: per version, the trainer's
+    export and the server's take + swap; and the tensors served that differ from the bf16 cast of the trainer's.
+    The first version also builds the server's model and opens the export's handles (later ones reuse both)."""
+    channel = (address(directory / "device-channel"), secrets.token_hex(16).encode())
+    exporter = DeviceExporter(config, *channel)
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    process = context.Process(target=device_server, args=(run, channel, str(device), commands, replies), daemon=True)
+    process.start()
+    rows, mismatched = [], []
+    try:
+        for version in range(versions):
+            if not exporter.export(VersionRef(0, version), state):
+                raise SystemExit(f"the export of version {version} was still held by the server")
+            commands.put((version, str(directory)))
+            via, read, swap, served = replies.get(timeout=300)
+            mismatched += [f"device path {k}" for k, v in state.items()
+                           if k not in served or not torch.equal(served[k], v.to(served[k].dtype))]
+            del served
+            commands.put("compared")
+            rows.append({"version": version, "via": via, "export_s": exporter.export_seconds, "take_s": read,
+                         "swap_s": swap})
+            print(f"device path, version {version}: export {exporter.export_seconds:.3f} s, server take "
+                  f"{read:.3f} s (via the {via}), swap {swap:.3f} s", flush=True)
+    finally:
+        commands.put(None)
+        process.join(timeout=60)
+        exporter.close(timeout_s=5)
+    return rows, mismatched
 
 
 def sync(device: torch.device) -> None:
@@ -212,6 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     replica.stop()
     del replica
 
+    # The same version to a server on the trainer's GPU through device memory, beside the store path above.
+    device_rows, device_mismatched = device_swaps(serving_run(directory), config, state, directory, device)
+    mismatched += device_mismatched
+    steady = device_rows[1:]
+    device_export = statistics.median(r["export_s"] for r in steady)
+    device_take = statistics.median(r["take_s"] for r in steady)
+    device_swap = statistics.median(r["swap_s"] for r in steady)
+    device_load = device_take + device_swap
+    device_end_to_end = snapshot + device_export + write + device_load
+
     end_to_end = snapshot + write + fetch + load
     serving_end_to_end = snapshot + write + fetch + serving
     floor = gb / write_bw + gb / read_bw
@@ -225,15 +296,24 @@ def main(argv: list[str] | None = None) -> int:
             ("server swap: pinned staging -> served tensors, in place", swap),
             ("server load (read + swap)", serving),
             ("**end to end to a serving replica** (snapshot + write + fetch + read + swap)", serving_end_to_end),
-            ("disk floor: bytes/write_bw + bytes/read_bw", floor)]
+            ("disk floor: bytes/write_bw + bytes/read_bw", floor),
+            ("device path: trainer export (cast into its GPU export; critical path)", device_export),
+            ("device path: server take (IPC handles, opened once)", device_take),
+            ("device path: server swap, device to device, in place", device_swap),
+            ("**device path: server load (take + swap)**, vs the store's read + swap above", device_load),
+            ("**end to end to the colocated server** (snapshot + export + write + take + swap: the version is "
+             "announced once in the store)", device_end_to_end)]
     print(f"\n| stage | seconds ({layers} layers, {gb:.2f} GB) | GB/s | seconds for 48 layers ({full / 1e9:.1f} GB, "
           "linear) |\n|---|---|---|---|")
     for name, seconds in rows:
-        print(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {seconds * scale:.1f} |")
+        print(f"| {name} | {seconds:.3f} | {gb / seconds:.2f} | {seconds * scale:.2f} |")
     print(f"\nend to end to a serving replica = {floor / serving_end_to_end:.0%} of the disk's sequential bandwidth "
           f"(target >= 70 %); through load_hf to the GPU {floor / end_to_end:.0%}", flush=True)
-    print(f"all {len(state)} tensors loaded (load_hf and the served model) equal to the bf16 cast of the trainer's: "
-          f"{not mismatched}", flush=True)
+    print(f"server load through device memory {device_load:.3f} s against {serving:.2f} s through the store "
+          f"(x{serving / device_load:.0f}); the store is written either way (the announcement waits for it)",
+          flush=True)
+    print(f"all {len(state)} tensors loaded (load_hf, the served model by the store and by device memory) equal to "
+          f"the bf16 cast of the trainer's: {not mismatched}", flush=True)
     results = {
         "machine": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "layers": layers,
         "bytes": nbytes, "bytes_48_layers": full,
@@ -241,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {"snapshot_first": snapshot_first, "snapshot": snapshot, "write_commit_first": write_first,
                     "write_commit": write, "fetch": fetch, "load_cold": load, "end_to_end": end_to_end,
                     "disk_floor": floor, "serving_first_load": first_serving, "serving_read_host": read_host,
-                    "serving_swap": swap, "serving_load_cold": serving, "serving_end_to_end": serving_end_to_end},
+                    "serving_swap": swap, "serving_load_cold": serving, "serving_end_to_end": serving_end_to_end,
+                    "device_export": device_export, "device_take": device_take, "device_swap": device_swap,
+                    "device_load": device_load, "device_end_to_end": device_end_to_end},
+        "device_path": device_rows,
         "efficiency": floor / end_to_end, "serving_efficiency": floor / serving_end_to_end,
         "serving_staging_pinned": pinned, "critical_path_48_layers_s": snapshot * scale, "mismatched": mismatched,
     }

@@ -30,5 +30,7 @@ cp runs/gpu/summary.json "$OUT/summary.json" 2>/dev/null
 cp runs/gpu/reward_curve.png "$OUT/reward_curve.png" 2>/dev/null
 tail -n 60 runs/gpu/logs/trainer.log > "$OUT/trainer-tail.log" 2>/dev/null
 tail -n 40 runs/gpu/logs/rollout-0.log > "$OUT/rollout-tail.log" 2>/dev/null
+# how each version reached the colocated server: device memory (rl/device_weights.py) or the store
+grep -o "installed from the [a-z]*" runs/gpu/logs/rollout-0.log 2>/dev/null | sort | uniq -c | tee "$OUT/weight-paths.txt"
 tail -n 40 runs/gpu/logs/orchestrator.log > "$OUT/orchestrator-tail.log" 2>/dev/null
 exit 0

@@ -8,14 +8,53 @@ import dataclasses
 import json
 from pathlib import Path
 
+from moe_rl_eks.core import memory
+from moe_rl_eks.core.run import TRITON_ROW_MULTIPLE, ModelConfig
+
 from .protocol import VersionRef
 from .weights import IncompleteVersion
 
 MODEL_VERSION = 0  # the version number a server reports for the directory's weights
+# As vLLM's defaults: rows decoded at once (each admitted as its KV-cache blocks allow), and the share of the GPU's
+# memory the server may take (weights, KV cache, activations and CUDA graphs).
+MAX_NUM_SEQS = 256
+GPU_MEMORY_UTILIZATION = 0.9
+CPU_MAX_NUM_SEQS = 64
+
+
+def serving_compute(model: ModelConfig, cuda: bool) -> tuple[str, str]:
+    """(moe_compute, why) a served checkpoint runs with by default: the triton kernels on a GPU, where its rows fit
+    them (the run would refuse them otherwise); torch elsewhere."""
+    if not cuda:
+        return "torch", "no CUDA GPU (the triton kernels need one)"
+    for name in ("hidden_size", "moe_intermediate_size"):
+        size = getattr(model, name)
+        if size % TRITON_ROW_MULTIPLE:
+            return "torch", f"model.{name} ({size}) is not a multiple of {TRITON_ROW_MULTIPLE}, as triton's needs"
+    return "triton", "a CUDA GPU, and the model's rows fit the triton kernels"
+
+
+def kv_cache_positions(model: ModelConfig, *, gpu_bytes: int, utilization: float, max_len: int, gpus: int = 1) -> int:
+    """KV-cache positions a server's share of one GPU (`utilization` x `gpu_bytes`) holds after the served weights
+    and the CUDA overhead (core/memory.py). Refused (ValueError naming --gpu-memory-utilization and the numbers)
+    when it cannot hold one row of `max_len` positions."""
+    need = memory.rollout_memory(replicated=model.parameter_count() - model.routed_expert_parameter_count(),
+                                 experts=model.routed_expert_parameter_count(), gpus=gpus,
+                                 dtype_bytes=model.bytes_per_parameter, layers=model.num_hidden_layers,
+                                 kv_heads=model.num_key_value_heads, head_dim=model.head_dim)
+    have = utilization * gpu_bytes
+    positions = int(have - need.fixed_bytes) // need.per_token_bytes
+    if positions < max_len:
+        raise ValueError(f"--gpu-memory-utilization: {utilization} of the GPU's {gpu_bytes / 2**30:.1f} GiB is "
+                         f"{have / 2**30:.1f} GiB; the weights and CUDA overhead take {need.fixed_bytes / 2**30:.1f} "
+                         f"GiB and one {max_len}-position row's KV cache {max_len * need.per_token_bytes / 2**30:.2f} "
+                         "GiB more: raise it, or lower --max-new-tokens")
+    return positions
 
 
 def model_run_data(directory: str | Path, *, name: str | None = None, max_new_tokens: int | None = None,
-                   gpus_per_server: int = 1, max_batch_size: int = 64) -> dict:
+                   gpus_per_server: int = 1, max_batch_size: int = CPU_MAX_NUM_SEQS, moe_compute: str = "torch"
+                   ) -> dict:
     """A run file's contents (a mapping for core.schema.parse) for serving or evaluating `directory`: the model
     from its config.json, its tokenizer, lengths up to the model's context (`max_new_tokens` default: a quarter of
     it, at most 8,192)."""
@@ -29,7 +68,7 @@ def model_run_data(directory: str | Path, *, name: str | None = None, max_new_to
     context = model.max_position_embeddings
     new_tokens = max_new_tokens or min(8192, max(1, context // 4))
     return {"name": name or directory.resolve().name,
-            "model": dataclasses.asdict(model),
+            "model": dataclasses.asdict(model), "moe_compute": moe_compute,
             "rollout": {"max_new_tokens": new_tokens, "gpus_per_server": gpus_per_server,
                         "max_batch_size": max_batch_size},
             "rl": {"sampling": {"tokenizer": str(directory), "max_tokens": new_tokens,

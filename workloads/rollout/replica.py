@@ -30,6 +30,9 @@ from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
 from .decoder import Decoder
 from .scheduler import Sequence
+from ..rl.device_weights import DeviceImporter
+from ..rl.protocol import VersionRef
+from .weight_sources import DeviceSource, StoreSource, VersionSource
 from .weight_staging import HostStaging, install
 
 log = logging.getLogger(__name__)
@@ -73,7 +76,8 @@ class Replica:
     sharded server each call also runs on every other rank, through `follow`."""
 
     def __init__(self, run: RunConfig, *, ep: ExpertParallel | None = None, control=None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, importer: DeviceImporter | None = None) -> None:
+        """`importer`: take versions from the trainer's GPU memory when it shares this GPU (else the store)."""
         self.run, self.ep, self.control = run, ep, control
         self.rank, self.size = (ep.rank, ep.size) if ep is not None else (0, 1)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,6 +89,8 @@ class Replica:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="weights-reader")
         self._reading: tuple[int, Future] | None = None
         self.staging = HostStaging(pin=self.device.type == "cuda")
+        store = StoreSource(self.staging)
+        self.source: VersionSource = store if importer is None else DeviceSource(importer, store)
 
     @classmethod
     def sharded(cls, run: RunConfig) -> "Replica":
@@ -106,10 +112,12 @@ class Replica:
     def begin_read(self, version: int, path: str, lineage: int = 0) -> Future:
         """Start reading `version` (this rank's experts only) in the background: serving goes on meanwhile."""
         self._tell("begin_read", version, path, lineage)
-        # Into the host staging (pinned, verified as read; weight_staging says why not onto the GPU); the swap
-        # copies it into the served tensors in place. One reader thread: a read never overwrites the staging
-        # while another read's tensors are in use.
-        read = self._reader.submit(self.staging.read, path, local_experts(self.ep, self.run.model.num_experts))
+        # From the store into the host staging (pinned, verified as read; weight_staging says why not onto the
+        # GPU), or taken from the trainer's export on this GPU (weight_sources); the swap copies it into the
+        # served tensors in place. One reader thread: a read never overwrites the staging while another read's
+        # tensors are in use.
+        read = self._reader.submit(self.source.read, VersionRef(lineage, version), path,
+                                   local_experts(self.ep, self.run.model.num_experts))
         self._reading = ((lineage, version), read)
         return read
 
@@ -118,20 +126,25 @@ class Replica:
         Between steps, with or without rows running: they keep their slots and KV cache and decode their next
         token with the new weights (their spans say from which token on)."""
         self._tell("swap", version, lineage)
-        error = model = state = None
+        error = model = staged = None
         try:
             if self._reading is None or self._reading[0] != (lineage, version):
                 raise RuntimeError(f"version {version} of lineage {lineage} was not read first")
-            config, state = self._reading[1].result()
-            model = self.model or empty_model(config, self.ep, self.run.moe_compute, self.device)
-            check_fits(state, model.state_dict())
+            staged = self._reading[1].result()
+            model = self.model or empty_model(staged.config, self.ep, self.run.moe_compute, self.device)
+            check_fits(staged.state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
         self._reading = None
-        errors = [e for e in self._all(error) if e]
-        if errors:
-            raise SwapRefused("; ".join(errors))
-        install(model, state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+        try:
+            errors = [e for e in self._all(error) if e]
+            if errors:
+                raise SwapRefused("; ".join(errors))
+            install(model, staged.state)  # copies into the served tensors: the decoder's CUDA graphs stay valid
+            log.info("weight version %d (lineage %d) installed from the %s", version, lineage, staged.via)
+        finally:
+            if staged is not None:
+                staged.release()  # the source may reuse its buffers (the trainer its export)
         if self.decoder is not None and self.decoder.model is model:
             self.decoder.load_weights()  # and what its runner derives from them (packed q/k/v), in place too
         self.model = model.eval()
@@ -200,7 +213,7 @@ class Replica:
     def stop(self) -> None:
         self._tell("stop")
         self._reader.shutdown(wait=True, cancel_futures=True)  # a read in progress ends before its buffers go
-        self.staging.close()
+        self.source.close()
 
     # ---- the control channel ---------------------------------------------------------------------------
     def _tell(self, op: str, *args) -> None:

@@ -38,6 +38,7 @@ from ..moe.parallel import ExpertParallel, local_experts
 from ..rl.algorithms import SequenceScores, make_algorithm
 from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
+from ..rl.device_weights import DeviceExporter, channel as device_channel
 from ..rl.losses import PolicyBatch, Totals
 from ..rl.protocol import Batch, TrainingSample, VersionRef, one_version
 from ..rl.runtime import Registry, cap_gpu_memory, http_json, load, output_dir, run_argparser
@@ -200,6 +201,7 @@ class Trainer:
         self._pending_checkpoint = None
         self.publisher: Publisher | None = None
         self.announcer: Announcer | None = None
+        self.exporter: DeviceExporter | None = None  # versions to a rollout server on this GPU, by device memory
         self.step, self.committed_step, self.lineage, self.stop_requested = 0, 0, 0, False
         self.wait_seconds, self.started = 0.0, time.monotonic()
         self.samples_trained = 0
@@ -380,6 +382,12 @@ class Trainer:
         # weights, so evaluation and other tools can load it as it is.
         self.publisher = Publisher(self.store, self.run.model, self.lineage, ep=self.ep,
                                    extra_files=functools.partial(write_checkpoint_metadata, run=self.run))
+        channel = device_channel(self.run) if self.world == 1 else None
+        if channel is not None:
+            try:
+                self.exporter = DeviceExporter(self.run.model, *channel)
+            except OSError as exc:  # its address taken (an earlier trainer of this run still exiting): the store
+                log.warning("weight versions go through the store only: the device channel is unavailable (%s)", exc)
         if self.rank == 0 and self.source is not None:
             self.announcer = Announcer(self.publisher, self.source, self.lineage,
                                        background=self.run.rl.orchestrator.max_staleness > 0)
@@ -389,8 +397,13 @@ class Trainer:
         """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
         then announced to the batch source)."""
         # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
-        self.publisher.publish(version, unsharded_state(self.model, keep_dense=self.rank == 0))
-        self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = self.publisher.snapshot_seconds
+        state = unsharded_state(self.model, keep_dense=self.rank == 0)
+        self.publisher.publish(version, state)
+        seconds = self.publisher.snapshot_seconds
+        # Before the announcement (which waits for the store): the server on this GPU finds the version offered.
+        if self.exporter is not None and self.exporter.export(VersionRef(self.lineage, version), state):
+            seconds += self.exporter.export_seconds
+        self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = seconds
         if self.announcer is not None:
             self.announcer.published(version)
 
@@ -399,6 +412,8 @@ class Trainer:
         self.publisher.close()
         if self.announcer is not None:
             self.announcer.close()
+        if self.exporter is not None:
+            self.exporter.close()
 
     def save_checkpoint(self) -> None:
         """Start writing a checkpoint of this step (every rank) and return; the one before is committed first.
