@@ -10,14 +10,14 @@ reads are masked out for it entirely, and change nothing (its running max stays,
 decode kernel (decode_attention.py) instead splits a row's keys over a number of programs chosen from the batch
 size and the GPU, and merges their partial softmaxes: a different order.
 
-The trainer's tokens are not in a paged cache: its keys and values are read in place as blocks of one position,
-through a table that maps each sequence's positions to its tokens. The block size only moves addresses.
+The trainer's packed sequences are a pool of blocks of one position, through tables that map each sequence's
+positions to its tokens (workloads/model/paged_forward.py's SequencePool): the block size only moves addresses.
 """
 from __future__ import annotations
 
 import torch
 
-from .prefill_attention import prefill_attention, prefill_tiles
+from .prefill_attention import prefill_attention
 
 
 def invariant_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -28,25 +28,3 @@ def invariant_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torc
     tiles = torch.stack([torch.arange(rows, device=q.device, dtype=torch.int32),
                          torch.ones(rows, device=q.device, dtype=torch.int32)], 1)
     return prefill_attention(q, keys, values, tables, slots, lengths - 1, tiles)
-
-
-def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequence_lengths: list[int]
-                            ) -> torch.Tensor:
-    """q [N, H, D], k and v [N, H_kv, D] of sequences packed back to back (their lengths sum to N) -> [N, H, D]:
-    each token attends causally within its own sequence, its positions counted from 0."""
-    lengths = [int(n) for n in sequence_lengths]
-    if not lengths or sum(lengths) != q.shape[0] or min(lengths) < 1 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"packed_causal_attention needs sequence_lengths (each >= 1) summing to q's {q.shape[0]} "
-                         f"tokens and k = v [N, H_kv, D]; got lengths {lengths}, q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
-    device = q.device
-    counts = torch.tensor(lengths, device=device)
-    starts = torch.cumsum(counts, 0) - counts
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
-    positions = torch.arange(q.shape[0], device=device) - starts[sequence]
-    # position p of sequence s is token starts[s] + p: a block of one position each (the rows' unused tail
-    # entries are never read, since no token sees past its own sequence)
-    tables = (starts[:, None] + torch.arange(max(lengths), device=device)).clamp(max=q.shape[0] - 1).to(torch.int32)
-    segments = [(int(s), n) for s, n in zip(starts.tolist(), lengths)]
-    return prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), tables, sequence, positions,
-                             prefill_tiles(segments, device))

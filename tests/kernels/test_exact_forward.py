@@ -1,22 +1,27 @@
-"""The rollout engine's paged forward on the `exact` backend: a token's logits are the same bits whether its
-sequence was prefilled in one packed forward with another prompt, or prefilled in part and then decoded token by
-token, alone or in a batch with another row that joins, changes places and leaves."""
+"""The exact numerics mode on a tiny model under the interpreter: a token's logits, routed experts and log-softmax
+statistics are the same bits in the trainer's forward over the packed sequences and in the rollout engine's paged
+forward, whether the engine prefilled the sequence in one packed forward with another prompt, or prefilled it in
+part and then decoded it token by token, alone or in a batch with another row that joins, changes places and
+leaves."""
 import copy
 import dataclasses
 
 import torch
 
 from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.kernels.logprobs import softmax_stats
 from moe_rl_eks.kernels.prefill_attention import prefill_tiles
 from moe_rl_eks.tools.bench.rollout import TINY
 from moe_rl_eks.workloads.model import MoETransformer
+from moe_rl_eks.workloads.model.backends import get_forward_kernels
+from moe_rl_eks.workloads.model.paged_forward import PackedAttention, sequence_logits
 from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
 from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
 
 
-def test_a_tokens_logits_are_the_same_bits_prefilled_or_decoded_in_any_batch():
+def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_token_the_same_bits():
     torch.manual_seed(0)
     model = MoETransformer(TINY, compute="exact").eval().to(DEVICE)
     a, b = torch.randint(0, TINY.vocab_size, (9,)).tolist(), torch.randint(0, TINY.vocab_size, (5,)).tolist()
@@ -36,7 +41,13 @@ def test_a_tokens_logits_are_the_same_bits_prefilled_or_decoded_in_any_batch():
         whole.cache.sync_tables()
         reference = whole.forward(tensor([0] * 9 + [1] * 5), tensor(a + b), tensor(list(range(9)) + list(range(5))),
                                   tensor(list(range(14))), 9, prefill_tiles([(0, 9), (9, 5)], DEVICE))
-        want = {("a", p): reference[p] for p in range(9)} | {("b", p): reference[9 + p] for p in range(5)}
+        # the trainer's forward over the same two sequences packed back to back
+        trainer, trainer_routing = sequence_logits(model, PackedAttention(model), get_forward_kernels("exact"),
+                                                   tensor(a + b), [9, 5])
+        assert torch.equal(trainer, reference)
+        engine_routing = torch.cat([whole.cache.routing_of(0, 9), whole.cache.routing_of(1, 5)])
+        assert torch.equal(trainer_routing, engine_routing.long())
+        want = {("a", p): trainer[p] for p in range(9)} | {("b", p): trainer[9 + p] for p in range(5)}
         got = {}
         step = run(copy.deepcopy(empty))
         step.cache.sync_tables()
@@ -64,4 +75,10 @@ def test_a_tokens_logits_are_the_same_bits_prefilled_or_decoded_in_any_batch():
         prefill("a", 0, a[8:], 8)  # a one-token chunk of a prefill
     assert set(got) == set(want) - {("a", 0), ("a", 1), ("b", 0)}
     for key, logits in got.items():
-        assert torch.equal(logits, want[key]), f"{key}: differs from the packed prefill's logits"
+        assert torch.equal(logits, want[key]), f"{key}: the engine's logits differ from the trainer's"
+    # log p of a token at temperature 0.7: the engine's rows one at a time, the trainer's all at once
+    keys = sorted(got)
+    targets = torch.randint(0, TINY.vocab_size, (len(keys),)).to(DEVICE)
+    engine = torch.cat([torch.stack(softmax_stats(got[key][None], targets[i:i + 1], 0.7)) for i, key in
+                        enumerate(keys)], 1)
+    assert torch.equal(engine, torch.stack(softmax_stats(torch.stack([want[k] for k in keys]), targets, 0.7)))

@@ -1,13 +1,14 @@
 """The exact mode's attention: a query's output is the same bits when it is decoded over the paged KV cache (alone,
-among 3 or among 17 rows, any position, any neighbours), prefilled over it in chunks, and computed by the
-trainer's packed causal forward over the sequences back to back; and it is softmax attention."""
+among 3 or among 17 rows, any position, any neighbours), prefilled over it in chunks, and computed as the trainer's
+packed causal forward does (the sequences back to back, read as blocks of one position); and it is softmax
+attention."""
 import math
 
 import pytest
 import torch
 
 from moe_rl_eks.kernels._triton import INTERPRET
-from moe_rl_eks.kernels.invariant_attention import invariant_decode_attention, packed_causal_attention
+from moe_rl_eks.kernels.invariant_attention import invariant_decode_attention
 from moe_rl_eks.kernels.prefill_attention import prefill_attention, prefill_tiles
 
 from invariance import ROWS, assert_rows_invariant
@@ -38,6 +39,19 @@ def cached(k, v):
     return keys, values, tables, slots, positions
 
 
+def packed_causal_attention(q, k, v):
+    """The trainer's layout: token t's keys at block t of one position; sequence s's position p at block
+    starts[s] + p; one prefill over all the sequences."""
+    lengths = torch.tensor(LENGTHS)
+    starts = torch.cumsum(lengths, 0) - lengths
+    tables = (starts[:, None] + torch.arange(max(LENGTHS))).clamp(max=sum(LENGTHS) - 1).to(torch.int32)
+    slots = torch.repeat_interleave(torch.arange(len(LENGTHS)), lengths)
+    positions = torch.arange(sum(LENGTHS)) - starts[slots]
+    tiles = prefill_tiles([(int(s), n) for s, n in zip(starts, LENGTHS)], DEVICE)
+    return prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), tables.to(DEVICE), slots.to(DEVICE),
+                             positions.to(DEVICE), tiles)
+
+
 def reference(q, k, v):
     out, first = [], 0
     for n in LENGTHS:
@@ -54,7 +68,7 @@ def reference(q, k, v):
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in_any_batch(dtype, tol):
     q, k, v = sequences(dtype)
-    packed = packed_causal_attention(q, k, v, LENGTHS)
+    packed = packed_causal_attention(q, k, v)
     want = reference(q, k, v)
     assert packed.dtype == dtype and not packed.isnan().any()
     assert ((packed.double() - want).norm() / want.norm()).item() < tol
@@ -69,7 +83,7 @@ def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in
 
 def test_a_chunked_prefill_over_the_paged_cache_equals_the_packed_causal_forward_bitwise():
     q, k, v = sequences(torch.bfloat16)
-    packed = packed_causal_attention(q, k, v, LENGTHS)
+    packed = packed_causal_attention(q, k, v)
     keys, values, tables, slots, positions = cached(k, v)
     # two prefill chunks of (first token, count) runs: sequence 0's positions 0-20 with all of sequence 1, then
     # sequence 0's positions 21-36 (over the keys the first chunk cached) with all of sequence 2
@@ -78,9 +92,3 @@ def test_a_chunked_prefill_over_the_paged_cache_equals_the_packed_causal_forward
         local = [(0, runs[0][1]), (runs[0][1], runs[1][1])]
         got = prefill_attention(q[at], keys, values, tables, slots[at], positions[at], prefill_tiles(local, DEVICE))
         assert torch.equal(got, packed[at])
-
-
-def test_packed_causal_attention_names_lengths_that_do_not_cover_the_tokens():
-    q, k, v = sequences(torch.float32)
-    with pytest.raises(ValueError, match=r"summing to q's 62 tokens.*got lengths \[37, 5\]"):
-        packed_causal_attention(q, k, v, [37, 5])
