@@ -95,12 +95,15 @@ class TritonForwardKernels:
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
         return prefill_tiles(segments, device)
 
+    # A decode step's attention (one token per row): split over positions, flash-decoding
+    decode_attention = staticmethod(decode_attention)
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                   slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
                   seen: torch.Tensor) -> torch.Tensor:
         if tiles is not None:
             return prefill_attention(q, keys, values, tables, slot, positions, tiles)
-        return decode_attention(q, keys, values, tables, slot, seen)
+        return self.decode_attention(q, keys, values, tables, slot, seen)
 
 
 class ExactCompute(TritonCompute):
@@ -126,12 +129,8 @@ class ExactForwardKernels(TritonForwardKernels):
         x, h = self.add_norm(norm, h, delta)
         return x, h, invariant_matmul(x, router)
 
+    # decode rows as one-token tiles of the prefill kernel: a query's keys in the order a prefill takes them
+    decode_attention = staticmethod(invariant_decode_attention)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return invariant_matmul(x, weight)
-
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                  slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
-                  seen: torch.Tensor) -> torch.Tensor:
-        if tiles is not None:
-            return prefill_attention(q, keys, values, tables, slot, positions, tiles)
-        return invariant_decode_attention(q, keys, values, tables, slot, seen)
