@@ -10,6 +10,7 @@ does alone (the property the mode buys).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -35,9 +36,8 @@ def _randn(g, *size, scale=1.0):
     return (torch.randn(*size, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
 
-def projections(g, rows: list[int]) -> list[dict]:
+def projections(g, rows: list[int]):
     hidden = SHAPES["qwen3"].hidden
-    out = []
     for name, n, k in (("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, hidden), ("o_proj", hidden, HEADS * HEAD_DIM),
                        ("lm_head", VOCAB, hidden)):
         w = _randn(g, n, k, scale=k ** -0.5)
@@ -46,13 +46,11 @@ def projections(g, rows: list[int]) -> list[dict]:
             # the engine's product: gemv where it beats cuBLAS at a decode step's few rows, else cuBLAS
             fast = decode_linear if m <= 16 else F.linear
             same = torch.equal(invariant_matmul(x, w)[:1], invariant_matmul(x[:1], w))
-            out.append({"case": f"{name} [{n}x{k}]", "rows": m, "fast_ms": _ms(lambda: fast(x, w)),
-                        "exact_ms": _ms(lambda: invariant_matmul(x, w)), "row_bits_equal": same})
-    return out
+            yield {"case": f"{name} [{n}x{k}]", "rows": m, "fast_ms": _ms(lambda: fast(x, w)),
+                   "exact_ms": _ms(lambda: invariant_matmul(x, w)), "row_bits_equal": same}
 
 
-def attention(g, batches: list[int], context: int) -> list[dict]:
-    out = []
+def attention(g, batches: list[int], context: int):
     for b in batches:
         blocks = b * context // PAGE
         keys, values = (_randn(g, blocks + 1, PAGE, KV_HEADS, HEAD_DIM) for _ in range(2))
@@ -62,18 +60,16 @@ def attention(g, batches: list[int], context: int) -> list[dict]:
         q = _randn(g, b, HEADS, HEAD_DIM)
         same = torch.equal(invariant_decode_attention(q, keys, values, tables, slots, lengths)[:1],
                            invariant_decode_attention(q[:1], keys, values, tables, slots[:1], lengths[:1]))
-        out.append({"case": f"decode attention, {context} positions", "rows": b,
-                    "fast_ms": _ms(lambda: decode_attention(q, keys, values, tables, slots, lengths)),
-                    "exact_ms": _ms(lambda: invariant_decode_attention(q, keys, values, tables, slots, lengths)),
-                    "row_bits_equal": same})
-    return out
+        yield {"case": f"decode attention, {context} positions", "rows": b,
+               "fast_ms": _ms(lambda: decode_attention(q, keys, values, tables, slots, lengths)),
+               "exact_ms": _ms(lambda: invariant_decode_attention(q, keys, values, tables, slots, lengths)),
+               "row_bits_equal": same}
 
 
-def experts(g, tokens: list[int]) -> list[dict]:
+def experts(g, tokens: list[int]):
     shape = SHAPES["qwen3"]
     e, h, width, k = shape.experts, shape.hidden, shape.width, shape.spec.top_k
     w13, w2 = _randn(g, e, 2 * width, h, scale=h ** -0.5), _randn(g, e, h, width, scale=width ** -0.5)
-    out = []
     with torch.no_grad():
         for t in tokens:
             ids = torch.randint(0, e, (t * k,), generator=g, device="cuda").sort().values
@@ -83,11 +79,10 @@ def experts(g, tokens: list[int]) -> list[dict]:
             alone[ids[0]] = 1
             same = torch.equal(swiglu_experts(x, counts, w13, w2, exact=True)[:1],
                                swiglu_experts(x[:1], alone, w13, w2, exact=True))
-            out.append({"case": f"experts forward [{e}x{2 * width}x{h}], top-{k}", "rows": t * k,
-                        "fast_ms": _ms(lambda: swiglu_experts(x, counts, w13, w2)),
-                        "exact_ms": _ms(lambda: swiglu_experts(x, counts, w13, w2, exact=True)),
-                        "row_bits_equal": same})
-    return out
+            yield {"case": f"experts forward [{e}x{2 * width}x{h}], top-{k}", "rows": t * k,
+                   "fast_ms": _ms(lambda: swiglu_experts(x, counts, w13, w2)),
+                   "exact_ms": _ms(lambda: swiglu_experts(x, counts, w13, w2, exact=True)),
+                   "row_bits_equal": same}
 
 
 def main() -> None:
@@ -99,14 +94,17 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = projections(g, args.rows) + attention(g, args.batches, args.context) + experts(g, args.tokens)
+    rows = []
     print(f"{'case':<44} {'rows':>6} {'fast ms':>9} {'exact ms':>9} {'exact/fast':>10}  row bits equal")
-    for r in rows:
+    # each row printed and recorded as it is measured: a run stopped by a time limit keeps what it measured
+    for r in itertools.chain(projections(g, args.rows), attention(g, args.batches, args.context),
+                             experts(g, args.tokens)):
+        rows.append(r)
         print(f"{r['case']:<44} {r['rows']:>6} {r['fast_ms']:>9.4f} {r['exact_ms']:>9.4f} "
-              f"{r['exact_ms'] / r['fast_ms']:>10.2f}  {'yes' if r['row_bits_equal'] else 'NO'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+              f"{r['exact_ms'] / r['fast_ms']:>10.2f}  {'yes' if r['row_bits_equal'] else 'NO'}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
