@@ -28,7 +28,9 @@ TILES = {2: (64, 64, 64, 4, 4), 4: (32, 64, 32, 4, 3)}
 INTERPRET_TILE = (16, 16, 16, 4, 1)
 
 
-@triton.jit
+# M changes with every batch: not specialised (Triton builds another binary for an integer argument equal to 1 or a
+# multiple of 16), so a decode step's single row runs the very binary a packed forward does.
+@triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              IEEE: tl.constexpr):
