@@ -4,7 +4,6 @@ forward, whether the engine prefilled the sequence in one packed forward with an
 part and then decoded it token by token, alone or in a batch with another row that joins, changes places and
 leaves."""
 import copy
-import dataclasses
 
 import pytest
 import torch
