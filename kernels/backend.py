@@ -1,4 +1,4 @@
-"""The `triton` compute backend: the MoECompute contract of moe_rl_eks.workloads.moe.compute and the ForwardKernels
+"""The `triton` and `exact` compute backends: the MoECompute contract of moe_rl_eks.workloads.moe.compute and the ForwardKernels
 contract of moe_rl_eks.workloads.model.forward_kernels, on the kernels of this package. kernels never imports
 workloads; `spec` is any object with RoutingSpec's attributes, a norm any object with `weight` and `eps`."""
 from __future__ import annotations
@@ -9,6 +9,8 @@ from .decode_attention import decode_attention
 from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
+from .invariant_attention import invariant_decode_attention
+from .invariant_matmul import invariant_matmul
 from .kv_write import write_kv
 from .norm_training import rms_norm_training
 from .permute import PermuteHandle, permute, unpermute
@@ -93,9 +95,42 @@ class TritonForwardKernels:
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
         return prefill_tiles(segments, device)
 
+    # A decode step's attention (one token per row): split over positions, flash-decoding
+    decode_attention = staticmethod(decode_attention)
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                   slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
                   seen: torch.Tensor) -> torch.Tensor:
         if tiles is not None:
             return prefill_attention(q, keys, values, tables, slot, positions, tiles)
-        return decode_attention(q, keys, values, tables, slot, seen)
+        return self.decode_attention(q, keys, values, tables, slot, seen)
+
+
+class ExactCompute(TritonCompute):
+    """The exact numerics mode's MoE compute: the experts' forward on the grouped GEMM's fixed tile, and a decode
+    step through the same routing, permutation, experts and combine as a prefill or a trainer's forward (the
+    decode kernels' products are row sums, not the grouped GEMM's tensor-core products)."""
+
+    def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return swiglu_experts(x_sorted, counts, w13, w2, exact=True)
+
+    def decode(self, x, router, spec, bias, w13, w2, logits=None) -> None:
+        return None
+
+
+class ExactForwardKernels(TritonForwardKernels):
+    """The paged forward of the exact numerics mode: every product (q/k/v, o, the router, the LM head) through
+    invariant_matmul and decode attention through the prefill kernel, so a token's logits are the same bits
+    whether it was prefilled or decoded, and whatever rows shared its step. The norms are the triton backend's
+    (batch-invariant already), without the router product fused into the norm at a few rows."""
+
+    def add_norm_router(self, norm, router: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, h = self.add_norm(norm, h, delta)
+        return x, h, invariant_matmul(x, router)
+
+    # decode rows as one-token tiles of the prefill kernel: a query's keys in the order a prefill takes them
+    decode_attention = staticmethod(invariant_decode_attention)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return invariant_matmul(x, weight)

@@ -182,6 +182,22 @@ _gemm_swiglu = triton.autotune(_configs(wide_ok=False, persistent=True), key=_KE
 _gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY, prune_configs_by=_PRUNE)(
     _grouped_gemm_kernel)
 
+# The exact numerics mode's tile (BM, BN, BK, warps, stages) per operand size, never tuned: the tuned choice may
+# differ between the engine's process and the trainer's, and with it the K order of every row. A row's products
+# are then a function of the row and its expert's weights alone: its tile's other rows (however many the expert
+# received, or another expert's past its end) are other rows of the same tensor-core products.
+EXACT_TILES = {2: (128, 128, 64, 8, 3), 4: FALLBACK}
+
+
+def _fixed(tile: tuple[int, int, int, int, int]):
+    bm, bn, bk, warps, stages = (16, 16, 16, 4, 1) if INTERPRET else tile
+    config = triton.Config({"BM": bm, "BN": bn, "BK": bk, "FLATTEN": False}, num_warps=warps, num_stages=stages,
+                           pre_hook=_row_grouped_blocks)
+    return triton.autotune([config], key=_KEY)(_grouped_gemm_kernel)
+
+
+_gemm_exact = {size: _fixed(tile) for size, tile in EXACT_TILES.items()}
+
 
 @triton.jit
 def _swiglu_backward_kernel(d_act_ptr, gate_up_ptr, out_ptr, n_rows, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -290,15 +306,16 @@ def _grouped_wgrad(a, b, counts, num_experts, dtype):
 
 class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, w13, w2, training):
+    def forward(ctx, x, counts, w13, w2, training, exact):
         n, hidden = x.shape
         width = w2.shape[2]
         act = torch.empty(n, width, device=x.device, dtype=x.dtype)
         gate_up = torch.empty(n, 2 * width, device=x.device, dtype=x.dtype) if training else None
+        up_kernel, down_kernel = ((_gemm_exact[x.element_size()],) * 2 if exact else (_gemm_swiglu, _gemm_plain))
         # w13[e] is [2I, h] = [N, K]: gate rows first, up rows `width` further down
-        _grouped_gemm(_gemm_swiglu, x, w13, counts, width, act, b_nk=True, swiglu=True, aux=gate_up)
+        _grouped_gemm(up_kernel, x, w13, counts, width, act, b_nk=True, swiglu=True, aux=gate_up)
         y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-        _grouped_gemm(_gemm_plain, act, w2, counts, hidden, y, b_nk=True)
+        _grouped_gemm(down_kernel, act, w2, counts, hidden, y, b_nk=True)
         ctx.save_for_backward(x, counts, w13, w2, gate_up, act)
         return y
 
@@ -319,12 +336,15 @@ class _SwiGLUExperts(torch.autograd.Function):
             dw13 = _grouped_wgrad(d_gate_up, x, counts, num_experts, w13.dtype)
         if ctx.needs_input_grad[3]:
             dw2 = _grouped_wgrad(dy, act, counts, num_experts, w2.dtype)
-        return dx, None, dw13, dw2, None
+        return dx, None, dw13, dw2, None, None
 
 
-def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                   exact: bool = False) -> torch.Tensor:
     """x_sorted [N, h] grouped by expert, counts [E] (sum N, zeros allowed), w13 [E, 2I, h], w2 [E, h, I] ->
-    [N, h]: row r of expert e is w2[e] @ (silu(w13[e, :I] @ x_r) * (w13[e, I:] @ x_r))."""
+    [N, h]: row r of expert e is w2[e] @ (silu(w13[e, :I] @ x_r) * (w13[e, I:] @ x_r)).
+    exact: the forward on EXACT_TILES, each row's bits independent of the batch and of the process (the
+    backward stays on the tuned tiles)."""
     check_device("x_sorted", x_sorted)
     if x_sorted.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"experts needs x_sorted [N, h], w13 [E, 2I, h], w2 [E, h, I]; got "
@@ -343,4 +363,4 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tens
     # autograd disables grad mode inside forward, so whether to keep gate_up for backward is decided here
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w13, w2))
     return _SwiGLUExperts.apply(x_sorted.contiguous(), counts.contiguous(), w13.contiguous(), w2.contiguous(),
-                                training)
+                                training, exact)

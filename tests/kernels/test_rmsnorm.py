@@ -64,12 +64,12 @@ def test_rms_norm_with_rope_reads_heads_out_of_wider_token_rows_in_place(dtype, 
 
 
 def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_path():
-    # the engine's decode step: one product over the runner's packed [q; k; v] weights, its q_norm and k_norm
+    # the engine's decode step: one product over the packed [q; k; v] weights, its q_norm and k_norm
     # weights packed in one [2, D] buffer
     from moe_rl_eks.core.run import ModelConfig
     from moe_rl_eks.workloads.model import MoETransformer
-    from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
-    from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
+    from moe_rl_eks.workloads.model.backends import get_forward_kernels
+    from moe_rl_eks.workloads.model.paged_forward import PackedAttention, attention_inputs
 
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -86,9 +86,7 @@ def test_queries_and_keys_normalised_in_one_launch_equal_the_attention_modules_p
     table = (cos[:, 0].unsqueeze(-2), sin[:, 0].unsqueeze(-2))
     want = apply_rotary(attn.q_norm(q), *table), apply_rotary(attn.k_norm(k), *table), v
     for kernels in ("torch", "triton"):
-        runner = ModelRunner(model, PagedCache.allocate(config, 1, 4, 1, 4, "cpu", torch.float32), cuda_graphs=False,
-                             kernels=kernels)
-        got = runner._attention_inputs(0, attn, x, cos[:, 0], sin[:, 0])
+        got = attention_inputs(get_forward_kernels(kernels), PackedAttention(model), 0, attn, x, cos[:, 0], sin[:, 0])
         for g, w, heads in zip(got, want, (4, 2, 2)):
             assert g.shape == (2, 3, heads, 16)
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

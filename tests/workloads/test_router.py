@@ -111,10 +111,11 @@ def test_torch_experts_match_a_per_token_reference_with_empty_experts():
 
 
 def test_unknown_compute_backend_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="'cuda' is not known; allowed: torch, triton"):
+    with pytest.raises(ValueError, match="'cuda' is not known; allowed: torch, triton, exact"):
         get_compute("cuda")
     assert get_compute("torch").name == "torch"
     assert type(get_compute("triton")).__name__ == "TritonCompute"  # kernels' backend, imported on demand
+    assert type(get_compute("exact")).__name__ == "ExactCompute"
 
 
 def test_balance_bias_step_raises_underloaded_and_lowers_overloaded_experts(tiny_config):

@@ -16,6 +16,8 @@ COMPUTE_BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("moe_rl_eks.workloads.moe.torch_compute:TorchCompute",
               "moe_rl_eks.workloads.model.forward_kernels:TorchForwardKernels"),
     "triton": ("moe_rl_eks.kernels.backend:TritonCompute", "moe_rl_eks.kernels.backend:TritonForwardKernels"),
+    # triton with every row's result independent of its batch (moe_rl_eks.kernels.invariant_*): the exact mode
+    "exact": ("moe_rl_eks.kernels.backend:ExactCompute", "moe_rl_eks.kernels.backend:ExactForwardKernels"),
 }
 
 

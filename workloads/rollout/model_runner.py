@@ -1,13 +1,10 @@
 """The model runner: a step's device tensors, the paged forward (prefill and decode), the CUDA graphs that replay
 decode steps and their sampler, and sampling a step's rows; what it produced goes back as plain records.
 
-The forward is the model's own modules, so its numerics are the trainer's, with attention over the paged KV cache
-and the norms, products and cache writes through the compute backend's `ForwardKernels` (registry:
-model/backends.py): `triton` on a GPU, `torch` elsewhere. What it reads of a MoETransformer is this much:
-`config`, `ep`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of `model.layers` the
-`input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`q_norm`, `k_norm`, `o_proj.weight`, its
-head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called with decode=True;
-`mlp.gate.weight` for a norm fused with the router product).
+The forward is model/paged_forward.py's over the KV cache: the model's own modules, so its numerics are the
+trainer's, with attention over the paged KV cache and the norms, products and cache writes through the compute
+backend's `ForwardKernels` (registry: model/backends.py): `triton` on a GPU, `torch` elsewhere, `exact` for the
+exact numerics mode (the trainer's exact forward runs the same function over its packed sequences).
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import torch
 from ..model import MoETransformer
 from ..model.backends import get_forward_kernels
 from ..model.forward_kernels import ForwardKernels
-from ..model.rotary import rotary
+from ..model.paged_forward import PackedAttention, paged_forward
 from .kv_cache_manager import PagedCache
 from .sampler import SamplerFlags, SamplingRows, sample
 from .scheduler import PrefillPlan, Sequence
@@ -49,30 +46,6 @@ class PromptScores:
 
     logprobs: list[float]
     top: list[list[tuple[int, float]]]
-
-
-class PackedAttention:
-    """The runner's own [q; k; v] projection weights and [q_norm; k_norm] weights, one buffer each per layer, so
-    that a decode step projects with one product and normalises queries and keys with one kernel (as vLLM's packed
-    linear layers load q, k and v into one tensor). Built from the model's parameters with the runner; `load`
-    copies them in again, in place, so CUDA graphs that read the buffers stay valid: call it whenever the model's
-    weights change (Replica.swap does after weight_staging.install, through Decoder.load_weights). The price is a
-    second copy of the q/k/v weights (about 1 GB in bf16 at Qwen3-30B-A3B's 48 layers)."""
-
-    @torch.no_grad()
-    def __init__(self, model: MoETransformer) -> None:
-        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in self._attention(model)]
-        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in self._attention(model)]
-
-    @staticmethod
-    def _attention(model: MoETransformer):
-        return [layer.self_attn for layer in model.model.layers]
-
-    @torch.no_grad()
-    def load(self, model: MoETransformer) -> None:
-        for qkv, qk_norm, a in zip(self.qkv, self.qk_norm, self._attention(model)):
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=qkv)
-            torch.stack([a.q_norm.weight, a.k_norm.weight], out=qk_norm)
 
 
 @dataclass
@@ -175,44 +148,10 @@ class ModelRunner:
     # ---- the forward ---------------------------------------------------------------------------------------
     def forward(self, slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                 key_len: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed `tokens` [N] at `positions` [N] of slots `slot` [N], packed with no padding (a prefill chunk's
-        prompts back to back, with their `tiles` from the kernels' prefill_tiles; or a decode step's one token per
-        row, tiles None): their keys, values and routed experts go into the cache through the block tables, and
-        each token attends causally to its slot's positions up to its own. Returns the logits [R, V] after tokens
-        `last` [R]. `key_len` (> every position) bounds the attention."""
-        model, cache, kernels, c = self.model, self.cache, self.kernels, self.model.config
-        n = tokens.shape[0]
-        block, offset = cache.locate(slot, positions)
-        h = model.model.embed_tokens(tokens)
-        cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
-        seen = positions + 1  # what decode attention reads, once for all layers
-        routed, delta = [], None
-        for i, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            x, h = kernels.add_norm(layer.input_layernorm, h, delta)
-            q, k, v = self._attention_inputs(i, attn, x, cos, sin)  # [N, heads, D]
-            kernels.write_kv(cache.keys[i], cache.values[i], k, v, block, offset)
-            out = kernels.attention(q, cache.keys[i], cache.values[i], cache.tables, slot, positions, key_len, tiles,
-                                    seen)
-            x, h, logits = kernels.add_norm_router(layer.post_attention_layernorm, layer.mlp.gate.weight, h,
-                                                   kernels.linear(out.reshape(n, attn.heads * attn.head_dim),
-                                                                  attn.o_proj.weight))
-            moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
-            delta = moe.out.view(n, c.hidden_size)
-            routed.append(moe.ids)
-        cache.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(cache.routing.dtype)
-        return kernels.linear(kernels.add_norm(model.model.norm, h[last], delta[last])[0], model.lm_head.weight)
-
-    def _attention_inputs(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D])
-        with each token's cos, sin [..., D]: one product over the packed weights, one call for queries and keys."""
-        kernels = self.kernels
-        lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
-        q, _, v = kernels.linear(x, self.packed.qkv[layer]).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-        qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))  # q and k side by side
-        q, k = kernels.qk_norm_rope(attn.q_norm, attn.k_norm, self.packed.qk_norm[layer], qk, heads, cos, sin)
-        return q, k, v.view(*lead, kv_heads, dim)
+        """paged_forward over this runner's cache: a prefill chunk's prompts packed with their `tiles`, or a decode
+        step's one token per row (tiles None); the logits [R, V] after tokens `last` [R]."""
+        return paged_forward(self.model, self.packed, self.kernels, self.cache, slot, tokens, positions, last,
+                             key_len, tiles)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, plan: PrefillPlan) -> tuple[torch.Tensor, list[PromptScores]]:

@@ -1,0 +1,37 @@
+"""The exact mode's expert products: a row's SwiGLU expert output is the same bits whether its expert received it
+alone, among 3 rows or among 17, at any position of the expert's rows and beside any other rows; and it is the
+float32 computation."""
+import pytest
+import torch
+
+import moe_reference as ref
+from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.kernels.grouped_gemm import swiglu_experts
+
+from invariance import ROWS, assert_rows_invariant
+
+DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
+EXPERTS, HIDDEN, WIDTH = 4, 40, 24  # several K and column tiles, partial ones; 16-byte rows (TMA)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_a_rows_expert_output_does_not_depend_on_how_many_rows_its_expert_received(dtype, tol):
+    torch.manual_seed(0)
+    pool = torch.randn(2 * ROWS, HIDDEN, device=DEVICE).to(dtype)
+    # expert 0 takes most rows (more than one row tile), expert 2 none of the rows under test
+    expert = torch.tensor([0] * 9 + [1] * 5 + [3] * 3 + [0, 1, 3, 2] * 4 + [2], device=DEVICE)
+    w13 = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, device=DEVICE) / HIDDEN ** 0.5).to(dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, WIDTH, device=DEVICE) / WIDTH ** 0.5).to(dtype)
+
+    def run(batch):
+        ids = expert[batch]
+        order = torch.argsort(ids, stable=True)  # the dispatcher's expert-sorted batch
+        y = swiglu_experts(pool[batch][order], torch.bincount(ids, minlength=EXPERTS), w13, w2, exact=True)
+        return torch.empty_like(y).index_copy_(0, order, y)
+
+    got = assert_rows_invariant(run)
+    order = torch.argsort(expert[:ROWS], stable=True)
+    want = ref.experts(pool[:ROWS][order], torch.bincount(expert[:ROWS], minlength=EXPERTS), w13, w2)
+    want = torch.empty_like(want).index_copy_(0, order, want)
+    assert got.dtype == dtype
+    assert ((got.float() - want).norm() / want.norm()).item() < tol

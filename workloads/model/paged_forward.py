@@ -1,0 +1,142 @@
+"""The paged forward: tokens through the model's modules over a pool of keys and values kept in blocks and found
+through block tables, with the norms, products, cache writes and attention through a compute backend's
+`ForwardKernels`. The rollout engine's prefill and decode steps run it over their KV cache
+(rollout/model_runner.py); the trainer's forward in the exact numerics mode runs it over a pool of its own packed
+sequences (`sequence_logits`), so the engine and the trainer compute a token's logits with one code path and, on
+the `exact` backend, bitwise alike.
+
+What it reads of a MoETransformer: `config`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of
+`model.layers` the `input_layernorm` and `post_attention_layernorm` modules, `self_attn` (`q_norm`, `k_norm`,
+`o_proj.weight`, its head counts; its q/k/v projection weights only to load `PackedAttention`) and `mlp` (called
+with decode=True; `mlp.gate.weight` for a norm fused with the router product).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .forward_kernels import ForwardKernels
+from .rotary import rotary
+from .transformer import MoETransformer
+
+
+class KVPool(Protocol):
+    """Keys/values [L, blocks, block_size, H_kv, D], block tables [slots, max_blocks] int32 and the routed expert
+    ids [blocks, block_size, L, k] of every fed position."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    tables: torch.Tensor
+    routing: torch.Tensor
+
+    def locate(self, slot: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each (slot, position), on the device."""
+
+
+class PackedAttention:
+    """The [q; k; v] projection weights and [q_norm; k_norm] weights of each layer, one buffer each, so that a
+    forward projects with one product and normalises queries and keys with one kernel (as vLLM's packed linear
+    layers load q, k and v into one tensor). Built from the model's parameters; `load` copies them in again, in
+    place, so CUDA graphs that read the buffers stay valid: call it whenever the model's weights change (the engine's
+    Replica.swap does after weight_staging.install, through Decoder.load_weights). The price is a second copy of the
+    q/k/v weights (about 1 GB in bf16 at Qwen3-30B-A3B's 48 layers)."""
+
+    @torch.no_grad()
+    def __init__(self, model: MoETransformer) -> None:
+        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in self._attention(model)]
+        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in self._attention(model)]
+
+    @staticmethod
+    def _attention(model: MoETransformer):
+        return [layer.self_attn for layer in model.model.layers]
+
+    @torch.no_grad()
+    def load(self, model: MoETransformer) -> None:
+        for qkv, qk_norm, a in zip(self.qkv, self.qk_norm, self._attention(model)):
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=qkv)
+            torch.stack([a.q_norm.weight, a.k_norm.weight], out=qk_norm)
+
+
+def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, pool: KVPool,
+                  slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                  key_len: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """Feed `tokens` [N] at `positions` [N] of slots `slot` [N], packed with no padding (prompts back to back, with
+    their `tiles` from the kernels' prefill_tiles; or one token per row, tiles None): their keys, values and routed
+    experts go into the pool through the block tables, and each token attends causally to its slot's positions up
+    to its own. Returns the logits [R, V] after tokens `last` [R]. `key_len` (> every position) bounds the
+    attention."""
+    c = model.config
+    n = tokens.shape[0]
+    block, offset = pool.locate(slot, positions)
+    h = model.model.embed_tokens(tokens)
+    cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
+    seen = positions + 1  # what decode attention reads, once for all layers
+    routed, delta = [], None
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        x, h = kernels.add_norm(layer.input_layernorm, h, delta)
+        q, k, v = attention_inputs(kernels, packed, i, attn, x, cos, sin)  # [N, heads, D]
+        kernels.write_kv(pool.keys[i], pool.values[i], k, v, block, offset)
+        out = kernels.attention(q, pool.keys[i], pool.values[i], pool.tables, slot, positions, key_len, tiles, seen)
+        x, h, logits = kernels.add_norm_router(layer.post_attention_layernorm, layer.mlp.gate.weight, h,
+                                               kernels.linear(out.reshape(n, attn.heads * attn.head_dim),
+                                                              attn.o_proj.weight))
+        moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
+        delta = moe.out.view(n, c.hidden_size)
+        routed.append(moe.ids)
+    pool.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(pool.routing.dtype)
+    return kernels.linear(kernels.add_norm(model.model.norm, h[last], delta[last])[0], model.lm_head.weight)
+
+
+def attention_inputs(kernels: ForwardKernels, packed: PackedAttention, layer: int, attn, x: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D])
+    with each token's cos, sin [..., D]: one product over the packed weights, one call for queries and keys."""
+    lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
+    q, _, v = kernels.linear(x, packed.qkv[layer]).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))  # q and k side by side
+    q, k = kernels.qk_norm_rope(attn.q_norm, attn.k_norm, packed.qk_norm[layer], qk, heads, cos, sin)
+    return q, k, v.view(*lead, kv_heads, dim)
+
+
+class SequencePool:
+    """Packed sequences as a KV pool of blocks of one position: token t's keys and values at block t, and sequence
+    s's table mapping its position p to block starts[s] + p (slot s is sequence s). The exact mode's trainer forward
+    feeds its tokens through `paged_forward` into one, as the engine's prefill feeds its KV cache."""
+
+    def __init__(self, config, sequence_lengths: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        lengths = torch.tensor(sequence_lengths, device=device)
+        tokens = int(lengths.sum())
+        self.starts = torch.cumsum(lengths, 0) - lengths
+        shape = (config.num_hidden_layers, tokens, 1, config.num_key_value_heads, config.head_dim)
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        # entries past a sequence's end are never read (no token sees past its own sequence)
+        self.tables = (self.starts[:, None] + torch.arange(int(lengths.max()), device=device)).clamp(
+            max=tokens - 1).to(torch.int32)
+        self.routing = torch.empty(tokens, 1, config.num_hidden_layers, config.num_experts_per_tok,
+                                   dtype=torch.int64, device=device)
+
+    def locate(self, slot: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.starts[slot] + positions, torch.zeros_like(positions)
+
+
+def sequence_logits(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
+                    sequence_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [N] of sequences packed back to back (their lengths sum to N) -> (logits [N, V] after every token,
+    routed expert ids [N, L, k]): each token attends causally within its own sequence, its positions from 0,
+    through the engine's paged forward."""
+    lengths = [int(n) for n in sequence_lengths]
+    if not lengths or min(lengths) < 1 or sum(lengths) != tokens.shape[0]:
+        raise ValueError(f"sequence_lengths {lengths} must be >= 1 each and sum to the {tokens.shape[0]} tokens")
+    device = tokens.device
+    pool = SequencePool(model.config, lengths, device, model.model.embed_tokens.weight.dtype)
+    counts = torch.tensor(lengths, device=device)
+    slot = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+    positions = torch.arange(tokens.shape[0], device=device) - pool.starts[slot]
+    segments = [(int(s), n) for s, n in zip(pool.starts.tolist(), lengths)]
+    logits = paged_forward(model, packed, kernels, pool, slot, tokens, positions,
+                           torch.arange(tokens.shape[0], device=device), max(lengths),
+                           kernels.prefill_tiles(segments, device))
+    return logits, pool.routing[:, 0]
