@@ -32,11 +32,13 @@ class ProtocolError(ValueError):
         super().__init__(f"{path}: {shown if len(shown) <= 80 else shown[:77] + '...'} is not allowed; {expected}")
 
 
-# Layout versions: the records between the roles (WIRE_FORMAT) and the orchestrator's persisted state
-# (STATE_FORMAT). Writers set them explicitly; a record without one is from before formats were recorded, which is
-# format 1's layout. Bump one when its layout changes, and read the older one (migrate) or refuse it (check_format).
+# Layout versions: the records between the roles (WIRE_FORMAT), the orchestrator's persisted state
+# (STATE_FORMAT) and the trainer's checkpoints (CHECKPOINT_FORMAT: trainer.json and the DCP keys beside it). Writers
+# set them explicitly; a record without one is from before formats were recorded, which is format 1's layout. Bump
+# one when its layout changes, and read the older one (migrate) or refuse it (check_format).
 WIRE_FORMAT = 1
 STATE_FORMAT = 1
+CHECKPOINT_FORMAT = 1
 
 
 def check_format(found: int, current: int, what: str) -> tuple[str, str] | None:

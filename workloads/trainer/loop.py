@@ -456,7 +456,7 @@ class Trainer:
         directory = latest(self.ckpt_root)
         if directory is None:
             return False
-        meta = json.loads((directory / "trainer.json").read_text())
+        meta = ckpt.read_meta(directory)
         self._ensure_optimizer_state()
         state = self._checkpoint_state()
         ckpt.load(state, directory)
