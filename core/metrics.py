@@ -53,6 +53,7 @@ ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion r
 ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter", "Completion attempts given up at their deadline (from max_tokens and the server's per-row rate), apart from server faults")
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
+ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times this run's orchestrator has started again from a persisted state (its own per-step file or a trainer checkpoint's); kept in that state, so it survives the restarts it counts")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,

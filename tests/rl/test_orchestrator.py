@@ -13,6 +13,7 @@ from rl_helpers import tiny_run
 from moe_rl_eks.workloads.orchestrator.app import build, resume_state
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, StepConflict
 from moe_rl_eks.workloads.orchestrator.pool import ServerPool, expand_endpoint
+from moe_rl_eks.workloads.orchestrator.state_file import read_state
 from moe_rl_eks.workloads.rl.protocol import (Group, OrchestratorState, PromptRecord, Sample, VersionRef)
 
 GRPO = lambda rewards: [r - sum(rewards) / len(rewards) for r in rewards]  # centred: enough to check placement
@@ -210,9 +211,10 @@ def fakes():
         f.close()
 
 
-def orchestrator(tmp_path, urls, state=None, **sections):
+def orchestrator(tmp_path, urls, state=None, fallback=None, state_path=None, **sections):
     run = tiny_run(tmp_path, training={"prompts_per_step": 2}, algorithm={"group_size": 2}, **sections)
-    return build(run, urls, token=None, events_path=tmp_path / "events.jsonl", state=state)
+    return build(run, urls, token=None, events_path=tmp_path / "events.jsonl", state=state, fallback=fallback,
+                 state_path=state_path)
 
 
 async def until(predicate, timeout=20.0):
@@ -376,3 +378,71 @@ def test_a_servers_measured_rate_sets_when_its_requests_count_as_stragglers(tmp_
 
     batch, counts = asyncio.run(scenario())
     assert len(batch.samples) == 4 and counts["hedges"] == 0 and counts["deadline_misses"] == 0
+
+
+def first_life_persisting_every_step(tmp_path, servers, steps, checkpoint_at):
+    """An orchestrator that serves `steps` batches of lineage 0 and is then dropped (as if SIGKILLed: nothing
+    written at exit); returns its state file's path, the checkpoint's state of step `checkpoint_at`, and the ids
+    served."""
+    path = tmp_path / "orchestrator-state.json"
+
+    async def life():
+        orch = orchestrator(tmp_path, servers.urls, state_path=path, orchestrator={"max_staleness": 1})
+        await orch.start()
+        served, checkpoint = [], None
+        for step in range(steps):
+            await orch.publish(VersionRef(0, step))
+            served += [s.id for s in (await orch.batch(step, 0, timeout_s=20)).samples]
+            assert read_state(path).batches.keys() == set(range(step + 1))  # written before it was served
+            if step == checkpoint_at:
+                checkpoint = orch.snapshot()
+        await orch.stop()
+        return checkpoint, served
+
+    return (path, *asyncio.run(life()))
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_an_orchestrator_restarted_alone_continues_from_its_own_state_and_serves_at_the_first_post(
+        tmp_path, fakes, with_checkpoint):
+    servers = fakes(2)
+    path, checkpoint, served = first_life_persisting_every_step(tmp_path, servers, steps=4, checkpoint_at=1)
+
+    async def second_life():
+        orch = orchestrator(tmp_path, servers.urls, state=read_state(path),
+                            fallback=checkpoint if with_checkpoint else None, state_path=path,
+                            orchestrator={"max_staleness": 1})
+        await orch.start()
+        assert await orch.batch(4, 1, timeout_s=20) is None  # at once: no version held, the trainer must post
+        await orch.publish(VersionRef(0, 4))  # the living trainer's re-post of its version
+        batch = await orch.batch(4, 1, timeout_s=20)
+        restarts = orch.buffer.counts["restarts"]
+        await orch.stop()
+        return batch, restarts
+
+    batch, restarts = asyncio.run(second_life())
+    assert batch.step == 4 and restarts == 1
+    ids = [s.id for s in batch.samples]
+    assert not set(ids) & set(served)  # the checkpoint's older state was not taken: nothing served twice
+    assert all(0 <= 4 - s.version.version <= 1 for s in batch.samples)
+
+
+def test_a_trainer_resuming_in_a_new_lineage_makes_the_restarted_orchestrator_take_the_checkpoints_state(
+        tmp_path, fakes):
+    servers = fakes(2)
+    path, checkpoint, served = first_life_persisting_every_step(tmp_path, servers, steps=4, checkpoint_at=1)
+
+    async def second_life():
+        orch = orchestrator(tmp_path, servers.urls, state=read_state(path), fallback=checkpoint, state_path=path,
+                            orchestrator={"max_staleness": 1})
+        await orch.start()
+        await orch.publish(VersionRef(1, 2))  # resumed from the checkpoint of step 1 (it trains step 2 next)
+        batch = await orch.batch(2, 2, timeout_s=20)
+        consumed = orch.buffer.consumed
+        await orch.stop()
+        return batch, consumed
+
+    batch, consumed = asyncio.run(second_life())
+    assert checkpoint.consumed == 2 * 2 and consumed == 3 * 2  # batches 0..2 from the checkpoint's cursor
+    # batch 2 formed again from the checkpoint's groups and prompts (same seeds): the dead trainer's batch 2
+    assert [s.id for s in batch.samples] == served[8:12]

@@ -22,7 +22,7 @@ from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, 
                           TrainingSample, VersionRef, staleness_ok)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
-          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests")
+          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests", "restarts")
 
 
 class StepConflict(ValueError):

@@ -64,8 +64,17 @@ class BatchSource(Protocol):
 
 
 class HttpBatchSource:
+    """The orchestrator over HTTP. A restarted orchestrator knows no trainer version (its budget is 0, no batch
+    forms) and says so in its 202: the newest version this source posted is posted again, so batches flow within
+    one poll. Locking rule: `_lock` guards `posted` (the announcer's thread posts, the trainer's thread polls)."""
+
+    STATE_ATTEMPTS = 5  # /v1/state: an orchestrator blip at checkpoint time must not kill the trainer, nor hang it
+
     def __init__(self, url: str) -> None:
         self.url = url
+        self._lock = threading.Lock()
+        self.posted: VersionRef | None = None
+        self.reannounced = 0
 
     def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
         while not stopping():
@@ -81,15 +90,50 @@ class HttpBatchSource:
                 log.warning("orchestrator unreachable (%s); retrying", exc)
                 time.sleep(1)
                 continue
-            if data.get("samples"):  # else {"ready": false}: not ready within the long poll; ask again
+            if data.get("samples"):
                 return Batch.from_json(data)
+            # {"ready": false, "trainer": ...}: not ready within the long poll; ask again, after re-posting our
+            # version where the orchestrator holds an older one or none (it restarted)
+            held = None if data.get("trainer") is None else VersionRef.from_json(data["trainer"])
+            with self._lock:
+                posted = self.posted
+            if posted is None:
+                time.sleep(0.5)  # answered at once (no version held): our first version is still being written
+            elif held is None or held < posted:
+                self._reannounce(posted, held)
         return None
+
+    def _reannounce(self, posted: VersionRef, held: VersionRef | None) -> None:
+        log.warning("the orchestrator holds %s, not our version %s (it restarted): posting it again", held, posted)
+        try:
+            self.version_published(posted.version, posted.lineage)
+            self.reannounced += 1
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            log.warning("re-posting version %s failed (%s); asking again", posted, exc)
+            time.sleep(1)
 
     def version_published(self, version: int, lineage: int) -> None:
         http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
+        with self._lock:
+            self.posted = max(self.posted or VersionRef(lineage, version), VersionRef(lineage, version))
 
     def state(self) -> dict | None:
-        return http_json("GET", f"{self.url}/v1/state", timeout=60)
+        """The orchestrator's state, retried STATE_ATTEMPTS times (1, 2, 4, 8 s apart) when it does not answer or
+        answers 5xx; then the checkpoint fails loudly, naming the orchestrator."""
+        for attempt in range(self.STATE_ATTEMPTS):
+            try:
+                return http_json("GET", f"{self.url}/v1/state", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise
+                error = exc
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                error = exc
+            if attempt + 1 < self.STATE_ATTEMPTS:
+                log.warning("orchestrator state unavailable (%s); retrying", error)
+                time.sleep(2 ** attempt)
+        raise RuntimeError(f"{self.url}/v1/state did not answer in {self.STATE_ATTEMPTS} attempts (last: {error}); "
+                           "the checkpoint cannot record the orchestrator's state")
 
 
 class Announcer:
