@@ -1,4 +1,5 @@
-"""Helpers shared by the RL tests: tiny run files, published initial weights, JSON over HTTP, sample accounting."""
+"""Helpers shared by the RL tests: tiny run files, published initial weights, JSON over HTTP, schema fuzzing,
+sample accounting."""
 from __future__ import annotations
 
 import json
@@ -76,6 +77,30 @@ def call(method: str, url: str, body=None, *, raw: bytes | None = None, headers:
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+def fuzz_openapi(url: str, examples_per_mode: int, check, headers: dict | None = None):
+    """schemathesis against `url`/openapi.json: `examples_per_mode` seeded requests to every operation in each
+    generation mode (valid per the schema, and hostile: wrong types, out of range, missing fields).
+    `check(mode, case, response)` asserts what must hold; returns the Counter of (mode, path, status)."""
+    from collections import Counter
+
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    statuses: Counter = Counter()
+    for mode in GenerationMode:
+        @settings(max_examples=examples_per_mode, derandomize=True, database=None, deadline=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=schema.as_strategy(mode))
+        def fuzz(case):
+            response = case.call(base_url=url, headers=headers, timeout=30)
+            check(mode.value, case, response)
+            statuses[(mode.value, case.path, response.status_code)] += 1
+        fuzz()
+    return statuses
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):

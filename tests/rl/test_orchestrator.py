@@ -62,8 +62,11 @@ def test_no_new_prompt_beyond_the_staleness_budget_and_none_before_the_trainer_p
     complete(buf, 0, 0)
     buf.issue(prompt(1))
     assert buf.budget_left() == 0 and buf.demand() == 1
-    buf.set_trainer(VersionRef(0, 1))
-    assert buf.budget_left() == 2  # step 1's two groups
+    buf.set_trainer(VersionRef(0, 1000))  # no trainer can be past step 0, the next batch to form: budget unmoved
+    assert buf.budget_left() == 0
+    buf.complete(group(1, 0), rewards_failed=0, dynamic_sampling=False)
+    assert buf.batch(0, 0, 0, GRPO) is not None
+    assert buf.budget_left() == 2  # step 1's two groups: counted as version 1, the next batch to form
     async_buf = GroupBuffer(prompts_per_step=2, max_staleness=2, correct_reward=1.0)
     async_buf.set_trainer(VersionRef(0, 0))
     for i in range(5):

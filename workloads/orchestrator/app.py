@@ -25,7 +25,7 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..rl.algorithms import make_algorithm
 from ..rl.protocol import OrchestratorState, PromptRecord, VersionRef
-from ..rl.runtime import load, output_dir, run_argparser
+from ..rl.runtime import HttpError, json_api, load, output_dir, run_argparser
 from .buffer import StepConflict
 from .client import HttpRolloutBackend
 from .driver import Orchestrator, Settings
@@ -41,7 +41,8 @@ class VersionPost(BaseModel):
     lineage: int = Field(default=0, ge=0, strict=True)
 
 
-def make_app(orch: Orchestrator) -> FastAPI:
+def make_app(orch: Orchestrator, batch_poll_s: float = BATCH_POLL_S) -> FastAPI:
+    """`batch_poll_s`: how long a batch request waits for its batch before answering 202."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await orch.start()
@@ -50,7 +51,9 @@ def make_app(orch: Orchestrator) -> FastAPI:
         finally:
             await orch.stop()
 
-    app = FastAPI(title="moerl orchestrator", lifespan=lifespan)
+    # every error OpenAI's shape, as the rollout server's: malformed input a 400 naming the field, never a 5xx
+    app = json_api("moerl orchestrator", "Batches for the trainers, their versions pushed to the rollout servers",
+                   lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> dict:
@@ -70,10 +73,9 @@ def make_app(orch: Orchestrator) -> FastAPI:
     @app.get("/v1/batch")
     async def batch(step: int = Query(ge=0), committed: int = Query(default=0, ge=0)) -> Response:
         try:
-            found = await orch.batch(step, committed, BATCH_POLL_S)
+            found = await orch.batch(step, committed, batch_poll_s)
         except StepConflict as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "step"}},
-                                status_code=409)
+            raise HttpError(409, str(exc), param="step") from None
         if found is None:
             trainer = orch.buffer.trainer
             return JSONResponse({"ready": False, "step": step, "trainer": trainer.to_json() if trainer else None},

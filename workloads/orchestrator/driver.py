@@ -205,6 +205,7 @@ class Orchestrator:
             while True:
                 trainer = self.buffer.trainer
                 if trainer is not None:
+                    self.buffer.check_step(step, committed)  # a refused request changes nothing
                     for request_id in self.buffer.revalidate(step, trainer.lineage):
                         self._event("dropped_stale", request_id=request_id, step=step, lineage=trainer.lineage)
                     known = step in self.buffer.batches
