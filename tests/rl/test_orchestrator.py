@@ -449,3 +449,36 @@ def test_a_trainer_resuming_in_a_new_lineage_makes_the_restarted_orchestrator_ta
     assert checkpoint.consumed == 2 * 2 and consumed == 3 * 2  # batches 0..2 from the checkpoint's cursor
     # batch 2 formed again from the checkpoint's groups and prompts (same seeds): the dead trainer's batch 2
     assert [s.id for s in batch.samples] == served[8:12]
+
+
+def test_the_trainers_source_reposts_its_version_to_a_restarted_orchestrator_and_gets_the_next_batch(
+        tmp_path, fakes):
+    """Through the HTTP seams both sides use: the first orchestrator serves batches 0 and 1 to the trainer's
+    HttpBatchSource and dies; one started on the same port from its state file answers the next poll with no
+    version held, the source re-posts version 2, and the poll after that gets batch 2."""
+    from moe_rl_eks.workloads.orchestrator.app import make_app
+    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+    from moe_rl_eks.workloads.trainer.loop import HttpBatchSource
+
+    servers, path = fakes(2), tmp_path / "orchestrator-state.json"
+
+    def serve(state, port=0):
+        orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 0})
+        return BackgroundServer(make_app(orch, batch_poll_s=5.0), port=port).start()
+
+    first = serve(None)
+    source = HttpBatchSource(first.url)
+    trained = []
+    for step in range(2):
+        source.version_published(step, 0)
+        trained += [s.id for s in source.next_batch(step, 0, lambda: False).samples]
+    source.version_published(2, 0)
+    first.stop()  # its state file holds batches 0 and 1: nothing of it is written at exit
+    second = serve(read_state(path), port=first.port)
+    try:
+        batch = source.next_batch(2, 0, lambda: False)
+    finally:
+        second.stop()
+    assert source.reannounced == 1 and batch.step == 2
+    assert not {s.id for s in batch.samples} & set(trained)
+    assert all(s.version == VersionRef(0, 2) for s in batch.samples)  # synchronous: the re-posted version's

@@ -65,15 +65,16 @@ class BatchSource(Protocol):
 
 class HttpBatchSource:
     """The orchestrator over HTTP. A restarted orchestrator knows no trainer version (its budget is 0, no batch
-    forms) and says so in its 202: the newest version this source posted is posted again, so batches flow within
-    one poll. Locking rule: `_lock` guards `posted` (the announcer's thread posts, the trainer's thread polls)."""
+    forms) and says so in its 202; so does one whose post of our newest version failed (it was down then): that
+    version is posted again, so batches flow within one poll. Locking rule: `_lock` guards `newest` (the
+    announcer's thread posts, the trainer's thread polls)."""
 
     STATE_ATTEMPTS = 5  # /v1/state: an orchestrator blip at checkpoint time must not kill the trainer, nor hang it
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._lock = threading.Lock()
-        self.posted: VersionRef | None = None
+        self.newest: VersionRef | None = None  # the newest version the trainer asked to post (posted or not)
         self.reannounced = 0
 
     def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
@@ -96,26 +97,28 @@ class HttpBatchSource:
             # version where the orchestrator holds an older one or none (it restarted)
             held = None if data.get("trainer") is None else VersionRef.from_json(data["trainer"])
             with self._lock:
-                posted = self.posted
-            if posted is None:
+                newest = self.newest
+            if newest is None:
                 time.sleep(0.5)  # answered at once (no version held): our first version is still being written
-            elif held is None or held < posted:
-                self._reannounce(posted, held)
+            elif held is None or held < newest:
+                self._reannounce(newest, held)
         return None
 
-    def _reannounce(self, posted: VersionRef, held: VersionRef | None) -> None:
-        log.warning("the orchestrator holds %s, not our version %s (it restarted): posting it again", held, posted)
+    def _reannounce(self, newest: VersionRef, held: VersionRef | None) -> None:
+        log.warning("the orchestrator holds %s, not our version %s (it restarted, or was down when we posted "
+                    "it): posting it again", held, newest)
         try:
-            self.version_published(posted.version, posted.lineage)
+            self.version_published(newest.version, newest.lineage)
             self.reannounced += 1
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            log.warning("re-posting version %s failed (%s); asking again", posted, exc)
+            log.warning("re-posting version %s failed (%s); asking again", newest, exc)
             time.sleep(1)
 
     def version_published(self, version: int, lineage: int) -> None:
+        ref = VersionRef(lineage, version)
+        with self._lock:  # first: if the post fails, the next 202 shows the orchestrator lacks it
+            self.newest = max(self.newest or ref, ref)
         http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
-        with self._lock:
-            self.posted = max(self.posted or VersionRef(lineage, version), VersionRef(lineage, version))
 
     def state(self) -> dict | None:
         """The orchestrator's state, retried STATE_ATTEMPTS times (1, 2, 4, 8 s apart) when it does not answer or
@@ -613,7 +616,9 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         with open(self.out / "trained.jsonl", "a") as f:
-            f.write(json.dumps({"step": batch.step, "ids": [s.id for s in batch.samples]}) + "\n")
+            # which samples trained, from which weights: tests prove from it that none trains twice or too stale
+            f.write(json.dumps({"step": batch.step, "lineage": self.lineage, "ids": [s.id for s in batch.samples],
+                                "versions": [[s.version.lineage, s.version.version] for s in batch.samples]}) + "\n")
         for key, value in row.items():
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
