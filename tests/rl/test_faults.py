@@ -200,7 +200,8 @@ def test_a_rollout_server_sigkilled_while_loading_a_version_is_restarted_and_the
     cluster = LocalCluster(str(path), load_run(path))
     for i in range(2):
         cluster.start_server(i)
-    victim = FaultProxy(cluster.servers[1].url)  # the orchestrator reaches server 1 only through the proxy
+    real = cluster.servers[1].url
+    victim = FaultProxy(real)  # the orchestrator reaches server 1 only through the proxy
     cluster.servers[1].url = victim.url
     killed = []
 
@@ -214,7 +215,8 @@ def test_a_rollout_server_sigkilled_while_loading_a_version_is_restarted_and_the
         wait_until(lambda: read_metrics(cluster.out), 180, "the first step")
         victim.on_load = kill_while_loading
         wait_until(lambda: killed, 60, "a weight load to reach server 1")
-        cluster.start_server(1)  # on its port, behind the proxy still
+        cluster.servers[1].url = real
+        cluster.start_server(1)  # on its own port, behind the proxy still
         cluster.servers[1].url = victim.url
         state = finish(cluster)
         # the restarted server is brought to the trainer's last version like any other

@@ -482,3 +482,27 @@ def test_the_trainers_source_reposts_its_version_to_a_restarted_orchestrator_and
     assert source.reannounced == 1 and batch.step == 2
     assert not {s.id for s in batch.samples} & set(trained)
     assert all(s.version == VersionRef(0, 2) for s in batch.samples)  # synchronous: the re-posted version's
+
+
+def test_a_refused_batch_request_drops_no_group_and_forgets_no_batch(tmp_path, fakes):
+    servers = fakes(1)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 0))
+        assert await orch.batch(0, 0, timeout_s=20) is not None
+        await until(lambda: len(orch.buffer.buffered) >= 2)  # the budget's later groups wait for steps 1 and 2
+        await orch.stop()  # nothing moves now but the requests below
+        before = orch.snapshot()
+        refusals = []
+        for step, committed in [(7, 0), (0, 1), (1, 5)]:  # past the next batch; forgotten; committed past it
+            with pytest.raises(StepConflict) as refused:
+                await orch.batch(step, committed, timeout_s=0)
+            refusals.append(str(refused.value))
+        return before, orch.snapshot(), refusals
+
+    before, after, refusals = asyncio.run(scenario())
+    assert after == before  # no group dropped as stale for step 7, batch 0 not forgotten
+    assert refusals[0] == "step 7: the next batch to form is step 1; ask for that one"
+    assert refusals[2].startswith("step 1: its batch was forgotten or would be (committed=5")
