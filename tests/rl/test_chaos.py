@@ -2,7 +2,7 @@
 the orchestrator and an EP=2 trainer run; then the trainer is preempted (SIGTERM). Asserts the accounting, not the
 timing: every completed sample is trained exactly once or dropped for a counted reason, none is lost, none trained
 twice or past its staleness bound, no request failed for good; and what follows the preemption: the trainer
-checkpoints the step it stopped at (every trained step is in the checkpoint) and exits 0, and the checkpoint holds
+checkpoints the step it stopped at on both ranks (every trained step is in the checkpoint), and the checkpoint holds
 the orchestrator's state with every batch not yet committed. The throughput against an undisturbed run is measured
 by `moerl bench-rl --chaos` (workloads/BENCHMARKS-rl.md). About 70 s on the 2-core machine."""
 import json
@@ -30,11 +30,13 @@ def test_rollout_servers_killed_every_20_s_lose_and_duplicate_no_sample(tmp_path
     acc = sample_accounting(cluster.out, state, max_staleness=1)
     steps = trained_steps(cluster.out)
     assert sorted(steps) == list(range(len(steps)))  # every step trained, once
-    # after the preemption: a clean exit, with a checkpoint of the last trained step, not of an earlier one
-    assert cluster.trainer.proc.returncode == 0
+    # after the preemption: both ranks checkpoint the last trained step, not an earlier one, and it is committed
+    # (torchrun's agent itself exits 1 on the signal, SignalException, whatever its workers do: not asserted)
     checkpoint = latest_checkpoint(cluster.out / "checkpoints")
     assert checkpoint.name == f"step-{len(steps):08d}"
-    assert f"SIGTERM: checkpointing at step {len(steps)}" in (cluster.logs / "trainer.log").read_text()
+    log = (cluster.logs / "trainer.log").read_text()
+    assert log.count(f"SIGTERM: checkpointing at step {len(steps)} and exiting") == 2
+    assert f"checkpoint {checkpoint}" in log
     kept = json.loads((checkpoint / "orchestrator.json").read_text())
     # no checkpoint was committed before (checkpoint_every 10,000): every batch trained is kept, and no other
     assert kept["consumed"] == len(steps) * 4 and {int(s) for s in kept["batches"]} == set(steps)

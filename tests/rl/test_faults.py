@@ -1,10 +1,10 @@
 """Faults, on the real multi-process loop (rollout servers, orchestrator, torchrun trainer with EP=2 over gloo):
 a rollout server killed and another straggling (behind a proxy that delays its answers), a rollout server killed
-while it loads a version, the trainer and the orchestrator killed and resumed while the servers hold newer versions
+as a weight load reaches it, the trainer and the orchestrator killed and resumed while the servers hold newer versions
 (bitwise in synchronous mode), the orchestrator alone killed (synchronous and asynchronous), the asynchronous
 trainer killed, a preempted trainer (no sample lost or used twice in asynchronous mode). Every test proves of the
 samples trained that none trained twice and none past its staleness bound (rl_helpers.check_trained). Each takes
-30-120 s on the 2-core machine."""
+18-110 s on the 2-core machine (about 7 minutes for the file)."""
 import signal
 
 import pytest
