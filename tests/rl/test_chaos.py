@@ -4,7 +4,7 @@ timing: every completed sample is trained exactly once or dropped for a counted 
 twice or past its staleness bound, no request failed for good; and what follows the preemption: the trainer
 checkpoints the step it stopped at on both ranks (every trained step is in the checkpoint), and the checkpoint holds
 the orchestrator's state with every batch not yet committed. The throughput against an undisturbed run is measured
-by `moerl bench-rl --chaos` (workloads/BENCHMARKS-rl.md). About 70 s on the 2-core machine."""
+by `moerl bench-rl --chaos` (workloads/BENCHMARKS-rl.md). About 90 s on the 2-core machine."""
 import json
 
 from rl_helpers import call, sample_accounting, trained_steps, write_run

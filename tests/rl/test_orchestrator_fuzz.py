@@ -5,7 +5,7 @@ describe (numbers past 64 bits, wrong types, duplicate and extra keys, deep nest
 not UTF-8). None may get a 5xx, and a refused one (4xx) must leave the orchestrator's state as it was. Its one
 rollout endpoint is a closed port, so nothing completes: the state moves only through the requests (a version
 post lets the dispatcher issue prompts, which the check waits out before it reads the state a refused request
-must keep). About 40 s on the 2-core machine."""
+must keep). About 55 s on the 2-core machine."""
 import json
 import random
 import time
