@@ -57,6 +57,7 @@ ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion r
 ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter", "Completion attempts given up at their deadline (from max_tokens and the server's per-row rate), apart from server faults")
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
+ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times this run's orchestrator has started again from a persisted state (its own per-step file or a trainer checkpoint's); kept in that state, so it survives the restarts it counts")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,
@@ -67,4 +68,5 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
-       ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION)
+       ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
+       ORCHESTRATOR_RESTARTS)

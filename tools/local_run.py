@@ -119,7 +119,9 @@ class LocalCluster:
         return role
 
     def start_orchestrator(self, resume: bool = False, cpus: set[int] | None = None) -> Role:
-        port = free_port()
+        """Start the orchestrator; a restarted one takes its predecessor's port, so the trainer's --orchestrator
+        still names it (as a Service's name would on a cluster)."""
+        port = int(self.orchestrator.url.rsplit(":", 1)[1]) if self.orchestrator is not None else free_port()
         argv = CLI + ["orchestrate", "--run", self.run_path, "--host", "127.0.0.1", "--port", str(port)]
         for s in self.servers:
             argv += ["--endpoint", s.url]

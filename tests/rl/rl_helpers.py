@@ -1,11 +1,15 @@
-"""Helpers shared by the RL tests: tiny run files, published initial weights, JSON over HTTP, sample accounting."""
+"""Helpers shared by the RL tests: tiny run files, published initial weights, JSON over HTTP, schema fuzzing,
+sample accounting."""
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -78,6 +82,28 @@ def call(method: str, url: str, body=None, *, raw: bytes | None = None, headers:
         return status, text
 
 
+def fuzz_openapi(url: str, examples_per_mode: int, check, headers: dict | None = None):
+    """schemathesis against `url`/openapi.json: `examples_per_mode` seeded requests to every operation in each
+    generation mode (valid per the schema, and hostile: wrong types, out of range, missing fields).
+    `check(mode, case, response)` asserts what must hold; returns the Counter of (mode, path, status)."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    statuses: Counter = Counter()
+    for mode in GenerationMode:
+        @settings(max_examples=examples_per_mode, derandomize=True, database=None, deadline=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=schema.as_strategy(mode))
+        def fuzz(case):
+            response = case.call(base_url=url, headers=headers, timeout=30)
+            check(mode.value, case, response)
+            statuses[(mode.value, case.path, response.status_code)] += 1
+        fuzz()
+    return statuses
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -88,20 +114,46 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def trained_steps(out: Path) -> dict[int, list[str]]:
-    """Sample ids trained at each step; a step re-run after a resume overwrites the dead trainer's record."""
+def trained_history(out: Path) -> list[dict]:
+    """trained.jsonl's rows that the run kept, in order: a trainer resumed from its checkpoint of step k trains
+    step k again, and the dead trainer's rows from step k on (its work past the checkpoint) are rolled back."""
     path = out / "trained.jsonl"
-    steps = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            steps[row["step"]] = row["ids"]
-    return steps
+    rows: list[dict] = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        rows = [r for r in rows if r["step"] < row["step"]] + [row]
+    return rows
 
 
-def sample_accounting(out: Path, final_state: dict) -> dict:
-    """Every completed request is trained, dropped as stale, filtered, or still buffered/batched at the end —
-    exactly once. Returns the sets for the test's own assertions."""
+def check_trained(out: Path, max_staleness: int) -> list[dict]:
+    """What every process test proves of the samples trained: no sample id trains twice (keyed by id, so a step
+    trained twice shows), and each sample's weights are at most `max_staleness` versions behind its step, never
+    ahead, and in the trainer's history (its own lineage, or an older one's up to where the trainer's began).
+    Returns the kept rows."""
+    rows = trained_history(out)
+    twice = sorted(i for i, n in Counter(i for r in rows for i in r["ids"]).items() if n > 1)
+    assert not twice, f"sample ids trained twice: {twice[:10]}"
+    began = {}
+    for r in rows:
+        began.setdefault(r["lineage"], r["step"])
+    for r in rows:
+        for sample, (lineage, version) in zip(r["ids"], r["versions"]):
+            where = f"step {r['step']} (lineage {r['lineage']}) trained {sample} of version {version} ({lineage})"
+            assert 0 <= r["step"] - version <= max_staleness, where + f": staleness past {max_staleness}"
+            assert lineage == r["lineage"] or (lineage < r["lineage"] and version <= began[r["lineage"]]), \
+                where + ": weights outside the trainer's history"
+    return rows
+
+
+def trained_steps(out: Path) -> dict[int, list[str]]:
+    """Sample ids trained at each step the run kept (trained_history)."""
+    return {r["step"]: r["ids"] for r in trained_history(out)}
+
+
+def sample_accounting(out: Path, final_state: dict, max_staleness: int) -> dict:
+    """check_trained, and: every completed request is trained, dropped as stale, filtered, or still
+    buffered/batched at the end — exactly once. Returns the sets for the test's own assertions."""
+    check_trained(out, max_staleness)
     events = [json.loads(line) for line in (out / "orchestrator-events.jsonl").read_text().splitlines()]
     completed = [e["request_id"] for e in events if e["event"] == "completed"]
     dropped = {e["request_id"] for e in events if e["event"] == "dropped_stale"}
@@ -118,12 +170,15 @@ def sample_accounting(out: Path, final_state: dict) -> dict:
             "trained_ids": trained_ids}
 
 
-class SlowProxy:
-    """A rollout server as the orchestrator sees it when it straggles: health checks and weight loads pass
-    straight through, each completion request is held `delay_s` before it is forwarded (its answer comes late)."""
+class FaultProxy:
+    """A rollout server as the orchestrator sees it through a fault: each completion request is held `delay_s`
+    before it is forwarded (a straggler: its answer comes late); `on_load`, if given, is called once, in a thread,
+    as the first weight load after it is set reaches the server (to kill the server while it loads). Everything
+    else passes straight through."""
 
-    def __init__(self, target: str, delay_s: float) -> None:
+    def __init__(self, target: str, delay_s: float = 0.0) -> None:
         self.target, self.delay_s, self.held = target, delay_s, 0
+        self.on_load = None
         proxy, lock = self, threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -133,15 +188,23 @@ class SlowProxy:
                     with lock:
                         proxy.held += 1
                     time.sleep(proxy.delay_s)
+                fault = None
+                if self.path == "/v1/weights/load":
+                    with lock:
+                        fault, proxy.on_load = proxy.on_load, None
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
-                req = urllib.request.Request(proxy.target + self.path, data=body, method=self.command, headers=headers)
+                target = urllib.parse.urlsplit(proxy.target)
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
-                    with urllib.request.urlopen(req, timeout=60) as resp:
-                        status, data = resp.status, resp.read()
-                except urllib.error.HTTPError as err:
-                    status, data = err.code, err.read()
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    if fault is not None:  # the server has the load request: it dies handling it
+                        fault()
+                    resp = conn.getresponse()
+                    status, data = resp.status, resp.read()
                 except OSError:
                     status, data = 502, b'{"error": {"message": "rollout server unreachable"}}'
+                finally:
+                    conn.close()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")

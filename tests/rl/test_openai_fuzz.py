@@ -2,13 +2,7 @@
 half of them valid per the schema and half hostile (wrong types, out of range, missing fields). None may get a 5xx
 (nor a 200 stream that carries a server error), every error is OpenAI's shape, and the server still answers a
 valid request afterwards."""
-from collections import Counter
-
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis import GenerationMode
-
-from rl_helpers import call
+from rl_helpers import call, fuzz_openapi
 
 EXAMPLES_PER_MODE = 150
 AUTH = {"Authorization": "Bearer s3cret"}  # so weight loads reach validation and the store, not only 401
@@ -16,22 +10,16 @@ AUTH = {"Authorization": "Bearer s3cret"}  # so weight loads reach validation an
 
 def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(rollout):
     url = rollout["url"]
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    statuses: Counter = Counter()
-    for mode in GenerationMode:
-        @settings(max_examples=EXAMPLES_PER_MODE, derandomize=True, database=None, deadline=None,
-                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=schema.as_strategy(mode))
-        def fuzz(case):
-            response = case.call(base_url=url, headers=AUTH, timeout=30)
-            where = f"{case.method} {case.path} {case.body!r:.300}"
-            assert response.status_code < 500, f"{where} -> {response.status_code} {response.text[:500]}"
-            if response.status_code >= 400:
-                assert set(response.json()["error"]) == {"message", "type", "param", "code"}, where
-            elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-                assert '"server_error"' not in response.text, where
-            statuses[(mode.value, case.path, response.status_code)] += 1
-        fuzz()
+
+    def check(mode, case, response):
+        where = f"{case.method} {case.path} {case.body!r:.300}"
+        assert response.status_code < 500, f"{where} -> {response.status_code} {response.text[:500]}"
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}, where
+        elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+            assert '"server_error"' not in response.text, where
+
+    statuses = fuzz_openapi(url, EXAMPLES_PER_MODE, check, headers=AUTH)
     # both kinds reached the generation endpoints, and some fuzzed completions were served
     assert any(m == "negative" and p == "/v1/completions" and s == 400 for m, p, s in statuses)
     assert any(p == "/v1/completions" and s == 200 for _, p, s in statuses)

@@ -13,6 +13,7 @@ from rl_helpers import tiny_run
 from moe_rl_eks.workloads.orchestrator.app import build, resume_state
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, StepConflict
 from moe_rl_eks.workloads.orchestrator.pool import ServerPool, expand_endpoint
+from moe_rl_eks.workloads.orchestrator.state_file import read_state
 from moe_rl_eks.workloads.rl.protocol import (Group, OrchestratorState, PromptRecord, Sample, VersionRef, VersionSpan,
                                               one_version)
 
@@ -79,8 +80,11 @@ def test_no_new_prompt_beyond_the_staleness_budget_and_none_before_the_trainer_p
     complete(buf, 0, 0)
     buf.issue(prompt(1))
     assert buf.budget_left() == 0 and buf.demand() == 1
-    buf.set_trainer(VersionRef(0, 1))
-    assert buf.budget_left() == 2  # step 1's two groups
+    buf.set_trainer(VersionRef(0, 1000))  # no trainer can be past step 0, the next batch to form: budget unmoved
+    assert buf.budget_left() == 0
+    buf.complete(group(1, 0), rewards_failed=0, dynamic_sampling=False)
+    assert buf.batch(0, 0, 0, GRPO) is not None
+    assert buf.budget_left() == 2  # step 1's two groups: counted as version 1, the next batch to form
     async_buf = GroupBuffer(prompts_per_step=2, max_staleness=2, correct_reward=1.0)
     async_buf.set_trainer(VersionRef(0, 0))
     for i in range(5):
@@ -245,9 +249,10 @@ def fakes():
         f.close()
 
 
-def orchestrator(tmp_path, urls, state=None, **sections):
+def orchestrator(tmp_path, urls, state=None, fallback=None, state_path=None, **sections):
     run = tiny_run(tmp_path, training={"prompts_per_step": 2}, algorithm={"group_size": 2}, **sections)
-    return build(run, urls, token=None, events_path=tmp_path / "events.jsonl", state=state)
+    return build(run, urls, token=None, events_path=tmp_path / "events.jsonl", state=state, fallback=fallback,
+                 state_path=state_path)
 
 
 async def until(predicate, timeout=20.0):
@@ -440,3 +445,128 @@ def test_a_servers_measured_rate_sets_when_its_requests_count_as_stragglers(tmp_
 
     batch, counts = asyncio.run(scenario())
     assert len(batch.samples) == 4 and counts["hedges"] == 0 and counts["deadline_misses"] == 0
+
+
+def first_life_persisting_every_step(tmp_path, servers, steps, checkpoint_at):
+    """An orchestrator that serves `steps` batches of lineage 0 and is then dropped (as if SIGKILLed: nothing
+    written at exit); returns its state file's path, the checkpoint's state of step `checkpoint_at`, and the ids
+    served."""
+    path = tmp_path / "orchestrator-state.json"
+
+    async def life():
+        orch = orchestrator(tmp_path, servers.urls, state_path=path, orchestrator={"max_staleness": 1})
+        await orch.start()
+        served, checkpoint = [], None
+        for step in range(steps):
+            await orch.publish(VersionRef(0, step))
+            served += [s.id for s in (await orch.batch(step, 0, timeout_s=20)).samples]
+            assert read_state(path).batches.keys() == set(range(step + 1))  # written before it was served
+            if step == checkpoint_at:
+                checkpoint = orch.snapshot()
+        await orch.stop()
+        return checkpoint, served
+
+    return (path, *asyncio.run(life()))
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_an_orchestrator_restarted_alone_continues_from_its_own_state_and_serves_at_the_first_post(
+        tmp_path, fakes, with_checkpoint):
+    servers = fakes(2)
+    path, checkpoint, served = first_life_persisting_every_step(tmp_path, servers, steps=4, checkpoint_at=1)
+
+    async def second_life():
+        orch = orchestrator(tmp_path, servers.urls, state=read_state(path),
+                            fallback=checkpoint if with_checkpoint else None, state_path=path,
+                            orchestrator={"max_staleness": 1})
+        await orch.start()
+        assert await orch.batch(4, 1, timeout_s=20) is None  # at once: no version held, the trainer must post
+        await orch.publish(VersionRef(0, 4))  # the living trainer's re-post of its version
+        batch = await orch.batch(4, 1, timeout_s=20)
+        restarts = orch.buffer.counts["restarts"]
+        await orch.stop()
+        return batch, restarts
+
+    batch, restarts = asyncio.run(second_life())
+    assert batch.step == 4 and restarts == 1
+    ids = [s.id for s in batch.samples]
+    assert not set(ids) & set(served)  # the checkpoint's older state was not taken: nothing served twice
+    assert all(0 <= 4 - s.version.version <= 1 for s in batch.samples)
+
+
+def test_a_trainer_resuming_in_a_new_lineage_makes_the_restarted_orchestrator_take_the_checkpoints_state(
+        tmp_path, fakes):
+    servers = fakes(2)
+    path, checkpoint, served = first_life_persisting_every_step(tmp_path, servers, steps=4, checkpoint_at=1)
+
+    async def second_life():
+        orch = orchestrator(tmp_path, servers.urls, state=read_state(path), fallback=checkpoint, state_path=path,
+                            orchestrator={"max_staleness": 1})
+        await orch.start()
+        await orch.publish(VersionRef(1, 2))  # resumed from the checkpoint of step 1 (it trains step 2 next)
+        batch = await orch.batch(2, 2, timeout_s=20)
+        consumed = orch.buffer.consumed
+        await orch.stop()
+        return batch, consumed
+
+    batch, consumed = asyncio.run(second_life())
+    assert checkpoint.consumed == 2 * 2 and consumed == 3 * 2  # batches 0..2 from the checkpoint's cursor
+    # batch 2 formed again from the checkpoint's groups and prompts (same seeds): the dead trainer's batch 2
+    assert [s.id for s in batch.samples] == served[8:12]
+
+
+def test_the_trainers_source_reposts_its_version_to_a_restarted_orchestrator_and_gets_the_next_batch(
+        tmp_path, fakes):
+    """Through the HTTP seams both sides use: the first orchestrator serves batches 0 and 1 to the trainer's
+    HttpBatchSource and dies; one started on the same port from its state file answers the next poll with no
+    version held, the source re-posts version 2, and the poll after that gets batch 2."""
+    from moe_rl_eks.workloads.orchestrator.app import make_app
+    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+    from moe_rl_eks.workloads.trainer.loop import HttpBatchSource
+
+    servers, path = fakes(2), tmp_path / "orchestrator-state.json"
+
+    def serve(state, port=0):
+        orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 0})
+        return BackgroundServer(make_app(orch, batch_poll_s=5.0), port=port).start()
+
+    first = serve(None)
+    source = HttpBatchSource(first.url)
+    trained = []
+    for step in range(2):
+        source.version_published(step, 0)
+        trained += [s.id for s in source.next_batch(step, 0, lambda: False).samples]
+    source.version_published(2, 0)
+    first.stop()  # its state file holds batches 0 and 1: nothing of it is written at exit
+    second = serve(read_state(path), port=first.port)
+    try:
+        batch = source.next_batch(2, 0, lambda: False)
+    finally:
+        second.stop()
+    assert source.reannounced == 1 and batch.step == 2
+    assert not {s.id for s in batch.samples} & set(trained)
+    assert all(s.version == VersionRef(0, 2) for s in batch.samples)  # synchronous: the re-posted version's
+
+
+def test_a_refused_batch_request_drops_no_group_and_forgets_no_batch(tmp_path, fakes):
+    servers = fakes(1)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 0))
+        assert await orch.batch(0, 0, timeout_s=20) is not None
+        await until(lambda: len(orch.buffer.buffered) >= 2)  # the budget's later groups wait for steps 1 and 2
+        await orch.stop()  # nothing moves now but the requests below
+        before = orch.snapshot()
+        refusals = []
+        for step, committed in [(7, 0), (0, 1), (1, 5)]:  # past the next batch; forgotten; committed past it
+            with pytest.raises(StepConflict) as refused:
+                await orch.batch(step, committed, timeout_s=0)
+            refusals.append(str(refused.value))
+        return before, orch.snapshot(), refusals
+
+    before, after, refusals = asyncio.run(scenario())
+    assert after == before  # no group dropped as stale for step 7, batch 0 not forgotten
+    assert refusals[0] == "step 7: the next batch to form is step 1; ask for that one"
+    assert refusals[2].startswith("step 1: its batch was forgotten or would be (committed=5")

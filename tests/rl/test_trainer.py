@@ -3,6 +3,7 @@ plans, RL steps that change the weights, gradients independent of how the batch 
 checkpointing, ranks, a rank with no samples), mini-batches that make the clip bite, the learning-rate schedule,
 SIGTERM on one rank, checkpoint round trip. They run on the trainer's device: the CPU here, the GPU where there is
 one (the H200 through the device tool)."""
+import json
 from dataclasses import replace
 
 import pytest
@@ -15,8 +16,9 @@ from trainer_ranks import (ep_step_gradients, full_state, loop_resumed, loop_sto
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.trainer.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
-from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, TrainingSample, VersionRef, encode_routing,
-                                              one_version)
+from moe_rl_eks.workloads.rl.protocol import (CHECKPOINT_FORMAT, Batch, BatchStats, TrainingSample, VersionRef,
+                                              encode_routing, one_version)
+from moe_rl_eks.workloads.trainer.checkpoint import CheckpointFormatError
 from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.trainer.step import learning_rate
 from moe_rl_eks.workloads.trainer.loop import (Trainer, expert_load_imbalance, init_trainer_process_group,
@@ -238,6 +240,30 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_step(tmp_path, wor
         assert torch.equal(tensor, saved[name]), name
     assert all(torch.equal(other.optimizer.state[p]["exp_avg"], m) for p, m in zip(params(other), moments))
     assert all(float(other.optimizer.state[p]["step"]) == 1.0 for p in params(other))
+
+
+@pytest.mark.parametrize("found, message", [
+    (CHECKPOINT_FORMAT + 1, rf"format {CHECKPOINT_FORMAT + 1} is not readable here \(this code reads checkpoint "
+                            rf"formats 1 to {CHECKPOINT_FORMAT}\): this checkpoint was written in format "
+                            rf"{CHECKPOINT_FORMAT + 1} by a newer moe-rl-eks"),
+    (0, r"format 0 is not readable here .*a format >= 1"),
+    ("2", r"format '2' is not readable here .*an integer format >= 1")])
+def test_a_checkpoint_of_a_format_this_code_cannot_read_is_refused_naming_found_and_supported(
+        tmp_path, world_of_one, found, message):
+    run = tiny_run(tmp_path)
+    trainer = Trainer(run, None, rank=0, world=1)
+    trainer.step = 1
+    trainer.save_checkpoint()
+    trainer.poll_checkpoint(wait=True)
+    meta_path = tmp_path / "out" / "checkpoints" / "step-00000001" / "trainer.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == CHECKPOINT_FORMAT  # stamped by commit
+    del meta["format"]  # a checkpoint from before formats were recorded: format 1's layout, read as it is
+    meta_path.write_text(json.dumps(meta))
+    assert Trainer(run, None, rank=0, world=1).try_resume()
+    meta_path.write_text(json.dumps({**meta, "format": found}))
+    with pytest.raises(CheckpointFormatError, match=message):
+        Trainer(run, None, rank=0, world=1).try_resume()
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weights_and_moments(tmp_path):

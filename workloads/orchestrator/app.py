@@ -1,8 +1,9 @@
 """`moerl orchestrate`: the orchestrator behind its HTTP adapter (FastAPI on uvicorn), for the trainers and
 for Prometheus.
 
-  GET  /v1/batch?step=s&committed=c   the batch of step s (200), not ready within the long poll (202), or a step
-                                      that is neither batched nor the next one (409)
+  GET  /v1/batch?step=s&committed=c   the batch of step s (200), not ready within the long poll (202, with the
+                                      trainer version held: null after a restart, at once), or a step that is
+                                      neither batched nor the next one (409)
   POST /v1/version {"version", "lineage"}   the trainer published a version: pushed to every rollout server
   GET  /v1/state                      the orchestrator's state (what a trainer checkpoint stores)
   GET  /health, /metrics
@@ -24,11 +25,12 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..rl.algorithms import make_algorithm
 from ..rl.protocol import OrchestratorState, PromptRecord, VersionRef
-from ..rl.runtime import load, output_dir, run_argparser
+from ..rl.runtime import HttpError, json_api, load, output_dir, run_argparser
 from .buffer import StepConflict
 from .client import HttpRolloutBackend
 from .driver import Orchestrator, Settings
 from .pool import ServerPool
+from .state_file import STATE_FILE, read_state
 
 log = logging.getLogger(__name__)
 BATCH_POLL_S = 10.0
@@ -39,7 +41,8 @@ class VersionPost(BaseModel):
     lineage: int = Field(default=0, ge=0, strict=True)
 
 
-def make_app(orch: Orchestrator) -> FastAPI:
+def make_app(orch: Orchestrator, batch_poll_s: float = BATCH_POLL_S) -> FastAPI:
+    """`batch_poll_s`: how long a batch request waits for its batch before answering 202."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await orch.start()
@@ -48,7 +51,9 @@ def make_app(orch: Orchestrator) -> FastAPI:
         finally:
             await orch.stop()
 
-    app = FastAPI(title="moerl orchestrator", lifespan=lifespan)
+    # every error OpenAI's shape, as the rollout server's: malformed input a 400 naming the field, never a 5xx
+    app = json_api("moerl orchestrator", "Batches for the trainers, their versions pushed to the rollout servers",
+                   lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> dict:
@@ -68,12 +73,13 @@ def make_app(orch: Orchestrator) -> FastAPI:
     @app.get("/v1/batch")
     async def batch(step: int = Query(ge=0), committed: int = Query(default=0, ge=0)) -> Response:
         try:
-            found = await orch.batch(step, committed, BATCH_POLL_S)
+            found = await orch.batch(step, committed, batch_poll_s)
         except StepConflict as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "step"}},
-                                status_code=409)
+            raise HttpError(409, str(exc), param="step") from None
         if found is None:
-            return JSONResponse({"ready": False, "step": step}, status_code=202)
+            trainer = orch.buffer.trainer
+            return JSONResponse({"ready": False, "step": step, "trainer": trainer.to_json() if trainer else None},
+                                status_code=202)
         return JSONResponse(found.to_json())
 
     @app.post("/v1/version")
@@ -101,7 +107,8 @@ def reward_scorer(run: RunConfig):
 
 
 def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: Path | None = None,
-          state: OrchestratorState | None = None) -> Orchestrator:
+          state: OrchestratorState | None = None, fallback: OrchestratorState | None = None,
+          state_path: Path | None = None) -> Orchestrator:
     algorithm = make_algorithm(run.rl)
 
     def advantages(rewards: list[float]) -> list[float]:
@@ -117,7 +124,7 @@ def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: 
     tokenizer = load_tokenizer(run.rl.sampling.tokenizer)
     source = make_prompt_source(run, tokenizer)
     return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), source, reward_scorer(run),
-                        advantages, events_path=events_path, state=state,
+                        advantages, events_path=events_path, state=state, fallback=fallback, state_path=state_path,
                         evaluator=PeriodicEvaluator(run, output_dir(run), tokenizer))
 
 
@@ -144,13 +151,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--endpoint", action="append", default=[],
                         help="rollout server base URL (repeatable; default: rl.orchestrator.endpoints)")
     parser.add_argument("--resume", help="orchestrator state: orchestrator.json of a trainer checkpoint, or 'latest' "
-                                         "for the run's newest checkpoint (a fresh start when there is none)")
+                                         "for the run's newest checkpoint (a fresh start when there is none); "
+                                         f"with {STATE_FILE} in the run's output (written every step), that one "
+                                         "is continued and the checkpoint's taken only if the trainer restarts "
+                                         "from its checkpoint")
     args = parser.parse_args(argv)
     run = load(args.run)
     out = output_dir(run)
     out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    own, checkpointed = read_state(state_path), resume_state(args.resume, out)
+    if own is not None:
+        log.info("continuing from %s", state_path)
     orch = build(run, args.endpoint or list(run.rl.orchestrator.endpoints), os.environ.get(run.rl.weight_token_env),
-                 out / "orchestrator-events.jsonl", resume_state(args.resume, out))
+                 out / "orchestrator-events.jsonl", own or checkpointed, checkpointed if own else None, state_path)
     log.info("orchestrator on %s:%d over %d rollout servers", args.host, args.port, len(orch.pool.urls()))
     uvicorn.run(make_app(orch), host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)

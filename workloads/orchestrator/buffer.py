@@ -23,7 +23,7 @@ from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, 
                           TrainingSample, VersionRef, VersionSpan, sample_staleness, tokens_trainable)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
-          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests")
+          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests", "restarts")
 
 
 class StepConflict(ValueError):
@@ -56,10 +56,15 @@ class GroupBuffer:
 
     # ---- issuing --------------------------------------------------------------------------------------------
     def budget_left(self) -> int:
-        """New prompts the staleness budget allows now (0 before the trainer has posted a version)."""
+        """New prompts the staleness budget allows now (0 before the trainer has posted a version). Counted from
+        the first batch's step (a trainer may start at a checkpoint's), and never for a version past the next
+        batch to form: a trainer cannot have trained a batch not yet formed, so a version post beyond it (a
+        hostile or confused client) cannot make the orchestrator issue the prompt stream at once."""
         if self.trainer is None:
             return 0
-        budget = (self.trainer.version + self.max_staleness + 1) * self.prompts_per_step
+        base = self.trainer.version if self.first_step is None else self.first_step
+        version = min(self.trainer.version, base + self.consumed // self.prompts_per_step)
+        budget = (version - base + self.max_staleness + 1) * self.prompts_per_step
         return max(0, budget - (self.consumed + len(self.buffered) + len(self.in_flight)))
 
     def issue(self, prompt: PromptRecord) -> str:
@@ -142,27 +147,38 @@ class GroupBuffer:
             dropped += ids
         return dropped
 
-    def batch(self, step: int, lineage: int, committed: int,
-              advantages: Callable[[list[float]], list[float]]) -> Batch | None:
-        """The batch of step `step` (formed now if enough groups wait, else None); batches before `committed`
-        (a checkpoint holds them) are forgotten. `advantages` is the algorithm's sequence advantages of one
-        group's rewards. Raises StepConflict for a step that is neither batched nor the next."""
-        for old in [s for s in self.batches if s < committed]:
-            del self.batches[old]
-        if step in self.batches:
-            if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
-                self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)
-            return self.batches[step]
-        if self.first_step is None:  # a fresh orchestrator serves whichever step its trainer starts at
-            self.first_step = step
+    def check_step(self, step: int, committed: int) -> None:
+        """Raises StepConflict, changing nothing, unless `step` is batched or the next to form and `committed`
+        (the trainer's newest checkpoint) is not past it. A fresh orchestrator (no batch formed yet) serves
+        whichever step its trainer starts at."""
+        if committed > step:
+            raise StepConflict(f"step {step}: its batch was forgotten or would be (committed={committed}: a "
+                               f"checkpoint past it); a trainer asks for a step at or after its committed one")
+        if step in self.batches or self.first_step is None:
+            return
         expected = self.first_step + self.consumed // self.prompts_per_step  # each batch takes prompts_per_step
         if step > expected:
             raise StepConflict(f"step {step}: the next batch to form is step {expected}; ask for that one")
         if step < expected:
             raise StepConflict(f"step {step}: its batch was forgotten (a trainer said a checkpoint past it was "
                                f"committed); the next batch to form is step {expected}")
+
+    def batch(self, step: int, lineage: int, committed: int,
+              advantages: Callable[[list[float]], list[float]]) -> Batch | None:
+        """The batch of step `step` (formed now if enough groups wait, else None); batches before `committed`
+        (a checkpoint holds them) are forgotten. `advantages` is the algorithm's sequence advantages of one
+        group's rewards. Raises StepConflict (check_step) before changing anything."""
+        self.check_step(step, committed)
+        for old in [s for s in self.batches if s < committed]:
+            del self.batches[old]
+        if step in self.batches:
+            if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
+                self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)
+            return self.batches[step]
         if len(self.buffered) < self.prompts_per_step:
             return None
+        if self.first_step is None:  # fixed by the first batch formed, not by a request that formed none
+            self.first_step = step
         taken, self.buffered = self.buffered[:self.prompts_per_step], self.buffered[self.prompts_per_step:]
         taken.sort(key=lambda g: g.prompt_index)
         self.consumed += len(taken)

@@ -5,6 +5,13 @@ version it publishes (pushed to every server).
 
 The buffer and the counters are touched only on the event loop; the pool has its own lock (pool.py); rewards
 are scored in worker threads (user code may block).
+
+Restarts: the state is written to its own file every step, before the step's batch is served (state_file.py). A
+restarted orchestrator continues from that file; with `--resume` it also holds the trainer checkpoint's state and
+takes that one instead if the trainer's first post names a new lineage (the trainer restarted too, from its
+checkpoint: the batches after it are formed again from the same prompts and seeds). Until the trainer posts, no
+prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
+its version within one poll (trainer/loop.py HttpBatchSource).
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from ..rl.runtime import Registry
 from .buffer import GroupBuffer
 from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
+from .state_file import write_state
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 0.5
@@ -87,18 +95,21 @@ class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
                  events_path: Path | None = None, state: OrchestratorState | None = None,
+                 fallback: OrchestratorState | None = None, state_path: Path | None = None,
                  evaluator: Any = None) -> None:
+        """`state`: where to continue from (this orchestrator's own last state, or a checkpoint's); `fallback`:
+        the trainer checkpoint's state, taken instead if the trainer's first post names a new lineage;
+        `state_path`: where the state is written every step."""
         self.s, self.pool, self.backend, self.source = settings, pool, backend, source
         self.evaluator = evaluator  # evaluation.PeriodicEvaluator: evaluates a version on the first server holding it
         self.score_many, self.advantages = score_many, advantages
-        if state is None:
-            self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
-        else:
-            self.buffer = GroupBuffer.restore(state, prompts_per_step=settings.prompts_per_step,
-                                              max_staleness=settings.max_staleness,
-                                              correct_reward=settings.correct_reward)
-            self.source.restore(state.source)
         self.metrics = Registry()
+        self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
+        if state is not None:
+            self._restore(state)
+        self._fallback = fallback
+        self.state_path = state_path
+        self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task driving it
         self._background: set[asyncio.Task] = set()
@@ -109,8 +120,16 @@ class Orchestrator:
         self.running = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
+    def _restore(self, state: OrchestratorState) -> None:
+        self.buffer = GroupBuffer.restore(state, prompts_per_step=self.s.prompts_per_step,
+                                          max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
+        self.source.restore(state.source)
+        self.buffer.counts["restarts"] += 1
+        self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
+
     async def start(self) -> None:
         self._wake, self._changed = asyncio.Event(), asyncio.Condition()
+        self._persisting = asyncio.Lock()
         self.running = True
         self._spawn(self._dispatch_loop())
         self._spawn(self._health_loop())
@@ -148,6 +167,13 @@ class Orchestrator:
         """The trainer published `ref`: requests go to servers whose weights are within max_staleness of it from
         now on (GroupBuffer.usable), and every healthy server is told to load it (in the background: a slow server
         never stalls the trainer)."""
+        if self._fallback is not None and self.buffer.trainer is None:  # the first post since this start
+            previous = self.buffer.previous
+            if previous is None or ref.lineage != previous.lineage:  # the trainer restarted from its checkpoint
+                log.info("trainer resumed in lineage %d: continuing from its checkpoint's orchestrator state",
+                         ref.lineage)
+                self._restore(self._fallback)
+            self._fallback = None
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
             self._push_all(ref)
@@ -155,13 +181,32 @@ class Orchestrator:
         return self.buffer.trainer
 
     async def batch(self, step: int, committed: int, timeout_s: float) -> Batch | None:
-        """The batch of `step` for the trainer's lineage, or None if not ready within `timeout_s`. Raises
-        buffer.StepConflict for a step that is neither batched nor the next one."""
+        """The batch of `step` for the trainer's lineage, or None if not ready within `timeout_s` (at once while
+        no trainer version is known: nothing can form until the trainer posts one). Raises buffer.StepConflict for
+        a step that is neither batched nor the next one. A batch formed now is persisted before it is returned."""
+        if self.buffer.trainer is None:
+            return None
+        batch, formed = await self._wait_batch(step, committed, timeout_s)
+        if formed:
+            await self.persist()
+        return batch
+
+    async def persist(self) -> None:
+        """Write the state as it is now to `state_path` (snapshot taken on the loop, written in a thread; one
+        write at a time, in order)."""
+        if self.state_path is None:
+            return
+        async with self._persisting:
+            await asyncio.to_thread(write_state, self.state_path, self.snapshot())
+
+    async def _wait_batch(self, step: int, committed: int, timeout_s: float) -> tuple[Batch | None, bool]:
+        """(the batch or None, whether it was formed by this call)."""
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
                 trainer = self.buffer.trainer
                 if trainer is not None:
+                    self.buffer.check_step(step, committed)  # a refused request changes nothing
                     for request_id in self.buffer.revalidate(step, trainer.lineage):
                         self._event("dropped_stale", request_id=request_id, step=step, lineage=trainer.lineage)
                     known = step in self.buffer.batches
@@ -174,10 +219,10 @@ class Orchestrator:
                     if batch is not None:
                         if not known:
                             self._formed(batch)
-                        return batch
+                        return batch, not known
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.running:
-                    return None
+                    return None, False
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=left)
                 except asyncio.TimeoutError:

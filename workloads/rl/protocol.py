@@ -32,13 +32,15 @@ class ProtocolError(ValueError):
         super().__init__(f"{path}: {shown if len(shown) <= 80 else shown[:77] + '...'} is not allowed; {expected}")
 
 
-# Layout versions: the records between the roles (WIRE_FORMAT) and the orchestrator's persisted state
-# (STATE_FORMAT). Writers set them explicitly; a record without one is from before formats were recorded, which is
-# format 1's layout. Bump one when its layout changes, and read the older one (migrate) or refuse it (check_format).
-# Format 2 (both): every sample carries the weight versions of its tokens (VersionSpan), which a format-1 record
-# lacks and cannot be given after the fact (its server may have swapped weights under it), so it is refused.
+# Layout versions: the records between the roles (WIRE_FORMAT), the orchestrator's persisted state
+# (STATE_FORMAT) and the trainer's checkpoints (CHECKPOINT_FORMAT: trainer.json and the DCP keys beside it). Writers
+# set them explicitly; a record without one is from before formats were recorded, which is format 1's layout. Bump
+# one when its layout changes, and read the older one (migrate) or refuse it (check_format).
+# Format 2 (wire and state): every sample carries the weight versions of its tokens (VersionSpan), which a format-1
+# record lacks and cannot be given after the fact (its server may have swapped weights under it), so it is refused.
 WIRE_FORMAT = 2
 STATE_FORMAT = 2
+CHECKPOINT_FORMAT = 1
 FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions"}
 
 

@@ -118,7 +118,7 @@ class HttpError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def json_api(title: str, description: str) -> "FastAPI":
+def json_api(title: str, description: str, lifespan: Any = None) -> "FastAPI":
     """A FastAPI app whose every error is OpenAI's shape: HttpError as raised, schema violations as 400 naming the
     field (FastAPI's default is 422 without a `param`), unknown paths and methods as 404/405, a body over
     MAX_BODY_BYTES as 413, and any other exception as a logged 500 that keeps the server serving."""
@@ -127,7 +127,7 @@ def json_api(title: str, description: str) -> "FastAPI":
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title=title, description=description, version="1")
+    app = FastAPI(title=title, description=description, version="1", lifespan=lifespan)
 
     def answer(err: HttpError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)

@@ -3,7 +3,9 @@ and their optimizer state; replicated weights once), the metadata records each t
 checkpoint loads on any number of trainer ranks: each reads the slices it owns now. Step, lineage, Python RNG and
 the orchestrator's state (data cursor, buffered and in-flight groups, served batches) are JSON from rank 0.
 Sharding the dense weights (rl.training.fsdp) changes no key and no global shape, only which rank writes which
-slice, so the format is the same with and without it: no version to tell them apart.
+slice, so the format is the same with and without it. trainer.json carries the layout's version
+(protocol.CHECKPOINT_FORMAT); `read_meta` refuses one this code cannot read, naming the version found and the ones
+it reads (a trainer.json without one is from before formats were recorded: format 1's layout).
 
 Written into a staging directory and renamed into place once every rank has finished, so a crash mid-write
 leaves the previous checkpoint intact. Nothing is unpickled on load: tensors are read with torch.load's
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..rl.checkpoint_dirs import LATEST, final_dir, staging_dir
+from ..rl.protocol import CHECKPOINT_FORMAT, check_format
 from ..rl.weights import fsync
 
 DCP_RECORD_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -111,11 +114,28 @@ def _quiet_when_alone():
         yield
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint written in a layout this code does not read."""
+
+
+def read_meta(directory: Path) -> dict:
+    """A checkpoint's trainer.json, refused before any tensor is read when its format is not one this code reads."""
+    path = directory / "trainer.json"
+    meta = json.loads(path.read_text())
+    found = meta.get("format", 1)
+    problem = (check_format(found, CHECKPOINT_FORMAT, "checkpoint") if type(found) is int
+               else ("format", f"an integer format >= 1 (this code writes {CHECKPOINT_FORMAT})"))
+    if problem is not None:
+        raise CheckpointFormatError(f"{path}: format {found!r} is not readable here (this code reads checkpoint "
+                                    f"formats 1 to {CHECKPOINT_FORMAT}): {problem[1]}")
+    return meta
+
+
 def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, keep: int = 2) -> Path:
-    """Rank 0, after every rank's shards and the metadata are written: add the JSON, rename into place, point
-    LATEST at it, delete all but the newest `keep`."""
+    """Rank 0, after every rank's shards and the metadata are written: add the JSON (stamped with the format),
+    rename into place, point LATEST at it, delete all but the newest `keep`."""
     staging, final = staging_dir(root, step), final_dir(root, step)
-    (staging / "trainer.json").write_text(json.dumps(meta, indent=1))
+    (staging / "trainer.json").write_text(json.dumps({**meta, "format": CHECKPOINT_FORMAT}, indent=1))
     if orchestrator_state is not None:
         (staging / "orchestrator.json").write_text(json.dumps(orchestrator_state))
     for path in staging.iterdir():

@@ -66,8 +66,18 @@ class BatchSource(Protocol):
 
 
 class HttpBatchSource:
+    """The orchestrator over HTTP. A restarted orchestrator knows no trainer version (its budget is 0, no batch
+    forms) and says so in its 202; so does one whose post of our newest version failed (it was down then): that
+    version is posted again, so batches flow within one poll. Locking rule: `_lock` guards `newest` (the
+    announcer's thread posts, the trainer's thread polls)."""
+
+    STATE_ATTEMPTS = 5  # /v1/state: an orchestrator blip at checkpoint time must not kill the trainer, nor hang it
+
     def __init__(self, url: str) -> None:
         self.url = url
+        self._lock = threading.Lock()
+        self.newest: VersionRef | None = None  # the newest version the trainer asked to post (posted or not)
+        self.reannounced = 0
 
     def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
         while not stopping():
@@ -83,15 +93,52 @@ class HttpBatchSource:
                 log.warning("orchestrator unreachable (%s); retrying", exc)
                 time.sleep(1)
                 continue
-            if data.get("samples"):  # else {"ready": false}: not ready within the long poll; ask again
+            if data.get("samples"):
                 return Batch.from_json(data)
+            # {"ready": false, "trainer": ...}: not ready within the long poll; ask again, after re-posting our
+            # version where the orchestrator holds an older one or none (it restarted)
+            held = None if data.get("trainer") is None else VersionRef.from_json(data["trainer"])
+            with self._lock:
+                newest = self.newest
+            if newest is None:
+                time.sleep(0.5)  # answered at once (no version held): our first version is still being written
+            elif held is None or held < newest:
+                self._reannounce(newest, held)
         return None
 
+    def _reannounce(self, newest: VersionRef, held: VersionRef | None) -> None:
+        log.warning("the orchestrator holds %s, not our version %s (it restarted, or was down when we posted "
+                    "it): posting it again", held, newest)
+        try:
+            self.version_published(newest.version, newest.lineage)
+            self.reannounced += 1
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            log.warning("re-posting version %s failed (%s); asking again", newest, exc)
+            time.sleep(1)
+
     def version_published(self, version: int, lineage: int) -> None:
+        ref = VersionRef(lineage, version)
+        with self._lock:  # first: if the post fails, the next 202 shows the orchestrator lacks it
+            self.newest = max(self.newest or ref, ref)
         http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
 
     def state(self) -> dict | None:
-        return http_json("GET", f"{self.url}/v1/state", timeout=60)
+        """The orchestrator's state, retried STATE_ATTEMPTS times (1, 2, 4, 8 s apart) when it does not answer or
+        answers 5xx; then the checkpoint fails loudly, naming the orchestrator."""
+        for attempt in range(self.STATE_ATTEMPTS):
+            try:
+                return http_json("GET", f"{self.url}/v1/state", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise
+                error = exc
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                error = exc
+            if attempt + 1 < self.STATE_ATTEMPTS:
+                log.warning("orchestrator state unavailable (%s); retrying", error)
+                time.sleep(2 ** attempt)
+        raise RuntimeError(f"{self.url}/v1/state did not answer in {self.STATE_ATTEMPTS} attempts (last: {error}); "
+                           "the checkpoint cannot record the orchestrator's state")
 
 
 class Announcer:
@@ -490,7 +537,7 @@ class Trainer:
         directory = latest(self.ckpt_root)
         if directory is None:
             return False
-        meta = json.loads((directory / "trainer.json").read_text())
+        meta = ckpt.read_meta(directory)
         self._ensure_optimizer_state()
         state = self._checkpoint_state()
         ckpt.load(state, directory)
@@ -605,7 +652,9 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         with open(self.out / "trained.jsonl", "a") as f:
-            f.write(json.dumps({"step": batch.step, "ids": [s.id for s in batch.samples]}) + "\n")
+            # which samples trained, from which weights: tests prove from it that none trains twice or too stale
+            f.write(json.dumps({"step": batch.step, "lineage": self.lineage, "ids": [s.id for s in batch.samples],
+                                "versions": [[s.version.lineage, s.version.version] for s in batch.samples]}) + "\n")
         for key, value in row.items():
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
