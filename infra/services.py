@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from aws_cdk import Acknowledgment, Duration, Stack, Validations, aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct, IDependable
@@ -58,6 +59,20 @@ CHARTS = {
                                        "v1beta1 (read 2026-11)"),
 }
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
+# Gang admission: a trainer JobSet is admitted only once the Cluster Autoscaler has scaled its pool up for every one
+# of its pods in one step (Kueue's ProvisioningRequest admission check, kueue.x-k8s.io/provisioning-request). Until
+# then its pods do not exist, so a run that cannot get all its nodes holds none. The atomic class asks for the whole
+# gang in one node-group increase, made only when the group can hold all of it; AWS node groups do not implement
+# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 falls back to one plain increase), so EC2 may still
+# launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
+GANG_PROVISIONING = "moe-rl-gang"  # the ProvisioningRequestConfig and the AdmissionCheck naming it
+PROVISIONING_CLASS = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+# The roles whose workloads are gangs (JobSets through Kueue): their ClusterQueues carry the admission check.
+GANG_ROLES = ("trainer",)
+# The ProvisioningRequest CRD, from the autoscaler release the pinned image is (its chart installs neither the CRD
+# nor the RBAC for it); the file's moe-rl/source annotation names the commit.
+PROVISIONING_REQUEST_CRD = Path(__file__).parent / "crds" / "autoscaling.x-k8s.io_provisioningrequests.json"
 # An admitted gang must have every pod ready within this time (nodes launched from zero, the images pulled, each
 # pod's doctor passed), or Kueue evicts all of it and requeues it after a backoff of 60 s doubling up to 1 h.
 KUEUE_PODS_READY_TIMEOUT = "30m"
@@ -76,6 +91,8 @@ def kueue_configuration() -> dict:
         "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
         # Only what runs here goes through Kueue; the chart registers webhooks for these alone.
         "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
+        # Kueue's provisioning controller starts only if the ProvisioningRequest API is served when it starts: the
+        # CRD is applied before the chart (ClusterServices).
         "waitForPodsReady": {
             "timeout": KUEUE_PODS_READY_TIMEOUT, "blockAdmission": True,
             # Requeued without a limit: a run waits for capacity rather than being deactivated.
@@ -173,7 +190,11 @@ class ClusterServices(Construct):
         self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, pools=list(pools.values()),
                                             depends_on=cluster.services_ready)
         self.charts: dict[str, eks.HelmChart] = dict(self.device_plugins.charts)
+        # Before the autoscaler and Kueue: both find the ProvisioningRequest API only if it is served when they start.
+        provisioning_api = eks_cluster.add_manifest(
+            "ProvisioningRequestApi", json.loads(PROVISIONING_REQUEST_CRD.read_text()), *_autoscaler_provisioning_rbac())
         self.autoscaler_role = self._cluster_autoscaler(eks_cluster)
+        self.charts["cluster-autoscaler"].node.add_dependency(provisioning_api)
         keda = self._chart(eks_cluster, "keda", {"nodeSelector": _SYSTEM_NODES, "priorityClassName": _CRITICAL})
         if keda_role is not None:
             # The association must exist before the operator starts: Pod Identity injects credentials at pod start.
@@ -191,10 +212,13 @@ class ClusterServices(Construct):
             apply_patch={"spec": {"template": {"spec": {"priorityClassName": _CRITICAL}}}},
             restore_patch={"spec": {"template": {"spec": {"priorityClassName": None}}}})
         priority.node.add_dependency(jobset)
-        self._chart(eks_cluster, "kueue", {
+        kueue = self._chart(eks_cluster, "kueue", {
             "controllerManager": {"nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}},
             # JSON is YAML: the chart writes this string into the manager's config map as it is.
             "managerConfig": {"controllerManagerConfigYaml": json.dumps(kueue_configuration())}})
+        kueue.node.add_dependency(provisioning_api)
+        self.gang_admission = eks_cluster.add_manifest("GangAdmissionCheck", *gang_admission_objects())
+        self.gang_admission.node.add_dependency(kueue)
         self._priority_classes(eks_cluster)
         self.cluster_queues = {role: self._queues(eks_cluster, role, pool, run_namespace, namespace_manifest)
                                for role, pool in pools.items()}
@@ -239,7 +263,9 @@ class ClusterServices(Construct):
             "nodeSelector": _SYSTEM_NODES,
             "priorityClassName": _CRITICAL,
             "extraArgs": {"balance-similar-node-groups": True, "skip-nodes-with-system-pods": False,
-                          "expander": "least-waste"},
+                          "expander": "least-waste",
+                          # ProvisioningRequests (gang admission) are read as JSON only (the autoscaler's FAQ).
+                          "enable-provisioning-requests": True, "kube-api-content-type": "application/json"},
         })
         chart.node.add_dependency(*account.ready)
         return role
@@ -258,8 +284,41 @@ class ClusterServices(Construct):
     def _queues(self, cluster: eks.ICluster, role: str, pool: EfaNodePool, namespace: str,
                 namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
         manifest = cluster.add_manifest(f"{pascal(role)}Queues", *queue_objects(role, pool.pool, namespace))
-        manifest.node.add_dependency(self.charts["kueue"], namespace_manifest)
+        manifest.node.add_dependency(self.charts["kueue"], namespace_manifest, self.gang_admission)
         return manifest
+
+
+def _autoscaler_provisioning_rbac() -> list[dict]:
+    """What the autoscaler's service account needs to serve ProvisioningRequests (its FAQ's ClusterRole)."""
+    name = "cluster-autoscaler-provisioning"
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+         "rules": [{"apiGroups": ["autoscaling.x-k8s.io"],
+                    "resources": ["provisioningrequests", "provisioningrequests/status"],
+                    "verbs": ["watch", "list", "get", "create", "update", "patch", "delete"]},
+                   {"apiGroups": [""], "resources": ["podtemplates"], "verbs": ["watch", "list", "get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": CLUSTER_AUTOSCALER_SERVICE_ACCOUNT,
+                       "namespace": CHARTS["cluster-autoscaler"].namespace}]},
+    ]
+
+
+def gang_admission_objects() -> list[dict]:
+    """The ProvisioningRequestConfig and the AdmissionCheck that gang ClusterQueues name (GANG_PROVISIONING)."""
+    return [
+        {"apiVersion": KUEUE_API, "kind": "ProvisioningRequestConfig", "metadata": {"name": GANG_PROVISIONING},
+         "spec": {"provisioningClassName": PROVISIONING_CLASS,
+                  # Only pods that need GPUs are provisioned for; a run's GPU pods all land in the gang's pool.
+                  "managedResources": [GPU_RESOURCE],
+                  # A failed or expired request is retried 60 s, 120 s, ... up to 30 min apart; after 8 tries (about
+                  # 2 h) Kueue deactivates the workload, which `kubectl patch ... activate` resumes.
+                  "retryStrategy": {"backoffLimitCount": 8, "backoffBaseSeconds": 60, "backoffMaxSeconds": 1800}}},
+        {"apiVersion": KUEUE_API, "kind": "AdmissionCheck", "metadata": {"name": GANG_PROVISIONING},
+         "spec": {"controllerName": PROVISIONING_CONTROLLER,
+                  "parameters": {"apiGroup": "kueue.x-k8s.io", "kind": "ProvisioningRequestConfig",
+                                 "name": GANG_PROVISIONING}}},
+    ]
 
 
 def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]:
@@ -273,11 +332,13 @@ def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]
     if pool.hugepages_2mi:
         quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.hugepages_2mi) * n}Mi"
     flavor = f"moe-rl-{role}"
+    # Every flavor of a gang queue (no onFlavors): nothing is admitted on quota alone.
+    checks = {"admissionChecksStrategy": {"admissionChecks": [{"name": GANG_PROVISIONING}]}} if role in GANG_ROLES else {}
     return [
         {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": flavor},
          "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": tolerations(pool.taints)}},
         {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
-         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO", **checks,
                   "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
                       "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
         {"apiVersion": KUEUE_API, "kind": "LocalQueue",
