@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping
 
 from .catalog import CATALOG
 from .labels import TAINT_EFFECTS, Taint, gpu_taints
+from . import cluster as defaults
 from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, vpc_fits_subnets
 from .schema import ConfigError, Validated, fail, parse
 
@@ -160,6 +161,32 @@ class ObservabilityConfig(Validated):
             fail("alarm_email", self.alarm_email, "expected an email address")
 
 
+@dataclass(frozen=True)
+class ClusterNamesConfig(Validated):
+    """Names of the cluster-wide objects infra.ClusterServices creates and a run's manifests refer to: each GPU
+    role's Kueue queues (its ClusterQueue and the LocalQueue in the run namespace share the name) and the
+    PriorityClasses. One place, so a cluster that already has objects of these names can take others."""
+
+    trainer_queue: str = defaults.cluster_queue("trainer")
+    rollout_queue: str = defaults.cluster_queue("rollout")
+    trainer_priority_class: str = defaults.TRAINER_PRIORITY_CLASS
+    orchestrator_priority_class: str = defaults.ORCHESTRATOR_PRIORITY_CLASS
+    rollout_priority_class: str = defaults.ROLLOUT_PRIORITY_CLASS
+
+    def validate(self) -> None:
+        for name in ("trainer_queue", "rollout_queue", "trainer_priority_class", "orchestrator_priority_class",
+                     "rollout_priority_class"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
+                fail(name, value, "expected a Kubernetes object name (lowercase letters, digits, '-', '.')")
+            if name.endswith("_priority_class") and value.startswith("system-"):
+                fail(name, value, "the system- prefix is reserved for Kubernetes' own PriorityClasses")
+
+    def queue(self, role: str) -> str:
+        """The ClusterQueue and LocalQueue name of a GPU pool's role (``trainer`` or ``rollout``)."""
+        return {"trainer": self.trainer_queue, "rollout": self.rollout_queue}[role]
+
+
 ADMIN_ROLE_ARN = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+")
 
 
@@ -180,6 +207,7 @@ class EnvironmentConfig(Validated):
     run_namespace: str = "moe-rl"
     storage: StorageConfig = field(default_factory=StorageConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    cluster_names: ClusterNamesConfig = field(default_factory=ClusterNamesConfig)
     name: str = ""  # filled from the key in `environments`
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from aws_cdk.assertions import Match, Template
 from infra_helpers import REPO
 from moe_rl_eks.core.environment import EnvironmentConfig, NodePoolConfig, load_environments
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.infra import DevicePlugins, EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
+from moe_rl_eks.infra import ClusterServices, DevicePlugins, EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
 from moe_rl_eks.infra.checks import EksGuardrails
 from moe_rl_eks.infra.node_pool import network_interfaces, user_data
 
@@ -227,14 +227,28 @@ def test_a_no_execute_pool_is_tolerated_by_the_device_plugins_and_its_kueue_flav
     assert flavors["moe-rl-rollout"]["tolerations"] == [both[1]]
 
 
-def test_device_plugins_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass():
+@pytest.mark.parametrize("construct, user", [
+    (lambda stack, cluster: DevicePlugins(stack, "Devices", cluster=cluster, pools=[stack.pool]), "DevicePlugins"),
+    (lambda stack, cluster: ClusterServices(stack, "Services", cluster=cluster, pools={"trainer": stack.pool},
+                                            run_namespace="moe-rl"), "ClusterServices"),
+])
+def test_services_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass(construct, user):
     stack = PlatformStack(cdk.App(), "NoKubectl")
     vpc = stack.cluster.cluster.vpc
     imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster", vpc=vpc,
                                                    cluster_security_group_id="sg-0123456789abcdef0")
-    with pytest.raises(ValueError, match=r"cluster: 'NoKubectl/Theirs' is not allowed for the nvidia-device-plugin "
-                                         r"chart; it has no kubectl provider: import it with .*kubectl_provider="):
-        DevicePlugins(stack, "Devices", cluster=imported, pools=[stack.pool])
+    with pytest.raises(ValueError, match=rf"cluster: 'NoKubectl/Theirs' is not allowed for {user}; it has no "
+                                         r"kubectl provider: import it with .*kubectl_provider=.*kubectl_provider_options="):
+        construct(stack, imported)
+
+
+def test_cluster_services_refuse_unknown_roles_and_names_that_are_not_the_typed_config():
+    stack = PlatformStack(cdk.App(), "BadServices")
+    with pytest.raises(ValueError, match=r"pools: \['trainers'\] is not allowed; the roles are trainer and rollout"):
+        ClusterServices(stack, "Services", cluster=stack.cluster, pools={"trainers": stack.pool}, run_namespace="x")
+    with pytest.raises(TypeError, match=r"names: \{'trainer_queue': 'q'\} is not allowed; a moe_rl_eks.core"):
+        ClusterServices(stack, "Services2", cluster=stack.cluster, pools={"trainer": stack.pool}, run_namespace="x",
+                        names={"trainer_queue": "q"})
 
 
 def test_device_plugins_need_the_pools_whose_taints_they_tolerate():
