@@ -10,6 +10,16 @@ from __future__ import annotations
 # charts and manifests), a cdk8s-plus-XY and a schema set for strict validation. 1.35 is in EKS standard support
 # (1.33 left it on 29 July 2026; 1.34 leaves it in December 2026).
 KUBERNETES_VERSIONS = ("1.35",)
+# Versions EKS offers that are refused, each with the pinned chart that does not cover it (infra.services.CHARTS;
+# a test holds the two together). KEDA 2.21 is tested on 1.34-1.36 (keda.sh, read 2026-12-01), but its release
+# files (chart, CRD schemas for the strict validation tests) were not reachable when this was written.
+KUBERNETES_REFUSED = {"1.36": "KEDA 2.20.2, the pinned chart, is tested on Kubernetes 1.33 to 1.35"}
+
+
+def kubernetes_versions_allowed(version: str) -> str:
+    """What to say of an unsupported ``version``: the supported ones, and why this one is not among them."""
+    allowed = "supported: " + ", ".join(KUBERNETES_VERSIONS)
+    return f"{allowed} ({KUBERNETES_REFUSED[version]})" if version in KUBERNETES_REFUSED else allowed
 # efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
 # "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
 VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"

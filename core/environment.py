@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping
 from .catalog import CATALOG
 from .labels import TAINT_EFFECTS, Taint, gpu_taints
 from . import cluster as defaults
-from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, vpc_fits_subnets
+from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, kubernetes_versions_allowed, vpc_fits_subnets
 from .schema import ConfigError, Validated, fail, parse
 
 # The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
@@ -230,7 +230,7 @@ class EnvironmentConfig(Validated):
             fail("gpu_availability_zone", self.gpu_availability_zone,
                  f"must be one of availability_zones ({', '.join(self.availability_zones)}) of {self.region}")
         if self.kubernetes_version not in KUBERNETES_VERSIONS:
-            fail("kubernetes_version", self.kubernetes_version, "supported: " + ", ".join(KUBERNETES_VERSIONS))
+            fail("kubernetes_version", self.kubernetes_version, kubernetes_versions_allowed(self.kubernetes_version))
         try:
             net = ipaddress.ip_network(self.vpc_cidr)
         except ValueError:

@@ -12,7 +12,8 @@ from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validat
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION
+from moe_rl_eks.core.cluster import (KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION,
+                                    kubernetes_versions_allowed)
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -99,7 +100,7 @@ class MoeRlCluster(Construct):
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:
             raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; "
-                             f"supported: {', '.join(_KUBERNETES)}")
+                             f"{kubernetes_versions_allowed(kubernetes_version)}")
         endpoint = EndpointConfig(public=bool(public_endpoint_cidrs), public_cidrs=public_endpoint_cidrs)
         if system_nodes < 1:
             raise ValueError(f"system_nodes: {system_nodes} is not allowed; at least 1 (cluster services run there)")

@@ -297,3 +297,11 @@ def test_storage_refuses_a_repository_prefix_ecr_would_refuse():
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
     with pytest.raises(ValueError, match=r"repository_prefix: 'Moe RL' is not allowed; lowercase letters"):
         MoeRlStorage(stack, "Storage", vpc=vpc, fsx_subnet=None, repository_prefix="Moe RL")
+
+
+def test_cluster_refuses_kubernetes_1_36_naming_the_chart_that_does_not_cover_it():
+    stack = cdk.Stack(cdk.App(), "K136", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", availability_zones=["us-west-2a", "us-west-2b"], nat_gateways=1)
+    with pytest.raises(ValueError, match=r"kubernetes_version: '1.36' is not allowed; supported: 1.35 \(KEDA 2.20.2, "
+                                         r"the pinned chart, is tested on Kubernetes 1.33 to 1.35\)"):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.36")

@@ -546,6 +546,13 @@ def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept
             assert minor(low) <= minor(version) and (high is None or minor(version) <= minor(high)), \
                 f"{name} {chart.version} supports Kubernetes {low} to {high or 'any'} ({chart.kubernetes_source}), " \
                 f"not {version}"
+    # 1.36 is refused for KEDA: the reason names the pin and its window, and the pin indeed stops short of it.
+    from moe_rl_eks.core.cluster import KUBERNETES_REFUSED
+
+    keda = CHARTS["keda"]
+    assert minor("1.36") > minor(keda.kubernetes[1])
+    assert KUBERNETES_REFUSED["1.36"] == \
+        f"KEDA {keda.version}, the pinned chart, is tested on Kubernetes {keda.kubernetes[0]} to {keda.kubernetes[1]}"
     # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
     assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
         ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
