@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import aws_cdk as cdk
 import pytest
@@ -305,3 +309,17 @@ def test_cluster_refuses_kubernetes_1_36_naming_the_chart_that_does_not_cover_it
     with pytest.raises(ValueError, match=r"kubernetes_version: '1.36' is not allowed; supported: 1.35 \(KEDA 2.20.2, "
                                          r"the pinned chart, is tested on Kubernetes 1.33 to 1.35\)"):
         MoeRlCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.36")
+
+
+def test_every_user_data_script_is_shellcheck_clean(tmp_path):
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed: it comes with the dev extra (pyproject.toml)"
+    text = user_data(hugepages_2mi=1024, local_nvme=True)
+    scripts = [part[part.index("#!/bin/bash"):] for part in text.split("--==MOERL==") if "#!/bin/bash" in part]
+    assert len(scripts) == 3  # memlock, gdrdrv, hugepages
+    paths = []
+    for i, script in enumerate(scripts):
+        paths.append(tmp_path / f"part{i}.sh")
+        paths[-1].write_text(script)
+    result = subprocess.run([shellcheck, *map(str, paths)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
