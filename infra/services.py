@@ -91,8 +91,8 @@ def kueue_configuration() -> dict:
         "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
         # Only what runs here goes through Kueue; the chart registers webhooks for these alone.
         "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
-        # Kueue's provisioning controller starts only if the ProvisioningRequest API is served when it starts: the
-        # CRD is applied before the chart (ClusterServices).
+        # Kueue's provisioning admission check (GA since Kueue 0.14, no feature gate) starts only if the
+        # ProvisioningRequest API is served when Kueue starts: the CRD is applied before the chart (ClusterServices).
         "waitForPodsReady": {
             "timeout": KUEUE_PODS_READY_TIMEOUT, "blockAdmission": True,
             # Requeued without a limit: a run waits for capacity rather than being deactivated.
