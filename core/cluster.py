@@ -61,15 +61,10 @@ ROLLOUT_SERVICE_ACCOUNT = "moe-rl-rollout"
 # FSx for Lustre, statically provisioned: the PersistentVolume and the claim trainers mount.
 FSX_CLAIM_NAME = "moe-rl-fsx"
 FSX_MOUNT_PATH = "/fsx"
-# Kueue: one ClusterQueue per GPU pool, a LocalQueue in the run namespace pointing at each.
-def cluster_queue(role: str) -> str:
-    return f"moe-rl-{role}"
-
-
-def local_queue(role: str) -> str:
-    return f"moe-rl-{role}"
-
-
+# Default names (core.environment.ClusterNamesConfig; an environment's cluster_names may choose others). Kueue: one
+# ClusterQueue per GPU pool and a LocalQueue of the same name in the run namespace pointing at it.
+TRAINER_QUEUE = "moe-rl-trainer"
+ROLLOUT_QUEUE = "moe-rl-rollout"
 # PriorityClasses: trainers preempt rollout servers, never the reverse. The orchestrator outranks rollout servers
 # but preempts nothing: it lands on the system nodes, next to the cluster's controllers (which run at
 # system-cluster-critical, far above every class here).

@@ -167,8 +167,8 @@ class ClusterNamesConfig(Validated):
     role's Kueue queues (its ClusterQueue and the LocalQueue in the run namespace share the name) and the
     PriorityClasses. One place, so a cluster that already has objects of these names can take others."""
 
-    trainer_queue: str = defaults.cluster_queue("trainer")
-    rollout_queue: str = defaults.cluster_queue("rollout")
+    trainer_queue: str = defaults.TRAINER_QUEUE
+    rollout_queue: str = defaults.ROLLOUT_QUEUE
     trainer_priority_class: str = defaults.TRAINER_PRIORITY_CLASS
     orchestrator_priority_class: str = defaults.ORCHESTRATOR_PRIORITY_CLASS
     rollout_priority_class: str = defaults.ROLLOUT_PRIORITY_CLASS

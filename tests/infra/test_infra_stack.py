@@ -296,14 +296,15 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     by_kind = {}
     for o in objects:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
-    for role, max_nodes, spec in (("trainer", 16, CATALOG["p5en.48xlarge"]), ("rollout", 8, CATALOG["p5e.48xlarge"])):
-        queue = by_kind["ClusterQueue"][names.cluster_queue(role)]
+    for queue_name, max_nodes, spec in ((names.TRAINER_QUEUE, 16, CATALOG["p5en.48xlarge"]),
+                                        (names.ROLLOUT_QUEUE, 8, CATALOG["p5e.48xlarge"])):
+        queue = by_kind["ClusterQueue"][queue_name]
         assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta2"  # v1beta1 is not served from Kueue 0.20
         quota = {r["name"]: r["nominalQuota"] for r in queue["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
         assert quota["nvidia.com/gpu"] == spec.gpus * max_nodes
         assert quota["vpc.amazonaws.com/efa"] == spec.efa_interfaces * max_nodes
-        local = by_kind["LocalQueue"][names.local_queue(role)]
-        assert (local["metadata"]["namespace"], local["spec"]["clusterQueue"]) == ("moe-rl", names.cluster_queue(role))
+        local = by_kind["LocalQueue"][queue_name]
+        assert (local["metadata"]["namespace"], local["spec"]["clusterQueue"]) == ("moe-rl", queue_name)
     assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
     assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
     assert "moe-rl" in by_kind["Namespace"]
@@ -570,7 +571,7 @@ def test_kueue_gives_back_a_whole_gang_that_is_not_ready_in_time_and_admits_one_
     assert config["leaderElection"]["leaderElect"] is True and config["webhook"]["port"] == 9443
     # The trainer queue admits a gang only against the whole pool's quota (all of its pods or none).
     (trainer_queue,) = [o for o in kubernetes_objects(templates["prod"])
-                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.cluster_queue("trainer")]
+                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.TRAINER_QUEUE]
     assert trainer_queue["spec"]["resourceGroups"][0]["flavors"][0]["name"] == "moe-rl-trainer"
 
 
@@ -581,9 +582,9 @@ def test_a_trainer_gang_is_admitted_only_after_the_autoscaler_provisioned_all_of
     objects = kubernetes_objects(template)
     queues = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterQueue"}
     # Every flavor of the trainer queue (no onFlavors); the rollout queue (Deployments, no gang) has none.
-    assert queues[names.cluster_queue("trainer")]["spec"]["admissionChecksStrategy"] == {
+    assert queues[names.TRAINER_QUEUE]["spec"]["admissionChecksStrategy"] == {
         "admissionChecks": [{"name": "moe-rl-gang"}]}
-    assert "admissionChecksStrategy" not in queues[names.cluster_queue("rollout")]["spec"]
+    assert "admissionChecksStrategy" not in queues[names.ROLLOUT_QUEUE]["spec"]
     (check,) = [o for o in objects if o["kind"] == "AdmissionCheck"]
     assert check["metadata"]["name"] == "moe-rl-gang"
     assert check["spec"] == {"controllerName": "kueue.x-k8s.io/provisioning-request", "parameters": {

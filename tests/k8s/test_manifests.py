@@ -43,7 +43,7 @@ def test_everything_lands_in_the_environments_run_namespace(objects):
 def test_trainer_is_one_gang_admitted_through_kueue(manifests, run):
     r = resolved(run)
     jobset = find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer")
-    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.TRAINER_QUEUE
     assert jobset["spec"]["suspend"] is True  # nothing starts before Kueue admits the whole JobSet
     (rjob,) = jobset["spec"]["replicatedJobs"]
     job = rjob["template"]["spec"]
@@ -303,7 +303,7 @@ def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manife
     nccl = find(docs, "JobSet", "qwen3-30b-a3b-p5-nccl-check")
     ep = find(docs, "JobSet", "qwen3-30b-a3b-p5-ep-bench")
     for jobset in (nccl, ep):
-        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.TRAINER_QUEUE
         assert jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
     (c,) = pod_specs(nccl)[0]["containers"]
     assert c["command"][-2:] == ["python", "/etc/moerl/collectives_check.py"]
