@@ -14,7 +14,7 @@ from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import GDRCOPY_COMMIT, GDRCOPY_VERSION, GDRDRV_UNIT, MEMLOCK_DROP_IN
-from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
+from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT, CLUSTER_AUTOSCALER_IMAGE_TAG
 
 from infra_helpers import REPO, helm_charts, join_string, kubernetes_objects, pool, resources_of
 
@@ -600,6 +600,8 @@ def test_a_trainer_gang_is_admitted_only_after_the_autoscaler_provisioned_all_of
     (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     assert crd["metadata"]["name"] == "provisioningrequests.autoscaling.x-k8s.io"
     assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1"]
+    # From the release the autoscaler's pinned image is built from.
+    assert f"cluster-autoscaler-{CLUSTER_AUTOSCALER_IMAGE_TAG.lstrip('v')} (" in crd["metadata"]["annotations"]["moe-rl/source"]
     (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cluster-autoscaler", "namespace": "kube-system"}]
     (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
