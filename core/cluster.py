@@ -10,6 +10,16 @@ from __future__ import annotations
 # charts and manifests), a cdk8s-plus-XY and a schema set for strict validation. 1.35 is in EKS standard support
 # (1.33 left it on 29 July 2026; 1.34 leaves it in December 2026).
 KUBERNETES_VERSIONS = ("1.35",)
+# Versions EKS offers that are refused, each with the pinned chart that does not cover it (infra.services.CHARTS;
+# a test holds the two together). KEDA 2.21 is tested on 1.34-1.36 (keda.sh, read 2026-12-01), but its release
+# files (chart, CRD schemas for the strict validation tests) were not reachable when this was written.
+KUBERNETES_REFUSED = {"1.36": "KEDA 2.20.2, the pinned chart, is tested on Kubernetes 1.33 to 1.35"}
+
+
+def kubernetes_versions_allowed(version: str) -> str:
+    """What to say of an unsupported ``version``: the supported ones, and why this one is not among them."""
+    allowed = "supported: " + ", ".join(KUBERNETES_VERSIONS)
+    return f"{allowed} ({KUBERNETES_REFUSED[version]})" if version in KUBERNETES_REFUSED else allowed
 # efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
 # "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
 VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"
@@ -51,15 +61,10 @@ ROLLOUT_SERVICE_ACCOUNT = "moe-rl-rollout"
 # FSx for Lustre, statically provisioned: the PersistentVolume and the claim trainers mount.
 FSX_CLAIM_NAME = "moe-rl-fsx"
 FSX_MOUNT_PATH = "/fsx"
-# Kueue: one ClusterQueue per GPU pool, a LocalQueue in the run namespace pointing at each.
-def cluster_queue(role: str) -> str:
-    return f"moe-rl-{role}"
-
-
-def local_queue(role: str) -> str:
-    return f"moe-rl-{role}"
-
-
+# Default names (core.environment.ClusterNamesConfig; an environment's cluster_names may choose others). Kueue: one
+# ClusterQueue per GPU pool and a LocalQueue of the same name in the run namespace pointing at it.
+TRAINER_QUEUE = "moe-rl-trainer"
+ROLLOUT_QUEUE = "moe-rl-rollout"
 # PriorityClasses: trainers preempt rollout servers, never the reverse. The orchestrator outranks rollout servers
 # but preempts nothing: it lands on the system nodes, next to the cluster's controllers (which run at
 # system-cluster-critical, far above every class here).

@@ -14,7 +14,8 @@ from typing import Any, Literal, Mapping
 
 from .catalog import CATALOG
 from .labels import TAINT_EFFECTS, Taint, gpu_taints
-from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, vpc_fits_subnets
+from . import cluster as defaults
+from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, kubernetes_versions_allowed, vpc_fits_subnets
 from .schema import ConfigError, Validated, fail, parse
 
 # The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
@@ -160,6 +161,32 @@ class ObservabilityConfig(Validated):
             fail("alarm_email", self.alarm_email, "expected an email address")
 
 
+@dataclass(frozen=True)
+class ClusterNamesConfig(Validated):
+    """Names of the cluster-wide objects infra.ClusterServices creates and a run's manifests refer to: each GPU
+    role's Kueue queues (its ClusterQueue and the LocalQueue in the run namespace share the name) and the
+    PriorityClasses. One place, so a cluster that already has objects of these names can take others."""
+
+    trainer_queue: str = defaults.TRAINER_QUEUE
+    rollout_queue: str = defaults.ROLLOUT_QUEUE
+    trainer_priority_class: str = defaults.TRAINER_PRIORITY_CLASS
+    orchestrator_priority_class: str = defaults.ORCHESTRATOR_PRIORITY_CLASS
+    rollout_priority_class: str = defaults.ROLLOUT_PRIORITY_CLASS
+
+    def validate(self) -> None:
+        for name in ("trainer_queue", "rollout_queue", "trainer_priority_class", "orchestrator_priority_class",
+                     "rollout_priority_class"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
+                fail(name, value, "expected a Kubernetes object name (lowercase letters, digits, '-', '.')")
+            if name.endswith("_priority_class") and value.startswith("system-"):
+                fail(name, value, "the system- prefix is reserved for Kubernetes' own PriorityClasses")
+
+    def queue(self, role: str) -> str:
+        """The ClusterQueue and LocalQueue name of a GPU pool's role (``trainer`` or ``rollout``)."""
+        return {"trainer": self.trainer_queue, "rollout": self.rollout_queue}[role]
+
+
 ADMIN_ROLE_ARN = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+")
 
 
@@ -180,6 +207,7 @@ class EnvironmentConfig(Validated):
     run_namespace: str = "moe-rl"
     storage: StorageConfig = field(default_factory=StorageConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    cluster_names: ClusterNamesConfig = field(default_factory=ClusterNamesConfig)
     name: str = ""  # filled from the key in `environments`
 
     def __post_init__(self) -> None:
@@ -202,7 +230,7 @@ class EnvironmentConfig(Validated):
             fail("gpu_availability_zone", self.gpu_availability_zone,
                  f"must be one of availability_zones ({', '.join(self.availability_zones)}) of {self.region}")
         if self.kubernetes_version not in KUBERNETES_VERSIONS:
-            fail("kubernetes_version", self.kubernetes_version, "supported: " + ", ".join(KUBERNETES_VERSIONS))
+            fail("kubernetes_version", self.kubernetes_version, kubernetes_versions_allowed(self.kubernetes_version))
         try:
             net = ipaddress.ip_network(self.vpc_cidr)
         except ValueError:

@@ -12,7 +12,8 @@ from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validat
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION
+from moe_rl_eks.core.cluster import (KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION,
+                                    kubernetes_versions_allowed)
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -99,7 +100,7 @@ class MoeRlCluster(Construct):
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:
             raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; "
-                             f"supported: {', '.join(_KUBERNETES)}")
+                             f"{kubernetes_versions_allowed(kubernetes_version)}")
         endpoint = EndpointConfig(public=bool(public_endpoint_cidrs), public_cidrs=public_endpoint_cidrs)
         if system_nodes < 1:
             raise ValueError(f"system_nodes: {system_nodes} is not allowed; at least 1 (cluster services run there)")
@@ -206,30 +207,15 @@ class MoeRlCluster(Construct):
                      "aws_eks_v2 pins the kubectl provider's runtime to the one its kubectl/helm layer is built for.")
 
     def pod_identity_role(self, id: str, **role_props) -> iam.Role:
-        """An IAM role that EKS Pod Identity may assume for pods of this cluster only: the trust policy names this
-        account and this cluster (``aws:SourceAccount``, ``aws:SourceArn``), so no other cluster can use it."""
-        stack = Stack.of(self)
-        principal = iam.ServicePrincipal(POD_IDENTITY_PRINCIPAL).with_conditions({
-            "StringEquals": {"aws:SourceAccount": stack.account},
-            "ArnEquals": {"aws:SourceArn": self.cluster.cluster_arn}})
-        return iam.Role(self, id, assumed_by=iam.SessionTagsPrincipal(principal), **role_props)
+        """An IAM role that EKS Pod Identity may assume for pods of this cluster only (:func:`pod_identity_role`)."""
+        return pod_identity_role(self, id, cluster=self.cluster, **role_props)
 
     def service_account(self, id: str, *, name: str, namespace: str, labels: Mapping[str, str] | None = None,
                         depends_on: Sequence[IDependable] = ()) -> "PodIdentityAccount":
-        """A Kubernetes service account bound by Pod Identity to a new IAM role that only this cluster may assume.
-        ``depends_on``: what the service account needs first (its namespace)."""
-        role = self.pod_identity_role(f"{id}Role")
-        manifest = self.cluster.add_manifest(f"{id}Manifest", {
-            "apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": {"name": name, "namespace": namespace, **({"labels": dict(labels)} if labels else {})}})
-        association = eks.CfnPodIdentityAssociation(
-            self, f"{id}PodIdentity", cluster_name=self.cluster.cluster_name, namespace=namespace,
-            service_account=name, role_arn=role.role_arn)
-        association.node.add_dependency(self.pod_identity_agent)
-        for dependency in depends_on:
-            manifest.node.add_dependency(dependency)
-            association.node.add_dependency(dependency)
-        return PodIdentityAccount(role=role, ready=(manifest, association))
+        """A service account bound by Pod Identity to a new IAM role that only this cluster may assume
+        (:func:`service_account`); it also waits for the cluster's Pod Identity agent add-on."""
+        return service_account(self, id, cluster=self.cluster, name=name, namespace=namespace, labels=labels,
+                               depends_on=[self.pod_identity_agent, *depends_on])
 
     def grant_admin(self, id: str, principal: iam.IRole) -> eks.AccessEntry:
         """Give ``principal`` cluster-wide admin through an EKS access entry."""
@@ -256,6 +242,35 @@ class MoeRlCluster(Construct):
             addon.node.add_dependency(self.pod_identity_agent)
         self.addons[name] = addon
         return addon
+
+
+def pod_identity_role(scope: Construct, id: str, *, cluster: eks.ICluster, **role_props) -> iam.Role:
+    """An IAM role that EKS Pod Identity may assume for pods of ``cluster`` only: the trust policy names this
+    account and that cluster (``aws:SourceAccount``, ``aws:SourceArn``), so no other cluster can use it."""
+    stack = Stack.of(scope)
+    principal = iam.ServicePrincipal(POD_IDENTITY_PRINCIPAL).with_conditions({
+        "StringEquals": {"aws:SourceAccount": stack.account},
+        "ArnEquals": {"aws:SourceArn": cluster.cluster_arn}})
+    return iam.Role(scope, id, assumed_by=iam.SessionTagsPrincipal(principal), **role_props)
+
+
+def service_account(scope: Construct, id: str, *, cluster: eks.ICluster, name: str, namespace: str,
+                    labels: Mapping[str, str] | None = None, depends_on: Sequence[IDependable] = ()
+                    ) -> PodIdentityAccount:
+    """A Kubernetes service account on ``cluster`` (which needs a kubectl provider and a running Pod Identity
+    agent) bound by Pod Identity to a new IAM role that only that cluster may assume. ``depends_on``: what the
+    service account needs first (its namespace, the agent add-on)."""
+    role = pod_identity_role(scope, f"{id}Role", cluster=cluster)
+    manifest = cluster.add_manifest(f"{id}Manifest", {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": name, "namespace": namespace, **({"labels": dict(labels)} if labels else {})}})
+    association = eks.CfnPodIdentityAssociation(
+        scope, f"{id}PodIdentity", cluster_name=cluster.cluster_name, namespace=namespace,
+        service_account=name, role_arn=role.role_arn)
+    for dependency in depends_on:
+        manifest.node.add_dependency(dependency)
+        association.node.add_dependency(dependency)
+    return PodIdentityAccount(role=role, ready=(manifest, association))
 
 
 def _version(addon_version: str) -> tuple[int, ...]:

@@ -53,10 +53,59 @@ def network_interfaces(efa_interfaces: int, security_group_ids: list[str]) -> li
 MEMLOCK_DROP_IN = "/etc/systemd/system/containerd.service.d/90-moe-rl-memlock.conf"
 
 
+# GDRCopy's kernel driver, gdrdrv: DeepEP's NVSHMEM proxy over EFA reads GPU memory through /dev/gdrdrv, and the
+# EKS AL2023 NVIDIA AMI neither builds nor loads it. Each GPU node builds it at first boot from the GDRCopy release
+# the images' user-space library is (images/versions.env GDRCOPY_VERSION/GDRCOPY_COMMIT; a test holds them equal),
+# against the running kernel and the NVIDIA driver sources the AMI carries, and a unit loads it on every boot
+# before containerd, so the NVIDIA device plugin (gdrcopyEnabled) finds the device when it starts.
+GDRCOPY_VERSION = "v2.5.2"
+GDRCOPY_COMMIT = "c91ad9f178e5fb729fc5b6dc62a77c3bb364d6c9"
+GDRDRV_UNIT = "moe-rl-gdrdrv.service"
+
+
+def _gdrdrv_script() -> str:
+    return textwrap.dedent(f"""\
+        #!/bin/bash
+        set -euo pipefail
+        dnf install -y -q "kernel-devel-$(uname -r)" gcc make git
+        work=$(mktemp -d)
+        git clone -q --depth 1 --branch {GDRCOPY_VERSION} https://github.com/NVIDIA/gdrcopy.git "$work/gdrcopy"
+        test "$(git -C "$work/gdrcopy" rev-parse HEAD)" = {GDRCOPY_COMMIT}
+        # gdrdrv's Makefile finds the NVIDIA driver's nv-p2p sources under /usr/src/nvidia-*; none: stop here.
+        make -C "$work/gdrcopy" driver KVER="$(uname -r)"
+        install -D -m 0644 "$work/gdrcopy/src/gdrdrv/gdrdrv.ko" "/lib/modules/$(uname -r)/extra/gdrdrv.ko"
+        depmod -a
+        rm -rf "$work"
+        # gdrdrv registers a character device but creates no node; pods run as UID 10001, so it is world-usable.
+        cat > /usr/local/sbin/moe-rl-gdrdrv <<'SCRIPT'
+        #!/bin/bash
+        set -euo pipefail
+        modprobe gdrdrv
+        major=$(awk '$2 == "gdrdrv" {{print $1}}' /proc/devices)
+        [ -c /dev/gdrdrv ] || mknod -m 0666 /dev/gdrdrv c "$major" 0
+        SCRIPT
+        chmod 0755 /usr/local/sbin/moe-rl-gdrdrv
+        cat > /etc/systemd/system/{GDRDRV_UNIT} <<'UNIT'
+        [Unit]
+        Description=GDRCopy gdrdrv and /dev/gdrdrv
+        Before=containerd.service kubelet.service
+        [Service]
+        Type=oneshot
+        RemainAfterExit=yes
+        ExecStart=/usr/local/sbin/moe-rl-gdrdrv
+        [Install]
+        WantedBy=multi-user.target
+        UNIT
+        systemctl daemon-reload
+        systemctl enable --now {GDRDRV_UNIT}
+        """)
+
+
 def user_data(*, hugepages_2mi: int, local_nvme: bool) -> str:
     """nodeadm MIME user data: a NodeConfig (local NVMe as one RAID0 volume for containerd and the kubelet), a
-    containerd drop-in with unlimited locked memory, and a script reserving 2 MiB hugepages; the scripts run
-    before nodeadm starts the kubelet, so it advertises hugepages-2Mi."""
+    containerd drop-in with unlimited locked memory, GDRCopy's gdrdrv built and loaded (:func:`_gdrdrv_script`),
+    and a script reserving 2 MiB hugepages; the scripts run before nodeadm starts the kubelet, so it advertises
+    hugepages-2Mi."""
     parts = [('text/x-shellscript; charset="us-ascii"', textwrap.dedent(f"""\
         #!/bin/bash
         set -euo pipefail
@@ -64,7 +113,7 @@ def user_data(*, hugepages_2mi: int, local_nvme: bool) -> str:
         printf '[Service]\\nLimitMEMLOCK=infinity\\n' > {MEMLOCK_DROP_IN}
         systemctl daemon-reload
         systemctl try-restart containerd
-        """))]
+        """)), ('text/x-shellscript; charset="us-ascii"', _gdrdrv_script())]
     if local_nvme:
         parts.append(("application/node.eks.aws", textwrap.dedent("""\
             ---

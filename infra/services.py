@@ -8,22 +8,23 @@ a chart's webhooks guard (Kueue's queues) are applied only after it: the kubectl
 webhook that does not answer yet would fail the deploy."""
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from aws_cdk import Acknowledgment, Duration, Stack, Validations, aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core.catalog import CATALOG
-from moe_rl_eks.core.cluster import HUGEPAGES_RESOURCE, hugepages_mib
-from moe_rl_eks.core.environment import NodePoolConfig
+from moe_rl_eks.core.cluster import CLUSTER_SERVICES_PRIORITY_CLASS, HUGEPAGES_RESOURCE, hugepages_mib
+from moe_rl_eks.core.environment import ClusterNamesConfig, NodePoolConfig
 from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
 from ._ids import pascal
 from .checks import nag_partition
-from .cluster import MoeRlCluster
+from .cluster import MoeRlCluster, service_account
 from .node_pool import EfaNodePool
 
 
@@ -58,6 +59,20 @@ CHARTS = {
                                        "v1beta1 (read 2026-11)"),
 }
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
+# Gang admission: a trainer JobSet is admitted only once the Cluster Autoscaler has scaled its pool up for every one
+# of its pods in one step (Kueue's ProvisioningRequest admission check, kueue.x-k8s.io/provisioning-request). Until
+# then its pods do not exist, so a run that cannot get all its nodes holds none. The atomic class asks for the whole
+# gang in one node-group increase, made only when the group can hold all of it; AWS node groups do not implement
+# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 falls back to one plain increase), so EC2 may still
+# launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
+GANG_PROVISIONING = "moe-rl-gang"  # the ProvisioningRequestConfig and the AdmissionCheck naming it
+PROVISIONING_CLASS = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+# The roles whose workloads are gangs (JobSets through Kueue): their ClusterQueues carry the admission check.
+GANG_ROLES = ("trainer",)
+# The ProvisioningRequest CRD, from the autoscaler release the pinned image is (its chart installs neither the CRD
+# nor the RBAC for it); the file's moe-rl/source annotation names the commit.
+PROVISIONING_REQUEST_CRD = Path(__file__).parent / "crds" / "autoscaling.x-k8s.io_provisioningrequests.json"
 # An admitted gang must have every pod ready within this time (nodes launched from zero, the images pulled, each
 # pod's doctor passed), or Kueue evicts all of it and requeues it after a backoff of 60 s doubling up to 1 h.
 KUEUE_PODS_READY_TIMEOUT = "30m"
@@ -76,6 +91,8 @@ def kueue_configuration() -> dict:
         "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
         # Only what runs here goes through Kueue; the chart registers webhooks for these alone.
         "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
+        # Kueue's provisioning admission check (GA since Kueue 0.14, no feature gate) starts only if the
+        # ProvisioningRequest API is served when Kueue starts: the CRD is applied before the chart (ClusterServices).
         "waitForPodsReady": {
             "timeout": KUEUE_PODS_READY_TIMEOUT, "blockAdmission": True,
             # Requeued without a limit: a run waits for capacity rather than being deactivated.
@@ -95,20 +112,24 @@ TRAINER_PRIORITY = 100_000
 ORCHESTRATOR_PRIORITY = 50_000
 ROLLOUT_PRIORITY = 10_000
 # Controllers the run pods must never preempt (the orchestrator shares the system nodes with them).
-_CRITICAL = names.CLUSTER_SERVICES_PRIORITY_CLASS
+_CRITICAL = CLUSTER_SERVICES_PRIORITY_CLASS
+
+
+def require_kubectl_provider(cluster: eks.ICluster, user: str) -> None:
+    """Charts and manifests go through the cluster's kubectl provider; without one aws-cdk-lib fails later with
+    "Kubectl Provider is not defined in this cluster", naming neither the construct nor what to pass."""
+    if cluster.kubectl_provider is None:
+        raise ValueError(
+            f"cluster: {cluster.node.path!r} is not allowed for {user}; it has no kubectl provider: import "
+            "it with eks.Cluster.from_cluster_attributes(..., kubectl_provider=eks.KubectlProvider."
+            "from_kubectl_provider_attributes(...)) to use an existing one, or with kubectl_provider_options="
+            "eks.KubectlProviderOptions(kubectl_layer=...) to create one")
 
 
 def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
               depends_on: Sequence[IDependable] = ()) -> eks.HelmChart:
     """One of CHARTS, pinned, installed with Helm's --wait (so what depends on it finds it running)."""
-    if cluster.kubectl_provider is None:
-        # Otherwise aws-cdk-lib fails later with "Kubectl Provider is not defined in this cluster", naming neither
-        # the chart nor what to pass.
-        raise ValueError(
-            f"cluster: {cluster.node.path!r} is not allowed for the {name} chart; it has no kubectl provider: import "
-            "it with eks.Cluster.from_cluster_attributes(..., kubectl_provider=eks.KubectlProvider."
-            "from_kubectl_provider_attributes(...)) to use an existing one, or with kubectl_provider_options="
-            "eks.KubectlProviderOptions(kubectl_layer=...) to create one")
+    require_kubectl_provider(cluster, f"the {name} chart")
     c = CHARTS[name]
     chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=c.chart, repository=c.repository,
                           version=c.version, namespace=c.namespace, release=name, values=values,
@@ -131,6 +152,7 @@ class DevicePlugins(Construct):
         :param depends_on: what must exist first (a new cluster's nodes and CoreDNS); default nothing.
         """
         super().__init__(scope, id)
+        require_kubectl_provider(cluster, "DevicePlugins")
         if not pools or not all(isinstance(p, EfaNodePool) for p in pools):
             raise ValueError(f"pools: {list(pools)!r} is not allowed; one or more EfaNodePool, whose taints the "
                              "plugins tolerate")
@@ -156,24 +178,50 @@ class ClusterServices(Construct):
     """Cluster-wide services for runs. Attributes: ``charts`` (name -> HelmChart), ``device_plugins``,
     ``cluster_queues`` (pool role -> the ClusterQueue manifest), ``autoscaler_role``."""
 
-    def __init__(self, scope: Construct, id: str, *, cluster: MoeRlCluster, pools: Mapping[str, EfaNodePool],
-                 run_namespace: str, namespace_manifest: eks.KubernetesManifest,
-                 keda_role: iam.IRole | None = None) -> None:
+    def __init__(self, scope: Construct, id: str, *, cluster: MoeRlCluster | eks.ICluster,
+                 pools: Mapping[str, EfaNodePool], run_namespace: str,
+                 namespace_manifest: IDependable | None = None, keda_role: iam.IRole | None = None,
+                 names: ClusterNamesConfig = ClusterNamesConfig(), depends_on: Sequence[IDependable] = ()) -> None:
         """
-        :param cluster: the cluster; charts wait for its ``services_ready``.
+        :param cluster: a :class:`MoeRlCluster` (charts then wait for its ``services_ready``) or any
+            ``eks.ICluster`` with a kubectl provider (an imported one: ``eks.Cluster.from_cluster_attributes(...,
+            kubectl_provider=...)`` or ``kubectl_provider_options=...``), on which the EKS Pod Identity agent
+            add-on runs (the autoscaler's and KEDA's AWS identities come through it).
+        :param pools: GPU pools by role (``trainer``, ``rollout``); each gets a Kueue ResourceFlavor, ClusterQueue
+            and LocalQueue.
+        :param run_namespace: where LocalQueues live.
+        :param namespace_manifest: the run namespace's manifest, LocalQueues are created after it; default: none,
+            the namespace exists already.
         :param keda_role: a Pod Identity role for the KEDA operator, whose scalers query Prometheus with the
             operator's own AWS identity; default: none (KEDA gets no AWS permissions).
-        :param pools: GPU pools by role; each gets a Kueue ResourceFlavor, ClusterQueue and LocalQueue.
-        :param run_namespace: where LocalQueues live.
-        :param namespace_manifest: the run namespace's manifest; LocalQueues are created after it.
+        :param names: the queues' and PriorityClasses' names, which a run's manifests read from the same
+            environment setting (``cluster_names``); default ``ClusterNamesConfig()``: ``moe-rl-trainer``,
+            ``moe-rl-rollout``, ``moe-rl-orchestrator``.
+        :param depends_on: on an imported cluster, what the charts wait for (nodes for the controllers, CoreDNS);
+            default nothing. A ``MoeRlCluster`` gives its ``services_ready`` itself.
         """
         super().__init__(scope, id)
-        self._moe_cluster = cluster
-        eks_cluster = cluster.cluster
+        if not isinstance(names, ClusterNamesConfig):
+            raise TypeError(f"names: {names!r} is not allowed; a moe_rl_eks.core.environment.ClusterNamesConfig")
+        unknown = sorted(set(pools) - {"trainer", "rollout"})
+        if unknown:
+            raise ValueError(f"pools: {unknown!r} is not allowed; the roles are trainer and rollout")
+        if isinstance(cluster, MoeRlCluster):
+            eks_cluster, self._ready = cluster.cluster, [*cluster.services_ready, *depends_on]
+            self._service_account = cluster.service_account
+        else:
+            eks_cluster, self._ready = cluster, list(depends_on)
+            require_kubectl_provider(eks_cluster, "ClusterServices")
+            self._service_account = functools.partial(service_account, self, cluster=eks_cluster)
+        self.names = names
         self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, pools=list(pools.values()),
-                                            depends_on=cluster.services_ready)
+                                            depends_on=self._ready)
         self.charts: dict[str, eks.HelmChart] = dict(self.device_plugins.charts)
+        # Before the autoscaler and Kueue: both find the ProvisioningRequest API only if it is served when they start.
+        provisioning_api = eks_cluster.add_manifest(
+            "ProvisioningRequestApi", json.loads(PROVISIONING_REQUEST_CRD.read_text()), *_autoscaler_provisioning_rbac())
         self.autoscaler_role = self._cluster_autoscaler(eks_cluster)
+        self.charts["cluster-autoscaler"].node.add_dependency(provisioning_api)
         keda = self._chart(eks_cluster, "keda", {"nodeSelector": _SYSTEM_NODES, "priorityClassName": _CRITICAL})
         if keda_role is not None:
             # The association must exist before the operator starts: Pod Identity injects credentials at pod start.
@@ -191,22 +239,25 @@ class ClusterServices(Construct):
             apply_patch={"spec": {"template": {"spec": {"priorityClassName": _CRITICAL}}}},
             restore_patch={"spec": {"template": {"spec": {"priorityClassName": None}}}})
         priority.node.add_dependency(jobset)
-        self._chart(eks_cluster, "kueue", {
+        kueue = self._chart(eks_cluster, "kueue", {
             "controllerManager": {"nodeSelector": _SYSTEM_NODES, "manager": {"priorityClassName": _CRITICAL}},
             # JSON is YAML: the chart writes this string into the manager's config map as it is.
             "managerConfig": {"controllerManagerConfigYaml": json.dumps(kueue_configuration())}})
+        kueue.node.add_dependency(provisioning_api)
+        self.gang_admission = eks_cluster.add_manifest("GangAdmissionCheck", *gang_admission_objects())
+        self.gang_admission.node.add_dependency(kueue)
         self._priority_classes(eks_cluster)
         self.cluster_queues = {role: self._queues(eks_cluster, role, pool, run_namespace, namespace_manifest)
                                for role, pool in pools.items()}
 
     def _chart(self, cluster: eks.ICluster, name: str, values: dict) -> eks.HelmChart:
-        chart = add_chart(self, cluster, name, values, self._moe_cluster.services_ready)
+        chart = add_chart(self, cluster, name, values, self._ready)
         self.charts[name] = chart
         return chart
 
-    def _cluster_autoscaler(self, cluster: eks.Cluster) -> iam.IRole:
+    def _cluster_autoscaler(self, cluster: eks.ICluster) -> iam.IRole:
         stack = Stack.of(self)
-        account = self._moe_cluster.service_account(
+        account = self._service_account(
             "ClusterAutoscalerServiceAccount", name=CLUSTER_AUTOSCALER_SERVICE_ACCOUNT, namespace="kube-system")
         role = account.role
         # Describe calls take no resource; scaling is limited to this cluster's node groups by their EKS tag.
@@ -227,7 +278,7 @@ class ClusterServices(Construct):
                            reason="Cluster Autoscaler's Describe* calls have no resource-level permissions; scaling "
                                   "actions are limited to this cluster's node groups by tag condition."),
             Acknowledgment(id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:{nag_partition(stack)}:eks:{stack.region}:"
-                              f"{stack.account}:nodegroup/<{stack.get_logical_id(cluster.node.default_child)}>/*]",
+                              f"{stack.account}:nodegroup/{_nag_cluster_name(cluster)}/*]",
                            reason="DescribeNodegroup on this cluster's node groups only (labels, taints and tags for "
                                   "scale from zero); their ids are generated by EKS."))
         chart = self._chart(cluster, "cluster-autoscaler", {
@@ -239,7 +290,9 @@ class ClusterServices(Construct):
             "nodeSelector": _SYSTEM_NODES,
             "priorityClassName": _CRITICAL,
             "extraArgs": {"balance-similar-node-groups": True, "skip-nodes-with-system-pods": False,
-                          "expander": "least-waste"},
+                          "expander": "least-waste",
+                          # ProvisioningRequests (gang admission) are read as JSON only (the autoscaler's FAQ).
+                          "enable-provisioning-requests": True, "kube-api-content-type": "application/json"},
         })
         chart.node.add_dependency(*account.ready)
         return role
@@ -249,21 +302,65 @@ class ClusterServices(Construct):
             "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
             "value": value, "preemptionPolicy": policy, "globalDefault": False, "description": description,
         } for name, value, policy, description in (
-            (names.TRAINER_PRIORITY_CLASS, TRAINER_PRIORITY, "PreemptLowerPriority", "moe-rl trainer gangs"),
-            (names.ORCHESTRATOR_PRIORITY_CLASS, ORCHESTRATOR_PRIORITY, "Never",
+            (self.names.trainer_priority_class, TRAINER_PRIORITY, "PreemptLowerPriority", "moe-rl trainer gangs"),
+            (self.names.orchestrator_priority_class, ORCHESTRATOR_PRIORITY, "Never",
              "moe-rl orchestrators: above rollout servers, never preempts (shares nodes with controllers)"),
-            (names.ROLLOUT_PRIORITY_CLASS, ROLLOUT_PRIORITY, "Never", "moe-rl rollout servers: never preempt"),
+            (self.names.rollout_priority_class, ROLLOUT_PRIORITY, "Never", "moe-rl rollout servers: never preempt"),
         )])
 
     def _queues(self, cluster: eks.ICluster, role: str, pool: EfaNodePool, namespace: str,
-                namespace_manifest: eks.KubernetesManifest) -> eks.KubernetesManifest:
-        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *queue_objects(role, pool.pool, namespace))
-        manifest.node.add_dependency(self.charts["kueue"], namespace_manifest)
+                namespace_manifest: IDependable | None) -> eks.KubernetesManifest:
+        manifest = cluster.add_manifest(f"{pascal(role)}Queues", *queue_objects(
+            role, pool.pool, namespace, queue=self.names.queue(role)))
+        manifest.node.add_dependency(self.charts["kueue"], self.gang_admission,
+                                     *([namespace_manifest] if namespace_manifest is not None else []))
         return manifest
 
 
-def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]:
-    """The pool's Kueue ResourceFlavor, ClusterQueue and LocalQueue (in ``namespace``)."""
+def _nag_cluster_name(cluster: eks.ICluster) -> str:
+    """The cluster name as cdk-nag prints it in a resource: a created cluster's as ``<LogicalId>``, an imported
+    one's as given."""
+    resource = cluster.node.default_child
+    return f"<{Stack.of(cluster).get_logical_id(resource)}>" if resource is not None else cluster.cluster_name
+
+
+def _autoscaler_provisioning_rbac() -> list[dict]:
+    """What the autoscaler's service account needs to serve ProvisioningRequests (its FAQ's ClusterRole)."""
+    name = "cluster-autoscaler-provisioning"
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+         "rules": [{"apiGroups": ["autoscaling.x-k8s.io"],
+                    "resources": ["provisioningrequests", "provisioningrequests/status"],
+                    "verbs": ["watch", "list", "get", "create", "update", "patch", "delete"]},
+                   {"apiGroups": [""], "resources": ["podtemplates"], "verbs": ["watch", "list", "get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": CLUSTER_AUTOSCALER_SERVICE_ACCOUNT,
+                       "namespace": CHARTS["cluster-autoscaler"].namespace}]},
+    ]
+
+
+def gang_admission_objects() -> list[dict]:
+    """The ProvisioningRequestConfig and the AdmissionCheck that gang ClusterQueues name (GANG_PROVISIONING)."""
+    return [
+        {"apiVersion": KUEUE_API, "kind": "ProvisioningRequestConfig", "metadata": {"name": GANG_PROVISIONING},
+         "spec": {"provisioningClassName": PROVISIONING_CLASS,
+                  # Only pods that need GPUs are provisioned for; a run's GPU pods all land in the gang's pool.
+                  "managedResources": [GPU_RESOURCE],
+                  # A failed or expired request is retried 60 s, 120 s, ... up to 30 min apart; after 8 tries (about
+                  # 2 h) Kueue deactivates the workload, which `kubectl patch ... activate` resumes.
+                  "retryStrategy": {"backoffLimitCount": 8, "backoffBaseSeconds": 60, "backoffMaxSeconds": 1800}}},
+        {"apiVersion": KUEUE_API, "kind": "AdmissionCheck", "metadata": {"name": GANG_PROVISIONING},
+         "spec": {"controllerName": PROVISIONING_CONTROLLER,
+                  "parameters": {"apiGroup": "kueue.x-k8s.io", "kind": "ProvisioningRequestConfig",
+                                 "name": GANG_PROVISIONING}}},
+    ]
+
+
+def queue_objects(role: str, pool: NodePoolConfig, namespace: str, *, queue: str | None = None) -> list[dict]:
+    """The pool's Kueue ResourceFlavor, ClusterQueue and LocalQueue (in ``namespace``), both queues named ``queue``
+    (default: ClusterNamesConfig's name for the role)."""
+    queue = queue or ClusterNamesConfig().queue(role)
     spec, n = pool.spec, pool.max_size
     # Quota = the pool at max size: Kueue admits a gang only if all of it fits. Every resource a run's pods
     # request must be covered or Kueue refuses the workload.
@@ -273,14 +370,16 @@ def queue_objects(role: str, pool: NodePoolConfig, namespace: str) -> list[dict]
     if pool.hugepages_2mi:
         quota[HUGEPAGES_RESOURCE] = f"{hugepages_mib(pool.hugepages_2mi) * n}Mi"
     flavor = f"moe-rl-{role}"
+    # Every flavor of a gang queue (no onFlavors): nothing is admitted on quota alone.
+    checks = {"admissionChecksStrategy": {"admissionChecks": [{"name": GANG_PROVISIONING}]}} if role in GANG_ROLES else {}
     return [
         {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": flavor},
          "spec": {"nodeLabels": {ROLE_LABEL: role}, "tolerations": tolerations(pool.taints)}},
-        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": names.cluster_queue(role)},
-         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": queue},
+         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO", **checks,
                   "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
                       "name": flavor, "resources": [{"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},
         {"apiVersion": KUEUE_API, "kind": "LocalQueue",
-         "metadata": {"name": names.local_queue(role), "namespace": namespace},
-         "spec": {"clusterQueue": names.cluster_queue(role)}},
+         "metadata": {"name": queue, "namespace": namespace},
+         "spec": {"clusterQueue": queue}},
     ]

@@ -76,7 +76,8 @@ class MoeRlStack(Stack):
             self.observability.grant_query_metrics(keda_role)
         self.services = ClusterServices(self, "Services", cluster=self.cluster, pools=self.pools,
                                         run_namespace=config.run_namespace,
-                                        namespace_manifest=self.run_access.namespace_manifest, keda_role=keda_role)
+                                        namespace_manifest=self.run_access.namespace_manifest, keda_role=keda_role,
+                                        names=config.cluster_names)
         if self.run_access.fsx_prepare_job is not None:
             # Kueue's Job webhook (failurePolicy Fail, every namespace) is registered before its pod answers: a Job
             # created in between is refused, and the kubectl handler does not retry that.

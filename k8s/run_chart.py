@@ -142,7 +142,7 @@ class RunChart(cdk8s.Chart):
         match = k8s.LabelSelector(match_labels=selector(self.name, "rollout"))
         pod = pod_spec(
             container, volumes, service_account=cluster.ROLLOUT_SERVICE_ACCOUNT,
-            priority_class=cluster.ROLLOUT_PRIORITY_CLASS,
+            priority_class=env.cluster_names.rollout_priority_class,
             init_containers=[startup_check(container, "rollout", efa=False)],  # rollout pods take no EFA
             termination_grace_period_seconds=deploy.rollout_drain_seconds + 30,
             # Spread servers over nodes: one lost node takes few of them.
@@ -235,7 +235,7 @@ class RunChart(cdk8s.Chart):
                                        container, volumes, service_account=cluster.ORCHESTRATOR_SERVICE_ACCOUNT,
                                        # Above rollout servers, and it never preempts: it shares the system
                                        # nodes with the cluster's controllers.
-                                       priority_class=cluster.ORCHESTRATOR_PRIORITY_CLASS,
+                                       priority_class=self.resolved.environment.cluster_names.orchestrator_priority_class,
                                        init_containers=[startup_check(container, "orchestrator", efa=False)]))))
         k8s.KubeService(self, "orchestrator-service", metadata=k8s.ObjectMeta(name=name, labels=pod_labels),
                         spec=k8s.ServiceSpec(selector=selector(self.name, "orchestrator"),

@@ -83,7 +83,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
         volume_mounts=volumes.mounts,
     )
     pod = pod_spec(container, volumes, service_account=cluster.TRAINER_SERVICE_ACCOUNT,
-                   priority_class=cluster.TRAINER_PRIORITY_CLASS, restart_policy="Never",
+                   priority_class=env.cluster_names.trainer_priority_class, restart_policy="Never",
                    init_containers=[startup_check(container, "trainer", efa=bool(size.efa))],
                    termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
                    **gpu_placement("trainer", env.trainer_pool))
@@ -103,7 +103,7 @@ def add_gang_job(scope: Construct, resolved: ResolvedRun, job: GangJob) -> None:
     jobset = cdk8s.ApiObject(scope, f"{job.name}-jobset", api_version=JOBSET_API, kind="JobSet",
                              metadata=cdk8s.ApiObjectMetadata(
                                  name=job.name,
-                                 labels={**job.pod_labels, KUEUE_QUEUE_LABEL: cluster.local_queue("trainer")}))
+                                 labels={**job.pod_labels, KUEUE_QUEUE_LABEL: env.cluster_names.queue("trainer")}))
     jobset.add_json_patch(cdk8s.JsonPatch.add("/spec", {
         "suspend": True,  # Kueue starts it once the whole gang is admitted
         "network": {"enableDNSHostnames": True, "subdomain": job.name, "publishNotReadyAddresses": True},

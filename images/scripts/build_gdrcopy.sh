@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GDRCopy's user-space library (NVSHMEM and libfabric use it for low-latency GPU memory copies; the AL2023
-# NVIDIA AMI loads the gdrdrv kernel module).
+# GDRCopy's user-space library (NVSHMEM and libfabric use it for low-latency GPU memory copies). Its kernel
+# driver, gdrdrv, is the node's: the AL2023 NVIDIA AMI has none, so the GPU nodes build it at first boot from the
+# same release (infra/node_pool.py).
 # Usage: build_gdrcopy.sh PREFIX
 set -euo pipefail
 # shellcheck source=common.sh

@@ -47,6 +47,10 @@ def _set(path: str, value):
     ("dev", "endpoint", {"public": True}, "a public endpoint needs an allow-list"),
     ("dev", "endpoint", {"public": True, "public_cidrs": ["0.0.0.0/0"]}, "the whole internet is not an allow-list"),
     ("dev", "kubernetes_version", "1.21", "supported: 1.35"),
+    ("dev", "kubernetes_version", "1.36", "supported: 1.35 (KEDA 2.20.2, the pinned chart, is tested on Kubernetes "
+     "1.33 to 1.35)"),
+    ("dev", "cluster_names", {"trainer_queue": "Research_Q"}, "expected a Kubernetes object name"),
+    ("dev", "cluster_names", {"rollout_priority_class": "system-node-critical"}, "the system- prefix is reserved"),
     ("dev", "account", "12345", "12-digit"),
     ("dev", "vpc_cidr", "8.8.0.0/16", "private CIDR"),
     ("prod", "vpc_cidr", "10.40.0.0/17", "too small for one /24 public, /19 private, /28 scraper subnet in each of the 3 zones"),

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import aws_cdk as cdk
 import pytest
@@ -12,7 +16,7 @@ from aws_cdk.assertions import Match, Template
 from infra_helpers import REPO
 from moe_rl_eks.core.environment import EnvironmentConfig, NodePoolConfig, load_environments
 from moe_rl_eks.core.schema import ConfigError
-from moe_rl_eks.infra import DevicePlugins, EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
+from moe_rl_eks.infra import ClusterServices, DevicePlugins, EfaNodePool, MoeRlCluster, MoeRlStack, add_checks
 from moe_rl_eks.infra.checks import EksGuardrails
 from moe_rl_eks.infra.node_pool import network_interfaces, user_data
 
@@ -227,14 +231,28 @@ def test_a_no_execute_pool_is_tolerated_by_the_device_plugins_and_its_kueue_flav
     assert flavors["moe-rl-rollout"]["tolerations"] == [both[1]]
 
 
-def test_device_plugins_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass():
+@pytest.mark.parametrize("construct, user", [
+    (lambda stack, cluster: DevicePlugins(stack, "Devices", cluster=cluster, pools=[stack.pool]), "DevicePlugins"),
+    (lambda stack, cluster: ClusterServices(stack, "Services", cluster=cluster, pools={"trainer": stack.pool},
+                                            run_namespace="moe-rl"), "ClusterServices"),
+])
+def test_services_on_an_imported_cluster_without_a_kubectl_provider_say_what_to_pass(construct, user):
     stack = PlatformStack(cdk.App(), "NoKubectl")
     vpc = stack.cluster.cluster.vpc
     imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster", vpc=vpc,
                                                    cluster_security_group_id="sg-0123456789abcdef0")
-    with pytest.raises(ValueError, match=r"cluster: 'NoKubectl/Theirs' is not allowed for the nvidia-device-plugin "
-                                         r"chart; it has no kubectl provider: import it with .*kubectl_provider="):
-        DevicePlugins(stack, "Devices", cluster=imported, pools=[stack.pool])
+    with pytest.raises(ValueError, match=rf"cluster: 'NoKubectl/Theirs' is not allowed for {user}; it has no "
+                                         r"kubectl provider: import it with .*kubectl_provider=.*kubectl_provider_options="):
+        construct(stack, imported)
+
+
+def test_cluster_services_refuse_unknown_roles_and_names_that_are_not_the_typed_config():
+    stack = PlatformStack(cdk.App(), "BadServices")
+    with pytest.raises(ValueError, match=r"pools: \['trainers'\] is not allowed; the roles are trainer and rollout"):
+        ClusterServices(stack, "Services", cluster=stack.cluster, pools={"trainers": stack.pool}, run_namespace="x")
+    with pytest.raises(TypeError, match=r"names: \{'trainer_queue': 'q'\} is not allowed; a moe_rl_eks.core"):
+        ClusterServices(stack, "Services2", cluster=stack.cluster, pools={"trainer": stack.pool}, run_namespace="x",
+                        names={"trainer_queue": "q"})
 
 
 def test_device_plugins_need_the_pools_whose_taints_they_tolerate():
@@ -283,3 +301,25 @@ def test_storage_refuses_a_repository_prefix_ecr_would_refuse():
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2)
     with pytest.raises(ValueError, match=r"repository_prefix: 'Moe RL' is not allowed; lowercase letters"):
         MoeRlStorage(stack, "Storage", vpc=vpc, fsx_subnet=None, repository_prefix="Moe RL")
+
+
+def test_cluster_refuses_kubernetes_1_36_naming_the_chart_that_does_not_cover_it():
+    stack = cdk.Stack(cdk.App(), "K136", env=ENV)
+    vpc = ec2.Vpc(stack, "Vpc", availability_zones=["us-west-2a", "us-west-2b"], nat_gateways=1)
+    with pytest.raises(ValueError, match=r"kubernetes_version: '1.36' is not allowed; supported: 1.35 \(KEDA 2.20.2, "
+                                         r"the pinned chart, is tested on Kubernetes 1.33 to 1.35\)"):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.36")
+
+
+def test_every_user_data_script_is_shellcheck_clean(tmp_path):
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed: it comes with the dev extra (pyproject.toml)"
+    text = user_data(hugepages_2mi=1024, local_nvme=True)
+    scripts = [part[part.index("#!/bin/bash"):] for part in text.split("--==MOERL==") if "#!/bin/bash" in part]
+    assert len(scripts) == 3  # memlock, gdrdrv, hugepages
+    paths = []
+    for i, script in enumerate(scripts):
+        paths.append(tmp_path / f"part{i}.sh")
+        paths[-1].write_text(script)
+    result = subprocess.run([shellcheck, *map(str, paths)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infra_helpers import REPO, SYNTH_TIMEOUT_S, offline_env, resources_of
+from infra_helpers import REPO, SYNTH_TIMEOUT_S, kubernetes_objects, offline_env, resources_of
 
 APP = Path(__file__).parent / "own_app" / "app.py"
 SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "tools", "pyproject.toml", "README.md")
@@ -77,8 +77,10 @@ def test_the_deploy_guides_example_synthesizes_nag_clean_in_the_fresh_environmen
     (example,) = re.findall(r"```python\n(import aws_cdk as cdk\n.*?)```", (REPO / "docs" / "deploy.md").read_text(), re.S)
     example = example.replace("app = cdk.App()", "import sys\napp = cdk.App(outdir=sys.argv[1])")
     _, templates = synthesize(python, example, tmp_path / "readme")
-    (template,) = templates.values()
-    assert len(resources_of(template, "AWS::EKS::Nodegroup")) == 2  # system nodes and the p5 pool
+    assert set(templates) == {"Platform", "OnTheirCluster"}
+    assert len(resources_of(templates["Platform"], "AWS::EKS::Nodegroup")) == 2  # system nodes and the p5 pool
+    for template in templates.values():
+        assert len(resources_of(template, "Custom::AWSCDK-EKS-HelmChart")) == 6  # plugins, Kueue, KEDA, JobSet, CA
 
 
 def test_the_app_uses_the_installed_package_not_this_repository(own_app):
@@ -107,7 +109,7 @@ def test_new_cluster_app_gets_a_capacity_block_pool_that_waits_for_the_vpc_cni(o
     assert charts == {"nvidia-device-plugin", "aws-efa-k8s-device-plugin"}
 
 
-def test_imported_cluster_app_adds_an_efa_pool_and_device_plugins_through_their_provider(own_app):
+def test_imported_cluster_app_adds_an_efa_pool_and_the_cluster_services_through_their_provider(own_app):
     template = own_app["templates"]["TeamImportedCluster"]
     assert not resources_of(template, "AWS::EKS::Cluster") and not resources_of(template, "AWS::Lambda::Function")
     (pool,) = resources_of(template, "AWS::EKS::Nodegroup").values()
@@ -119,3 +121,15 @@ def test_imported_cluster_app_adds_an_efa_pool_and_device_plugins_through_their_
     charts = resources_of(template, "Custom::AWSCDK-EKS-HelmChart").values()
     assert {c["Properties"]["ServiceToken"] for c in charts} == {
         "arn:aws:lambda:us-west-2:444444444444:function:their-kubectl"}
+    assert {c["Properties"]["Release"] for c in charts} == {
+        "nvidia-device-plugin", "aws-efa-k8s-device-plugin", "keda", "jobset", "kueue", "cluster-autoscaler"}
+    # The autoscaler's identity: a Pod Identity association on their cluster, whose role only that cluster may use.
+    (association,) = resources_of(template, "AWS::EKS::PodIdentityAssociation").values()
+    assert (association["Properties"]["ClusterName"], association["Properties"]["ServiceAccount"]) == \
+        ("their-cluster", "cluster-autoscaler")
+    # The team's names, as the run manifests read them from the same setting (cluster_names).
+    objects = kubernetes_objects(template)
+    queues = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] in ("ClusterQueue", "LocalQueue")}
+    assert queues == {("ClusterQueue", "research-rollout"), ("LocalQueue", "research-rollout")}
+    classes = {o["metadata"]["name"] for o in objects if o["kind"] == "PriorityClass"}
+    assert classes == {"moe-rl-trainer", "moe-rl-orchestrator", "research-rollout"}

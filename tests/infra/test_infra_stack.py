@@ -13,10 +13,10 @@ from moe_rl_eks.core import cluster as names
 from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import VPC_CNI_VERSION
-from moe_rl_eks.infra.node_pool import MEMLOCK_DROP_IN
-from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT
+from moe_rl_eks.infra.node_pool import GDRCOPY_COMMIT, GDRCOPY_VERSION, GDRDRV_UNIT, MEMLOCK_DROP_IN
+from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT, CLUSTER_AUTOSCALER_IMAGE_TAG
 
-from infra_helpers import helm_charts, join_string, kubernetes_objects, pool, resources_of
+from infra_helpers import REPO, helm_charts, join_string, kubernetes_objects, pool, resources_of
 
 
 @pytest.mark.parametrize("env,role,instance_type,efa", [
@@ -90,6 +90,26 @@ def test_gpu_node_user_data_lifts_the_locked_memory_limit_containers_inherit(tem
             # Reloaded before nodeadm starts containerd and the kubelet (a running containerd is restarted).
             assert script.index(MEMLOCK_DROP_IN) < script.index("systemctl daemon-reload") < \
                 script.index("systemctl try-restart containerd")
+
+
+def test_gpu_nodes_build_and_load_gdrcopys_driver_from_the_images_release_before_containerd(templates):
+    # DeepEP's NVSHMEM proxy over EFA needs /dev/gdrdrv; the EKS NVIDIA AMI has no gdrdrv module.
+    versions = dict(line.split("=", 1) for line in (REPO / "images" / "versions.env").read_text().splitlines()
+                    if line and not line.startswith("#"))
+    assert (GDRCOPY_VERSION, GDRCOPY_COMMIT) == (versions["GDRCOPY_VERSION"], versions["GDRCOPY_COMMIT"])
+    for env in ("dev", "prod"):
+        for role in ("trainer", "rollout"):
+            _, data = pool(templates[env], role)
+            script = base64.b64decode(data["UserData"]).decode()
+            assert f"--branch {GDRCOPY_VERSION} https://github.com/NVIDIA/gdrcopy.git" in script
+            assert f'rev-parse HEAD)" = {GDRCOPY_COMMIT}' in script  # a moved tag stops the boot step
+            assert 'make -C "$work/gdrcopy" driver KVER="$(uname -r)"' in script
+            assert "mknod -m 0666 /dev/gdrdrv" in script  # pods run as UID 10001
+            unit = script[script.index(f"/etc/systemd/system/{GDRDRV_UNIT} <<'UNIT'"):script.index("\nUNIT\n")]
+            assert "Before=containerd.service kubelet.service" in unit and "Type=oneshot" in unit
+            assert f"systemctl enable --now {GDRDRV_UNIT}" in script
+    # The device plugin then passes /dev/gdrdrv to GPU containers that ask for it (NVIDIA_GDRCOPY=enabled).
+    assert helm_charts(templates["prod"])["nvidia-device-plugin"]["Values"]["gdrcopyEnabled"] is True
 
 
 def test_capacity_block_pool_names_its_instance_type_in_the_launch_template_only(templates):
@@ -220,7 +240,8 @@ def test_charts_install_with_wait_after_system_nodes_and_coredns_and_queues_afte
     (association,) = [k for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
                       if r["Properties"]["ServiceAccount"] == "cluster-autoscaler"]
     (account,) = [k for k, r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").items()
-                  if '"name":"cluster-autoscaler"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
+                  if '"kind":"ServiceAccount","metadata":{"name":"cluster-autoscaler"'
+                  in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
     assert {association, account} <= set(charts["cluster-autoscaler"][1]["DependsOn"])
     kueue_id = charts["kueue"][0]
     queues = [r for r in resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource").values()
@@ -275,14 +296,15 @@ def test_kueue_queue_per_pool_priority_classes_namespace_and_fsx_claim(templates
     by_kind = {}
     for o in objects:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
-    for role, max_nodes, spec in (("trainer", 16, CATALOG["p5en.48xlarge"]), ("rollout", 8, CATALOG["p5e.48xlarge"])):
-        queue = by_kind["ClusterQueue"][names.cluster_queue(role)]
+    for queue_name, max_nodes, spec in ((names.TRAINER_QUEUE, 16, CATALOG["p5en.48xlarge"]),
+                                        (names.ROLLOUT_QUEUE, 8, CATALOG["p5e.48xlarge"])):
+        queue = by_kind["ClusterQueue"][queue_name]
         assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta2"  # v1beta1 is not served from Kueue 0.20
         quota = {r["name"]: r["nominalQuota"] for r in queue["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
         assert quota["nvidia.com/gpu"] == spec.gpus * max_nodes
         assert quota["vpc.amazonaws.com/efa"] == spec.efa_interfaces * max_nodes
-        local = by_kind["LocalQueue"][names.local_queue(role)]
-        assert (local["metadata"]["namespace"], local["spec"]["clusterQueue"]) == ("moe-rl", names.cluster_queue(role))
+        local = by_kind["LocalQueue"][queue_name]
+        assert (local["metadata"]["namespace"], local["spec"]["clusterQueue"]) == ("moe-rl", queue_name)
     assert by_kind["PriorityClass"][names.TRAINER_PRIORITY_CLASS]["value"] > by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["value"]
     assert by_kind["PriorityClass"][names.ROLLOUT_PRIORITY_CLASS]["preemptionPolicy"] == "Never"
     assert "moe-rl" in by_kind["Namespace"]
@@ -473,7 +495,8 @@ def test_every_core_kubernetes_object_the_stack_applies_passes_strict_validation
             # CloudFormation tokens (ARNs, file-system ids) become strings here; their shape is not what is checked.
             kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')), version, strict=True)
             kinds.add(obj["kind"])
-    assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job"}
+    assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job",
+                     "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
 
 
 def _rules(template: dict, kind: str, group: dict) -> set[tuple]:
@@ -524,6 +547,13 @@ def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept
             assert minor(low) <= minor(version) and (high is None or minor(version) <= minor(high)), \
                 f"{name} {chart.version} supports Kubernetes {low} to {high or 'any'} ({chart.kubernetes_source}), " \
                 f"not {version}"
+    # 1.36 is refused for KEDA: the reason names the pin and its window, and the pin indeed stops short of it.
+    from moe_rl_eks.core.cluster import KUBERNETES_REFUSED
+
+    keda = CHARTS["keda"]
+    assert minor("1.36") > minor(keda.kubernetes[1])
+    assert KUBERNETES_REFUSED["1.36"] == \
+        f"KEDA {keda.version}, the pinned chart, is tested on Kubernetes {keda.kubernetes[0]} to {keda.kubernetes[1]}"
     # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
     assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
         ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
@@ -541,5 +571,50 @@ def test_kueue_gives_back_a_whole_gang_that_is_not_ready_in_time_and_admits_one_
     assert config["leaderElection"]["leaderElect"] is True and config["webhook"]["port"] == 9443
     # The trainer queue admits a gang only against the whole pool's quota (all of its pods or none).
     (trainer_queue,) = [o for o in kubernetes_objects(templates["prod"])
-                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.cluster_queue("trainer")]
+                        if o["kind"] == "ClusterQueue" and o["metadata"]["name"] == names.TRAINER_QUEUE]
     assert trainer_queue["spec"]["resourceGroups"][0]["flavors"][0]["name"] == "moe-rl-trainer"
+
+
+def test_a_trainer_gang_is_admitted_only_after_the_autoscaler_provisioned_all_of_it(templates):
+    """A run that cannot get all its nodes holds none: Kueue creates a gang's pods only once its admission check
+    passed, and the check is a ProvisioningRequest for the whole gang, served by the Cluster Autoscaler."""
+    template = templates["prod"]
+    objects = kubernetes_objects(template)
+    queues = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterQueue"}
+    # Every flavor of the trainer queue (no onFlavors); the rollout queue (Deployments, no gang) has none.
+    assert queues[names.TRAINER_QUEUE]["spec"]["admissionChecksStrategy"] == {
+        "admissionChecks": [{"name": "moe-rl-gang"}]}
+    assert "admissionChecksStrategy" not in queues[names.ROLLOUT_QUEUE]["spec"]
+    (check,) = [o for o in objects if o["kind"] == "AdmissionCheck"]
+    assert check["metadata"]["name"] == "moe-rl-gang"
+    assert check["spec"] == {"controllerName": "kueue.x-k8s.io/provisioning-request", "parameters": {
+        "apiGroup": "kueue.x-k8s.io", "kind": "ProvisioningRequestConfig", "name": "moe-rl-gang"}}
+    (config,) = [o for o in objects if o["kind"] == "ProvisioningRequestConfig"]
+    # One request for every GPU pod of the gang, scaled up in one step or not at all.
+    assert config["spec"]["provisioningClassName"] == "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
+    assert config["spec"]["managedResources"] == ["nvidia.com/gpu"]
+    assert config["spec"]["retryStrategy"]["backoffLimitCount"] == 8
+    # The autoscaler serves ProvisioningRequests: the flag, JSON content type, its RBAC and the CRD it reads.
+    args = helm_charts(template)["cluster-autoscaler"]["Values"]["extraArgs"]
+    assert (args["enable-provisioning-requests"], args["kube-api-content-type"]) == (True, "application/json")
+    (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    assert crd["metadata"]["name"] == "provisioningrequests.autoscaling.x-k8s.io"
+    assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1"]
+    # From the release the autoscaler's pinned image is built from.
+    assert f"cluster-autoscaler-{CLUSTER_AUTOSCALER_IMAGE_TAG.lstrip('v')} (" in crd["metadata"]["annotations"]["moe-rl/source"]
+    (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cluster-autoscaler", "namespace": "kube-system"}]
+    (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
+    assert {"provisioningrequests", "provisioningrequests/status"} <= set(role["rules"][0]["resources"])
+    # Order: the API is served before Kueue and the autoscaler start (Kueue skips its provisioning controller
+    # otherwise); the check exists before the queue naming it.
+    manifests = resources_of(template, "Custom::AWSCDK-EKS-KubernetesResource")
+    (api,) = [k for k, r in manifests.items() if "CustomResourceDefinition" in join_string(r["Properties"]["Manifest"])]
+    (check_id,) = [k for k, r in manifests.items() if '"AdmissionCheck"' in join_string(r["Properties"]["Manifest"])]
+    charts = {r["Properties"]["Release"]: (k, r) for k, r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").items()}
+    for name in ("kueue", "cluster-autoscaler"):
+        assert api in charts[name][1]["DependsOn"], name
+    assert charts["kueue"][0] in manifests[check_id]["DependsOn"]
+    (trainer_queues,) = [r for r in manifests.values()
+                         if '"kind":"LocalQueue","metadata":{"name":"moe-rl-trainer"' in join_string(r["Properties"]["Manifest"]).replace(" ", "")]
+    assert check_id in trainer_queues["DependsOn"]

@@ -43,7 +43,7 @@ def test_everything_lands_in_the_environments_run_namespace(objects):
 def test_trainer_is_one_gang_admitted_through_kueue(manifests, run):
     r = resolved(run)
     jobset = find(manifests[f"{run}/run.k8s.yaml"], "JobSet", f"{run}-trainer")
-    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.TRAINER_QUEUE
     assert jobset["spec"]["suspend"] is True  # nothing starts before Kueue admits the whole JobSet
     (rjob,) = jobset["spec"]["replicatedJobs"]
     job = rjob["template"]["spec"]
@@ -303,7 +303,7 @@ def test_validation_chart_runs_nccl_and_ep_benchmarks_on_the_trainer_gang(manife
     nccl = find(docs, "JobSet", "qwen3-30b-a3b-p5-nccl-check")
     ep = find(docs, "JobSet", "qwen3-30b-a3b-p5-ep-bench")
     for jobset in (nccl, ep):
-        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.local_queue("trainer")
+        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == cluster.TRAINER_QUEUE
         assert jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
     (c,) = pod_specs(nccl)[0]["containers"]
     assert c["command"][-2:] == ["python", "/etc/moerl/collectives_check.py"]
@@ -449,3 +449,23 @@ def test_rollout_pods_request_no_efa_on_an_efa_pool(manifests):
         for c in spec["containers"] + spec["initContainers"]:
             assert labels.EFA_RESOURCE not in c["resources"]["requests"], (run, c["name"])
         assert "--efa" not in spec["initContainers"][0]["command"]
+
+
+def test_a_cluster_with_its_own_queue_and_priority_class_names_gets_runs_that_use_them(tmp_path):
+    """The names come from the environment's cluster_names, the setting infra.ClusterServices creates them from."""
+    from moe_rl_eks.k8s.manifests import main
+
+    cdk_json = json.loads((ROOT / "cdk.json").read_text())
+    cdk_json["context"]["environments"]["dev"]["cluster_names"] = {
+        "trainer_queue": "research-gpus", "trainer_priority_class": "research-trainer",
+        "orchestrator_priority_class": "research-orchestrator", "rollout_priority_class": "research-rollout"}
+    (tmp_path / "cdk.json").write_text(json.dumps(cdk_json))
+    assert main(["--run", str(run_file("qwen3-30b-a3b-p5")), "--outputs", str(EXAMPLE_OUTPUTS),
+                 "--out", str(tmp_path / "dist"), "--cdk-json", str(tmp_path / "cdk.json")]) == 0
+    docs = [d for d in yaml.safe_load_all((tmp_path / "dist/dev/qwen3-30b-a3b-p5/run.k8s.yaml").read_text()) if d]
+    trainer = find(docs, "JobSet", "qwen3-30b-a3b-p5-trainer")
+    assert trainer["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research-gpus"
+    assert {s["priorityClassName"] for s in pod_specs(trainer)} == {"research-trainer"}
+    assert pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-rollout"))[0]["priorityClassName"] == "research-rollout"
+    assert pod_specs(find(docs, "Deployment", "qwen3-30b-a3b-p5-orchestrator"))[0]["priorityClassName"] == \
+        "research-orchestrator"

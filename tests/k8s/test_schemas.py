@@ -22,6 +22,8 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
     ("kueue.x-k8s.io/v1beta2", "ResourceFlavor"): "kueue.x-k8s.io_v1beta2_ResourceFlavor.json",
     ("kueue.x-k8s.io/v1beta2", "ClusterQueue"): "kueue.x-k8s.io_v1beta2_ClusterQueue.json",
     ("kueue.x-k8s.io/v1beta2", "LocalQueue"): "kueue.x-k8s.io_v1beta2_LocalQueue.json",
+    ("kueue.x-k8s.io/v1beta2", "AdmissionCheck"): "kueue.x-k8s.io_v1beta2_AdmissionCheck.json",
+    ("kueue.x-k8s.io/v1beta2", "ProvisioningRequestConfig"): "kueue.x-k8s.io_v1beta2_ProvisioningRequestConfig.json",
 }
 CLUSTER_VERSION = load_cdk_json(ROOT / "cdk.json")["dev"].kubernetes_version
 
@@ -32,6 +34,8 @@ def strict(schema: dict) -> dict:
 
     def visit(node):
         if isinstance(node, dict):
+            if node.get("pattern", "").startswith("^(?i)"):  # Go's RE2 takes a flag anywhere, Python only first
+                node["pattern"] = "(?i)^" + node["pattern"][len("^(?i)"):]
             if "properties" in node and "additionalProperties" not in node \
                     and not node.get("x-kubernetes-preserve-unknown-fields"):
                 node["additionalProperties"] = False
@@ -146,3 +150,13 @@ def test_the_kueue_objects_the_stack_applies_match_kueues_v1beta2_schemas():
     flavor = queue_objects("trainer", load_cdk_json(ROOT / "cdk.json")["dev"].trainer_pool, "moe-rl")[0]
     flavor["spec"]["toleration"] = flavor["spec"].pop("tolerations")
     assert any("'toleration' was unexpected" in e for e in crd_errors(flavor))
+
+
+def test_the_gang_admission_check_and_its_provisioning_config_match_kueues_v1beta2_schemas():
+    from moe_rl_eks.infra.services import gang_admission_objects  # loads aws_cdk (~2 s)
+
+    config, check = gang_admission_objects()
+    assert (config["kind"], check["kind"]) == ("ProvisioningRequestConfig", "AdmissionCheck")
+    assert crd_errors(config) == [] and crd_errors(check) == []
+    config["spec"]["podSetMergePolicy"] = "Identical"
+    assert any("'Identical' is not one of" in e for e in crd_errors(config))

@@ -1,6 +1,7 @@
 """A platform team's own CDK app, run by tests/infra/test_infra_own_app.py against the installed wheel: its own VPC
 and stacks, no cdk.json of this project. One stack builds a new cluster with our constructs; another adds an EFA
-pool and the device plugins to a cluster it imports (with its network and an existing kubectl provider)."""
+pool and the cluster services (device plugins, Kueue, KEDA, JobSet, the autoscaler) to a cluster it imports (with
+its network and an existing kubectl provider), under queue and PriorityClass names of its own."""
 import json
 import sys
 
@@ -8,8 +9,8 @@ import aws_cdk as cdk
 from aws_cdk import aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam
 
 import moe_rl_eks.infra
-from moe_rl_eks.core.environment import NodePoolConfig
-from moe_rl_eks.infra import DevicePlugins, EfaNodePool, MoeRlCluster, add_checks
+from moe_rl_eks.core.environment import ClusterNamesConfig, NodePoolConfig
+from moe_rl_eks.infra import ClusterServices, DevicePlugins, EfaNodePool, MoeRlCluster, add_checks
 
 ENV = cdk.Environment(account="444444444444", region="us-west-2")
 ZONES = ["us-west-2a", "us-west-2b"]
@@ -53,7 +54,9 @@ class ImportedClusterStack(cdk.Stack):
             kubectl_provider=provider)
         rollout = EfaNodePool(self, "Rollout", cluster=cluster, subnet=vpc.private_subnets[1], role="rollout",
                               pool=NodePoolConfig(instance_type="p5.48xlarge", max_size=4))
-        DevicePlugins(self, "Devices", cluster=cluster, pools=[rollout])
+        ClusterServices(self, "Services", cluster=cluster, pools={"rollout": rollout}, run_namespace="research",
+                        names=ClusterNamesConfig(rollout_queue="research-rollout",
+                                                 rollout_priority_class="research-rollout"))
 
 
 app = cdk.App(outdir=sys.argv[1])
