@@ -34,4 +34,6 @@ def test_a_rows_expert_output_does_not_depend_on_how_many_rows_its_expert_receiv
     want = ref.experts(pool[:ROWS][order], torch.bincount(expert[:ROWS], minlength=EXPERTS), w13, w2)
     want = torch.empty_like(want).index_copy_(0, order, want)
     assert got.dtype == dtype
+    if dtype == torch.float32 and not INTERPRET:
+        tol = 5e-3  # compiled, Triton's float32 dot runs on TF32 tensor cores (10-bit mantissa): 2.3e-3 on the H200
     assert ((got.float() - want).norm() / want.norm()).item() < tol
