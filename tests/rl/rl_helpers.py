@@ -127,7 +127,7 @@ def trained_history(out: Path) -> list[dict]:
 
 def check_trained(out: Path, max_staleness: int) -> list[dict]:
     """What every process test proves of the samples trained: no sample id trains twice (keyed by id, so a step
-    trained twice shows), and each sample's weights are at most `max_staleness` versions behind its step, never
+    trained twice shows), and each sample's tokens' weights are at most `max_staleness` versions behind its step, never
     ahead, and in the trainer's history (its own lineage, or an older one's up to where the trainer's began).
     Returns the kept rows."""
     rows = trained_history(out)
@@ -137,11 +137,12 @@ def check_trained(out: Path, max_staleness: int) -> list[dict]:
     for r in rows:
         began.setdefault(r["lineage"], r["step"])
     for r in rows:
-        for sample, (lineage, version) in zip(r["ids"], r["versions"]):
-            where = f"step {r['step']} (lineage {r['lineage']}) trained {sample} of version {version} ({lineage})"
-            assert 0 <= r["step"] - version <= max_staleness, where + f": staleness past {max_staleness}"
-            assert lineage == r["lineage"] or (lineage < r["lineage"] and version <= began[r["lineage"]]), \
-                where + ": weights outside the trainer's history"
+        for sample, spans in zip(r["ids"], r["versions"]):
+            for lineage, version, _ in spans:  # every token's weights (an in-flight swap gives several spans)
+                where = f"step {r['step']} (lineage {r['lineage']}) trained {sample} of version {version} ({lineage})"
+                assert 0 <= r["step"] - version <= max_staleness, where + f": staleness past {max_staleness}"
+                assert lineage == r["lineage"] or (lineage < r["lineage"] and version <= began[r["lineage"]]), \
+                    where + ": weights outside the trainer's history"
     return rows
 
 

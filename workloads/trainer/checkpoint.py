@@ -124,10 +124,10 @@ def read_meta(directory: Path) -> dict:
     meta = json.loads(path.read_text())
     found = meta.get("format", 1)
     problem = (check_format(found, CHECKPOINT_FORMAT, "checkpoint") if type(found) is int
-               else ("format", f"an integer format >= 1 (this code writes {CHECKPOINT_FORMAT})"))
+               else f"an integer format >= 1 (this code writes {CHECKPOINT_FORMAT})")
     if problem is not None:
         raise CheckpointFormatError(f"{path}: format {found!r} is not readable here (this code reads checkpoint "
-                                    f"formats 1 to {CHECKPOINT_FORMAT}): {problem[1]}")
+                                    f"formats 1 to {CHECKPOINT_FORMAT}): {problem}")
     return meta
 
 

@@ -652,9 +652,11 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         with open(self.out / "trained.jsonl", "a") as f:
-            # which samples trained, from which weights: tests prove from it that none trains twice or too stale
+            # which samples trained, from which weights (each sample's spans: lineage, version, tokens): tests prove
+            # from it that none trains twice or too stale
             f.write(json.dumps({"step": batch.step, "lineage": self.lineage, "ids": [s.id for s in batch.samples],
-                                "versions": [[s.version.lineage, s.version.version] for s in batch.samples]}) + "\n")
+                                "versions": [[[v.lineage, v.version, v.tokens] for v in s.versions]
+                                             for s in batch.samples]}) + "\n")
         for key, value in row.items():
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 self.writer.add_scalar(key, value, self.step)
