@@ -241,11 +241,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def standalone(args: argparse.Namespace, layers: int, out: Path) -> dict:
-    """The parts alone, in a child process (it holds the GPU alone and frees it when it exits)."""
+def standalone(args: argparse.Namespace, layers: int, out: Path, timeout_s: float) -> dict | None:
+    """The parts alone, in a child process (it holds the GPU alone and frees it when it exits); None when it did
+    not finish within `timeout_s` (the loop still runs, its sync target then unknown)."""
     argv = [sys.executable, "-m", "moe_rl_eks.tools.bench.rl_gpu", "--standalone-child", str(out), "--layers",
             str(layers), *args.child_argv]
-    subprocess.run(argv, check=True)
+    try:
+        subprocess.run(argv, check=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"bench-rl --gpu: the standalone parts took over {timeout_s:.0f} s; the loop runs without them",
+              file=sys.stderr)
+        return None
     return json.loads(out.read_text())
 
 
@@ -279,7 +285,7 @@ def standalone_child(args: argparse.Namespace, layers: int, out: Path) -> None:
                                "training": trained}))
 
 
-def run_mode(args: argparse.Namespace, layers: int, root: Path) -> dict:
+def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float) -> dict:
     """One mode of the loop, stopped after its --steps-th step; the per-step breakdown."""
     path = root / "run.yaml"
     shutil.rmtree(root / "run", ignore_errors=True)
@@ -288,7 +294,6 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path) -> dict:
     cluster = LocalCluster(str(path), run)
     sampler = GpuSampler()
     counters, times = [], []
-    deadline = time.monotonic() + args.timeout
     try:
         cluster.start_server(0)
         cluster.start_orchestrator()
@@ -347,7 +352,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--standalone", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the parts alone first (default: with --mode sync)")
     parser.add_argument("--compare", help="async: the sync run's results.json, for the async target")
-    parser.add_argument("--timeout", type=float, default=1800, help="stop after this many seconds of the loop")
+    parser.add_argument("--timeout", type=float, default=1800, help="the command's seconds: the loop stops then and "
+                        "reports the steps it finished")
+    parser.add_argument("--standalone-share", type=float, default=0.45,
+                        help="of --timeout, the most the standalone parts may take")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (the test of this script)")
     parser.add_argument("--out", default="runs/bench-rl-gpu")
     parser.add_argument("--standalone-child", help=argparse.SUPPRESS)
@@ -377,10 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     layers, why = (TINY_LAYERS, None) if args.tiny else fitting_layers(args, root, gpu_memory_bytes())
     if why:
         print(f"bench-rl --gpu: {args.layers} layers do not fit ({why}); running {layers}", flush=True)
+    deadline = time.monotonic() + args.timeout
     alone = None
     if args.standalone if args.standalone is not None else args.mode == "sync":
-        alone = standalone(args, layers, root / "standalone.json")
-    measured = run_mode(args, layers, root)
+        alone = standalone(args, layers, root / "standalone.json", args.standalone_share * args.timeout)
+    measured = run_mode(args, layers, root, deadline)
     summary = summarize(measured["steps"], layers, alone, measured["gpu_busy"])
     sync = json.loads(Path(args.compare).read_text())["summary"] if args.compare else None
     command = "moerl bench-rl --gpu " + " ".join(sys.argv[1:] if argv is None else argv)
