@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -321,8 +322,14 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
             time.sleep(POLL_S)
     finally:
         end = time.monotonic()
+        if cluster.trainer is not None:  # SIGKILL: a SIGTERMed trainer would first checkpoint (tens of GB)
+            cluster.trainer.stop(signal.SIGKILL)
         cluster.stop()
         sampler.stop()
+        # the run's weight versions and caches (11 GB each at 8 layers): the next mode needs the disk
+        for child in cluster.out.iterdir():
+            if child.is_dir() and child.name not in ("logs", "tensorboard"):
+                shutil.rmtree(child, ignore_errors=True)
     rows = read_metrics(cluster.out)[:len(counters) - 1]
     if not rows:
         raise SystemExit(f"bench-rl --gpu: no step finished; see {cluster.logs}")

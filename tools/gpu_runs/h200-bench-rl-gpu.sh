@@ -1,6 +1,9 @@
 #!/bin/bash
 # `moerl bench-rl --gpu` on one H200 (device tool; issue 25 item 4): sync (with the parts measured alone), then
-# async at staleness 1, then staleness 2 while time is left, each mode one command of STEPS steps (default 3). No pip
+# async at staleness 1, then staleness 2, each mode one command of STEPS steps (default 3) within its share of
+# BUDGET (default 330 s: a mode that runs out reports the steps it finished). Estimated on the H200: start-up ~90 s
+# a mode (triton compiles, the trainer's random init, version 0 to disk), a sync step ~60-90 s, the standalone parts
+# ~150 s; so one call of 570 s holds `MODES=sync`, and a second `MODES="async-1 async-2"`. No pip
 # step (the machine reaches no registry): the package from a shim on PYTHONPATH, fastapi/uvicorn/pydantic from .whl/
 # (git-ignored cp312 wheels, carried). From the repository root: BUDGET=330 bash tools/gpu_runs/h200-bench-rl-gpu.sh
 # [extra bench-rl --gpu flags]; results (results.json/.md per mode), logs and the machine in $OUT. Each process's
@@ -29,13 +32,17 @@ bench() {  # bench NAME SECONDS FLAGS...: one mode, its own --timeout 15 s insid
         [ -f "$log" ] && tail -n 40 "$log" > "$OUT/$name/$(basename "$log" .log)-tail.log"
     done
 }
-# Modes share the budget: thirds when it holds three of MODE_S seconds (default 170), else sync a half (its
-# standalone parts first) and async at staleness 1 the rest
-MODE_S=${MODE_S:-170}
-modes=2; [ "$BUDGET" -ge $((3 * MODE_S)) ] && modes=3
-bench sync $(( $(left) / modes )) --mode sync "$@"
-bench async-1 $(( $(left) / (modes - 1) )) --mode async --staleness 1 --compare runs/bench-rl-gpu/sync/results.json "$@"
-if [ "$modes" = 3 ]; then
-    bench async-2 $(( $(left) - 5 )) --mode async --staleness 2 --compare runs/bench-rl-gpu/sync/results.json "$@"
-fi
+# MODES (default all three, in order) share what is left of the budget evenly; an async mode compares with the sync
+# results of this call or of an earlier one on the same machine (runs/ stays while the machine is held)
+read -r -a modes <<< "${MODES:-sync async-1 async-2}"
+for i in "${!modes[@]}"; do
+    mode=${modes[$i]}
+    limit=$(( $(left) / (${#modes[@]} - i) ))
+    case $mode in
+        sync) bench sync "$limit" --mode sync "$@" ;;
+        async-*) compare=(); [ -f runs/bench-rl-gpu/sync/results.json ] && compare=(--compare runs/bench-rl-gpu/sync/results.json)
+                 bench "$mode" "$limit" --mode async --staleness "${mode#async-}" "${compare[@]}" "$@" ;;
+        *) echo "MODES: $mode is not one of sync, async-1, async-2" | tee -a "$OUT/steps.txt" ;;
+    esac
+done
 exit 0
