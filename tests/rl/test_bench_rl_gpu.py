@@ -26,12 +26,16 @@ def test_the_tiny_benchmark_runs_the_real_loop_with_drawn_lengths_and_its_parts_
     assert [s["trained_tokens"] - 8 * 8 for s in steps] == [4 * sum(drawn[:2]), 4 * sum(drawn[2:])]
     for s in steps:
         parts = [s["idle_s"], s["score_s"], s["train_s"], s["publish_s"]]
-        assert all(p >= 0 for p in parts) and s["train_s"] > 0 and s["generation_s"] > 0
+        assert all(p >= 0 for p in parts) and s["train_s"] > 0 and s["generation_s"] >= 0
         assert sum(parts) + s["other_s"] == pytest.approx(s["step_s"])  # the rest is what the parts leave
         assert s["other_s"] >= -1e-6  # the measured parts never exceed the step
+    # the rollout's counters are read as each step's record appears: at this size the next batch's generation
+    # can start before the record is written, so a step's window need not hold its own generation; all of them do
+    assert sum(s["generation_s"] for s in steps) > 0
     assert sum(s["generated_tokens"] for s in steps) >= sum(s["trained_tokens"] - 64 for s in steps)
     alone, summary = result["standalone"], result["summary"]
-    assert alone["generation"]["complete"] and alone["generation"]["generated"] == 4 * sum(drawn[:2])
+    # alone: the first measured step's (the second's) requests at their drawn lengths
+    assert alone["generation"]["complete"] and alone["generation"]["generated"] == 4 * sum(drawn[2:])
     assert alone["trainer_tokens_per_s"] > 0 and summary["sync_over_standalone"] > 0
     assert summary["steps_measured"] == [2] and result["layers"] == 2
     out = capsys.readouterr().out
@@ -60,8 +64,8 @@ def test_targets_compare_a_sync_step_with_its_parts_alone_and_async_with_sync():
     assert s["samples_per_s"] == pytest.approx(20 / 42) and s["loop_tokens_per_s_per_gpu"] == pytest.approx(2000 / 42)
     assert s["loop_tokens_per_s_48_layer_equivalent"] == pytest.approx(2000 / 42 * 8 / 48)
     assert s["trainer_tokens_per_s"] == 250.0 and s["rollout_tokens_per_s"] == 180.0
-    assert s["sync_over_standalone"] == pytest.approx(21 / 14.5)
-    assert targets("sync", s, None) == [("sync step <= 1.15 x its parts alone", pytest.approx(21 / 14.5), False),
+    assert s["sync_over_standalone"] == pytest.approx(20 / 14.5)  # the first measured step's, like for like
+    assert targets("sync", s, None) == [("sync step <= 1.15 x its parts alone", pytest.approx(20 / 14.5), False),
                                         ("GPU busy >= 90% of 100 ms samples", 0.95, True)]
     fast = summarize([step(1, 60.0, 5.0), step(2, 15.0, 4.0)], 8, None, None)
     assert targets("async", fast, s)[0] == ("async samples/s >= 1.1 x sync", pytest.approx((10 / 15) / (20 / 42)), True)

@@ -13,10 +13,11 @@ seconds and its load of the newest version. The trainer's fields come from its m
 (nvidia-smi) at >= 90 % utilisation over the steps after the first (the first includes compilation and start-up).
 
 `--standalone` (the default for `--mode sync`) first measures, in a child process holding the GPU alone, what the
-parts do alone: one step's requests (the same prompts' drawn lengths) through the engine's decoder with the
-server's batch size (tools/bench/rollout.run_engine) and the trainer's step on packed micro-batches of the mean
-sample length (tools/bench/train.measure). Targets: a sync step <= 1.15 x its parts alone (standalone generation
-+ standalone training at the step's tokens + the loop's publication and load); async samples/s >= 1.1 x the sync
+parts do alone: the first measured step's requests (its prompts' drawn lengths) through the engine's decoder with
+the server's batch size (tools/bench/rollout.run_engine) and the trainer's step, recomputing as the loop's does,
+on packed micro-batches of the mean sample length (tools/bench/train.measure). Targets: that sync step <= 1.15 x
+its parts alone (its generation alone + its tokens at the standalone training rate + the loop's publication and
+load); async samples/s >= 1.1 x the sync
 run's (`--compare` a sync results.json); GPU busy >= 90 %.
 
 Before launching, the run's memory is checked with core/memory.py (check_local_machine): if `--layers` do not fit
@@ -193,12 +194,12 @@ def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: flo
            "trainer_tokens_per_s": tokens / sum(s["train_s"] for s in steady), "gpu_busy": busy,
            "nemo_rl_tokens_per_s_per_gpu": NEMO_RL_TOKENS_PER_GPU}
     if standalone is not None:
-        # one step's parts alone: its generation as measured for these lengths, its training at the trainer's
-        # standalone rate; publication and load have no standalone figure and count as the loop measured them
-        parts = [standalone["generation_s"] + s["trained_tokens"] / standalone["trainer_tokens_per_s"]
-                 + s["publish_s"] + s["load_s"] for s in steady]
-        out["standalone_sum_s_median"] = statistics.median(parts)
-        out["sync_over_standalone"] = out["step_s_median"] / out["standalone_sum_s_median"]
+        # the first measured step's parts alone: its requests' generation (the same drawn lengths), its training at
+        # the trainer's standalone rate; publication and load have no standalone figure and count as measured
+        first = steady[0]
+        out["standalone_sum_s"] = (standalone["generation_s"] + first["trained_tokens"] / standalone["trainer_tokens_per_s"]
+                                   + first["publish_s"] + first["load_s"])
+        out["sync_over_standalone"] = first["step_s"] / out["standalone_sum_s"]
     return out
 
 
@@ -246,7 +247,7 @@ def standalone(args: argparse.Namespace, layers: int, out: Path, timeout_s: floa
     """The parts alone, in a child process (it holds the GPU alone and frees it when it exits); None when it did
     not finish within `timeout_s` (the loop still runs, its sync target then unknown)."""
     argv = [sys.executable, "-m", "moe_rl_eks.tools.bench.rl_gpu", "--standalone-child", str(out), "--layers",
-            str(layers), *args.child_argv]
+            str(layers), "--steps", str(args.steps), *args.child_argv]
     try:
         subprocess.run(argv, check=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -259,19 +260,21 @@ def standalone(args: argparse.Namespace, layers: int, out: Path, timeout_s: floa
 def standalone_child(args: argparse.Namespace, layers: int, out: Path) -> None:
     import torch
 
+    from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
     from moe_rl_eks.workloads.rl.data import RandomTokenSource
-    from moe_rl_eks.core.rl_config import TaskConfig
 
     from . import rollout as bench_rollout
     from . import train as bench_train
 
     device = torch.device("cpu" if args.tiny else "cuda")
-    model_cfg = parse(RunConfig, run_data(args, layers, out.parent), source="bench-rl --gpu").model
-    task = TaskConfig(name="random_tokens", prompt_tokens=args.prompt_tokens, mean_completion_tokens=args.mean_tokens)
-    source = RandomTokenSource(task, 0, model_cfg.vocab_size, args.max_tokens)
-    lengths = [p.max_tokens for p in (source.next() for _ in range(args.samples // args.n)) for _ in range(args.n)]
-    model = bench_rollout.build_model(replace(model_cfg, dtype="float32" if args.tiny else "bfloat16"), device,
-                                      "torch" if args.tiny else "triton")
+    run = parse(RunConfig, run_data(args, layers, out.parent), source="bench-rl --gpu")
+    model_cfg = run.model
+    # the prompts of the first measured step (the second; a synchronous step k draws the step's groups k-1 x P on)
+    groups = args.samples // args.n
+    source = RandomTokenSource(run.rl.task, run.rl.training.seed, model_cfg.vocab_size, run.rl.sampling.max_tokens,
+                               start=groups if args.steps > 1 else 0)
+    lengths = [p.max_tokens for p in (source.next() for _ in range(groups)) for _ in range(args.n)]
+    model = bench_rollout.build_model(model_cfg, device, "torch" if args.tiny else "triton")
     gen = bench_rollout.run_engine(model, len(lengths), args.prompt_tokens, args.max_tokens, graphs=not args.tiny,
                                    max_seconds=3600, lengths=lengths, slots=min(args.batch_size, len(lengths)))
     del model
@@ -279,6 +282,7 @@ def standalone_child(args: argparse.Namespace, layers: int, out: Path) -> None:
         torch.cuda.empty_cache()
     sequence = args.prompt_tokens + args.mean_tokens
     step = bench_train.Step(model_cfg, "torch" if args.tiny else "triton", device)
+    checkpoint_layers(step.model, run.rl.training.activation_checkpointing)  # as the loop's trainer recomputes
     trained = bench_train.measure(step, sequence, max(1, args.microbatch_tokens // sequence), 2,
                                   bench_train.dense_peak_tflops(device))
     out.write_text(json.dumps({"generation_s": gen["seconds"], "rollout_tokens_per_s": gen["tokens_per_s"],
