@@ -181,6 +181,11 @@ def breakdown(rows: list[dict], counters: list[dict], prompt_tokens: int) -> lis
     return steps
 
 
+def rate(amount: float, seconds: float) -> float | None:
+    """amount / seconds; None for a window with no time in it (a tiny model's steps within one poll)."""
+    return amount / seconds if seconds > 0 else None
+
+
 def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: float | None) -> dict:
     """Throughputs and targets over the steps after the first (the first includes start-up and compilation;
     all of them when there is one)."""
@@ -190,8 +195,8 @@ def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: flo
     out = {"steps_measured": [s["step"] for s in steady], "step_s_median": statistics.median(s["step_s"] for s in steady),
            "samples_per_s": sum(s["samples"] for s in steady) / seconds, "loop_tokens_per_s_per_gpu": tokens / seconds,
            "loop_tokens_per_s_48_layer_equivalent": tokens / seconds * layers / QWEN3_LAYERS,
-           "rollout_tokens_per_s": sum(s["generated_tokens"] for s in steady) / sum(s["generation_s"] for s in steady),
-           "trainer_tokens_per_s": tokens / sum(s["train_s"] for s in steady), "gpu_busy": busy,
+           "rollout_tokens_per_s": rate(sum(s["generated_tokens"] for s in steady), sum(s["generation_s"] for s in steady)),
+           "trainer_tokens_per_s": rate(tokens, sum(s["train_s"] for s in steady)), "gpu_busy": busy,
            "nemo_rl_tokens_per_s_per_gpu": NEMO_RL_TOKENS_PER_GPU}
     if standalone is not None:
         # the first measured step's parts alone: its requests' generation (the same drawn lengths), its training at
@@ -233,9 +238,12 @@ def table(result: dict) -> str:
                  f"{s['samples_per_s']:.2f} samples/s; whole loop {s['loop_tokens_per_s_per_gpu']:.0f} tok/s per GPU "
                  f"({s['loop_tokens_per_s_48_layer_equivalent']:.0f} x {result['layers']}/48 layers, beside NeMo-RL's "
                  f"{NEMO_RL_TOKENS_PER_GPU} per H100 for the whole model)")
-    lines.append(f"rollout {s['rollout_tokens_per_s']:.0f} tok/s in the loop"
+    def shown(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0f}"
+
+    lines.append(f"rollout {shown(s['rollout_tokens_per_s'])} tok/s in the loop"
                  + ("" if alone is None else f" vs {alone['rollout_tokens_per_s']:.0f} alone") +
-                 f"; trainer {s['trainer_tokens_per_s']:.0f} tok/s in the loop"
+                 f"; trainer {shown(s['trainer_tokens_per_s'])} tok/s in the loop"
                  + ("" if alone is None else f" vs {alone['trainer_tokens_per_s']:.0f} alone"))
     for name, value, met in result["targets"]:
         shown = "not measured" if value is None else f"{value:.2f}"
@@ -308,11 +316,15 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
             rows = read_metrics(cluster.out)
             if len(counters) <= len(rows):  # a new step's record (or the start): read the rollout's counters
                 try:
-                    counters.append(rollout_counters(url))
-                    times.append(time.monotonic())
-                except OSError:
-                    if len(rows):
+                    sample, now = rollout_counters(url), time.monotonic()
+                except OSError:  # the server not up yet
+                    if rows:
                         raise
+                else:
+                    # records that appeared within one poll (a tiny model's steps) share the reading: the
+                    # rollout's work between them goes to the last
+                    counters += [sample] * (len(rows) + 1 - len(counters))
+                    times += [now] * (len(counters) - len(times))
             if len(rows) >= args.steps:
                 break
             for role in (cluster.trainer, *cluster.servers):
@@ -334,7 +346,7 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
         for child in cluster.out.iterdir():
             if child.is_dir() and child.name not in ("logs", "tensorboard"):
                 shutil.rmtree(child, ignore_errors=True)
-    rows = read_metrics(cluster.out)[:len(counters) - 1]
+    rows = read_metrics(cluster.out)[:min(len(counters) - 1, args.steps)]
     if not rows:
         raise SystemExit(f"bench-rl --gpu: no step finished; see {cluster.logs}")
     busy, samples = sampler.busy(times[1] if len(times) > 2 else times[0], min(end, times[len(rows)]))
