@@ -1,6 +1,8 @@
 """`moerl bench-rl --gpu` at a tiny size on the CPU: the same code path as on the H200 (real rollout server,
 orchestrator and trainer processes, the standalone child), its breakdown, the memory fit and the targets."""
 import json
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,25 @@ def test_targets_compare_a_sync_step_with_its_parts_alone_and_async_with_sync():
     assert targets("async", fast, s)[0] == ("async samples/s >= 1.1 x sync", pytest.approx((10 / 15) / (20 / 42)), True)
     assert targets("async", fast, None)[0][2] is None and targets("async", fast, None)[1] == (
         "GPU busy >= 90% of 100 ms samples", None, None)
+
+
+def test_gpu_busy_is_the_share_of_stamped_samples_at_90_percent_or_more_within_the_window(tmp_path, monkeypatch):
+    from moe_rl_eks.tools.bench.rl_gpu import GpuSampler
+
+    # nvidia-smi's own lines (timestamp, utilisation), 100 ms apart; stamps, not arrival, place them in the window
+    lines = [f"2026/12/02 00:00:0{i // 10}.{i % 10}00, {u}" for i, u in enumerate([0, 95, 90, 89, 100, 99, 30, 91])]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(f"'{x}'" for x in [*lines, "2026/12/02 00:00:00.900, [N/A]"])
+                    + "\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    sampler = GpuSampler()
+    sampler.proc.wait(timeout=10)
+    sampler.stop()
+    for _ in range(100):  # the reading thread takes the last lines after the process ends
+        if len(sampler.samples) == 8:
+            break
+        time.sleep(0.01)
+    at = datetime(2026, 12, 2).timestamp()
+    assert sampler.busy(at + 0.1, at + 0.7) == (5 / 7, 7)  # 95, 90, 100, 99, 91 of 95 90 89 100 99 30 91
+    assert sampler.busy(at + 5, at + 6) == (None, 0)

@@ -36,6 +36,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, replace
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -66,6 +67,7 @@ def run_data(args: argparse.Namespace, layers: int, root: Path) -> dict:
     """The benchmark's run file (a mapping) for one mode."""
     prompts = args.samples // args.n
     longest = args.prompt_tokens + args.max_tokens
+    staleness = 0 if args.mode == "sync" else args.staleness
     data = {
         "name": f"bench-rl-gpu-{args.mode}{args.staleness if args.mode == 'async' else ''}",
         "model": model_data(layers, longest, args.tiny),
@@ -79,10 +81,10 @@ def run_data(args: argparse.Namespace, layers: int, root: Path) -> dict:
                "evaluation": {"snapshots": False},
                "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens, "max_prompt_tokens": args.prompt_tokens,
                             "max_n": args.n, "ignore_eos": True},
-               "orchestrator": {"max_staleness": 0 if args.mode == "sync" else args.staleness,
+               "orchestrator": {"max_staleness": staleness,
                                 # every group of a step in flight at once: the server's batch, not the orchestrator,
                                 # bounds the rows decoding
-                                "max_inflight_requests": prompts * (1 + args.staleness),
+                                "max_inflight_requests": prompts * (1 + staleness),
                                 # deadlines (core/deadlines.py): an 8,192-token row at the floor rate of 5 tok/s fits
                                 "request_timeout_s": 3600, "straggler_after_s": 600},
                "weights": {"keep_versions": 2},
@@ -114,21 +116,24 @@ def fitting_layers(args: argparse.Namespace, root: Path, gpu_bytes: list[int]) -
 
 
 class GpuSampler:
-    """GPU utilisation every 100 ms from `nvidia-smi -lms 100` (pynvml is not assumed), with the monotonic time of
-    each sample; none on a machine without nvidia-smi."""
+    """GPU utilisation every 100 ms from `nvidia-smi -lms 100` (pynvml is not assumed), each sample at the time
+    nvidia-smi stamped it (its output may reach us in blocks); none on a machine without nvidia-smi."""
 
     def __init__(self) -> None:
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int]] = []  # (Unix time, utilisation %)
         self.proc = None
         if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                          "-i", "0", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu",
+                                          "--format=csv,noheader,nounits", "-i", "0", "-lms", "100"],
+                                         stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            if line.strip().isdigit():
-                self.samples.append((time.monotonic(), int(line)))
+            stamp, _, utilisation = line.rpartition(",")
+            if utilisation.strip().isdigit():  # "[N/A]" and headers are not samples
+                when = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as printed
+                self.samples.append((when, int(utilisation)))
 
     def busy(self, start: float, end: float) -> tuple[float | None, int]:
         """The share of samples in [start, end] at >= BUSY_UTILISATION, and how many samples there were."""
@@ -316,7 +321,7 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
             rows = read_metrics(cluster.out)
             if len(counters) <= len(rows):  # a new step's record (or the start): read the rollout's counters
                 try:
-                    sample, now = rollout_counters(url), time.monotonic()
+                    sample, now = rollout_counters(url), time.time()  # Unix time, as the GPU samples'
                 except OSError:  # the server not up yet
                     if rows:
                         raise
@@ -337,7 +342,7 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
                 break
             time.sleep(POLL_S)
     finally:
-        end = time.monotonic()
+        end = time.time()
         if cluster.trainer is not None:  # SIGKILL: a SIGTERMed trainer would first checkpoint (tens of GB)
             cluster.trainer.stop(signal.SIGKILL)
         cluster.stop()
