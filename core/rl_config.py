@@ -90,16 +90,25 @@ class TaskConfig:
       [min_steps, max_steps], so lengths have a long tail; b is in [2, 9]. The reward counts the steps written
       correctly before the first wrong one. The supervised warm-up shows traces in which each step is wrong with
       probability `trace_error_rate` (the rest of that trace counts on from the wrong number), so the warmed-up
-      policy knows the procedure but slips, and RL is what removes the slips."""
+      policy knows the procedure but slips, and RL is what removes the slips.
+    - `random_tokens`: for system benchmarks on random weights (`moerl bench-rl --gpu`), nothing to learn:
+      `prompt_tokens` uniformly random token ids per prompt, each request's max_tokens drawn log-uniformly from
+      [lo, rl.sampling.max_tokens] with lo set so the mean is `mean_completion_tokens` (a long tail); scored by the
+      arithmetic reward (0 for all: GRPO's advantages are zero, the trainer's work is the same)."""
 
-    name: Literal["arithmetic", "countdown"] = "arithmetic"
+    name: Literal["arithmetic", "countdown", "random_tokens"] = "arithmetic"
     max_operand: int = 4
     operators: tuple[Literal["+", "-", "*"], ...] = ("+",)
     min_steps: int = 8
     max_steps: int = 128
     trace_error_rate: float = 0.05
+    prompt_tokens: int = 256  # random_tokens
+    mean_completion_tokens: int = 2000  # random_tokens
 
     def validate(self) -> None:
+        for name in ("prompt_tokens", "mean_completion_tokens"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
         if not 1 <= self.max_operand <= 999:
             fail("max_operand", self.max_operand, "must be between 1 and 999")
         if not self.operators:
@@ -256,6 +265,9 @@ class EvaluationConfig:
     samples_per_prompt: int = 4  # n of the unbiased pass@k estimator; pass@k is reported for k = this
     temperature: float = 1.0
     max_tokens: int | None = None  # default: rl.sampling.max_tokens
+    # A local run keeps its initial and post-warm-up weights (float32, the whole model) to evaluate after it; false:
+    # it keeps none (a benchmark: 22 GB each at 8 layers of the 30B shape, written before the first step)
+    snapshots: bool = True
 
     def validate(self) -> None:
         if self.every_steps < 0:
@@ -281,6 +293,9 @@ class SamplingConfig:
     # "builtin" (the built-in task's character vocabulary), a Hugging Face model directory (tokenizer.json,
     # tokenizer_config.json with the chat template, generation_config.json with the stop ids), or a tokenizer.json
     tokenizer: str = "builtin"
+    # Rows run to their max_tokens through the model's EOS ids (vLLM's ignore_eos): a benchmark's lengths are drawn
+    # (rl.task random_tokens), not left to a random model's samples.
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         for limit in (TEMPERATURE, TOP_P, MAX_TOKENS):
@@ -437,6 +452,13 @@ class RLConfig:
                 fail("sampling.max_tokens", self.sampling.max_tokens,
                      f"must be >= {longest}, the longest countdown completion at task.max_steps "
                      f"{self.task.max_steps} (end-of-sequence included): a cut completion can never be fully correct")
+        if self.data.builtin and self.task.name == "random_tokens":
+            if self.task.prompt_tokens > self.sampling.max_prompt_tokens:
+                fail("task.prompt_tokens", self.task.prompt_tokens,
+                     f"must be <= rl.sampling.max_prompt_tokens ({self.sampling.max_prompt_tokens})")
+            if self.task.mean_completion_tokens >= self.sampling.max_tokens:
+                fail("task.mean_completion_tokens", self.task.mean_completion_tokens,
+                     f"must be < rl.sampling.max_tokens ({self.sampling.max_tokens}), the lengths' cap")
         longest = self.sampling.max_prompt_tokens + self.sampling.max_tokens - 1
         if self.training.max_tokens_per_microbatch < longest:
             fail("training.max_tokens_per_microbatch", self.training.max_tokens_per_microbatch,

@@ -334,3 +334,30 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(example, tmp_p
                    sampling={"tokenizer": str(example / "tokenizer"), "max_prompt_tokens": 512})
     with pytest.raises(DataError, match=r"has \d+ tokens, more than model.vocab_size \(32\)"):
         make_prompt_source(run, load_model_tokenizer(example / "tokenizer"))
+
+
+def test_random_token_prompts_draw_long_tailed_lengths_of_the_configured_mean_under_the_cap():
+    from moe_rl_eks.workloads.rl.data import RandomTokenSource
+
+    cfg = TaskConfig(name="random_tokens", prompt_tokens=256, mean_completion_tokens=2000)
+    source = RandomTokenSource(cfg, seed=0, vocab_size=151_936, max_tokens=8192)
+    prompts = [source.next() for _ in range(4000)]
+    lengths = [p.max_tokens for p in prompts]
+    assert all(len(p.prompt_ids) == 256 and max(p.prompt_ids) < 151_936 for p in prompts[:50])
+    assert 1900 < sum(lengths) / len(lengths) < 2100 and max(lengths) <= 8192 and min(lengths) >= 140
+    assert sum(n > 6000 for n in lengths) > 100  # the tail: ~9 % of a log-uniform [150, 8192] is over 6,000
+    assert sorted(lengths)[len(lengths) // 2] < 1500  # median well under the mean
+    again = RandomTokenSource(cfg, seed=0, vocab_size=151_936, max_tokens=8192)
+    again.restore(source.state())
+    assert again.next() == RandomTokenSource(cfg, 0, 151_936, 8192, start=4000).next()  # a resumed run draws the same
+
+
+def test_random_token_task_must_fit_the_sampling_limits():
+    from moe_rl_eks.core.rl_config import RLConfig
+
+    with pytest.raises(ConfigError, match=r"task.mean_completion_tokens.*must be < rl.sampling.max_tokens \(64\)"):
+        parse(RLConfig, {"task": {"name": "random_tokens", "mean_completion_tokens": 64},
+                         "sampling": {"max_tokens": 64, "max_prompt_tokens": 256}}, source="run")
+    with pytest.raises(ConfigError, match=r"task.prompt_tokens.*must be <= rl.sampling.max_prompt_tokens \(16\)"):
+        parse(RLConfig, {"task": {"name": "random_tokens", "prompt_tokens": 256, "mean_completion_tokens": 2},
+                         "sampling": {"max_tokens": 64, "max_prompt_tokens": 16}}, source="run")

@@ -375,3 +375,17 @@ def test_a_cancelled_row_returns_its_blocks_and_a_row_that_can_never_fit_is_refu
     assert decoder.stats()["blocks_used"] == 1
     run_to_end(decoder, [kept])
     assert decoder.stats()["blocks_free"] == 5 and kept.finish_reason == "length"
+
+
+def test_ignore_eos_runs_a_row_to_its_max_tokens_through_the_models_eos_ids(model):
+    # every id is an end-of-sequence id: a row stops at its first token, unless it ignores them (vLLM's ignore_eos);
+    # its own stop_token_ids still stop it
+    every = range(model.config.vocab_size)
+    stopped, ignoring, stop_id = decode_all(model, [request([1, 6, 13], 9, 0), request([1, 6, 13], 9, 0, ignore_eos=True),
+                                                    request([1, 6, 13], 9, 0, ignore_eos=True,
+                                                            stop_token_ids=tuple(every))], every)
+    assert (len(stopped.token_ids), stopped.finish_reason) == (1, "stop")
+    assert (len(ignoring.token_ids), ignoring.finish_reason) == (9, "length")
+    assert (len(stop_id.token_ids), stop_id.finish_reason) == (1, "stop")
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(4, ignore_eos=1)

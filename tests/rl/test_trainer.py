@@ -448,3 +448,7 @@ def test_milestone_weights_are_written_only_where_something_reads_them(tmp_path)
     cluster = changed(local, environment="dev")
     assert eval_snapshots(cluster, needs_reference=True) == ("warmup",)  # the KL reference's only
     assert eval_snapshots(cluster, needs_reference=False) == ()
+    # a local run that evaluates nothing afterwards (a benchmark) keeps none, unless the KL reference reads one
+    bench = changed(local, rl=changed(local.rl, evaluation=changed(local.rl.evaluation, snapshots=False)))
+    assert eval_snapshots(bench, needs_reference=False) == ()
+    assert eval_snapshots(bench, needs_reference=True) == ("warmup",)

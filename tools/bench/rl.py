@@ -401,6 +401,11 @@ def chaos_bench(base: dict, duration_s: float, kill_every_s: float, root: Path) 
 def main(argv: list[str]) -> int:
     import argparse
 
+    if "--gpu" in argv:  # the RL-system benchmark on one GPU: its own flags (tools/bench/rl_gpu.py)
+        from .rl_gpu import main as gpu_main
+
+        return gpu_main([a for a in argv if a != "--gpu"])
+
     parser = argparse.ArgumentParser(prog="moerl bench-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", default="configs/runs/local.yaml", help="the job to run both ways")

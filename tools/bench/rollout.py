@@ -105,17 +105,20 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[tuple[int, .
 
 
 def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens: int, *, graphs: bool,
-               max_seconds: float) -> dict:
+               max_seconds: float, lengths: list[int] | None = None, slots: int | None = None) -> dict:
     """One batch of distinct prompts through a Decoder sized for it; stops early (and says so) past max_seconds
-    of decoding."""
+    of decoding. `lengths`: each row's own new tokens (at most new_tokens; default new_tokens each), `slots`: rows
+    decoding at once (default all; the rest wait for a finished row's slot, as in a server)."""
     device = next(model.parameters()).device
+    lengths = [new_tokens] * batch if lengths is None else lengths
+    slots = batch if slots is None else slots
     build = time.perf_counter()
-    decoder = Decoder(model, slots=batch, max_len=prompt_tokens + new_tokens, eos_ids=(), prefill_tokens=8192,
-                      cuda_graphs=graphs, buckets=[batch])
+    decoder = Decoder(model, slots=slots, max_len=prompt_tokens + new_tokens, eos_ids=(), prefill_tokens=8192,
+                      cuda_graphs=graphs, buckets=[slots])
     sync(device)
     capture_s = time.perf_counter() - build
-    rows = [RowRequest(p, SamplingParams(new_tokens, seed=i), "bench", i)
-            for i, p in enumerate(prompts(batch, prompt_tokens, model.config.vocab_size, batch + prompt_tokens))]
+    rows = [RowRequest(p, SamplingParams(n, seed=i), "bench", i) for i, (p, n) in
+            enumerate(zip(prompts(batch, prompt_tokens, model.config.vocab_size, batch + prompt_tokens), lengths))]
     seqs = [decoder.add(r) for r in rows]
     start = time.perf_counter()
     decode_start, steps = None, 0
@@ -138,7 +141,7 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
            "seconds": end - start, "tokens_per_s": generated / (end - start), "prefill_s": decode_start - start,
            "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
            "step_ms": 1000 * decode_s / max(steps, 1), "graph_capture_s": capture_s,
-           "complete": generated == batch * new_tokens, "cuda_graphs": bool(decoder.runner.graphs),
+           "complete": generated == sum(lengths), "cuda_graphs": bool(decoder.runner.graphs),
            "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
            "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"]}
     del decoder

@@ -62,6 +62,7 @@ class Settings:
     dynamic_sampling: bool
     routing_replay: bool
     max_tokens: int
+    ignore_eos: bool
     temperature: float
     top_p: float
     seed: int
@@ -79,6 +80,7 @@ class Settings:
         rl = run.rl
         return cls(rl.training.prompts_per_step, rl.orchestrator.max_staleness, rl.algorithm.group_size,
                    rl.algorithm.dynamic_sampling, rl.algorithm.routing_replay, rl.sampling.max_tokens,
+                   rl.sampling.ignore_eos,
                    rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.pass_threshold,
                    rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s,
                    rl.orchestrator.straggler_factor, run.rollout.min_row_tokens_per_s, rl.orchestrator.max_attempts,
@@ -273,7 +275,8 @@ class Orchestrator:
         the seed: the same request retried anywhere samples the same completions)."""
         s = self.s
         seed = derive_seed(s.seed, prompt.index, draw) if draw else derive_seed(s.seed, prompt.index)
-        return CompletionRequest(prompt=list(prompt.prompt_ids), n=s.group_size, max_tokens=s.max_tokens,
+        return CompletionRequest(prompt=list(prompt.prompt_ids), n=s.group_size,
+                                 max_tokens=prompt.max_tokens or s.max_tokens, ignore_eos=s.ignore_eos or None,
                                  temperature=s.temperature, top_p=s.top_p, seed=seed,
                                  model=s.model, return_routing=s.routing_replay, logprobs=0,
                                  logprob_mode="processed")  # what the trainer scores: after temperature / top-p
@@ -450,7 +453,7 @@ class Orchestrator:
 
 def prompt_record(prompt: Any) -> PromptRecord:
     return PromptRecord(prompt.index, list(prompt.prompt_ids), prompt.text, prompt.ground_truth,
-                        prompt.data_source, dict(prompt.extra_info))
+                        prompt.data_source, dict(prompt.extra_info), prompt.max_tokens)
 
 
 def sample_of(choice: Choice, reward: float) -> Sample:

@@ -41,6 +41,7 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    max_tokens: int | None = None  # this prompt's own completion cap (rl.task random_tokens); None: the run's
 
 
 class PromptSource(Protocol):
@@ -144,6 +145,33 @@ class ArithmeticSource:
         _expect_kind(state, BUILTIN_SOURCE)
         with self._lock:
             self.cursor = int(state["cursor"])
+
+
+def log_uniform_floor(mean: float, top: float) -> float:
+    """The lower end lo of a log-uniform distribution on [lo, top] whose mean, (top - lo) / ln(top / lo), is
+    `mean` (< top), by bisection: the mean rises with lo."""
+    low, high = 1e-9, float(mean)
+    for _ in range(200):
+        lo = (low + high) / 2
+        low, high = (lo, high) if (top - lo) / math.log(top / lo) < mean else (low, lo)
+    return (low + high) / 2
+
+
+class RandomTokenSource(ArithmeticSource):
+    """rl.task random_tokens: prompt i is task.prompt_tokens token ids drawn uniformly from the model's vocabulary
+    and a max_tokens drawn log-uniformly from [lo, max_tokens] (mean task.mean_completion_tokens), both from a
+    seed of (run seed, i): a benchmark's workload, the same in every mode of it."""
+
+    def __init__(self, cfg: TaskConfig, seed: int, vocab_size: int, max_tokens: int, start: int = 0) -> None:
+        super().__init__(None, None, start)
+        self.cfg, self.seed, self.vocab_size, self.max_tokens = cfg, seed, vocab_size, max_tokens
+        self.floor = log_uniform_floor(cfg.mean_completion_tokens, max_tokens)
+
+    def prompt(self, index: int) -> Prompt:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        ids = tuple(rng.randrange(self.vocab_size) for _ in range(self.cfg.prompt_tokens))
+        length = min(self.max_tokens, int(self.floor * (self.max_tokens / self.floor) ** rng.random()))
+        return Prompt(index, ids, "", "random_tokens", "", {}, max(1, length))
 
 
 # --- datasets ----------------------------------------------------------------------------------------------------
@@ -467,6 +495,8 @@ def make_prompt_source(run, tokenizer: CharTokenizer | HFTokenizer) -> Arithmeti
     """The training prompts of a run (`run`: a RunConfig)."""
     rl = run.rl
     check_vocabulary(run, tokenizer)
+    if rl.data.builtin and rl.task.name == "random_tokens":
+        return RandomTokenSource(rl.task, rl.training.seed, run.model.vocab_size, rl.sampling.max_tokens)
     if rl.data.builtin:
         return ArithmeticSource(make_task(rl.task, rl.training.seed), tokenizer)
     dataset = load_split(rl.data, "train", tokenizer, rl.sampling.max_prompt_tokens)

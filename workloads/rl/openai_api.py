@@ -66,6 +66,7 @@ class SamplingFields(Request):
         list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description="the text ends before the first of these strings")
     stop_token_ids: list[integer(ge=0)] | None = None
+    ignore_eos: bool | None = Field(None, description="vLLM's: run to max_tokens through the model's EOS ids")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="also return the prompt's token ids")

@@ -384,6 +384,7 @@ class PromptRecord(Record):
     ground_truth: Any  # what the reward checks against (JSON)
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # the prompt's own completion cap; None: rl.sampling.max_tokens
 
 
 @dataclass(frozen=True)

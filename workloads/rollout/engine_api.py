@@ -48,6 +48,9 @@ class SamplingParams:
     # alternatives each. Under the model's own distribution (softmax of the logits) whatever logprob_mode says: no
     # prompt token was sampled, so there is no processed distribution it was drawn from.
     prompt_logprobs: bool = False
+    # vLLM's ignore_eos: the row runs to max_tokens through the model's EOS ids (stop_token_ids still stop it); what
+    # a throughput benchmark on random weights needs, whose lengths are drawn, not sampled.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         for limit in (limits.MAX_TOKENS, limits.TEMPERATURE, limits.TOP_P, limits.TOP_K, limits.MIN_P):
@@ -63,6 +66,12 @@ class SamplingParams:
             raise _bad("return_routing", self.return_routing, "true or false")
         if not isinstance(self.prompt_logprobs, bool):
             raise _bad("prompt_logprobs", self.prompt_logprobs, "true or false")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "true or false")
+
+    def stop_ids(self, eos_ids: frozenset[int] | tuple[int, ...]) -> frozenset[int]:
+        """The ids that end this row, given the model's EOS ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class Scheduler:
         if max(request.prompt_ids) >= self.vocab_size:
             raise ValueError(f"prompt_ids: token id {max(request.prompt_ids)} is outside [0, {self.vocab_size})")
         seed = request.params.seed if request.params.seed is not None else secrets.randbits(64)
-        seq = Sequence(request, seed, self.eos_ids | frozenset(request.params.stop_token_ids),
+        seq = Sequence(request, seed, request.params.stop_ids(self.eos_ids),
                        top_logprobs=[] if request.params.top_logprobs else None)
         self.waiting.append(seq)
         return seq

@@ -168,7 +168,7 @@ class ServedModel:
                     min_p=0.0 if req.min_p is None else float(req.min_p), seed=req.seed,
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprob_mode=req.logprob_mode or "raw",
                     top_logprobs=logprobs or 0, return_routing=bool(req.return_routing),
-                    prompt_logprobs=echo and logprobs is not None))
+                    prompt_logprobs=echo and logprobs is not None, ignore_eos=bool(req.ignore_eos)))
             except ValueError as exc:  # the engine's own limits, stricter than the protocol's
                 field = str(exc).split(":", 1)[0]
                 raise HttpError(400, str(exc), field) from None
@@ -215,7 +215,7 @@ class StreamedChoice:
     def __init__(self, server: "RolloutServer", plan: Plan, index: int) -> None:
         self.prompt = plan.prompts[index // plan.n]
         self.text = CompletionText(server.model.tokenizer, plan.stops,
-                                   server.model.eos_ids + plan.params[index // plan.n].stop_token_ids,
+                                   tuple(plan.params[index // plan.n].stop_ids(server.model.eos_ids)),
                                    incremental=plan.stream)
         self.offset = 0  # characters of token strings streamed so far (logprobs.text_offset)
 

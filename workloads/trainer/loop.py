@@ -346,6 +346,7 @@ class Trainer:
         score_policy = algo.needs_values or e_count * m_count > 1
         if score_policy or self.reference is not None:
             proximal, old_values, reference = self._score(seqs, plans, score_policy, temperature, replay)
+        scored = time.monotonic()
         advantages, returns = algo.token_advantages(SequenceScores(seqs.rewards, seqs.advantages, seqs.mask),
                                                     old_values, self._batch_sum if self.world > 1 else None)
 
@@ -383,6 +384,7 @@ class Trainer:
         metrics["straggler_ratio"] = straggler_ratio(arrivals)
         metrics["expert_load_imbalance"] = expert_load_imbalance(first_load)
         metrics["step_compute_seconds"] = time.monotonic() - started
+        metrics["score_seconds"] = scored - started  # the logprob scoring before the first update (0: none needed)
         rate = self.cfg.router_bias_update_rate
         if self.run.model.router == "sigmoid" and rate > 0:
             # DeepSeek-V3's auxiliary-loss-free balancing from the load of the policy the batch started from
@@ -674,7 +676,7 @@ def eval_snapshots(run: RunConfig, needs_reference: bool) -> tuple[str, ...]:
     """The milestone weights the trainer writes (float32, the whole model): where something reads them. A local
     run's evaluation reads both (initial and post-warm-up); elsewhere only the KL reference reads the post-warm-up
     weights."""
-    if run.environment is None and run.resolved is None:
+    if run.environment is None and run.resolved is None and run.rl.evaluation.snapshots:
         return ("initial", "warmup")
     return ("warmup",) if needs_reference else ()
 

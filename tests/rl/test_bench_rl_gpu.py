@@ -1,0 +1,97 @@
+"""`moerl bench-rl --gpu` at a tiny size on the CPU: the same code path as on the H200 (real rollout server,
+orchestrator and trainer processes, the standalone child), its breakdown, the memory fit and the targets."""
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from moe_rl_eks.core.rl_config import TaskConfig
+from moe_rl_eks.tools.bench.rl_gpu import fitting_layers, main, parse_args, summarize, targets
+from moe_rl_eks.workloads.rl.data import RandomTokenSource
+
+TINY = ["--tiny", "--steps", "2", "--samples", "8", "--n", "4", "--prompt-tokens", "8", "--mean-tokens", "6",
+        "--max-tokens", "16", "--batch-size", "8", "--microbatch-tokens", "256"]
+
+
+def test_the_tiny_benchmark_runs_the_real_loop_with_drawn_lengths_and_its_parts_are_measured_and_add_up(tmp_path,
+                                                                                                        capsys):
+    assert main([*TINY, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "sync" / "results.json").read_text())
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["samples"] == 8 for s in steps)
+    # EOS ignored, lengths drawn: every group's rows ran to exactly their prompt's drawn max_tokens (the source
+    # of the run's seed 0, in draw order), so the trained completion tokens are known in advance
+    source = RandomTokenSource(TaskConfig(name="random_tokens", prompt_tokens=8, mean_completion_tokens=6), 0, 512, 16)
+    drawn = [source.next().max_tokens for _ in range(4)]  # 2 groups per step, 2 steps
+    assert [s["trained_tokens"] - 8 * 8 for s in steps] == [4 * sum(drawn[:2]), 4 * sum(drawn[2:])]
+    for s in steps:
+        parts = [s["idle_s"], s["score_s"], s["train_s"], s["publish_s"]]
+        assert all(p >= 0 for p in parts) and s["train_s"] > 0 and s["generation_s"] >= 0
+        assert sum(parts) + s["other_s"] == pytest.approx(s["step_s"])  # the rest is what the parts leave
+        assert s["other_s"] >= -1e-6  # the measured parts never exceed the step
+    # the rollout's counters are read as each step's record appears: at this size the next batch's generation
+    # can start before the record is written, so a step's window need not hold its own generation; all of them do
+    assert sum(s["generation_s"] for s in steps) > 0
+    assert sum(s["generated_tokens"] for s in steps) >= sum(s["trained_tokens"] - 64 for s in steps)
+    alone, summary = result["standalone"], result["summary"]
+    # alone: the first measured step's (the second's) requests at their drawn lengths
+    assert alone["generation"]["complete"] and alone["generation"]["generated"] == 4 * sum(drawn[2:])
+    assert alone["trainer_tokens_per_s"] > 0 and summary["sync_over_standalone"] > 0
+    assert summary["steps_measured"] == [2] and result["layers"] == 2
+    out = capsys.readouterr().out
+    assert "target sync step <= 1.15 x its parts alone" in out and "target GPU busy >= 90%" in out
+
+
+def test_a_gpu_too_small_for_the_layers_takes_the_largest_count_that_fits_and_says_why(tmp_path):
+    args = parse_args([])
+    assert fitting_layers(args, tmp_path, [143_771 * 2**20]) == (8, None)  # an H200: 8 layers of the 30B shape fit
+    layers, why = fitting_layers(args, tmp_path, [80 * 2**30])
+    assert layers == 4
+    assert "local_gpus.trainer.memory_share: 0.68" in why and "the trainer needs 85.6 GiB" in why
+
+
+def step(n, step_s, train_s, tokens=1000.0, generated=900.0, generation_s=5.0):
+    return {"step": n, "step_s": step_s, "idle_s": step_s - train_s - 1, "score_s": 0.0, "train_s": train_s,
+            "publish_s": 0.5, "other_s": 0.5, "generation_s": generation_s, "load_s": 2.0, "trained_tokens": tokens,
+            "generated_tokens": generated, "samples": 10, "staleness": 0.0}
+
+
+def test_targets_compare_a_sync_step_with_its_parts_alone_and_async_with_sync():
+    steps = [step(1, 60.0, 5.0), step(2, 20.0, 4.0), step(3, 22.0, 4.0)]
+    alone = {"generation_s": 10.0, "trainer_tokens_per_s": 500.0}  # 10 + 1000 / 500 + 0.5 + 2 = 14.5 s alone
+    s = summarize(steps, 8, alone, 0.95)
+    assert s["steps_measured"] == [2, 3] and s["step_s_median"] == 21.0
+    assert s["samples_per_s"] == pytest.approx(20 / 42) and s["loop_tokens_per_s_per_gpu"] == pytest.approx(2000 / 42)
+    assert s["loop_tokens_per_s_48_layer_equivalent"] == pytest.approx(2000 / 42 * 8 / 48)
+    assert s["trainer_tokens_per_s"] == 250.0 and s["rollout_tokens_per_s"] == 180.0
+    assert s["sync_over_standalone"] == pytest.approx(20 / 14.5)  # the first measured step's, like for like
+    assert targets("sync", s, None) == [("sync step <= 1.15 x its parts alone", pytest.approx(20 / 14.5), False),
+                                        ("GPU busy >= 90% of 100 ms samples", 0.95, True)]
+    fast = summarize([step(1, 60.0, 5.0), step(2, 15.0, 4.0)], 8, None, None)
+    assert targets("async", fast, s)[0] == ("async samples/s >= 1.1 x sync", pytest.approx((10 / 15) / (20 / 42)), True)
+    assert targets("async", fast, None)[0][2] is None and targets("async", fast, None)[1] == (
+        "GPU busy >= 90% of 100 ms samples", None, None)
+
+
+def test_gpu_busy_is_the_share_of_stamped_samples_at_90_percent_or_more_within_the_window(tmp_path, monkeypatch):
+    from moe_rl_eks.tools.bench.rl_gpu import GpuSampler
+
+    # nvidia-smi's own lines (timestamp, utilisation), 100 ms apart; stamps, not arrival, place them in the window
+    lines = [f"2026/12/02 00:00:0{i // 10}.{i % 10}00, {u}" for i, u in enumerate([0, 95, 90, 89, 100, 99, 30, 91])]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(f"'{x}'" for x in [*lines, "2026/12/02 00:00:00.900, [N/A]"])
+                    + "\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    sampler = GpuSampler()
+    sampler.proc.wait(timeout=10)
+    sampler.stop()
+    for _ in range(100):  # the reading thread takes the last lines after the process ends
+        if len(sampler.samples) == 8:
+            break
+        time.sleep(0.01)
+    at = datetime(2026, 12, 2).timestamp()
+    assert sampler.busy(at + 0.1, at + 0.7) == (5 / 7, 7)  # 95, 90, 100, 99, 91 of 95 90 89 100 99 30 91
+    assert sampler.busy(at + 5, at + 6) == (None, 0)
