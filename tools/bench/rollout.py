@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
 import random
 import statistics
 import time
