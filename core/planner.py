@@ -149,7 +149,8 @@ def training_flops_per_token(m: ModelConfig, sequence: int, checkpointing: Check
     active parameters' products (2 FLOPs each) and causal attention over `sequence`-token samples."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_layer = 2 * (h * (q + 2 * kv) + q * h + h * m.num_experts
-                     + m.num_experts_per_tok * 3 * h * m.moe_intermediate_size) + 2 * q * sequence  # QK, PV halves
+                     + (m.num_experts_per_tok + m.n_shared_experts) * 3 * h * m.moe_intermediate_size) \
+        + 2 * q * sequence  # QK and PV, causal: half the square
     head = 2 * h * m.vocab_size
     forwards = 3 + (0 if checkpointing == "off" else 1)
     return forwards * m.num_hidden_layers * per_layer + 3 * head

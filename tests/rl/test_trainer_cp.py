@@ -9,7 +9,8 @@ import torch
 from rl_helpers import tiny_run, write_run
 from test_trainer import sample, varied_batch
 from test_trainer_fsdp import GRAD_TOLERANCE, relative_error
-from trainer_ranks import ep_step_gradients, run_ranks, step_gradients
+from trainer_ranks import (ep_step_gradients, ep_step_gradients_from_reference, run_ranks, step_gradients,
+                           warm_then_reference)
 
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats
 from moe_rl_eks.workloads.trainer.loop import Trainer
@@ -25,17 +26,23 @@ def long_batch(tokens: int) -> Batch:
     return Batch(0, 0, samples, BatchStats(0.0, 0.5, 0.0, 0, 0, 0, 0, 3))
 
 
-def compare(tmp_path, world: int, cp: int, batch: Batch, algorithm: str, fsdp: bool = False, grad_tolerance=None):
+def compare(tmp_path, world: int, cp: int, batch: Batch, algorithm: str, fsdp: bool = False, grad_tolerance=None,
+            kl_coef: float = 0.0):
+    """One RL step on `world` ranks in CP groups of `cp` against one process; with `kl_coef` > 0 both score a KL
+    reference (trainer_ranks.warm_then_reference), on the ranks laid out as the policy, CP group included."""
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch.samples)
-    sections = {"algorithm": {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01},
+    sections = {"algorithm": {"name": algorithm, "kl_coef": kl_coef, "entropy_coef": 0.01},
                 "model": {"max_position_embeddings": max(64, tokens)},
                 "sampling": {"max_prompt_tokens": 4, "max_tokens": 6},
                 "training": {"max_tokens_per_microbatch": max(16384, tokens), "learning_rate": 0.01, "fsdp": fsdp}}
     one = Trainer(tiny_run(tmp_path, **sections), None, rank=0, world=1)
+    if kl_coef:
+        warm_then_reference(one)
     want_grads, want_metrics = step_gradients(one, batch)
     (tmp_path / "cp").mkdir()
     path = write_run(tmp_path / "cp", **{**sections, "training": {**sections["training"], "context_parallel": cp}})
-    for r in run_ranks(world, ep_step_gradients, str(path), batch.to_json()):
+    ranks_fn = ep_step_gradients_from_reference if kl_coef else ep_step_gradients
+    for r in run_ranks(world, ranks_fn, str(path), batch.to_json()):
         assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-5)
         assert r["metrics"]["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-5)
         assert r["grads"].keys() == want_grads.keys()
@@ -59,6 +66,10 @@ LONG_TOKENS = int(os.environ.get("MOERL_CP_LONG_TOKENS", "16384"))
 def test_a_long_sample_trains_over_four_cp_ranks_with_the_unsplit_gradient(tmp_path):
     r = compare(tmp_path, 4, 4, long_batch(LONG_TOKENS), "grpo", fsdp=True)
     assert r["samples"] == ["p0/0", "p1/0", "p2/0"]  # every rank of the group holds every sample
+
+
+def test_a_kl_reference_under_context_parallelism_shares_the_policys_groups_and_gives_the_unsplit_step(tmp_path):
+    compare(tmp_path, 2, 2, varied_batch(), "grpo", kl_coef=0.05)
 
 
 def test_context_parallel_that_does_not_divide_the_ranks_or_heads_is_refused(tmp_path):

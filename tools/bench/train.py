@@ -62,12 +62,8 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_atte
 
 
 def model_flops_per_step(c: ModelConfig, sequence: int, sequences: int) -> float:
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + c.hidden_size * c.num_experts
-    per_layer += (c.num_experts_per_tok + c.n_shared_experts) * 3 * c.hidden_size * c.moe_intermediate_size
-    matmul = 6 * (c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size) * sequence * sequences
-    attention = 6 * c.num_hidden_layers * q * sequence * sequence * sequences  # sum over tokens of 6 n d H, causal
-    return float(matmul + attention)
+    """Model FLOPs of a step (the planner's count, recomputation not counted, as MFU is quoted)."""
+    return planner.training_flops_per_token(c, sequence, "off") * sequence * sequences
 
 
 def dense_peak_tflops(device: torch.device) -> float:

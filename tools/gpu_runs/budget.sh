@@ -1,6 +1,6 @@
 # Sourced by the one-H200 scripts (h200-*.sh): the whole call's time budget and a step runner. Set BUDGET (seconds
 # for the script, under the device tool's per-call limit) before sourcing; each step's exit status and seconds go to
-# $OUT/steps.txt, so a call that ran out of time still says which steps finished.
+# $OUT/steps.txt, so a call that ran out of time still says which steps finished; package_env sets up the package.
 # shellcheck shell=bash
 START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -10,4 +10,11 @@ step() {  # step NAME LIMIT COMMAND...: run under a time limit, record rc and se
     if [ "$limit" -lt 15 ]; then echo "$name: skipped, $limit s left" | tee -a "$OUT/steps.txt"; return; fi
     timeout --kill-after=5 "$limit" "$@"
     echo "$name: rc $? after $((SECONDS - t)) s (limit $limit)" | tee -a "$OUT/steps.txt"
+}
+package_env() {  # the package from a shim on PYTHONPATH, the carried wheels (.whl/), the device's NCCL rules
+    mkdir -p /tmp/shim/moe_rl_eks
+    for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
+    if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
+    export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's rule (KINDS.md)
 }

@@ -69,11 +69,12 @@ class ParallelPlan:
             raise ValueError(f"cp_degree {self.cp_degree} must be >= 1 and divide the {self.ep_degree} ranks")
 
 
-def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertParallel | None = None
-                ) -> ExpertParallel | None:
+def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertParallel | None = None,
+                cp: ContextParallel | None = None) -> ExpertParallel | None:
     """Apply `plan` to `model` (built on the meta device with `compute=plan.compute`, every expert) over `mesh`
     (a 1-D DeviceMesh named "dp"; None for one process) in place. `ep`: an ExpertParallel already made for this
-    mesh (the policy's, for its reference model, so both share DeepEP's buffers). Returns the model's EP."""
+    mesh (the policy's, for its reference model, so both share DeepEP's buffers); `cp`: the policy's CP group, for
+    its reference (groups are made once). Returns the model's EP."""
     size = 1 if mesh is None else mesh.size()
     if model.compute_name != plan.compute:
         raise ValueError(f"parallelize: the model was built with compute {model.compute_name!r}, the plan says "
@@ -87,7 +88,7 @@ def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertPa
                             device=mesh.device_type)
     split_experts(model, ep if plan.ep_degree > 1 else None)
     if plan.cp_degree > 1:
-        split_context(model, context_parallel_group(plan.cp_degree))
+        split_context(model, cp or context_parallel_group(plan.cp_degree))
     checkpoint_layers(model, plan.activation_checkpointing)
     if plan.fsdp and size > 1:
         shard_dense(model, mesh)

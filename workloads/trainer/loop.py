@@ -32,6 +32,7 @@ from moe_rl_eks.core.schema import ConfigError
 
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
+from ..model.context_parallel import ContextParallel
 from ..model.parallelize import ParallelPlan, gather_state, load_full_state, parallelize, unsharded_state
 from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
@@ -256,13 +257,14 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.prometheus = Registry()
 
-    def _build_model(self, plan: ParallelPlan, ep: ExpertParallel | None = None
-                     ) -> tuple[MoETransformer, ExpertParallel | None]:
+    def _build_model(self, plan: ParallelPlan, ep: ExpertParallel | None = None,
+                     cp: ContextParallel | None = None) -> tuple[MoETransformer, ExpertParallel | None]:
         """The model laid out by `plan`, uninitialised on this rank's device: built on the meta device and
-        parallelized there, so no rank allocates the experts it does not own."""
+        parallelized there, so no rank allocates the experts it does not own. `ep`, `cp`: the policy's groups,
+        which its reference shares."""
         with torch.device("meta"):
             model = MoETransformer(self.run.model, compute=plan.compute)
-        ep = parallelize(model, self.mesh, plan, ep=ep)
+        ep = parallelize(model, self.mesh, plan, ep=ep, cp=cp)
         return model.to_empty(device=self.device), ep
 
     # ---- batches as micro-batches -------------------------------------------------------------------------
@@ -628,7 +630,8 @@ class Trainer:
         """The frozen KL reference from the post-warm-up snapshot, laid out as the policy is (model/parallelize.py:
         experts by EP rank, dense weights sharded with FSDP like the policy's, so it costs each rank its share),
         never recomputed (nothing of it is trained). Each rank reads only its own experts of the snapshot."""
-        self.reference, _ = self._build_model(replace(self.plan, activation_checkpointing="off"), ep=self.ep)
+        self.reference, _ = self._build_model(replace(self.plan, activation_checkpointing="off"), ep=self.ep,
+                                              cp=self.model.cp)
         mine = local_experts(self.ep, self.run.model.num_experts)
         load_full_state(self.reference, load_hf(self.out / "eval" / "warmup", experts=mine)[1])
         self.reference.requires_grad_(False)
