@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
     "bench-train": ("moe_rl_eks.tools.bench.train", "main",
                     "trainer micro-batch tokens/s, MFU and memory on one GPU (Qwen3-30B-A3B layers)"),
-    "serve-rollout": ("moe_rl_eks.workloads.rollout.server", "main", "serve completions (rollout server role)"),
+    "serve-rollout": ("moe_rl_eks.workloads.rollout.serve", "main", "serve completions (rollout server role)"),
     "orchestrate": ("moe_rl_eks.workloads.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.trainer.loop", "main", "train with EP inside (trainer role; run under torchrun)"),
     "local-run": ("moe_rl_eks.tools.local_run", "main", "the whole RL loop on this machine"),

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import torch.distributed as dist

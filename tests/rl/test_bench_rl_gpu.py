@@ -3,7 +3,6 @@ orchestrator and trainer processes, the standalone child), its breakdown, the me
 import json
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 

@@ -522,7 +522,7 @@ def test_the_trainers_source_reposts_its_version_to_a_restarted_orchestrator_and
     version held, the source re-posts version 2, and the poll after that gets batch 2."""
     from moe_rl_eks.workloads.orchestrator.app import make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
-    from moe_rl_eks.workloads.trainer.loop import HttpBatchSource
+    from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
 
     servers, path = fakes(2), tmp_path / "orchestrator-state.json"
 

@@ -12,7 +12,7 @@ from moe_rl_eks.tools.bench.weights import QWEN3_30B_A3B
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import save_hf
 from moe_rl_eks.workloads.rl.model_dir import kv_cache_positions, serving_compute
-from moe_rl_eks.workloads.rollout.server import main, model_served
+from moe_rl_eks.workloads.rollout.serve import main, model_served
 
 H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on an H200
 TINY = dataclasses.replace(QWEN3_30B_A3B, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -17,7 +17,7 @@ package_env
 { date -u +%Y-%m-%dT%H:%MZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$OUT/machine.txt"
 # every role's imports, before any role starts (a missing wheel fails here, not after a start-up timeout)
-python3 -c 'import moe_rl_eks.workloads.rollout.server, moe_rl_eks.workloads.orchestrator.app, moe_rl_eks.workloads.trainer.loop' || exit 1
+python3 -c 'import moe_rl_eks.workloads.rollout.serve, moe_rl_eks.workloads.orchestrator.app, moe_rl_eks.workloads.trainer.loop' || exit 1
 bench() {  # bench NAME SECONDS FLAGS...: one mode, its own --timeout 15 s inside the step's limit (results written)
     local name=$1 limit=$2
     shift 2

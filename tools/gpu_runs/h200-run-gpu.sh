@@ -12,7 +12,7 @@ if [ "${1:-}" = --quick ]; then mode=(--quick); shift; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/machine.txt"
 # every role's imports, before any role starts (a missing wheel fails here, not after a start-up timeout)
-python3 -c 'import moe_rl_eks.workloads.rollout.server, moe_rl_eks.workloads.orchestrator.app, moe_rl_eks.workloads.trainer.loop' || exit 1
+python3 -c 'import moe_rl_eks.workloads.rollout.serve, moe_rl_eks.workloads.orchestrator.app, moe_rl_eks.workloads.trainer.loop' || exit 1
 if [ $# -gt 0 ]; then
     step tests 180 python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/tests.log" 2>&1
     tail -n 5 "$OUT/tests.log"

@@ -11,7 +11,7 @@ restarted orchestrator continues from that file; with `--resume` it also holds t
 takes that one instead if the trainer's first post names a new lineage (the trainer restarted too, from its
 checkpoint: the batches after it are formed again from the same prompts and seeds). Until the trainer posts, no
 prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
-its version within one poll (trainer/loop.py HttpBatchSource).
+its version within one poll (trainer/orchestrator_link.py HttpBatchSource).
 """
 from __future__ import annotations
 

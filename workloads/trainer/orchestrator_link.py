@@ -1,0 +1,157 @@
+"""The trainer's link to the orchestrator: where batches come from (`BatchSource`, over HTTP `HttpBatchSource`:
+retried through orchestrator restarts, re-posting the newest version to one that lost it) and the `Announcer`, which
+tells the orchestrator of each weight version once the store holds it. Rank 0 alone talks to the orchestrator."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.error
+from typing import Protocol
+
+from ..rl.protocol import Batch, VersionRef
+from ..rl.runtime import http_json
+from .publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """Where the trainer's batches come from and where it reports versions (the orchestrator, over HTTP)."""
+
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        """The batch of `step`, waiting for it; None once `stopping()` is true. `committed`: the step of the
+        newest committed checkpoint (older batches may be forgotten)."""
+
+    def version_published(self, version: int, lineage: int) -> None: ...
+
+    def state(self) -> dict | None:
+        """What to keep in a trainer checkpoint so the source resumes with it."""
+
+
+class HttpBatchSource:
+    """The orchestrator over HTTP. A restarted orchestrator knows no trainer version (its budget is 0, no batch
+    forms) and says so in its 202; so does one whose post of our newest version failed (it was down then): that
+    version is posted again, so batches flow within one poll. Locking rule: `_lock` guards `newest` (the
+    announcer's thread posts, the trainer's thread polls)."""
+
+    STATE_ATTEMPTS = 5  # /v1/state: an orchestrator blip at checkpoint time must not kill the trainer, nor hang it
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lock = threading.Lock()
+        self.newest: VersionRef | None = None  # the newest version the trainer asked to post (posted or not)
+        self.reannounced = 0
+
+    def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        while not stopping():
+            try:
+                data = http_json("GET", f"{self.url}/v1/batch?step={step}&committed={committed}", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
+                    raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
+                log.warning("orchestrator error (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                log.warning("orchestrator unreachable (%s); retrying", exc)
+                time.sleep(1)
+                continue
+            if data.get("samples"):
+                return Batch.from_json(data)
+            # {"ready": false, "trainer": ...}: not ready within the long poll; ask again, after re-posting our
+            # version where the orchestrator holds an older one or none (it restarted)
+            held = None if data.get("trainer") is None else VersionRef.from_json(data["trainer"])
+            with self._lock:
+                newest = self.newest
+            if newest is None:
+                time.sleep(0.5)  # answered at once (no version held): our first version is still being written
+            elif held is None or held < newest:
+                self._reannounce(newest, held)
+        return None
+
+    def _reannounce(self, newest: VersionRef, held: VersionRef | None) -> None:
+        log.warning("the orchestrator holds %s, not our version %s (it restarted, or was down when we posted "
+                    "it): posting it again", held, newest)
+        try:
+            self.version_published(newest.version, newest.lineage)
+            self.reannounced += 1
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            log.warning("re-posting version %s failed (%s); asking again", newest, exc)
+            time.sleep(1)
+
+    def version_published(self, version: int, lineage: int) -> None:
+        ref = VersionRef(lineage, version)
+        with self._lock:  # first: if the post fails, the next 202 shows the orchestrator lacks it
+            self.newest = max(self.newest or ref, ref)
+        http_json("POST", f"{self.url}/v1/version", {"version": version, "lineage": lineage}, timeout=300)
+
+    def state(self) -> dict | None:
+        """The orchestrator's state, retried STATE_ATTEMPTS times (1, 2, 4, 8 s apart) when it does not answer or
+        answers 5xx; then the checkpoint fails loudly, naming the orchestrator."""
+        for attempt in range(self.STATE_ATTEMPTS):
+            try:
+                return http_json("GET", f"{self.url}/v1/state", timeout=60)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise
+                error = exc
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                error = exc
+            if attempt + 1 < self.STATE_ATTEMPTS:
+                log.warning("orchestrator state unavailable (%s); retrying", error)
+                time.sleep(2 ** attempt)
+        raise RuntimeError(f"{self.url}/v1/state did not answer in {self.STATE_ATTEMPTS} attempts (last: {error}); "
+                           "the checkpoint cannot record the orchestrator's state")
+
+
+class Announcer:
+    """Rank 0: tells the batch source each weight version once the publisher has put it in the store, so the
+    orchestrator hears of a version only when rollout servers can load it.
+
+    Asynchronous runs (max_staleness >= 1): a thread announces versions as they land, while the trainer goes on.
+    Synchronous runs (max_staleness 0): the next batch needs samples of the new version, so nothing can overlap
+    the write anyway; `published(version)` waits for it and announces before the trainer asks for that batch.
+    Locking rule: the source is called by the thread alone when there is one, else by the trainer's thread."""
+
+    def __init__(self, publisher: Publisher, source: BatchSource, lineage: int, *, background: bool) -> None:
+        self.publisher, self.source, self.lineage = publisher, source, lineage
+        self.announced: int | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True) if background else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def published(self, version: int) -> None:
+        """The publisher took a snapshot of `version`."""
+        if self._thread is not None:
+            return
+        failures = self.publisher.failures
+        seen = self.publisher.published
+        while seen is None or seen < version:
+            if self.publisher.failures > failures:
+                raise RuntimeError(f"weight version {version} could not be written to the store; see the log")
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+        self._announce(seen)
+
+    def close(self) -> None:
+        """After the publisher's close (everything written): stop the thread, announce the newest version."""
+        self._closing = True
+        if self._thread is not None:
+            self._thread.join()
+        self._announce(self.publisher.published)
+
+    def _run(self) -> None:
+        seen = None
+        while not self._closing:
+            seen = self.publisher.wait_published(seen, timeout=1.0)
+            self._announce(seen)
+
+    def _announce(self, version: int | None) -> None:
+        if version is None or version == self.announced:
+            return
+        try:
+            self.source.version_published(version, self.lineage)
+            self.announced = version
+        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+            log.exception("announcing weight version %d failed", version)
