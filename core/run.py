@@ -531,9 +531,15 @@ def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: 
     row = run.rl.sampling.max_prompt_tokens + run.rollout.max_new_tokens  # the longest row a server admits
     # Versions over device memory: the trainer keeps one export of the served weights on its GPU.
     export = m.parameter_count() * m.bytes_per_parameter if run.weights_over_device else 0
-    needs = {"trainer": (trainer.fixed_bytes + export, "float32 weights, gradients and AdamW state"
+    # A full micro-batch's activations as the planner counts them (seen on an H200: without them a trainer planned
+    # to fit 0.70 of the GPU with 2 GiB spare ran out of memory at its second step, once AdamW's state existed).
+    training = run.rl.training
+    activations = planner.activation_bytes(m, m.num_hidden_layers, training.max_tokens_per_microbatch,
+                                           training.activation_checkpointing)
+    needs = {"trainer": (trainer.fixed_bytes + export + activations, "float32 weights, gradients and AdamW state"
                          + (" and the KL reference" if run.rl.algorithm.kl_coef > 0 else "")
-                         + (" and the weights' export to the rollout server" if export else "")),
+                         + (" and the weights' export to the rollout server" if export else "")
+                         + f", and {training.max_tokens_per_microbatch}-token micro-batches' activations"),
              "rollout": (rollout.fixed_bytes + row * rollout.per_token_bytes,
                          f"the weights and the KV cache of one {row}-token row")}
     for role, (need, what) in needs.items():

@@ -48,7 +48,7 @@ def test_a_gpu_too_small_for_the_layers_takes_the_largest_count_that_fits_and_sa
     assert fitting_layers(args, tmp_path, [143_771 * 2**20]) == (8, None)  # an H200: 8 layers of the 30B shape fit
     layers, why = fitting_layers(args, tmp_path, [80 * 2**30])
     assert layers == 4
-    assert "local_gpus.trainer.memory_share: 0.7" in why and "the trainer needs 96.0 GiB" in why  # state + export
+    assert "local_gpus.trainer.memory_share: 0.76" in why and "the trainer needs 101.5 GiB" in why  # + activations
 
 
 def step(n, step_s, train_s, tokens=1000.0, generated=900.0, generation_s=5.0):

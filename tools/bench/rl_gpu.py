@@ -374,10 +374,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256, help="rollout.max_batch_size (rows decoding at once)")
     parser.add_argument("--microbatch-tokens", type=int, default=16384, help="rl.training.max_tokens_per_microbatch")
     # the trainer's float32 state at 8 layers is ~86 GiB, its activations (full checkpointing, 16k-token micro-
-    # batches) a few more; the rollout's bf16 weights ~12 GiB, its in-flight swap's staging and the KV cache the rest
-    parser.add_argument("--trainer-share", type=float, default=0.70, help="the trainer's memory share of the GPU "
+    # batches) ~5.5 GiB, the bf16 export ~10.4 GiB (at 0.70 the trainer ran out of memory at its second step on the
+    # H200, 2026-12-02); the rollout's bf16 weights ~10.4 GiB, its in-flight swap's staging and the KV cache the rest
+    parser.add_argument("--trainer-share", type=float, default=0.76, help="the trainer's memory share of the GPU "
                         "(its float32 state and the bf16 export of the weights to the colocated server)")
-    parser.add_argument("--rollout-share", type=float, default=0.28, help="the rollout server's memory share")
+    parser.add_argument("--rollout-share", type=float, default=0.22, help="the rollout server's memory share")
     parser.add_argument("--standalone", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the parts alone first (default: with --mode sync)")
     parser.add_argument("--compare", help="async: the sync run's results.json, for the async target")
