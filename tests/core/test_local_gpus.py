@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_rl_eks.core import memory
+from moe_rl_eks.core import memory, planner
 from moe_rl_eks.core.run import check_local_machine, load_run, resolve_run
 from moe_rl_eks.core.schema import ConfigError
 
@@ -70,20 +70,29 @@ def test_a_role_given_a_gpu_the_machine_lacks_is_refused(tmp_path):
     check_local_machine(run, [H200, H200])
 
 
+def activations(run):
+    t = run.rl.training
+    return planner.activation_bytes(run.model, run.model.num_hidden_layers, t.max_tokens_per_microbatch,
+                                    t.activation_checkpointing)
+
+
 def test_a_colocated_run_whose_trainer_state_does_not_fit_its_share_is_refused_with_the_numbers(tmp_path):
     # 8 layers of Qwen3-30B-A3B's shape: ~4.8 B parameters, 16 bytes each for the trainer's float32 state
     shape = {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
              "num_experts_per_tok": 8, "max_position_embeddings": 40960, "dtype": "bfloat16"}
-    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}, "weights": {"device_transfer": False}}
+    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}, "weights": {"device_transfer": False},
+          "training": {"activation_checkpointing": "full"}}
     run = gpu_run(tmp_path, ONE_GPU, model=shape, rl=rl)
-    need = run.model.parameter_count() * 16 + memory.CUDA_OVERHEAD_BYTES
-    assert 80 * GIB < need < 90 * GIB
+    state = run.model.parameter_count() * 16 + memory.CUDA_OVERHEAD_BYTES
+    need = state + activations(run)
+    assert 80 * GIB < state < 90 * GIB and 5 * GIB < need - state < 6 * GIB
     with pytest.raises(ConfigError) as err:
         check_local_machine(run, [H200])
     text = str(err.value)
     assert "local_gpus.trainer.memory_share" in text and "0.5 of GPU 0's 140.0 GiB is 70.0 GiB" in text, text
-    assert f"the trainer needs {need / GIB:.1f} GiB there (float32 weights, gradients and AdamW state)" in text
+    assert (f"the trainer needs {need / GIB:.1f} GiB there (float32 weights, gradients and AdamW state, and "
+            "16384-token micro-batches' activations)") in text
     fits = {"trainer": {"gpus": [0], "memory_share": 0.7}, "rollout": {"gpus": [0], "memory_share": 0.3}}
     check_local_machine(gpu_run(tmp_path, fits, model=shape, rl=rl), [H200])
 
@@ -92,15 +101,15 @@ def test_a_colocated_trainer_also_holds_the_export_of_the_served_weights_unless_
     shape = {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
              "num_experts_per_tok": 8, "max_position_embeddings": 40960, "dtype": "bfloat16"}
-    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}}
+    rl = {"algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.0}, "training": {"activation_checkpointing": "full"}}
     share = {"trainer": {"gpus": [0], "memory_share": 0.68}, "rollout": {"gpus": [0], "memory_share": 0.3}}
     run = gpu_run(tmp_path, share, model=shape, rl=rl)
     assert run.weights_over_device
-    need = run.model.parameter_count() * (16 + 2) + memory.CUDA_OVERHEAD_BYTES  # float32 state + bf16 export
+    need = run.model.parameter_count() * (16 + 2) + memory.CUDA_OVERHEAD_BYTES + activations(run)  # + bf16 export
     with pytest.raises(ConfigError) as err:
         check_local_machine(run, [H200])
     assert (f"the trainer needs {need / GIB:.1f} GiB there (float32 weights, gradients and AdamW state and the "
-            "weights' export to the rollout server)") in str(err.value), str(err.value)
+            "weights' export to the rollout server, and 16384-token micro-batches' activations)") in str(err.value)
     off = gpu_run(tmp_path, share, model=shape, rl={**rl, "weights": {"device_transfer": False}})
     assert not off.weights_over_device
     check_local_machine(off, [H200])  # 0.68 x 140 GiB holds the state without the export
