@@ -14,6 +14,7 @@ from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import cast_for_serving, load_hf
 from moe_rl_eks.workloads.model.safetensors_io import read_header
 from moe_rl_eks.workloads.rl.protocol import VersionRef
+from moe_rl_eks.workloads.trainer.orchestrator_link import Announcer
 from moe_rl_eks.workloads.trainer.publisher import Publisher
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
@@ -277,3 +278,33 @@ def test_bench_weights_counts_exactly_the_bytes_a_publisher_writes(tmp_path):
     publisher.close()
     files = json.loads((store.fetch(0, tmp_path) / "manifest.json").read_text())["files"]
     assert published_bytes(CONFIG) == sum(f["data_bytes"] for n, f in files.items() if n.endswith(".safetensors"))
+
+
+class Heard:
+    """A batch source that records the versions announced to it."""
+
+    def __init__(self):
+        self.posts = []
+
+    def version_published(self, version, lineage):
+        self.posts.append((version, lineage))
+
+
+def test_a_synchronous_run_announces_a_version_offered_over_device_memory_before_its_store_write(tmp_path):
+    store, heard = GatedStore(tmp_path / "store"), Heard()
+    publisher = Publisher(store, CONFIG, lineage=0)
+    announcer = Announcer(publisher, heard, 0, background=False)
+    publisher.publish(0, trainer_state())
+    assert store.committing.wait(60)
+    announcer.published(0, offered=True)  # the colocated server can take it from the trainer's memory now
+    assert heard.posts == [(0, 0)] and publisher.published is None
+    publisher.publish(1, trainer_state(1))
+    waiting = threading.Thread(target=announcer.published, args=(1,))  # not offered: only once the store has it
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and heard.posts == [(0, 0)]
+    store.gate.set()
+    waiting.join(60)
+    publisher.close()
+    announcer.close()
+    assert heard.posts == [(0, 0), (1, 0)] and store.latest() == VersionRef(0, 1)

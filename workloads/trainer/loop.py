@@ -308,12 +308,13 @@ class Trainer:
         state = unsharded_state(self.model, keep_dense=self.rank == 0)
         self.publisher.publish(version, state)
         seconds = self.publisher.snapshot_seconds
-        # Before the announcement (which waits for the store): the server on this GPU finds the version offered.
-        if self.exporter is not None and self.exporter.export(VersionRef(self.lineage, version), state):
+        # Before the announcement: the server on this GPU finds the version offered.
+        offered = self.exporter is not None and self.exporter.export(VersionRef(self.lineage, version), state)
+        if offered:
             seconds += self.exporter.export_seconds
         self.last_metrics[M.WEIGHT_PUBLISH_SECONDS.name] = seconds
         if self.announcer is not None:
-            self.announcer.published(version)
+            self.announcer.published(version, offered=offered)
 
     def stop_publishing(self) -> None:
         """Write the newest version, announce it, stop the writer."""

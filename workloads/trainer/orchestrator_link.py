@@ -122,9 +122,15 @@ class Announcer:
         if self._thread is not None:
             self._thread.start()
 
-    def published(self, version: int) -> None:
-        """The publisher took a snapshot of `version`."""
+    def published(self, version: int, *, offered: bool = False) -> None:
+        """The publisher took a snapshot of `version`. `offered`: the colocated server can take it from the
+        trainer's GPU memory already, so a synchronous run announces it now rather than after the store write (on
+        the H200 at 8 layers of the 30B shape that write was 15.5 s of a 103 s step); the store still gets it, as
+        the path for other machines and restarts and the record of versions."""
         if self._thread is not None:
+            return
+        if offered:
+            self._announce(version)
             return
         failures = self.publisher.failures
         seen = self.publisher.published
