@@ -41,9 +41,10 @@ def test_qwen3_30b_trains_on_one_p5en_node_and_more_nodes_hold_less_per_gpu():
 
 def test_node_counts_whose_ranks_do_not_split_the_experts_evenly_are_skipped():
     m = replace(known_model("qwen3-235b-a22b"), num_experts=120)  # 8 GPUs a node: 3 and 5 nodes split 120, 4 not
-    smallest = planner.smallest_fit(m, P5EN)
-    assert smallest.nodes == 5 and planner.plan(m, P5EN, 4).fits  # 4 would hold it, but 120 / 32 is no split
-    assert not planner.plan(m, P5EN, 3).fits
+    shape = planner.TrainingShape(microbatch_tokens=2048)
+    smallest = planner.smallest_fit(m, P5EN, shape=shape)
+    assert smallest.nodes == 5 and planner.plan(m, P5EN, 4, shape=shape).fits  # 4 would hold it; 120 / 32 no split
+    assert not planner.plan(m, P5EN, 3, shape=shape).fits
 
 
 def test_the_flop_count_matches_megatron_bridges_published_qwen3_30b_figure():
