@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from test_trainer import varied_batch
-from trainer_ranks import (ep_step_gradients, ep_step_gradients_from_reference, full_state, loop_resumed,
+from trainer_ranks import (bf16_warmup, ep_step_gradients, ep_step_gradients_from_reference, full_state, loop_resumed,
                            resumed_state, run_ranks, step_gradients, train_and_checkpoint, train_and_publish,
                            warm_then_reference)
 
@@ -181,3 +181,24 @@ def test_ep_over_half_the_ranks_shards_each_experts_copies_and_steps_as_one_proc
             if name.endswith(MOMENTS):
                 bound = GRAD_TOLERANCE * (2 if name.endswith("_sq") else 1)
                 assert relative_error(r["state"][name], tensor) < bound, name
+
+
+def test_bf16_parameters_with_float32_reduction_train_and_keep_float32_master_weights(tmp_path):
+    # rl.training.fsdp_param_dtype: bfloat16: layers compute with bf16 gathers of float32 shards (AdamW's master
+    # copy); gradients reduce in float32 and stay within bf16's rounding of the float32 policy's
+    algo = {"name": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        (tmp_path / dtype).mkdir()
+        path = write_run(tmp_path / dtype, algorithm=algo, **{**SECTIONS, "training": {
+            **SECTIONS["training"], "fsdp_param_dtype": dtype, "warmup_learning_rate": 0.01}})
+        runs[dtype] = run_ranks(2, bf16_warmup, str(path), 4)[0]
+    bf16, fp32 = runs["bfloat16"], runs["float32"]
+    assert bf16["computed_in"] == torch.bfloat16 and fp32["computed_in"] == torch.float32
+    assert bf16["reduce_dtype"] == torch.float32
+    assert bf16["master_dtype"] == bf16["grad_dtype"] == torch.float32
+    losses = bf16["losses"]
+    assert losses[-1] < 0.9 * losses[0] and losses == sorted(losses, reverse=True)  # it trains
+    assert losses[0] == pytest.approx(fp32["losses"][0], rel=2e-2)
+    for name, grad in fp32["grads"].items():
+        assert 0 < relative_error(bf16["grads"][name], grad) < 5e-2, name  # bf16 rounding, not float32's

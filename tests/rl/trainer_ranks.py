@@ -219,3 +219,27 @@ def train_and_publish(rank: int, world: int, run_path: str, batch_json: dict) ->
         directory = trainer.store.fetch(VersionRef(trainer.lineage, 1), trainer.out / "fetched")
         published = load_hf(directory)[1]
     return {"state": full_state(trainer), "published": published}
+
+
+def bf16_warmup(rank: int, world: int, run_path: str, steps: int) -> dict:
+    """`steps` warm-up (supervised) steps on the same examples: their losses, the dtype the first layer's query
+    projection computed in, its FSDP group's reduce dtype, and the dtypes of its sharded weight and gradient."""
+    from moe_rl_eks.workloads.model.parallelize import local
+
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    layer = trainer.model.model.layers[0]
+    computed_in = []
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda module, args: computed_in.append(module.weight.dtype))
+    grads, _ = step_gradients(trainer, _one_batch())
+    losses = [trainer.sft_step(0) for _ in range(steps)]
+    weight = layer.self_attn.q_proj.weight
+    return {"losses": losses, "computed_in": computed_in[0],
+            "reduce_dtype": layer._get_fsdp_state()._fsdp_param_group.mp_policy.reduce_dtype,
+            "master_dtype": local(weight).dtype, "grad_dtype": next(g for n, g in grads.items() if n.endswith("layers.0.self_attn.q_proj.weight")).dtype,
+            "grads": {name: whole(name, grad, trainer) for name, grad in grads.items()}}
+
+
+def _one_batch() -> Batch:
+    from test_trainer import varied_batch
+
+    return varied_batch()
