@@ -202,3 +202,16 @@ def test_bf16_parameters_with_float32_reduction_train_and_keep_float32_master_we
     assert losses[0] == pytest.approx(fp32["losses"][0], rel=2e-2)
     for name, grad in fp32["grads"].items():
         assert 0 < relative_error(bf16["grads"][name], grad) < 5e-2, name  # bf16 rounding, not float32's
+
+
+@pytest.mark.parametrize("training, world, message", [
+    ({"fsdp": False, "expert_parallel": 2}, 4, "ep_degree 2 < 4 ranks shards the experts' copies with FSDP"),
+    ({"expert_parallel": 3}, 4, "EP must span every rank or a divisor of them >= 2"),
+])
+def test_ep_over_part_of_the_ranks_is_refused_before_any_collective_naming_the_field(tmp_path, training, world,
+                                                                                       message):
+    from moe_rl_eks.core.schema import ConfigError
+
+    run = tiny_run(tmp_path, model={"num_experts": 8}, **{**SECTIONS, "training": {**SECTIONS["training"], **training}})
+    with pytest.raises(ConfigError, match=f"rl.training.expert_parallel.*{message}"):
+        Trainer(run, None, rank=0, world=world)
