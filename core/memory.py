@@ -4,8 +4,10 @@ counts (core/run.py ModelConfig) are the input.
 
 The trainer keeps float32 master weights, float32 gradients and AdamW's two float32 moments (16 bytes per
 parameter when all its parameters are on one rank) and, with a KL term, a frozen reference in float32. Its routed
-experts are split over its ranks (EP); its dense weights are replicated, or with FSDP (rl.training.fsdp) sharded
-over the same ranks, state and all; the reference is laid out as the policy (model/parallelize.py). A rollout replica holds the weights in the served dtype and its KV cache: keys and values
+experts are split over its ranks (EP); with EP over part of the ranks (rl.training.expert_parallel) each expert's
+copies are sharded over the rest, so either way a rank holds 1/ranks of them. Its dense weights are replicated, or
+with FSDP (rl.training.fsdp) sharded over the same ranks, state and all; the reference is laid out as the policy
+(model/parallelize.py). A rollout replica holds the weights in the served dtype and its KV cache: keys and values
 of every layer per position."""
 from __future__ import annotations
 
@@ -37,11 +39,25 @@ class TrainerState:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def trainer_state(*, replicated: int, experts: int, ranks: int, fsdp: bool) -> TrainerState:
-    """Each of `ranks` ranks' share of the trained parameters: the routed experts split evenly, the `replicated`
-    (dense) ones whole on every rank, or split evenly too with `fsdp`."""
+def trainer_state(*, replicated: int, experts: int, ranks: int, fsdp: bool,
+                  expert_parallel: int | None = None) -> TrainerState:
+    """Each of `ranks` ranks' share of the trained parameters: the routed experts split evenly over every rank
+    (by EP, and with `expert_parallel` < ranks their copies by FSDP), the `replicated` (dense) ones whole on every
+    rank, or split evenly too with `fsdp`."""
+    check_expert_parallel(ranks, expert_parallel, fsdp)
     parameters = -(-experts // ranks) + (-(-replicated // ranks) if fsdp else replicated)
     return TrainerState(parameters * FP32, parameters * FP32, 2 * parameters * FP32)
+
+
+def check_expert_parallel(ranks: int, expert_parallel: int | None, fsdp: bool) -> None:
+    """The trainer's layouts (model/parallelize.py check_layout, which the torch side enforces)."""
+    if expert_parallel is None or expert_parallel == ranks:
+        return
+    if expert_parallel < 2 or ranks % expert_parallel:
+        raise ValueError(f"expert_parallel {expert_parallel} must be >= 2 and divide the {ranks} trainer ranks")
+    if not fsdp:
+        raise ValueError(f"expert_parallel {expert_parallel} < {ranks} ranks shards the experts' copies with FSDP: "
+                         "it needs fsdp")
 
 
 def reference_bytes(*, replicated: int, experts: int, ranks: int, fsdp: bool) -> int:

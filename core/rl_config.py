@@ -396,6 +396,15 @@ class TrainingConfig:
     # FSDP2 of the dense (non-expert) weights, their gradients and AdamW state over the trainer's ranks (the
     # experts stay split by expert parallelism); default: replicated on every rank. PPO's value head stays replicated.
     fsdp: bool = False
+    # Ranks the routed experts are split over (expert parallelism); default: every trainer rank. Fewer (a divisor
+    # of the ranks, >= 2; num_experts divisible by the ranks) needs fsdp: consecutive ranks form an EP group (a
+    # node's GPUs keep the all-to-all on NVLink) and each expert's copies, one per group, are sharded by FSDP2
+    # over the groups, so every rank still holds 1/ranks of the experts' weights, gradients and AdamW state.
+    expert_parallel: int | None = None
+    # The dtype FSDP gathers parameters in, for the layers to compute with (fsdp only): "bfloat16" halves the
+    # all-gathers and the gathered layers; the float32 shards stay the master weights AdamW steps, and gradients
+    # are reduced in float32. "float32": gathered as stored; on GPUs the trainer's bf16 autocast casts per op.
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = "float32"
     # Context parallelism: this many consecutive trainer ranks share each packed micro-batch, each running a
     # contiguous slice of its tokens, attention made whole by an all-to-all over heads (DeepSpeed-Ulysses:
     # workloads/model/context_parallel.py says why). Must divide the trainer's ranks and the query heads; a sample
@@ -411,6 +420,10 @@ class TrainingConfig:
         for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch", "context_parallel"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
+        if self.expert_parallel is not None and self.expert_parallel < 2:
+            fail("expert_parallel", self.expert_parallel, "must be >= 2 (ranks per EP group), or unset for every rank")
+        if self.fsdp_param_dtype != "float32" and not self.fsdp:
+            fail("fsdp_param_dtype", self.fsdp_param_dtype, "is FSDP's gathered dtype: turn rl.training.fsdp on")
         if self.lr_warmup_steps < 0:
             fail("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0 (optimizer steps)")
         if not 0 <= self.min_learning_rate <= self.learning_rate:

@@ -390,8 +390,11 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
                           f"samples per step "
                           f"must be >= {ranks_total} trainer ranks x rl.algorithm.mini_batches "
                           f"({run.rl.algorithm.mini_batches}): every rank trains on every mini-batch")
+    ep = run.rl.training.expert_parallel
+    if ep is not None and env is not None and ranks_total % ep:
+        raise ConfigError(src, "rl.training.expert_parallel", ep, f"must divide the {ranks_total} trainer ranks")
     try:
-        backend, why = resolve_backend(run.parallelism.ep_backend, topo)
+        backend, why = resolve_backend(run.parallelism.ep_backend, expert_topology(topo, ep))
     except UnsupportedBackend as exc:
         raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
     if env is not None:
@@ -400,13 +403,22 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
     return ResolvedRun(run, env, topo, backend, why)
 
 
+def expert_topology(trainer: Topology, expert_parallel: int | None) -> Topology:
+    """The topology one EP group spans (what the EP backend is chosen for): the trainer's, or with EP over part of
+    its ranks (rl.training.expert_parallel) that many consecutive ranks, a node's GPUs first."""
+    if expert_parallel is None or expert_parallel == trainer.ep_size:
+        return trainer
+    per_node = min(trainer.ranks_per_node, expert_parallel)
+    return replace(trainer, nodes=expert_parallel // per_node, ranks_per_node=per_node)
+
+
 def _resolved_on_the_cluster(run: RunConfig, env: EnvironmentConfig | None, src: str) -> ResolvedRun:
     placement = run.resolved
     if env is not None:
         raise ConfigError(src, "resolved", placement.environment, "this run file was resolved by moerl manifests "
                           "already; it takes no environment")
     try:  # the image's code may know limits the manifests' did not: say so before any rank starts
-        check_backend(placement.ep_backend, placement.topology)
+        check_backend(placement.ep_backend, expert_topology(placement.topology, run.rl.training.expert_parallel))
     except UnsupportedBackend as exc:
         raise ConfigError(src, "resolved.ep_backend", placement.ep_backend, str(exc)) from None
     nodes = placement.topology.nodes
@@ -469,7 +481,8 @@ def _check_trainer_plan(run: RunConfig, env: EnvironmentConfig, src: str) -> Non
     ranks = p.trainer_nodes * (p.ranks_per_node or spec.gpus)
     shape = planner.TrainingShape(microbatch_tokens=t.max_tokens_per_microbatch,
                                   checkpointing=t.activation_checkpointing, fsdp=t.fsdp,
-                                  reference=run.rl.algorithm.kl_coef > 0)
+                                  reference=run.rl.algorithm.kl_coef > 0, expert_parallel=t.expert_parallel,
+                                  param_dtype=t.fsdp_param_dtype, context_parallel=t.context_parallel)
     need = planner.gpu_memory(run.model, ranks, shape).total
     have = planner.USABLE_FRACTION * spec.gpu_memory_mib * 2**20
     if need > have:

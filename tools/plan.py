@@ -1,12 +1,14 @@
 """`moerl plan --model NAME|DIR --instance-type T [--nodes N]`: what a training run needs per GPU and how long its
 step takes, from the torch-free planner (core/planner.py): memory per GPU by kind, whether N nodes hold it, the
-smallest node count that does, the predicted step time with NCCL all-to-all and with DeepEP over EFA, and the
-rollout pool's weights and KV capacity per GPU. Nothing is downloaded and torch is not imported."""
+smallest node count that does, the predicted step time with NCCL all-to-all and with DeepEP over EFA, the longest
+single sample a micro-batch trains with and without context parallelism, and the rollout pool's weights and KV
+capacity per GPU. Nothing is downloaded and torch is not imported."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from moe_rl_eks.core import memory, planner
@@ -49,6 +51,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpointing", choices=("off", "full", "save_attention"), default="save_attention")
     p.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate the dense weights (no FSDP2)")
     p.add_argument("--reference", action="store_true", help="a float32 KL reference beside the policy")
+    p.add_argument("--expert-parallel", type=positive, help="ranks per EP group (rl.training.expert_parallel; "
+                   "default every rank): fewer shard the experts' copies with FSDP")
+    p.add_argument("--fsdp-param-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="what FSDP gathers parameters in (rl.training.fsdp_param_dtype)")
+    p.add_argument("--context-parallel", type=positive, default=1,
+                   help="ranks sharing each micro-batch (rl.training.context_parallel); the longest-sample line "
+                   "compares it with none")
     p.add_argument("--rollout-gpus", type=positive, default=8, help="GPUs per rollout server (its EP split)")
     p.add_argument("--rollout-memory-share", type=float, default=0.9,
                    help="the share of a rollout GPU's memory the engine may use (weights + KV cache)")
@@ -56,16 +65,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def table(plans: list[planner.Plan]) -> str:
-    head = ("| nodes | GPUs | params | grads | AdamW | reference | activations | total GiB/GPU | of | fits "
-            "| step s (compute + NVLink + EFA) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| nodes | GPUs | params | grads | AdamW | reference | activations | FSDP gathered | total GiB/GPU | of "
+            "| fits | step s (compute + NVLink + EFA + FSDP) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for p in plans:
         m = p.memory
         rows.append(f"| {p.nodes} | {p.ranks} | {m.parameters / GIB:.1f} | {m.gradients / GIB:.1f} | "
                     f"{m.optimizer / GIB:.1f} | {m.reference / GIB:.1f} | {m.activations / GIB:.1f} | "
-                    f"{m.total / GIB:.1f} | {p.gpu_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | "
-                    f"{p.step.total_s:.2f} ({p.step.compute_s:.2f} + {p.step.nvlink_s:.2f} + {p.step.efa_s:.2f}) |")
+                    f"{m.gathered / GIB:.1f} | {m.total / GIB:.1f} | {p.gpu_bytes / GIB:.0f} | "
+                    f"{'yes' if p.fits else 'no'} | {p.step.total_s:.2f} ({p.step.compute_s:.2f} + "
+                    f"{p.step.nvlink_s:.2f} + {p.step.efa_s:.2f} + {p.step.fsdp_s:.2f}) |")
     return "\n".join([head, *rows])
+
+
+def longest_sample_line(model: ModelConfig, instance, nodes: int, backend: str, shape: planner.TrainingShape) -> str:
+    """The longest single sample on `nodes` nodes with the shape's context parallelism, and without it."""
+    parts = []
+    for cp in sorted({1, shape.context_parallel}):
+        best = planner.longest_sample(model, instance, nodes, backend=backend,
+                                      shape=replace(shape, context_parallel=cp))
+        if best is None:
+            parts.append(f"CP {cp}: not even 1,024 tokens fit")
+            continue
+        parts.append(f"CP {cp}: {best.shape.microbatch_tokens:,} tokens ({best.memory.activations / GIB:.1f} GiB of "
+                     f"activations, {best.memory.total / GIB:.1f} GiB/GPU; step {best.step.total_s:.2f} s at that "
+                     f"length, {best.step.nvlink_s:.2f} s of it NVLink all-to-alls)")
+    return f"longest sample on {nodes} node(s), one micro-batch of it: " + "; ".join(parts)
 
 
 def rollout_line(m: ModelConfig, instance, gpus: int, share: float) -> str:
@@ -92,7 +117,8 @@ def main(argv: list[str]) -> int:
         return 2
     instance = instance_type(args.instance_type)
     shape = planner.TrainingShape(args.microbatch_tokens, args.tokens_per_step, args.sequence, args.checkpointing,
-                                  args.fsdp, args.reference)
+                                  args.fsdp, args.reference, args.expert_parallel, args.fsdp_param_dtype,
+                                  args.context_parallel)
     try:
         smallest = planner.smallest_fit(model, instance, backend=args.ep_backend, shape=shape)
         nodes = sorted({n for n in (args.nodes, smallest.nodes if smallest else None) if n})
@@ -100,10 +126,14 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"moerl plan: {exc}", file=sys.stderr)
         return 2
+    layout = (f"EP groups of {args.expert_parallel} ranks, the experts' copies sharded" if args.expert_parallel
+              else "EP over every rank")
     print(f"{args.model}: {model.parameter_count() / 1e9:.1f} B parameters "
           f"({(model.parameter_count() - model.routed_expert_parameter_count()) / 1e9:.2f} B dense), "
           f"{model.num_hidden_layers} layers; trainer on {instance.name} ({instance.gpus} x {instance.gpu_model}), "
-          f"EP over every rank, {'FSDP2 of the dense weights' if args.fsdp else 'dense weights replicated'}, "
+          f"{layout}, "
+          f"{'FSDP2 of the dense weights' if args.fsdp else 'dense weights replicated'} "
+          f"({args.fsdp_param_dtype} gathers), CP {args.context_parallel}, "
           f"{args.checkpointing} checkpointing, {args.microbatch_tokens:,}-token micro-batches, "
           f"{args.tokens_per_step:,} tokens a step ({args.ep_backend} traffic)")
     if plans:
@@ -117,6 +147,8 @@ def main(argv: list[str]) -> int:
         alt = planner.plan(model, instance, plan.nodes, backend=other, shape=shape)
         print(f"{plan.nodes} node(s): step {plan.step.total_s:.2f} s with {args.ep_backend}, "
               f"{alt.step.total_s:.2f} s with {other}")
+    for plan in plans:
+        print(longest_sample_line(model, instance, plan.nodes, args.ep_backend, shape))
     print(rollout_line(model, instance, args.rollout_gpus, args.rollout_memory_share))
     return 0 if args.nodes is None or (plans and next(p for p in plans if p.nodes == args.nodes).fits) else 1
 

@@ -41,9 +41,10 @@ def test_qwen3_30b_trains_on_one_p5en_node_and_more_nodes_hold_less_per_gpu():
 
 def test_node_counts_whose_ranks_do_not_split_the_experts_evenly_are_skipped():
     m = replace(known_model("qwen3-235b-a22b"), num_experts=120)  # 8 GPUs a node: 3 and 5 nodes split 120, 4 not
-    smallest = planner.smallest_fit(m, P5EN)
-    assert smallest.nodes == 5 and planner.plan(m, P5EN, 4).fits  # 4 would hold it, but 120 / 32 is no split
-    assert not planner.plan(m, P5EN, 3).fits
+    shape = planner.TrainingShape(microbatch_tokens=2048)
+    smallest = planner.smallest_fit(m, P5EN, shape=shape)
+    assert smallest.nodes == 5 and planner.plan(m, P5EN, 4, shape=shape).fits  # 4 would hold it; 120 / 32 no split
+    assert not planner.plan(m, P5EN, 3, shape=shape).fits
 
 
 def test_the_flop_count_matches_megatron_bridges_published_qwen3_30b_figure():
@@ -97,3 +98,54 @@ def test_moerl_plan_reads_a_checkpoint_directorys_config_and_names_a_bad_model(t
     assert "smallest trainer that fits: 1 x p5.48xlarge" in out.stdout
     bad = run_plan("--model", "qwen4-1t")
     assert bad.returncode == 2 and "qwen4-1t" in bad.stderr and "qwen3-235b-a22b" in bad.stderr
+
+
+def test_ep_over_part_of_the_ranks_holds_the_same_state_moves_no_expert_traffic_over_efa_and_pays_fsdp():
+    # 235B on 8 p5en nodes: EP within each node, the experts' 8 copies sharded over the nodes
+    m, whole, grouped = known_model("qwen3-235b-a22b"), planner.TrainingShape(), \
+        planner.TrainingShape(expert_parallel=8)
+    a, b = planner.plan(m, P5EN, 8, shape=whole), planner.plan(m, P5EN, 8, shape=grouped)
+    assert (b.memory.parameters, b.memory.optimizer) == (a.memory.parameters, a.memory.optimizer)  # 1/64 each
+    per_layer = m.routed_expert_parameter_count() // (m.num_hidden_layers * 8)  # an EP rank's experts of a layer
+    assert b.memory.gathered - a.memory.gathered == (2 * 4 + 4) * per_layer  # two gathered, one gradient
+    assert a.step.efa_s > 0 and b.step.efa_s == 0 and b.step.fsdp_s > a.step.fsdp_s > 0
+    with pytest.raises(ValueError, match="needs fsdp"):
+        planner.plan(m, P5EN, 8, shape=replace(grouped, fsdp=False))
+    with pytest.raises(ValueError, match="divide the 64 trainer ranks"):
+        planner.plan(m, P5EN, 8, shape=replace(grouped, expert_parallel=24))
+
+
+def test_bf16_gathers_halve_fsdps_gathered_weights_and_traffic_and_the_kept_residual_stream():
+    m = known_model("qwen3-235b-a22b")
+    fp32 = planner.plan(m, P5EN, 8)
+    bf16 = planner.plan(m, P5EN, 8, shape=planner.TrainingShape(param_dtype="bfloat16"))
+    assert bf16.memory.parameters == fp32.memory.parameters  # the float32 master shards stay
+    p = planner.sharded_parameters(m, 64, planner.TrainingShape())
+    assert fp32.memory.gathered - bf16.memory.gathered == 2 * (p.root + 2 * p.dense_layer)
+    assert bf16.step.fsdp_s == pytest.approx(fp32.step.fsdp_s * (2 * 2 + 4) / (2 * 4 + 4))
+    kept = planner.TrainingShape().microbatch_tokens * m.num_hidden_layers * 2 * m.hidden_size
+    assert fp32.memory.activations - bf16.memory.activations == kept
+
+
+def test_context_parallel_trains_a_sample_about_n_times_longer_at_the_same_activations_per_gpu():
+    m = known_model("qwen3-30b-a3b")
+    alone = planner.longest_sample(m, P5EN, 1)
+    split = planner.longest_sample(m, P5EN, 1, shape=planner.TrainingShape(context_parallel=4))
+    assert alone.fits and split.fits and alone.step.nvlink_s < split.step.nvlink_s  # Ulysses' all-to-alls
+    # about 4x: the logits chunk and the state do not grow with the sample
+    assert 3.5 * alone.shape.microbatch_tokens < split.shape.microbatch_tokens < 4.1 * alone.shape.microbatch_tokens
+    assert split.memory.activations == pytest.approx(alone.memory.activations, rel=0.02)
+    longer = replace(split.shape, microbatch_tokens=split.shape.microbatch_tokens + 1024)
+    assert not planner.plan(m, P5EN, 1, shape=longer).fits  # the longest, to the 1,024-token granule
+    assert planner.ulysses_bytes_per_token(m, 1, "full") == 0
+
+
+def test_moerl_plan_prints_the_longest_sample_with_and_without_context_parallelism():
+    out = run_plan("--model", "qwen3-30b-a3b", "--context-parallel", "4", "--expert-parallel", "4",
+                   "--fsdp-param-dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    line = next(text for text in out.stdout.splitlines() if text.startswith("longest sample on 1 node(s)"))
+    alone = planner.longest_sample(known_model("qwen3-30b-a3b"), P5EN, 1, shape=planner.TrainingShape(
+        expert_parallel=4, param_dtype="bfloat16"))
+    assert f"CP 1: {alone.shape.microbatch_tokens:,} tokens" in line and "; CP 4: " in line
+    assert "EP groups of 4 ranks" in out.stdout and "bfloat16 gathers" in out.stdout

@@ -3,12 +3,14 @@
 rank. One process has no shards: it is the reference for every layout."""
 import pytest
 import torch
+import torch.distributed as dist
 from rl_helpers import rewarded_batch, tiny_run, write_run
 from test_trainer import varied_batch
-from trainer_ranks import (ep_step_gradients, ep_step_gradients_from_reference, full_state, loop_resumed,
+from trainer_ranks import (bf16_warmup, ep_step_gradients, ep_step_gradients_from_reference, full_state, loop_resumed,
                            resumed_state, run_ranks, step_gradients, train_and_checkpoint, train_and_publish,
                            warm_then_reference)
 
+from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl.protocol import Batch
 from moe_rl_eks.workloads.trainer.loop import Trainer
 
@@ -78,25 +80,35 @@ def test_a_rank_with_no_samples_under_fsdp_still_gives_the_gradient_of_one_proce
             assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
 
 
-@pytest.mark.parametrize("saved_on, resumed_on, resumed_fsdp", [(4, 2, True), (4, 1, False), (2, 4, True)])
-def test_a_checkpoint_resumes_bitwise_on_another_ep_degree_and_fsdp_layout(tmp_path, saved_on, resumed_on,
-                                                                            resumed_fsdp):
-    # EP4 x FSDP -> EP2 x FSDP and -> one rank; EP2 x FSDP -> EP4 x FSDP: each rank reads the slices it owns now
+@pytest.mark.parametrize("saved_on, saved_ep, resumed_on, resumed_ep, resumed_fsdp", [
+    (4, None, 2, None, True), (4, None, 1, None, False), (2, None, 4, None, True),
+    (4, 2, 2, None, True), (4, None, 4, 2, True), (4, 2, 1, None, False)])
+def test_a_checkpoint_resumes_bitwise_on_another_ep_degree_and_fsdp_layout(tmp_path, saved_on, saved_ep, resumed_on,
+                                                                            resumed_ep, resumed_fsdp):
+    # EP4 x FSDP -> EP2 x FSDP and -> one rank; EP2 x FSDP -> EP4 x FSDP; EP 2 x 2 sharded copies -> EP2, -> one
+    # rank, and EP4 -> EP 2 x 2: each rank reads the slices it owns now
     algo = {"name": "ppo", "kl_coef": 0.0, "entropy_coef": 0.0}
-    path = write_run(tmp_path, algorithm=algo, **SECTIONS)
+    model = {"num_experts": 8}
+
+    def layout(ep, fsdp):
+        return {**SECTIONS, "model": model, "training": {**SECTIONS["training"], "fsdp": fsdp, "expert_parallel": ep}}
+
+    path = write_run(tmp_path, algorithm=algo, **layout(saved_ep, True))
     saved = run_ranks(saved_on, train_and_checkpoint, str(path), varied_batch().to_json())[0]
     assert "model.layers.0.self_attn.q_proj.weight.exp_avg" in saved and "value_head.weight.exp_avg" in saved
-    path = write_run(tmp_path, algorithm=algo, **{**SECTIONS, "training": {**SECTIONS["training"],
-                                                                           "fsdp": resumed_fsdp}})
+    path = write_run(tmp_path, algorithm=algo, **layout(resumed_ep, resumed_fsdp))
     resumed = (run_ranks(resumed_on, resumed_state, str(path))[0] if resumed_on > 1
                else resumed_state(0, 1, str(path)))
     assert resumed.keys() == saved.keys()
     assert [name for name, tensor in saved.items() if not torch.equal(resumed[name], tensor)] == []
 
 
-def test_the_fsdp_trainer_publishes_its_whole_weights_in_the_serving_dtype(tmp_path):
-    path = write_run(tmp_path, algorithm={"kl_coef": 0.0, "entropy_coef": 0.0}, **SECTIONS)
-    rank0 = run_ranks(2, train_and_publish, str(path), varied_batch().to_json())[0]
+@pytest.mark.parametrize("world, expert_parallel", [(2, None), (4, 2)])
+def test_the_fsdp_trainer_publishes_its_whole_weights_in_the_serving_dtype(tmp_path, world, expert_parallel):
+    # EP 2 x 2 copies: the EP group of rank 0 writes the experts, the other group's copies write nothing
+    path = write_run(tmp_path, algorithm={"kl_coef": 0.0, "entropy_coef": 0.0}, model={"num_experts": 8},
+                     **{**SECTIONS, "training": {**SECTIONS["training"], "expert_parallel": expert_parallel}})
+    rank0 = run_ranks(world, train_and_publish, str(path), varied_batch().to_json())[0]
     published, state = rank0["published"], rank0["state"]
     assert published.keys() == {name for name in state if not name.endswith(MOMENTS)}
     for name, tensor in published.items():
@@ -130,3 +142,76 @@ def test_the_fsdp_trainer_loop_warms_up_keeps_a_kl_reference_checkpoints_and_res
     assert announced[-1] == (0, 3) and announced == sorted(set(announced))
     again = run_ranks(2, loop_resumed, str(path), rewarded_batch)
     assert [r["lineage"] for r in again] == [1, 1] and again[0]["announced"] == [(1, 3)]
+
+
+def expert_layout(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """ep_step_gradients, and what this rank holds of one expert tensor and of its AdamW moment."""
+    from moe_rl_eks.workloads.model.parallelize import local
+
+    result = ep_step_gradients(rank, world, run_path, batch_json)
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    experts = trainer.model.model.layers[0].mlp.experts.gate_up_proj
+    result["held_experts"] = local(experts).shape[0]
+    result["ep_group"] = dist.get_process_group_ranks(trainer.ep.group)
+    return result
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_ep_over_half_the_ranks_shards_each_experts_copies_and_steps_as_one_process(tmp_path, algorithm):
+    # EP 2 x 2 copies at 4 ranks (torchtitan's dp_shard_in_ep x dp_shard_mod_ep): each rank holds a quarter of
+    # the experts, as at EP 4, and the step's gradients and moments are one process's
+    algo = {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01}
+    model = {"num_experts": 8}
+    one = Trainer(tiny_run(tmp_path, algorithm=algo, model=model, **SECTIONS), None, rank=0, world=1)
+    want_grads, want_metrics = step_gradients(one, varied_batch())
+    want_state = full_state(one)
+    (tmp_path / "ranks").mkdir()
+    path = write_run(tmp_path / "ranks", algorithm=algo, model=model,
+                     **{**SECTIONS, "training": {**SECTIONS["training"], "expert_parallel": 2}})
+    ranks = run_ranks(4, expert_layout, str(path), varied_batch().to_json())
+    assert [r["ep_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["held_experts"] for r in ranks] == [2, 2, 2, 2]  # 8 experts / 4 ranks
+    for r in ranks:
+        assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-6)
+        assert r["metrics"]["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-6)
+        assert r["grads"].keys() == want_grads.keys() and r["state"].keys() == want_state.keys()
+        for name, grad in want_grads.items():
+            assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
+        for name, tensor in want_state.items():
+            if name.endswith(MOMENTS):
+                bound = GRAD_TOLERANCE * (2 if name.endswith("_sq") else 1)
+                assert relative_error(r["state"][name], tensor) < bound, name
+
+
+def test_bf16_parameters_with_float32_reduction_train_and_keep_float32_master_weights(tmp_path):
+    # rl.training.fsdp_param_dtype: bfloat16: layers compute with bf16 gathers of float32 shards (AdamW's master
+    # copy); gradients reduce in float32 and stay within bf16's rounding of the float32 policy's
+    algo = {"name": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        (tmp_path / dtype).mkdir()
+        path = write_run(tmp_path / dtype, algorithm=algo, **{**SECTIONS, "training": {
+            **SECTIONS["training"], "fsdp_param_dtype": dtype, "warmup_learning_rate": 0.01}})
+        runs[dtype] = run_ranks(2, bf16_warmup, str(path), 4)[0]
+    bf16, fp32 = runs["bfloat16"], runs["float32"]
+    assert bf16["computed_in"] == torch.bfloat16 and fp32["computed_in"] == torch.float32
+    assert bf16["reduce_dtype"] == torch.float32
+    assert bf16["master_dtype"] == bf16["grad_dtype"] == torch.float32
+    losses = bf16["losses"]
+    assert losses[-1] < 0.9 * losses[0] and losses == sorted(losses, reverse=True)  # it trains
+    assert losses[0] == pytest.approx(fp32["losses"][0], rel=2e-2)
+    for name, grad in fp32["grads"].items():
+        assert 0 < relative_error(bf16["grads"][name], grad) < 5e-2, name  # bf16 rounding, not float32's
+
+
+@pytest.mark.parametrize("training, world, message", [
+    ({"fsdp": False, "expert_parallel": 2}, 4, "ep_degree 2 < 4 ranks shards the experts' copies with FSDP"),
+    ({"expert_parallel": 3}, 4, "EP must span every rank or a divisor of them >= 2"),
+])
+def test_ep_over_part_of_the_ranks_is_refused_before_any_collective_naming_the_field(tmp_path, training, world,
+                                                                                       message):
+    from moe_rl_eks.core.schema import ConfigError
+
+    run = tiny_run(tmp_path, model={"num_experts": 8}, **{**SECTIONS, "training": {**SECTIONS["training"], **training}})
+    with pytest.raises(ConfigError, match=f"rl.training.expert_parallel.*{message}"):
+        Trainer(run, None, rank=0, world=world)

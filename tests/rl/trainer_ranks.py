@@ -65,17 +65,18 @@ def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:
     return seen, metrics
 
 
-def whole(name: str, tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """The whole tensor of what this rank holds: an FSDP shard all-gathered, the experts' slices concatenated from
-    every rank (both collectives: every rank calls it for the same names)."""
+def whole(name: str, tensor: torch.Tensor, trainer: Trainer) -> torch.Tensor:
+    """The whole tensor of what this rank holds: an FSDP shard all-gathered, the experts gathered from every rank
+    (their slices, or shards of slices, as the checkpoint lays them out); collectives: every rank calls it for the
+    same names."""
     from torch.distributed.tensor import DTensor
 
+    from moe_rl_eks.workloads.model.parallelize import expert_tensor
+
+    if trainer.world > 1 and ".mlp.experts." in name:
+        return expert_tensor(tensor, trainer.ep, trainer.mesh).full_tensor()
     if isinstance(tensor, DTensor):
         return tensor.full_tensor()
-    if world > 1 and ".mlp.experts." in name:
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
     return tensor
 
 
@@ -85,7 +86,7 @@ def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) ->
     trainer = Trainer(load_run(run_path), None, rank, world)
     grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
     share = trainer._share(Batch.from_json(batch_json).samples)
-    return {"grads": {name: whole(name, grad, world) for name, grad in grads.items()}, "metrics": metrics,
+    return {"grads": {name: whole(name, grad, trainer) for name, grad in grads.items()}, "metrics": metrics,
             "samples": sorted(s.id for s in share), "state": full_state(trainer)}
 
 
@@ -107,7 +108,7 @@ def ep_step_gradients_from_reference(rank: int, world: int, run_path: str, batch
     trainer = Trainer(load_run(run_path), None, rank, world)
     warm_then_reference(trainer)
     grads, metrics = step_gradients(trainer, Batch.from_json(batch_json))
-    return {"grads": {name: whole(name, grad, world) for name, grad in grads.items()}, "metrics": metrics,
+    return {"grads": {name: whole(name, grad, trainer) for name, grad in grads.items()}, "metrics": metrics,
             "reference_embedding_sharded": is_sharded(trainer.reference.model.embed_tokens.weight)}
 
 
@@ -163,7 +164,7 @@ def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     state = {n: t.detach().clone() for n, t in trainer._trained_state().items()}
     for p, entries in trainer.optimizer.state.items():
         state.update({f"{names[id(p)]}.{k}": v.clone() for k, v in entries.items() if v.dim()})
-    return {name: whole(name, t, trainer.world) for name, t in state.items()}
+    return {name: whole(name, t, trainer) for name, t in state.items()}
 
 
 def train_and_checkpoint(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
@@ -218,3 +219,27 @@ def train_and_publish(rank: int, world: int, run_path: str, batch_json: dict) ->
         directory = trainer.store.fetch(VersionRef(trainer.lineage, 1), trainer.out / "fetched")
         published = load_hf(directory)[1]
     return {"state": full_state(trainer), "published": published}
+
+
+def bf16_warmup(rank: int, world: int, run_path: str, steps: int) -> dict:
+    """`steps` warm-up (supervised) steps on the same examples: their losses, the dtype the first layer's query
+    projection computed in, its FSDP group's reduce dtype, and the dtypes of its sharded weight and gradient."""
+    from moe_rl_eks.workloads.model.parallelize import local
+
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    layer = trainer.model.model.layers[0]
+    computed_in = []
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda module, args: computed_in.append(module.weight.dtype))
+    grads, _ = step_gradients(trainer, _one_batch())
+    losses = [trainer.sft_step(0) for _ in range(steps)]
+    weight = layer.self_attn.q_proj.weight
+    return {"losses": losses, "computed_in": computed_in[0],
+            "reduce_dtype": layer._get_fsdp_state()._fsdp_param_group.mp_policy.reduce_dtype,
+            "master_dtype": local(weight).dtype, "grad_dtype": next(g for n, g in grads.items() if n.endswith("layers.0.self_attn.q_proj.weight")).dtype,
+            "grads": {name: whole(name, grad, trainer) for name, grad in grads.items()}}
+
+
+def _one_batch() -> Batch:
+    from test_trainer import varied_batch
+
+    return varied_batch()

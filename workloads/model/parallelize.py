@@ -9,13 +9,17 @@ rollout replica still builds its experts' split through `MoETransformer(ep=...)`
 
 Order, as torchtitan applies it: expert parallelism (each rank keeps its contiguous slice of the experts and a
 dispatcher over the EP ranks), activation checkpointing (each decoder layer recomputed in the backward), then
-FSDP2 (`fully_shard` per decoder layer, then the root) of the dense weights over the data-parallel mesh dimension,
-the experts left out (EP already splits them). Apply it to a model built on the meta device, then `to_empty` onto
-the rank's device and `load_full_state`: no rank ever holds every expert.
+FSDP2 (`fully_shard` per decoder layer, then the root) of the dense weights over the data-parallel mesh dimension.
+Apply it to a model built on the meta device, then `to_empty` onto the rank's device and `load_full_state`: no
+rank ever holds every expert.
 
-Layouts: a 1-D mesh named "dp" whose ranks are also the EP ranks (EP degree = the mesh's size: the experts split
-over every rank, as the trainer always has); with `fsdp` the dense weights are sharded over the same ranks, else
-replicated. EP over part of the data-parallel ranks (torchtitan's `dp_shard_mod_ep`) is not built: refused."""
+Layouts, on a 1-D mesh "dp" of every trainer rank:
+- EP degree = the mesh's size: the experts split over every rank (as the trainer always has; FSDP leaves them
+  out), the dense weights replicated or, with `fsdp`, sharded over the same ranks.
+- EP over part of the ranks (torchtitan's dp_shard_in_ep x dp_shard_mod_ep): consecutive ranks form an EP group
+  (within a node, where the all-to-all is fastest), and each expert's copies, one per group, are sharded by FSDP2
+  over the ranks holding them ("edp", strided), so each rank still holds 1/world of the experts' state. Needs
+  `fsdp` (the dense weights sharded over "dp"). The (ep, edp) mesh is `expert_mesh`'s."""
 from __future__ import annotations
 
 import functools
@@ -43,6 +47,8 @@ ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
 CHECKPOINTING = ("off", "full", "save_attention")
 Checkpointing = Literal["off", "full", "save_attention"]
+PARAM_DTYPES = ("float32", "bfloat16")
+ParamDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,10 @@ class ParallelPlan:
     # the attention kernels' outputs
     compute: str = "torch"  # the model's compute backend (model/backends.py), chosen when the model is built
     cp_degree: int = 1  # context parallelism: consecutive ranks sharing each packed micro-batch's tokens
+    # FSDP's gathered parameters (what layers compute with): "bfloat16" is torchtitan's mixed precision, the
+    # sharded float32 parameters the master copy AdamW steps, gradients reduced in float32. "float32": the
+    # trainer's own bf16 autocast on GPUs casts them per op instead.
+    param_dtype: ParamDtype = "float32"
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING:
@@ -65,8 +75,10 @@ class ParallelPlan:
                              f"{CHECKPOINTING}")
         if self.ep_degree < 1:
             raise ValueError(f"ep_degree must be >= 1, got {self.ep_degree}")
-        if self.cp_degree < 1 or self.ep_degree % self.cp_degree:
-            raise ValueError(f"cp_degree {self.cp_degree} must be >= 1 and divide the {self.ep_degree} ranks")
+        if self.cp_degree < 1:
+            raise ValueError(f"cp_degree must be >= 1, got {self.cp_degree}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype {self.param_dtype!r} is not one of {PARAM_DTYPES}")
 
 
 def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertParallel | None = None,
@@ -79,20 +91,65 @@ def parallelize(model: MoETransformer, mesh, plan: ParallelPlan, *, ep: ExpertPa
     if model.compute_name != plan.compute:
         raise ValueError(f"parallelize: the model was built with compute {model.compute_name!r}, the plan says "
                          f"{plan.compute!r}; build it as MoETransformer(config, compute=plan.compute)")
-    if plan.ep_degree != size:
-        # Experts replicated over some ranks would need their gradients summed over those ranks: not built.
-        raise ValueError(f"ep_degree {plan.ep_degree} on a mesh of {size} ranks: only experts split over every "
-                         f"rank is built; use ep_degree {size}")
+    check_layout(plan, size, model.config.num_experts)
     if plan.ep_degree > 1 and ep is None:
-        ep = ExpertParallel(mesh.get_group("dp"), plan.ep_backend, ranks_per_node=plan.ranks_per_node,
-                            device=mesh.device_type)
+        ranks_per_node = min(plan.ranks_per_node or plan.ep_degree, plan.ep_degree)  # an EP group within a node
+        if plan.ep_degree == size:
+            ep = ExpertParallel(mesh.get_group("dp"), plan.ep_backend, ranks_per_node=ranks_per_node,
+                                device=mesh.device_type)
+        else:
+            experts = expert_mesh(mesh.device_type, size, plan.ep_degree)
+            ep = ExpertParallel(experts.get_group("ep"), plan.ep_backend, ranks_per_node=ranks_per_node,
+                                device=mesh.device_type, mesh=experts)
     split_experts(model, ep if plan.ep_degree > 1 else None)
     if plan.cp_degree > 1:
         split_context(model, cp or context_parallel_group(plan.cp_degree))
     checkpoint_layers(model, plan.activation_checkpointing)
     if plan.fsdp and size > 1:
-        shard_dense(model, mesh)
+        shard_dense(model, mesh, ep, getattr(torch, plan.param_dtype))
     return model.ep
+
+
+def check_layout(plan: ParallelPlan, size: int, num_experts: int) -> None:
+    """The layouts built (module docstring), else a ValueError naming the plan's numbers."""
+    if size % plan.cp_degree:
+        raise ValueError(f"cp_degree {plan.cp_degree} must divide the {size} ranks")
+    if plan.ep_degree == size:
+        return
+    if plan.ep_degree < 2 or size % plan.ep_degree:
+        raise ValueError(f"ep_degree {plan.ep_degree} on a mesh of {size} ranks: EP must span every rank or a "
+                         f"divisor of them >= 2")
+    if not plan.fsdp:
+        # each copy's gradient would otherwise need its own all-reduce over the copies: FSDP's reduce-scatter
+        # sums them and leaves each rank its shard
+        raise ValueError(f"ep_degree {plan.ep_degree} < {size} ranks shards the experts' copies with FSDP: turn "
+                         "fsdp on")
+    if num_experts % size:
+        raise ValueError(f"ep_degree {plan.ep_degree} < {size} ranks: the {num_experts} experts must split evenly "
+                         f"over all {size} ranks (each EP rank's {num_experts // plan.ep_degree} over its "
+                         f"{size // plan.ep_degree} copies)")
+
+
+def expert_mesh(device_type: str, world: int, ep_degree: int):
+    """The (ep, edp) mesh of EP over part of the ranks: global rank r is EP rank r % ep_degree of group
+    r // ep_degree (consecutive ranks: a node's GPUs), and its experts' copies are on the ranks r + k * ep_degree.
+    Its dimensions are listed EP first so that a DTensor sharded [Shard(0), Shard(0)] over it cuts the expert
+    dimension by EP rank, then each slice by copy: the experts' global order (checkpoints)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(world).view(world // ep_degree, ep_degree).T
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("ep", "edp"))
+
+
+def expert_tensor(tensor: torch.Tensor, ep: ExpertParallel, mesh):
+    """An expert tensor of this rank (its EP slice, or with sharded copies its FSDP shard of it) as a DTensor of
+    every expert, sharded along the expert dimension over every rank (`mesh`: the 1-D "dp" one), for DCP: a run
+    with another layout reads its own slices. Shares the tensor's storage."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if ep.mesh is None:
+        return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False)
+    return DTensor.from_local(local(tensor), ep.mesh, [Shard(0), Shard(0)], run_check=False)
 
 
 def split_experts(model: MoETransformer, ep: ExpertParallel | None) -> None:
@@ -144,24 +201,33 @@ def checkpoint_layers(model: MoETransformer, mode: Checkpointing) -> None:
             layer.forward = functools.partial(_recomputed_forward, layer.forward, context)
 
 
-def shard_dense(model: MoETransformer, mesh) -> None:
+def shard_dense(model: MoETransformer, mesh, ep: ExpertParallel | None, param_dtype: torch.dtype) -> None:
     """FSDP2 over `mesh`: one group per decoder layer (its attention, norms and router), then the root (embedding,
-    final norm, lm_head). The experts are left out: EP splits them, and their gradients already sum over ranks.
-    Float32 parameters and reductions (no MixedPrecisionPolicy): the trainer keeps float32 master weights and
-    autocasts to bf16 on GPUs. Gradients are summed, not averaged: each rank's loss is its share of the whole
+    final norm, lm_head). The experts: left out where EP splits them over every rank (their gradients already sum
+    over ranks); with copies (`ep.mesh`), each layer's experts first get a group of their own over "edp", which
+    sums the copies' gradients as it reduce-scatters them. Parameters gathered in `param_dtype` (float32: the
+    trainer's autocast casts per op; bfloat16: layers compute in it), reduced in float32 into float32 shards, the
+    master copy AdamW steps. Gradients are summed, not averaged: each rank's loss is its share of the whole
     batch's, as the EP trainer's all-reduce sums them."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    experts = {p for name, p in model.named_parameters() if EXPERT_MARK in name}
-    groups = [fully_shard(layer, mesh=mesh, ignored_params=experts) for layer in model.model.layers]
-    groups.append(fully_shard(model, mesh=mesh, ignored_params=experts))
-    for group in groups:  # these two settings are each group's own (they do not recurse)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    groups, experts = [], set()
+    if ep is not None and ep.mesh is not None:
+        # each expert group's own: a nested fully_shard's parameters are left to it by the layer's
+        groups = [fully_shard(layer.mlp.experts, mesh=ep.mesh["edp"], mp_policy=policy)
+                  for layer in model.model.layers]
+    else:
+        experts = {p for name, p in model.named_parameters() if EXPERT_MARK in name}
+    groups += [fully_shard(layer, mesh=mesh, ignored_params=experts, mp_policy=policy) for layer in model.model.layers]
+    groups.append(fully_shard(model, mesh=mesh, ignored_params=experts, mp_policy=policy))
+    for group in groups:  # these settings are each group's own (they do not recurse)
         group.set_gradient_divide_factor(1.0)
         # A plain SUM on the wire: a custom factor is otherwise NCCL's PREMUL_SUM, which gloo refuses.
         group.set_force_sum_reduction_for_comms(True)
-    # A rank with no tokens leaves attention's projections out of its graph (Attention.forward's empty batch):
-    # zeros keep every rank's reduce-scatter the same size.
-    groups[-1].set_reduce_scatter_unused_params(True)
+        # A rank with no tokens leaves attention's projections out of its graph (Attention.forward's empty
+        # batch), and an expert no token reached may be too: zeros keep every rank's reduce-scatter the same size.
+        group.set_reduce_scatter_unused_params(True)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -215,9 +281,11 @@ def gather_state(model: MoETransformer, dtype: torch.dtype | None = None) -> dic
     to host memory as they arrive, so no GPU holds more than one tensor's experts beyond its own slice: a model
     larger than one GPU publishes like one that fits."""
     ep = model.ep
-    state = unsharded_state(model, dtype, keep_dense=ep is None or ep.rank == 0)
+    state = unsharded_state(model, dtype, keep_dense=ep is None or ep.rank == 0 and ep.first_copy)
     if ep is None or ep.size == 1:
         return {k: v.cpu() for k, v in state.items()}
+    if not ep.first_copy:  # another EP group's copy of the same experts
+        return None
     root = ep.rank == 0
     gathered = {} if root else None
     for name, tensor in state.items():

@@ -48,12 +48,19 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's experts, fused: gate_up_proj [E_local, 2I, h] (gate rows first), down_proj [E_local, h, I]."""
+    """This rank's experts, fused: gate_up_proj [E_local, 2I, h] (gate rows first), down_proj [E_local, h, I].
+    The block calls it as a module (not its weights directly) so that hooks on it run: FSDP2 gathers the experts'
+    shards there when their copies are sharded (model/parallelize.py)."""
 
     def __init__(self, num_local: int, hidden: int, width: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, width))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, compute: MoECompute) -> torch.Tensor:
+        """Expert-sorted rows [N, h] with per-expert `counts` through each one's SwiGLU, in the rows' dtype."""
+        w13, w2 = self.gate_up_proj, self.down_proj
+        return compute.experts(x_sorted, counts, w13.to(x_sorted.dtype), w2.to(x_sorted.dtype))
 
 
 @dataclass
@@ -104,8 +111,7 @@ class MoEBlock(nn.Module):
                 bias = node_limit_bias(logits, spec, bias, gate.node_groups, gate.max_nodes)
             weights, ids = self.compute.route(logits, spec, bias)
         x_sorted, counts, handle = self.dispatcher.dispatch(x, weights, ids)
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        y_sorted = self.compute.experts(x_sorted, counts, w13.to(x_sorted.dtype), w2.to(x_sorted.dtype))
+        y_sorted = self.experts(x_sorted, counts, self.compute)
         return self._finish(self.dispatcher.combine(y_sorted, handle), ids, x, logits, statistics)
 
     def _finish(self, out, ids, x, logits, statistics) -> MoEOutput:

@@ -31,14 +31,22 @@ def local_experts(ep: "ExpertParallel | None", num_experts: int) -> range | None
 class ExpertParallel:
     """The EP process group and the resolved backend (core.run.resolve_run picks it once per run; see
     core/ep_backends.py). Every rank of `group` holds E / R experts in contiguous order; non-expert weights are
-    replicated and each rank routes its own tokens."""
+    replicated and each rank routes its own tokens.
+
+    EP over part of the ranks (`mesh`, model/parallelize.py expert_mesh): `group` is this rank's EP group (mesh
+    dimension "ep"), and the groups' copies of each expert are sharded over "edp"; weights every rank holds whole
+    then sum their gradients over every rank, not the EP group."""
 
     def __init__(self, group: dist.ProcessGroup, backend: EpBackend, *, ranks_per_node: int | None = None,
-                 device: str = "cpu", decode: DecodeBackend | None = None, decode_rows_per_rank: int = 0):
+                 device: str = "cpu", decode: DecodeBackend | None = None, decode_rows_per_rank: int = 0,
+                 mesh=None):
         """decode: a server's decode forwards (inside `decode_phase()`) dispatch with this instead of `backend`;
         "deepep_ll" sizes DeepEP's low-latency buffer for `decode_rows_per_rank` tokens per rank."""
-        self.group, self.backend = group, backend
+        self.group, self.backend, self.mesh = group, backend, mesh
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        # the EP group holding global rank 0: its ranks gather and publish the experts (the other groups' copies
+        # are the same weights)
+        self.first_copy = mesh is None or 0 in dist.get_process_group_ranks(group)
         self.ranks_per_node = ranks_per_node or self.size
         self.device = device
         self.decode_backend = decode or backend
@@ -122,11 +130,12 @@ class ExpertParallel:
         this rank's tokens never reached (a rank with no tokens) adds zeros, so every rank reduces the same
         bytes. One flat buffer, one collective."""
         params = [p for p in params if p.requires_grad]
-        if not params or self.size == 1:
+        group = self.group if self.mesh is None else dist.group.WORLD  # every rank's copy
+        if not params or dist.get_world_size(group) == 1:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        host = flat.cpu() if through_host(flat, self.group) else flat
-        dist.all_reduce(host, group=self.group)
+        host = flat.cpu() if through_host(flat, group) else flat
+        dist.all_reduce(host, group=group)
         flat.copy_(host)
         offset = 0
         for p in params:

@@ -30,7 +30,8 @@ from moe_rl_eks.core.schema import ConfigError
 from ..model import MoETransformer
 from ..model.checkpoint import load_hf, save_hf
 from ..model.context_parallel import ContextParallel
-from ..model.parallelize import ParallelPlan, gather_state, load_full_state, parallelize, unsharded_state
+from ..model.parallelize import (ParallelPlan, check_layout, expert_tensor, gather_state, load_full_state, parallelize,
+                                 unsharded_state)
 from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
 from ..rl.algorithms import SequenceScores, make_algorithm
@@ -63,17 +64,23 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.store = open_store(run.rl.weights, self.out / "weights")
         self.device = train_device()
+        self.plan = ParallelPlan(ep_degree=self.cfg.expert_parallel or world, ep_backend=resolved_backend(run),
+                                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), fsdp=self.cfg.fsdp,
+                                 activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute,
+                                 cp_degree=self.cfg.context_parallel, param_dtype=self.cfg.fsdp_param_dtype)
+        try:
+            check_layout(self.plan, world, run.model.num_experts)
+        except ValueError as exc:
+            raise ConfigError(f"run {run.name!r}", "rl.training.expert_parallel", self.cfg.expert_parallel,
+                              f"{exc} (the trainer has {world} ranks)") from None
         # One data-parallel dimension over every rank; the experts are split over the same ranks (EP degree =
-        # world), the dense weights replicated or, with rl.training.fsdp, sharded (model/parallelize.py).
+        # world) or over groups of rl.training.expert_parallel ranks, the dense weights replicated or, with
+        # rl.training.fsdp, sharded (model/parallelize.py).
         self.mesh = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
-        self.plan = ParallelPlan(ep_degree=world, ep_backend=resolved_backend(run),
-                                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)), fsdp=self.cfg.fsdp,
-                                 activation_checkpointing=self.cfg.activation_checkpointing, compute=run.moe_compute,
-                                 cp_degree=self.cfg.context_parallel)
         torch.manual_seed(self.cfg.seed)
         self.model, self.ep = self._build_model(self.plan)
         load_full_state(self.model, initial_weights(run, local_experts(self.ep, run.model.num_experts)))
@@ -386,13 +393,11 @@ class Trainer:
         return state
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """As DCP should see it: FSDP's shards are DTensors already; an expert slice becomes one (sharded along
-        the expert dimension over the EP ranks); a replicated tensor stays whole, and DCP writes it once."""
+        """As DCP should see it: FSDP's shards are DTensors already; an expert slice (or its FSDP shard) becomes
+        one of every expert (parallelize.expert_tensor); a replicated tensor stays whole, and DCP writes it once."""
         if self.world == 1 or ".mlp.experts." not in name:
             return tensor
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(tensor, self.mesh, [Shard(0)], run_check=False)
+        return expert_tensor(tensor, self.ep, self.mesh)
 
     def try_resume(self) -> bool:
         """Load the newest committed checkpoint (written by any number of ranks) and continue in a new lineage."""

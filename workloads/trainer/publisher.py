@@ -8,6 +8,8 @@ never waits for the disk, and at most two snapshots exist (one being written, on
 
 Under expert parallelism every rank publishes its own experts (rank 0 also the replicated weights) as its own
 files of the same staged version; rank 0 commits once every rank's part is there (weights.WeightStore.stage).
+Where several EP groups hold copies of the experts (EP over part of the ranks), the group with rank 0 writes them
+and the others' publish() does nothing.
 No collective runs in the background, so nothing overlaps the next step's collectives.
 
 Locking rule: `_cond` guards the waiting snapshot, the free snapshots and their count, `published` and the closing
@@ -55,6 +57,7 @@ class Publisher:
         self.store, self.config, self.lineage, self.extra_files = store, config, lineage, extra_files
         self.experts = local_experts(ep, config.num_experts)
         self.rank, self.world = (ep.rank, ep.size) if self.experts is not None else (0, 1)
+        self.writes = ep is None or ep.first_copy
         self.max_shard_bytes = max_shard_bytes
         self.serving = weights_dtype(config)
         self.layouts: list[FileLayout] | None = None
@@ -85,6 +88,9 @@ class Publisher:
         """Snapshot `state` (this rank's, on its device) as version `version`; returns once the bytes are in host
         memory. The write happens in the background; a version still waiting is superseded."""
         start = time.perf_counter()
+        if not self.writes:
+            self.snapshot_seconds = 0.0
+            return
         mine = {k: v for k, v in state.items() if self.rank == 0 or ".mlp.experts." in k}
         self._plan(mine)
         with self._cond:
