@@ -98,11 +98,6 @@ class Sequences:
     def packed_targets(self) -> torch.Tensor:
         return self.targets[self.valid]
 
-    def packed_generated(self) -> torch.Tensor:
-        """[T] float: the completion tokens before each position's target (0 on the prompt), what the critic reads
-        as the answer's progress."""
-        return (self.mask.cumsum(dim=1) - self.mask)[self.valid]
-
     def packed_routing(self) -> list[torch.Tensor] | None:
         """Per layer [1, T, k], or None without routing replay data."""
         return None if self.routing is None else [r[self.valid].unsqueeze(0) for r in self.routing]

@@ -24,7 +24,7 @@ from ..model import MoETransformer
 from ..model.logprobs import token_logprobs_and_entropy
 from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
-from .critic import Critic
+from .critic import Critic, prefix_features
 from .microbatch import Sequences
 
 EXPERT_MARK = ".mlp.experts."
@@ -92,17 +92,15 @@ class TrainStep:
         per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's.
         `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up)."""
         inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
-        generated = mb.packed_generated()
         routing = mb.packed_routing() if replay else None
         cp, tokens = model.cp, inputs.shape[1]
         if cp is not None:
             pad = -tokens % cp.size
             if pad:
                 inputs, targets, lengths = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad)), [*lengths, pad]
-                generated = F.pad(generated, (0, pad))
                 routing = None if routing is None else [F.pad(r, (0, 0, 0, pad)) for r in routing]
             lo, hi = cp.slice_bounds(tokens + pad)
-            inputs, targets, generated = inputs[:, lo:hi], targets[lo:hi], generated[lo:hi]
+            inputs, targets = inputs[:, lo:hi], targets[lo:hi]
             routing = None if routing is None else [r[:, lo:hi] for r in routing]
         with torch.set_grad_enabled(policy_grad and torch.is_grad_enabled()), \
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -110,11 +108,17 @@ class TrainStep:
             hidden = out.hidden[0]
             logp, entropy = token_logprobs_and_entropy(hidden, model.lm_head.weight, targets,
                                                        temperature=temperature)
-        # In float32 outside autocast, on detached features (critic.py says why).
-        value = self.critic(hidden.detach().float(), generated) if values else None
         if cp is not None:
             logp, entropy = cp.gather(logp)[:tokens], cp.gather(entropy)[:tokens]
-            value = None if value is None else cp.gather(value)[:tokens]
+        value = None
+        if values:
+            # Of the whole packed row (the prefix sums need every position before), then this rank's slice; in
+            # float32 outside autocast, on detached inputs (critic.py says why).
+            features = prefix_features(mb.unpack(logp), mb.mask, self.critic.max_tokens)[mb.valid]
+            if cp is not None:
+                features = F.pad(features, (0, 0, 0, pad))[lo:hi]
+            value = self.critic(hidden.detach().float(), features)
+            value = value if cp is None else cp.gather(value)[:tokens]
         return Forward(mb.unpack(logp), mb.unpack(entropy), None if value is None else mb.unpack(value),
                        out.aux_loss, out.expert_load)
 
