@@ -21,6 +21,7 @@ of the replicated weights, so every rank steps it identically."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,7 +36,7 @@ def prefix_features(logprobs: torch.Tensor, mask: torch.Tensor, max_tokens: int)
     logp = logprobs.detach() * mask
     before = mask.cumsum(dim=1) - mask
     total = logp.cumsum(dim=1) - logp
-    shifted = torch.cat([logp.new_zeros(logp.shape[0], 1), logp[:, :-1]], dim=1)  # 0 where nothing precedes
+    shifted = F.pad(logp, (1, 0))[:, :logp.shape[1]]  # 0 where nothing precedes (an empty micro-batch: [B, 0])
     worst = torch.cummin(shifted, dim=1).values.clamp(min=WORST_LOGPROB) / WORST_LOGPROB
     return torch.stack([before / max_tokens, total / max_tokens, worst], dim=-1)
 
