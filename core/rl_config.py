@@ -53,6 +53,14 @@ class AlgorithmConfig:
     gae_lambda: float = 1.0  # PPO: GAE lambda (1.0 as verl's LLM default: a reward at the end reaches every token)
     value_coef: float = 0.5  # PPO: weight of the value loss
     value_clip: float = 0.2  # PPO: clip of the value update around the rollout-time values
+    # PPO's critic (workloads/trainer/critic.py: a two-layer MLP on the policy's detached final hidden states and
+    # the answer's progress through max_tokens) is trained by its own AdamW parameter group at this constant rate:
+    # it starts from nothing while the policy is pretrained, so the policy's rate (1e-6 on a 30B model) would leave
+    # it at V ~ 0 for the whole run. Its gradient is clipped apart from the policy's, at rl.training.grad_clip.
+    critic_lr: float = 1e-3
+    # PPO: the run's first RL steps train the critic alone, the policy frozen (its weights, moments and schedule
+    # untouched), so the first policy update reads advantages from a critic that has seen the task's returns.
+    critic_warmup_steps: int = 0
     routing_replay: bool = False  # train on the experts the rollout chose (R3)
 
     def validate(self) -> None:
@@ -74,6 +82,12 @@ class AlgorithmConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 fail(name, getattr(self, name), "must be between 0 and 1")
+        if not 0 < self.critic_lr <= 1:
+            fail("critic_lr", self.critic_lr, "must be > 0 and <= 1")
+        if self.critic_warmup_steps < 0:
+            fail("critic_warmup_steps", self.critic_warmup_steps, "must be >= 0 (RL steps)")
+        if self.critic_warmup_steps and self.name != "ppo":
+            fail("critic_warmup_steps", self.critic_warmup_steps, f"must be 0 for {self.name}: only ppo has a critic")
 
     def ratio_clip(self) -> tuple[float, float]:
         """(clip_low, clip_high): as set, else the algorithm's default (see the fields)."""
@@ -394,7 +408,8 @@ class TrainingConfig:
     # H200, same peak memory; workloads/BENCHMARKS.md).
     activation_checkpointing: Literal["off", "full", "save_attention"] = "save_attention"
     # FSDP2 of the dense (non-expert) weights, their gradients and AdamW state over the trainer's ranks (the
-    # experts stay split by expert parallelism); default: replicated on every rank. PPO's value head stays replicated.
+    # experts stay split by expert parallelism); default: replicated on every rank. PPO's critic stays replicated
+    # (workloads/trainer/critic.py says why).
     fsdp: bool = False
     # Ranks the routed experts are split over (expert parallelism); default: every trainer rank. Fewer (a divisor
     # of the ranks, >= 2; num_experts divisible by the ranks) needs fsdp: consecutive ranks form an EP group (a
@@ -455,6 +470,13 @@ class RLConfig:
     # Shared secret for the rollout servers' weight-load endpoint, read from this environment variable.
     weight_token_env: str = "MOERL_WEIGHT_TOKEN"
 
+    @property
+    def policy_optimizer_steps(self) -> int:
+        """The policy's optimizer steps in the run (its learning-rate schedule's length): the RL steps after the
+        critic's warm-up, each epochs_per_batch x mini_batches of them."""
+        a = self.algorithm
+        return (self.training.steps - a.critic_warmup_steps) * a.epochs_per_batch * a.mini_batches
+
     def validate(self) -> None:
         if self.data.builtin and (self.task.name == "countdown") != (self.reward.function == "countdown"):
             fail("reward.function", self.reward.function, f"the built-in {self.task.name} task is scored by its own "
@@ -477,10 +499,14 @@ class RLConfig:
             fail("training.max_tokens_per_microbatch", self.training.max_tokens_per_microbatch,
                  f"must be >= the longest sample, rl.sampling.max_prompt_tokens + max_tokens - 1 ({longest}): a "
                  "sequence is never split across micro-batches")
-        optimizer_steps = self.training.steps * self.algorithm.epochs_per_batch * self.algorithm.mini_batches
+        if self.algorithm.critic_warmup_steps >= self.training.steps:
+            fail("algorithm.critic_warmup_steps", self.algorithm.critic_warmup_steps,
+                 f"must be < rl.training.steps ({self.training.steps}): the policy must train for at least one step")
+        optimizer_steps = self.policy_optimizer_steps
         if self.training.lr_warmup_steps > optimizer_steps:
             fail("training.lr_warmup_steps", self.training.lr_warmup_steps,
-                 f"must be <= the run's optimizer steps (steps x epochs_per_batch x mini_batches = {optimizer_steps})")
+                 f"must be <= the run's policy optimizer steps ((steps - algorithm.critic_warmup_steps) x "
+                 f"epochs_per_batch x mini_batches = {optimizer_steps})")
         samples = self.training.prompts_per_step * self.algorithm.group_size
         if self.algorithm.mini_batches > samples:
             fail("algorithm.mini_batches", self.algorithm.mini_batches,

@@ -103,8 +103,8 @@ def test_an_rl_step_moves_the_policy_toward_the_rewarded_completion(tmp_path, wo
     assert logp_of_rewarded() > before
     assert metrics["tokens"] == 4 and metrics["grad_norm"] > 0 and metrics["optimizer_steps"] == 1
     if algorithm == "ppo":
-        assert metrics["value_loss"] > 0 and trainer.value_head.weight.grad is None  # stepped and cleared
-        assert "value_head.weight" in trainer._trained_state()
+        assert metrics["value_loss"] > 0 and trainer.critic.net[0].weight.grad is None  # stepped and cleared
+        assert "critic.net.0.weight" in trainer._trained_state()
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "gspo", "ppo"])
@@ -185,7 +185,7 @@ def test_the_optimizer_takes_adams_decay_rates_from_the_run(tmp_path):
     assert Trainer(run, None, rank=0, world=1).optimizer.param_groups[0]["betas"] == (0.8, 0.999)
 
 @pytest.mark.parametrize("training, sampling, message", [
-    ({"lr_warmup_steps": 300}, {}, "rl.training.lr_warmup_steps.*must be <= the run's optimizer steps"),
+    ({"lr_warmup_steps": 300}, {}, "rl.training.lr_warmup_steps.*must be <= the run's policy optimizer steps"),
     ({"min_learning_rate": 0.5}, {}, "min_learning_rate.*must be between 0 and learning_rate"),
     ({"lr_schedule": "linear"}, {}, "lr_schedule"),
     ({"adam_beta2": 1.0}, {}, "rl.training.adam_beta2: 1.0 is not allowed; must be >= 0 and < 1"),
@@ -267,9 +267,9 @@ def test_a_checkpoint_of_a_format_this_code_cannot_read_is_refused_naming_found_
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weights_and_moments(tmp_path):
-    path = write_run(tmp_path, algorithm={"name": "ppo", **FAST})  # PPO: the value head is checkpointed too
+    path = write_run(tmp_path, algorithm={"name": "ppo", **FAST})  # PPO: the critic is checkpointed too
     saved = run_ranks(2, train_and_checkpoint, str(path), varied_batch().to_json())[0]
-    assert any(".mlp.experts." in name for name in saved) and "value_head.weight.exp_avg" in saved
+    assert any(".mlp.experts." in name for name in saved) and "critic.net.0.weight.exp_avg" in saved
     on_four = run_ranks(4, resumed_state, str(path))
     on_one = full_state(Trainer(tiny_run(tmp_path, algorithm={"name": "ppo", **FAST}), None, rank=0, world=1))
     assert not any(torch.equal(t, saved[n]) for n, t in on_one.items() if ".mlp.experts." in n)  # before resuming
@@ -281,7 +281,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_and_on_one_with_the_same_weig
 
 
 def test_a_resumed_trainer_continues_bitwise_as_if_it_had_never_stopped(tmp_path):
-    # 2 EP ranks (DTensor shards), PPO (value head, moments), entropy and mini-batches: everything a step keeps
+    # 2 EP ranks (DTensor shards), PPO (critic, moments), entropy and mini-batches: everything a step keeps
     path = write_run(tmp_path, algorithm={"name": "ppo", "mini_batches": 2, "kl_coef": 0.0, "entropy_coef": 0.01})
     batches = [varied_batch(step).to_json() for step in range(4)]
     assert run_ranks(2, trained_then_resumed, str(path), batches) == [[], []]

@@ -54,7 +54,7 @@ def compare(tmp_path, world: int, cp: int, batch: Batch, algorithm: str, fsdp: b
 @pytest.mark.parametrize("world, cp, algorithm", [(2, 2, "grpo"), (4, 4, "grpo"), (2, 2, "ppo"), (4, 4, "ppo"), (4, 2, "grpo")])
 def test_context_parallel_ranks_give_the_loss_and_gradients_of_the_unsplit_batch(tmp_path, world, cp, algorithm):
     # 4 query heads, 2 key/value heads: CP 2 splits both, CP 4 expands the key/value heads per query head; PPO's
-    # value head reads the gathered hidden states; (4, 2) is two CP groups of two, each with its own samples
+    # critic reads the gathered hidden states; (4, 2) is two CP groups of two, each with its own samples
     compare(tmp_path, world, cp, varied_batch(), algorithm)
 
 

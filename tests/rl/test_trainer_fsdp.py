@@ -30,7 +30,7 @@ GRAD_TOLERANCE = 2e-6
 @pytest.mark.parametrize("world, algorithm", [(2, "grpo"), (4, "grpo"), (4, "dr_grpo"), (4, "gspo"), (4, "ppo"),
                                               (8, "ppo"), (8, "gspo")])
 def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_path, world, algorithm):
-    # entropy on, several micro-batches, layers recomputed (the default save_attention); PPO adds its value head,
+    # entropy on, several micro-batches, layers recomputed (the default save_attention); PPO adds its critic,
     # kept replicated beside the sharded policy
     algo = {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01}
     model = {"num_experts": max(4, world)}  # one expert a rank at least
@@ -62,7 +62,7 @@ def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_
             if not name.endswith(MOMENTS):
                 ep_error = relative_error(ep_rank["state"][name], tensor)
                 assert relative_error(fsdp_rank["state"][name], tensor) <= 2 * ep_error + 1e-7, name
-    assert ("value_head.weight" in want_state) == (algorithm == "ppo")
+    assert ("critic.net.0.weight" in want_state) == (algorithm == "ppo")
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -95,7 +95,7 @@ def test_a_checkpoint_resumes_bitwise_on_another_ep_degree_and_fsdp_layout(tmp_p
 
     path = write_run(tmp_path, algorithm=algo, **layout(saved_ep, True))
     saved = run_ranks(saved_on, train_and_checkpoint, str(path), varied_batch().to_json())[0]
-    assert "model.layers.0.self_attn.q_proj.weight.exp_avg" in saved and "value_head.weight.exp_avg" in saved
+    assert "model.layers.0.self_attn.q_proj.weight.exp_avg" in saved and "critic.net.0.weight.exp_avg" in saved
     path = write_run(tmp_path, algorithm=algo, **layout(resumed_ep, resumed_fsdp))
     resumed = (run_ranks(resumed_on, resumed_state, str(path))[0] if resumed_on > 1
                else resumed_state(0, 1, str(path)))

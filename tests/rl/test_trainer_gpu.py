@@ -63,7 +63,7 @@ def start_trainer_process(tmp_path: Path, action: str, run_path: Path, out: Path
 
 
 def test_a_one_rank_trainer_sigkilled_after_an_async_checkpoint_resumes_its_step_weights_and_adam_state(tmp_path):
-    # PPO: the value head and its moments are checkpointed too
+    # PPO: the critic and its moments are checkpointed too
     path = write_run(tmp_path, algorithm={"name": "ppo", "kl_coef": 0.0, "entropy_coef": 0.0})
     saved_file, resumed_file = tmp_path / "saved.pt", tmp_path / "resumed.pt"
 
@@ -89,7 +89,7 @@ def test_a_one_rank_trainer_sigkilled_after_an_async_checkpoint_resumes_its_step
     assert saved["device"] == resumed["device"] == "cuda"
     assert saved["backend"] == resumed["backend"] == "cpu:gloo,cuda:nccl"
     assert saved["step"] == resumed["step"] == 1
-    assert "value_head.weight.exp_avg" in saved["state"] and resumed["state"].keys() == saved["state"].keys()
+    assert "critic.net.0.weight.exp_avg" in saved["state"] and resumed["state"].keys() == saved["state"].keys()
     for name, tensor in saved["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name
     assert saved["adam_steps"] == resumed["adam_steps"] == [1.0] * len(saved["adam_steps"])

@@ -48,7 +48,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
 
 def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:
     """(gradients as the optimizer saw them, by parameter name; the step's metrics), one optimizer step."""
-    names = {id(p): n for n, p in trainer.train_step.trained.named_parameters()}
+    names = {id(p): n for n, p in trainer._trained_state().items()}
     seen: dict[str, torch.Tensor] = {}
     step = trainer.optimizer.step
 

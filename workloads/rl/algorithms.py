@@ -19,7 +19,7 @@ import torch
 from moe_rl_eks.core.rl_config import AlgorithmConfig, RLConfig
 
 from .losses import (PolicyBatch, Totals, constant_weights, policy_objective, sequence_mean_weights,
-                     token_mean_weights)
+                     token_mean_weights, value_objective)
 
 # Sums a float64 tensor over the trainer's ranks in place (torch.distributed.all_reduce); None = one rank.
 AllReduce = Callable[[torch.Tensor], object]
@@ -123,6 +123,10 @@ class PPO(Algorithm):
                                   gamma=self.cfg.gamma, lam=self.cfg.gae_lambda)
         return whiten(advantages, scores.mask, all_reduce), returns
 
+    def critic_loss(self, batch: PolicyBatch, totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's warm-up objective: the value term of `loss` alone, under the same normalizer."""
+        return value_objective(batch, self.cfg, self.normalizer(batch.mask.to(batch.values.dtype), totals), totals)
+
 
 ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (Algorithm, DrGRPO, GSPO, PPO)}
 
@@ -179,6 +183,24 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None = N
     mean = s / max(n, 1.0)
     var = max(sq - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
     return ((x - mean) / (var + eps) ** 0.5) * mask
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       all_reduce: AllReduce | None = None) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked entries (of every rank with `all_reduce`): 1 for
+    a critic that predicts every return, 0 for one no better than the batch's mean return, negative for a worse
+    one; nan when the returns do not vary."""
+    m = mask.to(torch.float64)
+    r, e = returns.detach().to(torch.float64), (returns - values).detach().to(torch.float64)
+    sums = torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum(), (e * m).sum(), (e * e * m).sum()])
+    if all_reduce is not None:
+        all_reduce(sums)
+    n, r1, r2, e1, e2 = sums.tolist()
+    n = max(n, 1.0)
+    var_returns = r2 / n - (r1 / n) ** 2
+    if var_returns <= 1e-12:
+        return float("nan")
+    return 1.0 - max(e2 / n - (e1 / n) ** 2, 0.0) / var_returns
 
 
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -161,9 +161,18 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
         loss = loss - cfg.entropy_coef * (weights * batch.entropy).sum()
         metrics["entropy"] = token_mean(batch.entropy)
     if batch.values is not None:
-        if batch.old_values is None or batch.returns is None:
-            raise ValueError("a batch with values needs old_values and returns")
-        v_loss = value_loss_per_token(batch.values, batch.old_values, batch.returns, cfg.value_clip)
-        loss = loss + cfg.value_coef * (weights * v_loss).sum()
-        metrics["value_loss"] = token_mean(v_loss)
+        v_loss, v_metrics = value_objective(batch, cfg, weights, totals)
+        loss = loss + v_loss
+        metrics.update(v_metrics)
     return loss, metrics
+
+
+def value_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.Tensor,
+                    totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's critic term: value_coef x the clipped value loss, aggregated by `weights`; alone, it is what the
+    critic's warm-up trains. Metric: `value_loss`, a token mean over the global batch."""
+    if batch.values is None or batch.old_values is None or batch.returns is None:
+        raise ValueError("the value loss needs values, old_values and returns")
+    v_loss = value_loss_per_token(batch.values, batch.old_values, batch.returns, cfg.value_clip)
+    mask = batch.mask.to(v_loss.dtype)
+    return cfg.value_coef * (weights * v_loss).sum(), {"value_loss": float((v_loss.detach() * mask).sum() / totals.tokens)}

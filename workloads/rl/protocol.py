@@ -38,9 +38,12 @@ class ProtocolError(ValueError):
 # one when its layout changes, and read the older one (migrate) or refuse it (check_format).
 # Format 2 (wire and state): every sample carries the weight versions of its tokens (VersionSpan), which a format-1
 # record lacks and cannot be given after the fact (its server may have swapped weights under it), so it is refused.
+# Checkpoint format 2: PPO's critic is an MLP under `critic.*` (trainer/critic.py) where format 1 held a linear
+# `value_head`; the policy's keys are unchanged, so a format-1 checkpoint of a run without a critic is read as it is
+# and one with a value head is refused (trainer/checkpoint.py, read_meta).
 WIRE_FORMAT = 2
 STATE_FORMAT = 2
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions"}
 
 

@@ -5,7 +5,8 @@ the orchestrator's state (data cursor, buffered and in-flight groups, served bat
 Sharding the dense weights (rl.training.fsdp) changes no key and no global shape, only which rank writes which
 slice, so the format is the same with and without it. trainer.json carries the layout's version
 (protocol.CHECKPOINT_FORMAT); `read_meta` refuses one this code cannot read, naming the version found and the ones
-it reads (a trainer.json without one is from before formats were recorded: format 1's layout).
+it reads (a trainer.json without one is from before formats were recorded: format 1's layout, read where it has no
+critic).
 
 Written into a staging directory and renamed into place once every rank has finished, so a crash mid-write
 leaves the previous checkpoint intact. Nothing is unpickled on load: tensors are read with torch.load's
@@ -118,13 +119,22 @@ class CheckpointFormatError(ValueError):
     """A checkpoint written in a layout this code does not read."""
 
 
-def read_meta(directory: Path) -> dict:
-    """A checkpoint's trainer.json, refused before any tensor is read when its format is not one this code reads."""
+def read_meta(directory: Path, *, critic: bool) -> dict:
+    """A checkpoint's trainer.json, refused before any tensor is read when its format is not one this code reads.
+    `critic`: the resuming run trains PPO's critic, which a format-1 checkpoint holds as a linear value head that
+    the critic of format 2 cannot be loaded from; a format-1 checkpoint is otherwise read as it is (the policy's
+    layout is unchanged)."""
     path = directory / "trainer.json"
     meta = json.loads(path.read_text())
     found = meta.get("format", 1)
-    problem = (check_format(found, CHECKPOINT_FORMAT, "checkpoint") if type(found) is int
-               else f"an integer format >= 1 (this code writes {CHECKPOINT_FORMAT})")
+    if type(found) is not int:
+        problem = f"an integer format >= 1 (this code writes {CHECKPOINT_FORMAT})"
+    elif found == 1 and critic:
+        problem = ("format 1 holds PPO's critic as a linear value_head; this code's critic is a two-layer MLP "
+                   "(format 2) and cannot be loaded from it: start the PPO run afresh, or from its policy through "
+                   "rl.training.init_from")
+    else:
+        problem = None if found == 1 else check_format(found, CHECKPOINT_FORMAT, "checkpoint")
     if problem is not None:
         raise CheckpointFormatError(f"{path}: format {found!r} is not readable here (this code reads checkpoint "
                                     f"formats 1 to {CHECKPOINT_FORMAT}): {problem}")

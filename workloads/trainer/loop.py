@@ -34,7 +34,7 @@ from ..model.parallelize import (ParallelPlan, check_layout, expert_tensor, gath
                                  unsharded_state)
 from ..model.transformer import expert_slice
 from ..moe.parallel import ExpertParallel, local_experts
-from ..rl.algorithms import SequenceScores, make_algorithm
+from ..rl.algorithms import SequenceScores, explained_variance, make_algorithm
 from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
 from ..rl.device_weights import DeviceExporter, channel as device_channel
@@ -47,6 +47,7 @@ from . import checkpoint as ckpt
 from .orchestrator_link import Announcer, BatchSource, HttpBatchSource
 from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from .publisher import Publisher
+from .critic import Critic
 from .step import Forward, TrainStep, learning_rate
 
 log = logging.getLogger(__name__)
@@ -84,24 +85,19 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.model, self.ep = self._build_model(self.plan)
         load_full_state(self.model, initial_weights(run, local_experts(self.ep, run.model.num_experts)))
-        # PPO's critic: a linear value head on the final hidden states the model returns, replicated on every rank
-        # (also under FSDP: it is one row; its gradient is summed with the EP all-reduce). It is not part of the
-        # published policy.
-        self.value_head: torch.nn.Linear | None = None
+        # PPO's critic (critic.py: what it reads and why), replicated on every rank, in its own AdamW group.
+        self.critic: Critic | None = None
+        groups: list[dict] = [{"params": list(self.model.parameters())}]
         if self.algorithm.needs_values:
-            self.value_head = torch.nn.Linear(run.model.hidden_size, 1)
-            # Zero-initialised: an untrained critic predicts 0 rather than inventing advantages.
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
-            self.value_head.to(self.device)
-        head = list(self.value_head.parameters()) if self.value_head is not None else []
+            self.critic = Critic(run.model.hidden_size, run.rl.sampling.max_tokens).to(self.device)
+            groups.append({"params": list(self.critic.parameters()), "lr": run.rl.algorithm.critic_lr})
         # fused on GPUs: the foreach form makes temporaries the size of all gradients
-        self.optimizer = torch.optim.AdamW([*self.model.parameters(), *head], lr=self.cfg.learning_rate,
+        self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.learning_rate,
                                            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
                                            weight_decay=self.cfg.weight_decay, fused=self.device.type == "cuda")
         # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
         bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
-        self.train_step = TrainStep(self.model, self.value_head, self.optimizer, ep=self.ep, world=world, rank=rank,
+        self.train_step = TrainStep(self.model, self.critic, self.optimizer, ep=self.ep, world=world, rank=rank,
                                     device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
         self.reference: MoETransformer | None = None
         self._format_examples: FormatExamples | None = None  # the warm-up's pairs, made at its first step
@@ -197,8 +193,10 @@ class Trainer:
         """Train on one batch: this rank's share, split into the algorithm's mini-batches, each packed into
         micro-batches; epochs x mini-batches optimizer steps. The policy, reference and critic are scored once
         before the first update (the proximal policy of every mini-batch is the batch's starting policy, so
-        later mini-batches' ratios move and the clip constrains them)."""
+        later mini-batches' ratios move and the clip constrains them). During the critic's warm-up (PPO's first
+        rl.algorithm.critic_warmup_steps steps) only the critic is trained, on the value loss."""
         algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
+        warming_critic = self.step < self.run.rl.algorithm.critic_warmup_steps
         temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
         seqs = Sequences.of(self._share(batch.samples)).to(self.device)
         rows = list(range(len(seqs.lengths)))
@@ -233,26 +231,38 @@ class Trainer:
                     pb = PolicyBatch(fwd.logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
                                      mb.behaviour, cut(advantages, r, w), mb.mask, cut(reference, r, w), fwd.entropy,
                                      fwd.values, cut(old_values, r, w), cut(returns, r, w))
+                    if warming_critic:
+                        return algo.critic_loss(pb, part_totals)
                     loss, metrics = algo.loss(pb, part_totals)
                     # the balance loss as a token-weighted mean over the step's micro-batches and ranks
                     return loss + fwd.aux_loss * (sum(mb.lengths) / part_real), metrics
 
-                index = (self.step * e_count + epoch) * m_count + m
-                lr = learning_rate(self.cfg, index, self.cfg.steps * e_count * m_count)
-                result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay)
+                # the policy's schedule runs over its own optimizer steps: from the end of the critic's warm-up
+                policy_step = self.step - self.run.rl.algorithm.critic_warmup_steps
+                lr = (0.0 if warming_critic else
+                      learning_rate(self.cfg, (policy_step * e_count + epoch) * m_count + m,
+                                    self.run.rl.policy_optimizer_steps))
+                result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay,
+                                              critic_lr=self.run.rl.algorithm.critic_lr,
+                                              train_policy=not warming_critic)
                 if epoch == 0:
                     first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
                     arrivals = arrivals or result["arrivals"]
                 steps.append(result)
         metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}
         metrics["optimizer_steps"] = len(steps)
+        if returns is not None:
+            # of the values the advantages came from: the critic before it saw this batch, so a held-out measure
+            metrics["critic_explained_variance"] = explained_variance(
+                old_values, returns, seqs.mask, self._batch_sum if self.world > 1 else None)
+            metrics["critic_warmup"] = float(warming_critic)
         metrics["tokens"] = float(totals[:, 0].sum())
         metrics["straggler_ratio"] = straggler_ratio(arrivals)
         metrics["expert_load_imbalance"] = expert_load_imbalance(first_load)
         metrics["step_compute_seconds"] = time.monotonic() - started
         metrics["score_seconds"] = scored - started  # the logprob scoring before the first update (0: none needed)
         rate = self.cfg.router_bias_update_rate
-        if self.run.model.router == "sigmoid" and rate > 0:
+        if self.run.model.router == "sigmoid" and rate > 0 and not warming_critic:
             # DeepSeek-V3's auxiliary-loss-free balancing from the load of the policy the batch started from
             # (every rank's tokens); the biases ship with every published version, so rollout servers keep
             # choosing experts as the trainer does.
@@ -264,7 +274,7 @@ class Trainer:
         """(proximal logprobs, critic values, reference logprobs), each [B, S] over this rank's samples or None."""
         shape = seqs.mask.shape
         proximal = torch.zeros(shape, device=self.device) if policy else None
-        values = torch.zeros(shape, device=self.device) if policy and self.value_head is not None else None
+        values = torch.zeros(shape, device=self.device) if policy and self.critic is not None else None
         reference = torch.zeros(shape, device=self.device) if self.reference is not None else None
         for rows in (r for plan in plans for r in plan):
             mb = seqs.select(rows)
@@ -360,10 +370,10 @@ class Trainer:
         self.committed_step = step
 
     def _trained_state(self) -> dict[str, torch.Tensor]:
-        """Weights and buffers of what the optimizer trains (the policy; PPO's value head), by name."""
+        """Weights and buffers of what the optimizer trains (the policy; PPO's critic), by name."""
         state = dict(self.model.state_dict(keep_vars=True))
-        if self.value_head is not None:
-            state.update({f"value_head.{k}": v for k, v in self.value_head.state_dict(keep_vars=True).items()})
+        if self.critic is not None:
+            state.update({f"critic.{k}": v for k, v in self.critic.state_dict(keep_vars=True).items()})
         return state
 
     def _ensure_optimizer_state(self) -> None:
@@ -404,7 +414,7 @@ class Trainer:
         directory = latest(self.ckpt_root)
         if directory is None:
             return False
-        meta = ckpt.read_meta(directory)
+        meta = ckpt.read_meta(directory, critic=self.critic is not None)
         self._ensure_optimizer_state()
         state = self._checkpoint_state()
         ckpt.load(state, directory)

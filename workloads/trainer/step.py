@@ -24,6 +24,7 @@ from ..model import MoETransformer
 from ..model.logprobs import token_logprobs_and_entropy
 from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
+from .critic import Critic, prefix_features
 from .microbatch import Sequences
 
 EXPERT_MARK = ".mlp.experts."
@@ -35,7 +36,7 @@ class Forward:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
-    values: torch.Tensor | None  # the value head's, PPO only
+    values: torch.Tensor | None  # the critic's, PPO only
     aux_loss: torch.Tensor
     expert_load: torch.Tensor  # [L, E]
 
@@ -67,25 +68,29 @@ def squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tens
 
 
 class TrainStep:
-    def __init__(self, model: MoETransformer, value_head: torch.nn.Linear | None, optimizer: torch.optim.Optimizer,
+    """`optimizer`'s first parameter group is the model's; with a critic, its second is the critic's (its own
+    learning rate: `step`'s critic_lr)."""
+
+    def __init__(self, model: MoETransformer, critic: Critic | None, optimizer: torch.optim.Optimizer,
                  *, ep: ExpertParallel | None, world: int, rank: int, device: torch.device, grad_clip: float,
                  bf16: bool) -> None:
-        self.model, self.value_head, self.optimizer = model, value_head, optimizer
+        self.model, self.critic, self.optimizer = model, critic, optimizer
         self.ep, self.world, self.rank, self.device = ep, world, rank, device
         self.grad_clip, self.bf16 = grad_clip, bf16
-        self.trained = torch.nn.ModuleList([model, *([value_head] if value_head is not None else [])])
         # Split across ranks (experts by EP, dense weights by FSDP): each rank adds its part's squared norm to the
         # step's one all-reduce. Replicated (every other weight): summed by EP's all-reduce, then equal everywhere.
-        self.split_params = [p for n, p in self.trained.named_parameters() if EXPERT_MARK in n or is_sharded(p)]
+        self.split_params = [p for n, p in model.named_parameters() if EXPERT_MARK in n or is_sharded(p)]
         split = set(self.split_params)
-        self.replicated_params = [p for p in self.trained.parameters() if p not in split]
+        self.replicated_params = [p for p in model.parameters() if p not in split]
+        self.critic_params = list(critic.parameters()) if critic is not None else []
 
     def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
-                values: bool = False) -> Forward:
+                values: bool = False, policy_grad: bool = True) -> Forward:
         """The micro-batch's sequences packed into one row; log-probabilities of its targets at `temperature`
         straight from the final hidden states (no [tokens, vocabulary] logits kept). Under context parallelism
         this rank runs its slice of the row (padded to a multiple of the group by a sequence of its own) and the
-        per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's."""
+        per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's.
+        `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up)."""
         inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
         routing = mb.packed_routing() if replay else None
         cp, tokens = model.cp, inputs.shape[1]
@@ -97,32 +102,39 @@ class TrainStep:
             lo, hi = cp.slice_bounds(tokens + pad)
             inputs, targets = inputs[:, lo:hi], targets[lo:hi]
             routing = None if routing is None else [r[:, lo:hi] for r in routing]
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.set_grad_enabled(policy_grad and torch.is_grad_enabled()), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = model(inputs, sequence_lengths=lengths, logits=False, routing_replay=routing)
             hidden = out.hidden[0]
             logp, entropy = token_logprobs_and_entropy(hidden, model.lm_head.weight, targets,
                                                        temperature=temperature)
-        value = None
-        if values:
-            # Detached: the critic reads the policy's features but its loss does not reshape the policy.
-            value = self.value_head(hidden.detach().float()).squeeze(-1)
         if cp is not None:
             logp, entropy = cp.gather(logp)[:tokens], cp.gather(entropy)[:tokens]
-            value = None if value is None else cp.gather(value)[:tokens]
+        value = None
+        if values:
+            # Of the whole packed row (the prefix sums need every position before), then this rank's slice; in
+            # float32 outside autocast, on detached inputs (critic.py says why).
+            features = prefix_features(mb.unpack(logp), mb.mask, self.critic.max_tokens)[mb.valid]
+            if cp is not None:
+                features = F.pad(features, (0, 0, 0, pad))[lo:hi]
+            value = self.critic(hidden.detach().float(), features)
+            value = value if cp is None else cp.gather(value)[:tokens]
         return Forward(mb.unpack(logp), mb.unpack(entropy), None if value is None else mb.unpack(value),
                        out.aux_loss, out.expert_load)
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
-             replay: bool) -> dict:
-        """Accumulate the micro-batches' gradients, sync, clip, step. Returns the metrics summed over micro-batches
-        and ranks, plus `grad_norm`, `arrivals` (each rank's seconds to the gradient sync), `expert_load` [L, E]
-        (all ranks)."""
+             replay: bool, critic_lr: float = 0.0, train_policy: bool = True) -> dict:
+        """Accumulate the micro-batches' gradients, sync, clip, step. `train_policy` false steps the critic alone
+        (its warm-up: the model runs without a graph, and neither its weights nor its AdamW state change).
+        Returns the metrics summed over micro-batches and ranks, plus `grad_norm` (the policy's, before
+        clipping), `critic_grad_norm` (with a critic), `arrivals` (each rank's seconds to the gradient sync),
+        `expert_load` [L, E] (all ranks)."""
         started = time.monotonic()
         sums: dict[str, float] = {}
         load = None
         for j, mb in enumerate(microbatches):
             fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
-                               values=self.value_head is not None)
+                               values=self.critic is not None, policy_grad=train_policy)
             loss, metrics = loss_fn(j, mb, fwd)
             metrics["loss"] = float(loss.detach())
             if self.model.cp is not None:
@@ -135,8 +147,9 @@ class TrainStep:
                 sums[key] = sums.get(key, 0.0) + value
             load = fwd.expert_load.double() if load is None else load + fwd.expert_load
         arrived = time.monotonic() - started
+        replicated = [*(self.replicated_params if train_policy else []), *self.critic_params]
         if self.ep is not None:
-            self.ep.sum_replicated_grads(self.replicated_params)
+            self.ep.sum_replicated_grads(replicated)
         split_sq = squared_norm(self.split_params, self.device)
         keys = sorted(sums)
         arrivals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
@@ -149,19 +162,29 @@ class TrainStep:
             dist.all_reduce(packed)
         n = len(keys)
         norm = torch.sqrt(packed[n] + squared_norm(self.replicated_params, self.device))
+        # Each clipped by its own norm: the value loss's gradient (large while the critic is far off) would
+        # otherwise shrink the policy's through the shared clip.
+        clipped = [(norm, self.split_params + self.replicated_params)]
+        if self.critic is not None:
+            critic_norm = torch.sqrt(squared_norm(self.critic_params, self.device))
+            clipped.append((critic_norm, self.critic_params))
         # torch's clip_grads_with_norm_ on the local tensors (its foreach kernels take no mix of DTensors and
         # tensors); the same coefficient and product, so replicated layouts step bitwise as before.
         with torch.no_grad():
-            coefficient = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-            for p in self.trained.parameters():
-                if p.grad is not None:
-                    grad = local(p.grad)
-                    grad.mul_(coefficient.to(grad.device))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+            for total, params in clipped:
+                coefficient = torch.clamp(self.grad_clip / (total + 1e-6), max=1.0)
+                for p in params:
+                    if p.grad is not None:
+                        grad = local(p.grad)
+                        grad.mul_(coefficient.to(grad.device))
+        self.optimizer.param_groups[0]["lr"] = lr
+        if self.critic is not None:
+            self.optimizer.param_groups[1]["lr"] = critic_lr
+        self.optimizer.step()  # AdamW skips a parameter without a gradient: the frozen policy's, in warm-up
         self.optimizer.zero_grad(set_to_none=True)
         result = dict(zip(keys, packed[:n].tolist()))
         result.update(grad_norm=float(norm), lr=lr, arrivals=packed[n + 1:n + 1 + self.world].tolist(),
                       expert_load=packed[n + 1 + self.world:].view_as(load).float().cpu())
+        if self.critic is not None:
+            result.update(critic_grad_norm=float(critic_norm), critic_lr=critic_lr)
         return result
