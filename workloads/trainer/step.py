@@ -25,6 +25,7 @@ from ..model.logprobs import token_logprobs_and_entropy
 from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
 from .microbatch import Sequences
+from .numerics import ExactScorer, values_with_gradient
 
 EXPERT_MARK = ".mlp.experts."
 
@@ -69,8 +70,10 @@ def squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tens
 class TrainStep:
     def __init__(self, model: MoETransformer, value_head: torch.nn.Linear | None, optimizer: torch.optim.Optimizer,
                  *, ep: ExpertParallel | None, world: int, rank: int, device: torch.device, grad_clip: float,
-                 bf16: bool) -> None:
-        self.model, self.value_head, self.optimizer = model, value_head, optimizer
+                 bf16: bool, exact: ExactScorer | None = None) -> None:
+        """`exact`: the exact numerics mode's scorer (numerics.py), whose values a forward asked for
+        `exact_values` takes."""
+        self.model, self.value_head, self.optimizer, self.exact = model, value_head, optimizer, exact
         self.ep, self.world, self.rank, self.device = ep, world, rank, device
         self.grad_clip, self.bf16 = grad_clip, bf16
         self.trained = torch.nn.ModuleList([model, *([value_head] if value_head is not None else [])])
@@ -81,11 +84,13 @@ class TrainStep:
         self.replicated_params = [p for p in self.trained.parameters() if p not in split]
 
     def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
-                values: bool = False) -> Forward:
+                values: bool = False, exact_values: bool = False) -> Forward:
         """The micro-batch's sequences packed into one row; log-probabilities of its targets at `temperature`
         straight from the final hidden states (no [tokens, vocabulary] logits kept). Under context parallelism
         this rank runs its slice of the row (padded to a multiple of the group by a sequence of its own) and the
-        per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's."""
+        per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's.
+        `exact_values` (the policy at the weights last published, in the exact numerics mode): the logprobs and
+        entropies are the exact scorer's bits, with this forward's gradient."""
         inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
         routing = mb.packed_routing() if replay else None
         cp, tokens = model.cp, inputs.shape[1]
@@ -109,20 +114,23 @@ class TrainStep:
         if cp is not None:
             logp, entropy = cp.gather(logp)[:tokens], cp.gather(entropy)[:tokens]
             value = None if value is None else cp.gather(value)[:tokens]
-        return Forward(mb.unpack(logp), mb.unpack(entropy), None if value is None else mb.unpack(value),
-                       out.aux_loss, out.expert_load)
+        logp, entropy = mb.unpack(logp), mb.unpack(entropy)
+        if exact_values and self.exact is not None:
+            exact_logp, exact_entropy = self.exact.logprobs(mb, temperature)
+            logp, entropy = values_with_gradient(exact_logp, logp), values_with_gradient(exact_entropy, entropy)
+        return Forward(logp, entropy, None if value is None else mb.unpack(value), out.aux_loss, out.expert_load)
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
-             replay: bool) -> dict:
+             replay: bool, exact_values: bool = False) -> dict:
         """Accumulate the micro-batches' gradients, sync, clip, step. Returns the metrics summed over micro-batches
         and ranks, plus `grad_norm`, `arrivals` (each rank's seconds to the gradient sync), `expert_load` [L, E]
-        (all ranks)."""
+        (all ranks). `exact_values`: the forwards' values from the exact scorer (a batch's first step)."""
         started = time.monotonic()
         sums: dict[str, float] = {}
         load = None
         for j, mb in enumerate(microbatches):
             fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
-                               values=self.value_head is not None)
+                               values=self.value_head is not None, exact_values=exact_values)
             loss, metrics = loss_fn(j, mb, fwd)
             metrics["loss"] = float(loss.detach())
             if self.model.cp is not None:
