@@ -273,7 +273,7 @@ class RunConfig:
             fail("rl.evaluation.samples_per_prompt", e.samples_per_prompt,
                  f"must be <= rl.sampling.max_n ({s.max_n}): the servers sample each evaluation prompt as one "
                  "request with n = samples_per_prompt")
-        if "triton" in (self.moe_compute, self.serving_compute):
+        if self.moe_compute == "triton" or self.numerics == "exact":
             setting = "moe_compute: triton" if self.moe_compute == "triton" else "numerics: exact"
             for name in ("hidden_size", "moe_intermediate_size"):
                 size = getattr(self.model, name)
