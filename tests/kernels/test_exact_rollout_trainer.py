@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_rl_eks.tools.bench.rollout import TINY
+from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.tools.bench.rollout import QWEN3_30B_A3B, TINY
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.checkpoint import empty_model
 from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef, one_version
@@ -34,16 +35,18 @@ def policy():
 
 def served(policy, numerics):
     """The rollout replica's model: the published state installed into a model in the served dtype."""
-    model = empty_model(CONFIG, None, "exact" if numerics == "exact" else "torch", torch.device("cpu"))
+    device = next(policy.parameters()).device
+    fast = "triton" if device.type == "cuda" else "torch"
+    model = empty_model(policy.config, None, "exact" if numerics == "exact" else fast, device)
     model.load_state_dict(policy.state_dict())
     return model.eval()
 
 
-def rollout(policy, numerics):
+def rollout(policy, numerics, cuda_graphs=False):
     """Rows through a crowded decoder: 3 slots for 5 rows of prompts of 2 to 9 tokens, prefills of at most 4
     tokens per step beside decode steps, two rows joining mid-decode, too few KV blocks (preemption)."""
     decoder = Decoder(served(policy, numerics), slots=3, max_len=16, eos_ids=[], prefill_tokens=4, block_size=2,
-                      blocks=11, kernels="exact" if numerics == "exact" else None)
+                      blocks=11, kernels="exact" if numerics == "exact" else None, cuda_graphs=cuda_graphs)
     prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6], [3, 4], [7, 1, 2, 5, 6], [2, 8, 9, 1], [4, 4, 4, 4, 4, 4, 4]]
     new = [5, 6, 3, 4, 5]
     rows = [RowRequest(tuple(p), SamplingParams(n, seed=i, temperature=TEMPERATURE), "r", i)
@@ -63,16 +66,16 @@ def rollout(policy, numerics):
 def trainer_logprobs(policy, samples, numerics):
     """The trainer's first optimizer step's forward of the samples (its values, as the loss sees them) and the
     mismatch it reports against their rollout logprobs."""
-    exact = None
+    device, exact = next(policy.parameters()).device, None
     if numerics == "exact":
-        exact = ExactScorer(policy, torch.device("cpu"))
+        exact = ExactScorer(policy, device)
         exact.load(policy.state_dict())  # what Trainer.publish hands it with each version
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
-    step = TrainStep(policy, None, optimizer, ep=None, world=1, rank=0, device=torch.device("cpu"), grad_clip=1.0,
-                     bf16=False, exact=exact)
-    mb = Sequences.of(samples)
+    step = TrainStep(policy, None, optimizer, ep=None, world=1, rank=0, device=device, grad_clip=1.0,
+                     bf16=device.type == "cuda", exact=exact)  # the trainer's mixed precision on a GPU
+    mb = Sequences.of(samples).to(device)
     fwd = step.forward(policy, mb, temperature=TEMPERATURE, replay=False, exact_values=True)
-    tally = MismatchTally(torch.device("cpu"))
+    tally = MismatchTally(device)
     tally.add(fwd.logprobs, mb.behaviour, mb.mask)
     return fwd, mb, tally.metrics(lambda t: t, lambda t: t)
 
@@ -95,3 +98,21 @@ def test_standard_mode_reports_the_rollout_trainer_mismatch(policy):
     _, _, report = trainer_logprobs(policy, samples, "standard")
     assert report["logprob_bitwise_equal"] < 1.0
     assert 0 < report["logprob_abs_diff_mean"] <= report["logprob_abs_diff_max"] < 1e-3
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="compiled on a GPU "
+                    "(tools/gpu_runs/h200-exact.sh runs tests/kernels with --noconftest)")
+def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_at_the_30b_layer_shape_with_cuda_graphs():
+    # Qwen3-30B-A3B's layers (2 of 48) and vocabulary: float32 master weights training under bf16 autocast, the
+    # engine serving their bf16 cast with its decode steps replayed from CUDA graphs
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        policy = MoETransformer(dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=2), compute="triton")
+    samples = rollout(policy, "exact", cuda_graphs=True)
+    fwd, mb, report = trainer_logprobs(policy, samples, "exact")
+    on = mb.mask > 0
+    assert torch.equal(fwd.logprobs[on], mb.behaviour[on]), report
+    assert report["logprob_bitwise_equal"] == 1.0
+    standard = trainer_logprobs(policy, rollout(policy, "standard", cuda_graphs=True), "standard")[2]
+    print(f"standard mode at the 30B layer shape: {standard}")  # the log keeps the comparison
+    assert standard["logprob_bitwise_equal"] < 1.0
