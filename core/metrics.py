@@ -58,6 +58,11 @@ ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
 ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times this run's orchestrator has started again from a persisted state (its own per-step file or a trainer checkpoint's); kept in that state, so it survives the restarts it counts")
+# The rollout's logprobs against the trainer's at the weights a batch starts from, over its completion tokens (in
+# the exact numerics mode 1, 0, 0 for tokens sampled by those weights; tokens of older versions add policy lag).
+LOGPROB_BITWISE_EQUAL = Metric("moerl_logprob_bitwise_equal_fraction", "gauge", "Fraction of the last batch's completion tokens whose rollout logprob equals the trainer's bitwise")
+LOGPROB_ABS_DIFF_MAX = Metric("moerl_logprob_abs_diff_max", "gauge", "Largest |rollout - trainer| logprob of a completion token in the last batch (nats)")
+LOGPROB_ABS_DIFF_MEAN = Metric("moerl_logprob_abs_diff_mean", "gauge", "Mean |rollout - trainer| logprob of the last batch's completion tokens (nats)")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,
@@ -69,4 +74,4 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
-       ORCHESTRATOR_RESTARTS)
+       ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN)

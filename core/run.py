@@ -5,6 +5,7 @@ fixes the EP backend once, so manifests and trainer logs carry the same resolved
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -233,6 +234,12 @@ class RunConfig:
     # The MoE layer's hot path (routing, permutation, grouped SwiGLU GEMMs): `torch` (torch._grouped_mm) runs
     # anywhere; `triton` (moe_rl_eks.kernels) needs CUDA GPUs.
     moe_compute: Literal["torch", "triton"] = "torch"
+    # `exact`: every product, norm, attention and log-softmax whose result for a row could depend on the batch runs
+    # batch-invariant kernels (moe_rl_eks.kernels.invariant_*, the `exact` compute backend), the same ones in the
+    # engine's prefill and decode and in the trainer's logprob forward, so rollout logprobs equal the trainer's
+    # bitwise; `standard`: the fast kernels of moe_compute. Configurations where the two sides cannot run the same
+    # kernels are refused (exact_refusal).
+    numerics: Literal["standard", "exact"] = "standard"
     # Written by `moerl manifests` into the run file pods read (never by hand): the run already resolved against
     # its environment, which the file then omits (environment: null).
     resolved: ResolvedPlacement | None = None
@@ -266,12 +273,17 @@ class RunConfig:
             fail("rl.evaluation.samples_per_prompt", e.samples_per_prompt,
                  f"must be <= rl.sampling.max_n ({s.max_n}): the servers sample each evaluation prompt as one "
                  "request with n = samples_per_prompt")
-        if self.moe_compute == "triton":
+        if self.moe_compute == "triton" or self.numerics == "exact":
+            setting = "moe_compute: triton" if self.moe_compute == "triton" else "numerics: exact"
             for name in ("hidden_size", "moe_intermediate_size"):
                 size = getattr(self.model, name)
                 if size % TRITON_ROW_MULTIPLE:
-                    fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with moe_compute: "
-                         f"triton (its kernels read expert rows through TMA, which needs {TMA_ROW_BYTES}-byte rows)")
+                    fail(f"model.{name}", size, f"must be a multiple of {TRITON_ROW_MULTIPLE} with {setting} "
+                         f"(its kernels read expert rows through TMA, which needs {TMA_ROW_BYTES}-byte rows)")
+        if self.numerics == "exact":
+            refusal = exact_refusal(self)
+            if refusal is not None:
+                fail("numerics", "exact", refusal)
         if self.local_gpus is not None:
             self._validate_local_gpus(self.local_gpus)
         if self.rollout.weight_swap == "inflight" and o.max_staleness == 0:
@@ -310,6 +322,13 @@ class RunConfig:
         return "drain" if self.rl.orchestrator.max_staleness == 0 else "inflight"
 
     @property
+    def serving_compute(self) -> str:
+        """The compute backend (workloads/model/backends.py) of the rollout engine and of the trainer's logprob
+        forward: `exact` in the exact numerics mode, else moe_compute. (The trainer's backward, and its forwards
+        after a batch's first optimizer step, run moe_compute in both modes.)"""
+        return "exact" if self.numerics == "exact" else self.moe_compute
+
+    @property
     def weights_over_device(self) -> bool:
         """Versions go from the trainer's GPU memory straight to the rollout server's (workloads/rl/device_weights):
         a local GPU run whose trainer is one rank on the one GPU its one rollout server also uses, unless
@@ -322,6 +341,25 @@ class RunConfig:
         """The GPUs of rollout server `index` in a local GPU run."""
         per = self.rollout.gpus_per_server
         return self.local_gpus.rollout.gpus[index * per:(index + 1) * per]
+
+
+def exact_refusal(run: RunConfig) -> str | None:
+    """Why the exact numerics mode cannot make `run`'s rollout logprobs equal its trainer's bitwise, or None. Each
+    case is one where the engine and the trainer would not run the same kernel, or not in the same order."""
+    if run.rl.training.context_parallel > 1:
+        # CP splits a query's keys over ranks and merges their partial softmaxes: another reduction order than the
+        # exact attention's one pass over the keys in fixed tiles from position 0 (the engine's)
+        return (f"refuses rl.training.context_parallel {run.rl.training.context_parallel}: context parallelism "
+                "splits a query's keys over ranks and merges the parts, a reduction order the engine's attention "
+                "does not take; use context_parallel: 1")
+    if run.parallelism.ep_backend == "deepep":
+        return ("refuses parallelism.ep_backend: deepep: DeepEP's combine does not add a token's expert outputs in "
+                "the fixed order of the engine's")
+    if run.rollout.gpus_per_server > 1:
+        return (f"refuses rollout.gpus_per_server {run.rollout.gpus_per_server}: a sharded server combines its "
+                "experts' outputs across GPUs (DeepEP's low-latency kernels or the all-to-all), not in the order of "
+                "the trainer's one-rank forward; serve on one GPU per server")
+    return None
 
 
 @dataclass(frozen=True)
@@ -370,6 +408,10 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
                 raise ConfigError(src, "moe_compute", run.moe_compute,
                                   "the triton kernels need CUDA GPUs: a local run on the CPU uses torch (local_gpus "
                                   "places a local run on GPUs)")
+            if run.numerics == "exact" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ConfigError(src, "numerics", run.numerics,
+                                  "the exact kernels need CUDA GPUs (local_gpus places a local run on them), or on "
+                                  "the CPU Triton's interpreter (TRITON_INTERPRET=1: tests, tiny models)")
     else:
         _check_fits(run, env, src)
         trainer = env.trainer_pool.spec
@@ -397,6 +439,11 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
         backend, why = resolve_backend(run.parallelism.ep_backend, expert_topology(topo, ep))
     except UnsupportedBackend as exc:
         raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
+    if run.numerics == "exact" and topo.ep_size > 1:
+        raise ConfigError(src, "numerics", run.numerics,
+                          f"refuses {topo.ep_size} trainer ranks: the trainer's exact logprob forward runs on one "
+                          "rank (the all-to-all's combine has no bitwise test against the engine's yet); use one "
+                          "trainer rank (parallelism.ranks_per_node: 1, or one GPU in local_gpus.trainer.gpus)")
     if env is not None:
         _check_trainer_plan(run, env, src)
         _check_cluster_run(run, env, src)

@@ -1,7 +1,7 @@
 """The elementwise half of token log-probabilities and entropies over a chunk of logits, in one pass each way
 (the matmuls stay with cuBLAS; moe_rl_eks.workloads.model.logprobs drives the chunks).
 
-Per row, z = logits / temperature (read in the logits' dtype, computed in float32):
+Per row, z = logits * inv_temperature (read in the logits' dtype, computed in float32):
   softmax_stats: one online pass over the vocabulary -> lse = log sum exp z, entropy H = lse - sum p z, and
                  log p[target] = z[target] - lse. Reads the logits once; writes three floats per row.
   logit_grads_:  d(g_logp . log p[target] + g_ent . H) / d logits, written over the logits in place:
@@ -19,9 +19,11 @@ BLOCK_V = 256 if INTERPRET else 4096
 
 
 @triton.jit
-def _stats_kernel(logits, stride, targets, logp_out, entropy_out, lse_out, vocab, inv_t, BLOCK: tl.constexpr):
+def _stats_kernel(logits, stride, targets, logp_out, entropy_out, lse_out, vocab, inv_temperature,
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
+    inv_t = tl.load(inv_temperature + row)
     offs = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max, sum of exp, sum of exp * z
     s = tl.zeros([BLOCK], tl.float32)
@@ -62,15 +64,17 @@ def _grads_kernel(logits, stride, targets, lse, entropy, g_logp, g_ent, vocab, i
     tl.store(ptr, (dz * inv_t).to(logits.dtype.element_ty), mask=inside)
 
 
-def softmax_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+def softmax_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [n, V] (rows contiguous), targets [n] -> (log p[target], entropy, lse), float32 [n] each."""
+    """logits [n, V] (rows contiguous), targets [n], 1 / temperature per row float32 [n] (moe_rl_eks.workloads.
+    model.logprobs.inverse_temperatures) -> (log p[target], entropy, lse), float32 [n] each. One program per row, the vocabulary in BLOCK_V steps from 0: a row's numbers do not
+    depend on the other rows (the exact numerics mode's sampler and trainer share it)."""
     check_device("logits", logits)
     n, vocab = logits.shape
     out = torch.empty(3, n, device=logits.device, dtype=torch.float32)
     if n:
-        _stats_kernel[(n,)](logits, logits.stride(0), targets, out[0], out[1], out[2], vocab, 1.0 / temperature,
-                            BLOCK=BLOCK_V)
+        _stats_kernel[(n,)](logits, logits.stride(0), targets, out[0], out[1], out[2], vocab,
+                            inv_temperature, BLOCK=BLOCK_V)
     return out[0], out[1], out[2]
 
 

@@ -287,26 +287,39 @@ def quick_data(path: str, run: RunConfig) -> dict:
     return data
 
 
+def numerics_data(data: dict, numerics: str) -> dict:
+    """Run file data in `numerics` mode; an exact run is named <name>-exact (its own output directory)."""
+    return {**data, "numerics": numerics, "name": data["name"] + ("-exact" if numerics == "exact" else "")}
+
+
 def main(argv: list[str]) -> int:
     parser = run_argparser("local-run", "run the whole RL loop on this machine")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
     parser.add_argument("--quick", action="store_true", help="a short form of the run: a quarter of its RL and "
                         "warm-up steps and of its evaluation prompts")
+    parser.add_argument("--numerics", choices=("standard", "exact"), default=None,
+                        help="run in this numerics mode instead of the run file's (the exact-numerics A/B); "
+                        "exact runs under the name <name>-exact, so both runs' outputs stay")
     args = parser.parse_args(argv)
     run_path, run = args.run, load(args.run)
-    if args.quick:  # the roles read the quick form's run file, written beside the run's outputs
-        quick = quick_data(args.run, run)
-        run = parse(RunConfig, quick, source=f"{args.run} (--quick)")
-        run_path = str(output_dir(run).parent / f"{run.name}-quick.yaml")
+    derived = None  # the roles read a derived run file, written beside the run's outputs
+    if args.quick:
+        derived = quick_data(args.run, run)
+    if args.numerics:
+        derived = numerics_data(derived or yaml.safe_load(Path(args.run).read_text()), args.numerics)
+    if derived is not None:
+        flags = " ".join(f for f, on in (("--quick", args.quick), (f"--numerics {args.numerics}", args.numerics)) if on)
+        run = parse(RunConfig, derived, source=f"{args.run} ({flags})")
+        run_path = str(output_dir(run).parent / f"{run.name}{'-quick' if args.quick else ''}.yaml")
     if run.local_gpus is not None:
         check_local_machine(run, gpu_memory_bytes(), source=args.run)  # before any role starts or any file goes
     out = output_dir(run)
     if not args.resume and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.quick:
-        Path(run_path).write_text(yaml.safe_dump(quick))
+    if derived is not None:
+        Path(run_path).write_text(yaml.safe_dump(derived))
     cluster = LocalCluster(run_path, run)
     print(f"local-run {run.name}: {placement(run)}, max_staleness {run.rl.orchestrator.max_staleness}; "
           f"logs in {cluster.logs}", flush=True)

@@ -14,6 +14,7 @@ from moe_rl_eks.kernels.prefill_attention import prefill_tiles
 from moe_rl_eks.tools.bench.rollout import TINY
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.backends import get_forward_kernels
+from moe_rl_eks.workloads.model.logprobs import inverse_temperatures
 from moe_rl_eks.workloads.model.paged_forward import PackedAttention, sequence_logits
 from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
 from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
@@ -83,6 +84,7 @@ def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_to
     # log p of a token at temperature 0.7: the engine's rows one at a time, the trainer's all at once
     keys = sorted(got)
     targets = torch.randint(0, TINY.vocab_size, (len(keys),)).to(DEVICE)
-    engine = torch.cat([torch.stack(softmax_stats(got[key][None], targets[i:i + 1], 0.7)) for i, key in
-                        enumerate(keys)], 1)
-    assert torch.equal(engine, torch.stack(softmax_stats(torch.stack([want[k] for k in keys]), targets, 0.7)))
+    engine = torch.cat([torch.stack(softmax_stats(got[key][None], targets[i:i + 1], inverse_temperatures(0.7, 1, DEVICE)))
+                        for i, key in enumerate(keys)], 1)
+    trainer = softmax_stats(torch.stack([want[k] for k in keys]), targets, inverse_temperatures(0.7, len(keys), DEVICE))
+    assert torch.equal(engine, torch.stack(trainer))

@@ -8,6 +8,7 @@ import torch
 from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.kernels.logprobs import softmax_stats
 from moe_rl_eks.kernels.rmsnorm import rms_norm
+from moe_rl_eks.workloads.model.logprobs import inverse_temperatures
 from moe_rl_eks.workloads.model.rotary import apply_rotary, rotary
 
 from invariance import ROWS, assert_rows_invariant
@@ -55,7 +56,7 @@ def test_a_rows_log_softmax_statistics_do_not_depend_on_the_batch(dtype):
     vocab = 1000  # several vocabulary blocks and a partial one
     logits = (3 * torch.randn(POOL, vocab, device=DEVICE)).to(dtype)
     targets = torch.randint(0, vocab, (POOL,), device=DEVICE)
-    got = assert_rows_invariant(lambda b: torch.stack(softmax_stats(logits[b], targets[b], 0.7), 1))
+    got = assert_rows_invariant(lambda b: torch.stack(softmax_stats(logits[b], targets[b], inverse_temperatures(0.7, len(b), DEVICE)), 1))
     z = logits[:ROWS].double() / 0.7
     logp = z.log_softmax(-1)
     want = torch.stack([logp.gather(1, targets[:ROWS, None])[:, 0], -(logp.exp() * logp).sum(-1),

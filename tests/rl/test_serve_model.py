@@ -59,6 +59,7 @@ def test_a_share_that_cannot_hold_the_weights_and_one_full_row_is_refused_with_t
     (["--gpu-memory-utilization", "1.2"], "argument --gpu-memory-utilization: 1.2: must be in (0, 1]"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: 0: must be >= 1 (rows decoded at once)"),
     (["--compute", "cuda"], "argument --compute: invalid choice: 'cuda' (choose from"),
+    (["--numerics", "bitwise"], "argument --numerics: invalid choice: 'bitwise' (choose from"),
 ])
 def test_bad_flags_are_refused_naming_the_flag_the_value_and_what_is_allowed(checkpoint, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:
@@ -74,11 +75,13 @@ def test_the_model_flags_are_refused_with_a_run_which_sets_its_own(capsys):
 
 def test_on_the_cpu_a_served_checkpoint_runs_torch_with_the_smaller_batch_unless_told(checkpoint):
     args = argparse.Namespace(model=str(checkpoint), max_new_tokens=8, max_num_seqs=None,
-                              gpu_memory_utilization=None, compute=None)
+                              gpu_memory_utilization=None, compute=None, numerics=None)
     run = model_served(args, 1, cuda=False)
-    assert (run.moe_compute, run.rollout.max_batch_size) == ("torch", 64)
-    told = model_served(argparse.Namespace(**{**vars(args), "max_num_seqs": 8, "compute": "triton"}), 1, cuda=False)
+    assert (run.moe_compute, run.rollout.max_batch_size, run.serving_compute) == ("torch", 64, "torch")
+    told = model_served(argparse.Namespace(**{**vars(args), "max_num_seqs": 8, "compute": "triton",
+                                              "numerics": "exact"}), 1, cuda=False)
     assert (told.moe_compute, told.rollout.max_batch_size) == ("triton", 8)
+    assert (told.numerics, told.serving_compute) == ("exact", "exact")  # the engine's kernels: the exact backend
 
 
 def test_bench_load_times_dd_and_the_replicas_read_of_the_same_files(checkpoint, tmp_path):

@@ -104,7 +104,8 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[tuple[int, .
 
 
 def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens: int, *, graphs: bool,
-               max_seconds: float, lengths: list[int] | None = None, slots: int | None = None) -> dict:
+               max_seconds: float, lengths: list[int] | None = None, slots: int | None = None,
+               kernels: str | None = None) -> dict:
     """One batch of distinct prompts through a Decoder sized for it; stops early (and says so) past max_seconds
     of decoding. `lengths`: each row's own new tokens (at most new_tokens; default new_tokens each), `slots`: rows
     decoding at once (default all; the rest wait for a finished row's slot, as in a server)."""
@@ -113,7 +114,7 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
     slots = batch if slots is None else slots
     build = time.perf_counter()
     decoder = Decoder(model, slots=slots, max_len=prompt_tokens + new_tokens, eos_ids=(), prefill_tokens=8192,
-                      cuda_graphs=graphs, buckets=[slots])
+                      cuda_graphs=graphs, buckets=[slots], kernels=kernels)
     sync(device)
     capture_s = time.perf_counter() - build
     rows = [RowRequest(p, SamplingParams(n, seed=i), "bench", i) for i, (p, n) in
@@ -251,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--compute", nargs="+", default=["torch", "triton"], choices=["torch", "triton"])
+    parser.add_argument("--compute", nargs="+", default=["torch", "triton"], choices=["torch", "triton", "exact"],
+                        help="compute backends to measure in turn; exact = numerics: exact (the batch-invariant "
+                        "kernels in the MoE layers and the paged forward), the exact column beside triton's")
     parser.add_argument("--layers", type=int, default=QWEN3_30B_A3B.num_hidden_layers)
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--max-seconds", type=float, default=30.0,
@@ -309,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     try:
                         row.update(run_engine(model, batch, prompt_tokens, args.new_tokens,
-                                              graphs=not args.no_graphs, max_seconds=args.max_seconds))
+                                              graphs=not args.no_graphs, max_seconds=args.max_seconds,
+                                              kernels="exact" if compute == "exact" else None))
                         roofline = batch * bandwidth / step_bytes(config, batch)
                         row["roofline_tokens_per_s"] = roofline
                         row["roofline_fraction"] = row["decode_tokens_per_s"] / roofline

@@ -1,25 +1,36 @@
 #!/bin/bash
-# The exact numerics mode's kernels (issue 28, first part) on one H200 (device tool): their tests compiled
-# (--noconftest keeps tests/kernels/conftest.py from turning the interpreter on): a row's bits alone, among 3 or 17
-# rows, at any position, for the invariant matmul, RMSNorm, the log-softmax statistics, the expert GEMMs, and
-# decode attention over the paged cache against the packed causal forward, and (float32 and bf16) a tiny model's
-# logits, routing and log-softmax statistics from the engine's prefill and decode against the trainer's exact
-# forward; then kernels/bench_exact.py: each exact
-# kernel against the fast one at Qwen3-30B-A3B's shape (qkv, o_proj and lm_head at 1 / 64 / 256 / 4096 rows, decode
-# attention at batch 1 / 64 over 2048 positions, the experts' forward at 64 / 2048 tokens), a table.
+# The exact numerics mode (issue 28) on one H200 (device tool). 1. Its tests compiled (--noconftest keeps
+# tests/kernels/conftest.py from turning the interpreter on): a row's bits alone, among 3 or 17 rows, at any position,
+# for the invariant matmul, RMSNorm, the log-softmax statistics, the expert GEMMs, and decode attention over the paged
+# cache against the packed causal forward; a tiny model's logits, routing and log-softmax statistics from the engine's
+# prefill and decode against the trainer's exact forward; and the wired mode end to end at Qwen3-30B-A3B's layer shape
+# (2 layers, its vocabulary, bf16 served from float32 masters): the real decoder with CUDA graphs, chunked prefills,
+# rows joining and leaving and a preemption gives every token the logprob the trainer's first-step forward gives it,
+# bitwise, where the standard mode does not (test_exact_rollout_trainer.py). 2. kernels/bench_exact.py: each exact
+# kernel against the fast one at that shape (qkv, o_proj and lm_head at 1 / 64 / 256 / 4096 rows, decode attention at
+# batch 1 / 64 over 2048 positions, the experts' forward at 64 / 2048 tokens). 3. bench-rollout's exact column from
+# the same run: decode tok/s at batch 1 / 64 / 256 with triton and with numerics: exact (12 of the 48 layers, 128
+# prompt tokens + 64 new ones), and the prefill rate of each.
 # From the repository root with the machine's python3; carry .whl/ (as h200-engine-split.sh does).
-# Expected: ~90 s (limit 90; the benchmark prints each row as it is measured, so a cut keeps the rows before it). Results in $OUT: steps.txt, tests.log, bench.log, bench-exact.json.
+# Expected: ~450 s (limit 540; every benchmark records each row as it is measured, so a cut keeps the rows before it).
+# Results in $OUT: steps.txt, tests.log, bench.log, bench-exact.json, bench-rollout.log, bench-rollout-exact.json.
 set -u
-BUDGET=${BUDGET:-90}
+BUDGET=${BUDGET:-540}
 # shellcheck source=tools/gpu_runs/budget.sh
 source "$(dirname "$0")/budget.sh"
 python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
 mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 
-step tests 45 python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernels/test_invariant_matmul.py \
+step tests 170 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/kernels/test_invariant_matmul.py \
     tests/kernels/test_invariant_rows.py tests/kernels/test_invariant_experts.py \
-    tests/kernels/test_invariant_attention.py tests/kernels/test_exact_forward.py > "$OUT/tests.log" 2>&1
+    tests/kernels/test_invariant_attention.py tests/kernels/test_exact_forward.py \
+    tests/kernels/test_exact_rollout_trainer.py > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/tests.log" | tail -n 4
-step bench "$(left)" python3 -m moe_rl_eks.kernels.bench_exact --json "$OUT/bench-exact.json" > "$OUT/bench.log" 2>&1
+grep -E "standard mode at the 30B" "$OUT/tests.log"
+step bench 90 python3 -m moe_rl_eks.kernels.bench_exact --json "$OUT/bench-exact.json" > "$OUT/bench.log" 2>&1
 cat "$OUT/bench.log"
+step bench-rollout "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.rollout --compute triton exact --layers 12 \
+    --batches 1 64 256 --prompt-tokens 128 --new-tokens 64 --max-seconds 15 --transformers-batches \
+    --mismatch-layers 0 --json "$OUT/bench-rollout-exact.json" > "$OUT/bench-rollout.log" 2>&1
+grep -E "^\{" "$OUT/bench-rollout.log" | cut -c1-240

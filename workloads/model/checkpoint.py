@@ -14,7 +14,9 @@ from torch import nn
 from moe_rl_eks.core.hf_config import CheckpointError, hf_config, model_config
 from moe_rl_eks.core.run import ModelConfig
 
+from ..moe.parallel import ExpertParallel
 from .safetensors_io import CHECKSUM, IntegrityError, Into, Source, fill, plan_files, read_files, write_file
+from .transformer import MoETransformer, weights_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -94,6 +96,19 @@ def cast_for_serving(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     model.to(dtype=dtype)
     for (module, name), value in kept.items():
         module._buffers[name] = value.to(module._buffers[name].device)
+    return model
+
+
+def empty_model(config: ModelConfig, ep: ExpertParallel | None, compute: str, device: torch.device
+                ) -> MoETransformer:
+    """A model to serve (or to score as served), its tensors allocated on `device` in the serving dtypes and left
+    uninitialized: the first version overwrites every one of them, so no random initialization is paid (for the
+    whole 30B model, minutes of a CPU and float32's twice the served bytes in host memory)."""
+    with torch.device("meta"):
+        model = cast_for_serving(MoETransformer(config, ep=ep, compute=compute), weights_dtype(config))
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty made each module its own parameter: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 

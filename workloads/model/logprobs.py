@@ -24,15 +24,27 @@ def default_chunk_tokens(vocab_size: int, device: str = "cpu") -> int:
     return max(1, CHUNK_ELEMENTS.get(device, DEFAULT_CHUNK_ELEMENTS) // vocab_size)
 
 
-def softmax_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+def inverse_temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """1 / temperature per row, float32 [rows], from one temperature or one per row: computed on the device in
+    float32 the same way for every caller, so the trainer's one temperature and the engine's per-row ones scale
+    a row's logits by the same bits."""
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.full((rows,), temperature, dtype=torch.float32, device=device)
+    return torch.reciprocal(temperature.to(device, torch.float32))
+
+
+def softmax_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [n, V] -> (log p[target], entropy, log-sum-exp) of softmax(logits / temperature), float32 [n].
-    On GPUs one Triton pass (moe_rl_eks.kernels.logprobs); elsewhere in torch."""
+    """logits [n, V] -> (log p[target], entropy, log-sum-exp) of softmax(logits / temperature), float32 [n];
+    temperature: one, or one per row [n]. Row by row in a fixed order whatever the other rows (the trainer's
+    scoring and the rollout sampler's reported logprobs both come from here). On GPUs one Triton pass
+    (moe_rl_eks.kernels.logprobs); elsewhere in torch, scaled as the kernel scales (by the same inverse)."""
+    inv_t = inverse_temperatures(temperature, logits.shape[0], logits.device)
     if logits.is_cuda:
         from moe_rl_eks.kernels.logprobs import softmax_stats as fused
 
-        return fused(logits, targets, temperature)
-    z = logits.float() / temperature
+        return fused(logits, targets, inv_t)
+    z = logits.float() * inv_t[:, None]
     lse = torch.logsumexp(z, dim=-1)
     entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)
     return z.gather(1, targets[:, None]).squeeze(1) - lse, entropy, lse

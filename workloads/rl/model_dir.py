@@ -53,8 +53,8 @@ def kv_cache_positions(model: ModelConfig, *, gpu_bytes: int, utilization: float
 
 
 def model_run_data(directory: str | Path, *, name: str | None = None, max_new_tokens: int | None = None,
-                   gpus_per_server: int = 1, max_batch_size: int = CPU_MAX_NUM_SEQS, moe_compute: str = "torch"
-                   ) -> dict:
+                   gpus_per_server: int = 1, max_batch_size: int = CPU_MAX_NUM_SEQS, moe_compute: str = "torch",
+                   numerics: str = "standard") -> dict:
     """A run file's contents (a mapping for core.schema.parse) for serving or evaluating `directory`: the model
     from its config.json, its tokenizer, lengths up to the model's context (`max_new_tokens` default: a quarter of
     it, at most 8,192)."""
@@ -68,7 +68,7 @@ def model_run_data(directory: str | Path, *, name: str | None = None, max_new_to
     context = model.max_position_embeddings
     new_tokens = max_new_tokens or min(8192, max(1, context // 4))
     return {"name": name or directory.resolve().name,
-            "model": dataclasses.asdict(model), "moe_compute": moe_compute,
+            "model": dataclasses.asdict(model), "moe_compute": moe_compute, "numerics": numerics,
             "rollout": {"max_new_tokens": new_tokens, "gpus_per_server": gpus_per_server,
                         "max_batch_size": max_batch_size},
             "rl": {"sampling": {"tokenizer": str(directory), "max_tokens": new_tokens,

@@ -50,7 +50,8 @@ class Decoder:
         self._preemptions_taken = 0  # the part of the scheduler's preemptions take_preemptions() has handed out
 
     @classmethod
-    def in_free_memory(cls, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int]) -> "Decoder":
+    def in_free_memory(cls, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int],
+                       kernels: str | None = None) -> "Decoder":
         """A decoder whose block pool holds every row at `max_len`, or on a GPU as many blocks as fit its free
         memory (then rows wait for blocks, and decoding rows may be preempted)."""
         wanted = slots * -(-max_len // BLOCK_SIZE)
@@ -59,7 +60,7 @@ class Decoder:
         if blocks < wanted:
             log.warning("KV cache: %d blocks of %d positions fit in this GPU's free memory, %d rows of %d positions "
                         "would need %d; rows wait for free blocks", blocks, BLOCK_SIZE, slots, max_len, wanted)
-        return cls(model, slots=slots, max_len=max_len, eos_ids=eos_ids, blocks=blocks)
+        return cls(model, slots=slots, max_len=max_len, eos_ids=eos_ids, blocks=blocks, kernels=kernels)
 
     @property
     def busy(self) -> bool:

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_rl_eks.core.run import ModelConfig, RunConfig
+from moe_rl_eks.core.run import RunConfig
 
 from ..model import MoETransformer
-from ..model.checkpoint import cast_for_serving
-from ..model.transformer import weights_dtype
+from ..model.checkpoint import empty_model
 from ..moe.parallel import ExpertParallel, local_experts
 from .engine_api import RowOutput, RowRequest
 from .decoder import Decoder
@@ -131,7 +130,7 @@ class Replica:
             if self._reading is None or self._reading[0] != (lineage, version):
                 raise RuntimeError(f"version {version} of lineage {lineage} was not read first")
             staged = self._reading[1].result()
-            model = self.model or empty_model(staged.config, self.ep, self.run.moe_compute, self.device)
+            model = self.model or empty_model(staged.config, self.ep, self.run.serving_compute, self.device)
             check_fits(staged.state, model.state_dict())
         except Exception as exc:  # noqa: BLE001 -- agreed on below, then raised on every rank
             error = f"rank {self.rank}: {exc}"
@@ -168,7 +167,7 @@ class Replica:
     def _step(self, plan: StepPlan) -> list[RankReport] | None:
         if self.decoder is None or self.decoder.model is not self.model:
             self.decoder = Decoder.in_free_memory(self.model, slots=plan.slots, max_len=plan.max_len,
-                                                  eos_ids=plan.eos_ids)
+                                                  eos_ids=plan.eos_ids, kernels=engine_kernels(self.run))
             self._rows = {}
         report = RankReport([], [])
         for request in plan.admit[self.rank]:
@@ -233,17 +232,10 @@ class Replica:
         return bool(flag)
 
 
-def empty_model(config: ModelConfig, ep: ExpertParallel | None, compute: str, device: torch.device
-                ) -> MoETransformer:
-    """A model to serve, its tensors allocated on `device` in the serving dtypes and left uninitialized: the first
-    version overwrites every one of them (check_fits), so no random initialization is paid (for the whole 30B
-    model, minutes of a CPU and float32's twice the served bytes in host memory)."""
-    with torch.device("meta"):
-        model = cast_for_serving(MoETransformer(config, ep=ep, compute=compute), weights_dtype(config))
-    model = model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty made each module its own parameter: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+def engine_kernels(run: RunConfig) -> str | None:
+    """The paged forward's kernels (model/backends.py) for `run`: the exact backend's in the exact numerics mode,
+    else the runner's default (triton on a GPU, torch elsewhere)."""
+    return "exact" if run.numerics == "exact" else None
 
 
 def rows_per_rank(run: RunConfig, ranks: int) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.logprobs import softmax_stats
 from .engine_api import SamplingParams
 
 # ---- counter-based randomness ----------------------------------------------------------------------------
@@ -76,7 +77,11 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> Sampled:
     """logits [B, V] -> a token per row and its logprob, with no host synchronisation. A row samples from
     softmax(logits / temperature) cut by top-k, then top-p (of what top-k kept), then min-p, renormalised
     (inverse CDF of its own counter-based uniform); temperature 0 takes the argmax. Its logprob is under that
-    processed distribution (temperature 0 counting as 1), or under softmax(logits) for logprob_mode "raw"."""
+    processed distribution (temperature 0 counting as 1), or under softmax(logits) for logprob_mode "raw".
+    A row whose reported distribution is the unfiltered softmax at a temperature (every RL row) has its logprob
+    from the trainer's own row-wise log-softmax (model/logprobs.softmax_stats), so that in the exact numerics mode,
+    where the logits agree bitwise, the logprobs do too."""
+    scored = logits
     logits = logits.float()
     vocab = logits.shape[-1]
     greedy = rows.temperature == 0
@@ -96,12 +101,15 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> Sampled:
     u = row_uniform(rows.key_lo, rows.key_hi, rows.row, rows.step)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)[:, 0]
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    reported = logp
-    if rows.any_raw:
-        reported = torch.where(rows.raw[:, None], torch.log_softmax(logits, -1), logp)
-    logprobs = reported.gather(-1, tokens[:, None])[:, 0]
+    logprobs = softmax_stats(scored, tokens, torch.where(greedy | rows.raw, 1.0, rows.temperature))[0]
+    if rows.filtered:  # rows whose filters cut the distribution report under what they kept
+        cut = ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)) & ~rows.raw
+        logprobs = torch.where(cut, logp.gather(-1, tokens[:, None])[:, 0], logprobs)
     top_ids = top_lps = None
     if rows.top_n:
+        reported = logp
+        if rows.any_raw:
+            reported = torch.where(rows.raw[:, None], torch.log_softmax(logits, -1), logp)
         top_lps, top_ids = reported.topk(rows.top_n, -1)
     return Sampled(tokens, logprobs, top_ids, top_lps)
 

@@ -47,6 +47,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compute", choices=("torch", "triton"), default=None,
                         help="with --model: the MoE compute (default: triton on a GPU where the model's rows fit "
                         "its kernels, else torch)")
+    parser.add_argument("--numerics", choices=("standard", "exact"), default=None,
+                        help="with --model: `exact` decodes and prefills on the batch-invariant kernels (a row's "
+                        "logprobs do not depend on the batch, and equal the trainer's exact forward bitwise); "
+                        "default standard")
     parser.add_argument("--port", type=int, default=ROLLOUT_PORT)
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args(argv)
@@ -55,10 +59,10 @@ def main(argv: list[str]) -> int:
         logging.basicConfig(level=logging.INFO)
         run = model_served(args, processes, torch.cuda.is_available())
     else:
-        for flag in ("max_num_seqs", "gpu_memory_utilization", "compute"):
+        for flag in ("max_num_seqs", "gpu_memory_utilization", "compute", "numerics"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} applies to --model; a run sets rollout.max_batch_size, "
-                             "local_gpus.rollout.memory_share and moe_compute")
+                             "local_gpus.rollout.memory_share, moe_compute and numerics")
         run = load(args.run)
         cap_gpu_memory(run, "rollout")
     torch.set_num_threads(1)
@@ -113,12 +117,13 @@ def model_served(args: argparse.Namespace, processes: int, cuda: bool):
 
     # On the CPU the KV cache is allocated whole for every row (nothing sizes it from memory): the smaller batch.
     options = {"max_new_tokens": args.max_new_tokens, "gpus_per_server": processes,
-               "max_batch_size": args.max_num_seqs or (MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)}
+               "max_batch_size": args.max_num_seqs or (MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS),
+               "numerics": args.numerics or "standard"}
     run = model_run(args.model, **options)
     compute, why = (args.compute, "--compute") if args.compute else serving_compute(run.model, cuda)
     run = model_run(args.model, moe_compute=compute, **options)
-    log.info("serving %s with moe_compute %s (%s), up to %d rows at once", args.model, compute, why,
-             run.rollout.max_batch_size)
+    log.info("serving %s with moe_compute %s (%s), numerics %s, up to %d rows at once", args.model, compute, why,
+             run.numerics, run.rollout.max_batch_size)
     if cuda:
         utilization = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
         total = torch.cuda.get_device_properties(0).total_memory

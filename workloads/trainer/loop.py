@@ -46,6 +46,7 @@ from ..rl.weights import open_store
 from . import checkpoint as ckpt
 from .orchestrator_link import Announcer, BatchSource, HttpBatchSource
 from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
+from .numerics import ExactScorer, MismatchTally
 from .publisher import Publisher
 from .critic import Critic
 from .step import Forward, TrainStep, learning_rate
@@ -97,8 +98,10 @@ class Trainer:
                                            weight_decay=self.cfg.weight_decay, fused=self.device.type == "cuda")
         # bf16 mixed precision on GPUs (float32 master weights and optimizer); float32 on the CPU.
         bf16 = self.device.type == "cuda" and run.model.dtype == "bfloat16"
+        # numerics: exact scores with the engine's kernels on a served-dtype copy, loaded at every publication
+        exact = ExactScorer(self.model, self.device) if run.numerics == "exact" else None
         self.train_step = TrainStep(self.model, self.critic, self.optimizer, ep=self.ep, world=world, rank=rank,
-                                    device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16)
+                                    device=self.device, grad_clip=self.cfg.grad_clip, bf16=bf16, exact=exact)
         self.reference: MoETransformer | None = None
         self._format_examples: FormatExamples | None = None  # the warm-up's pairs, made at its first step
         # Several ranks write checkpoints over a gloo group of their own: DCP's background thread runs its
@@ -218,6 +221,7 @@ class Trainer:
             return None if full is None else full[rows, :width]
 
         steps, first_load, arrivals = [], None, None
+        mismatch = MismatchTally(self.device)  # behaviour vs the starting policy's logprobs, each token once
         for epoch in range(e_count):
             for m in range(m_count):
                 part_tokens, part_sequences, part_real = totals[m].tolist()
@@ -231,6 +235,8 @@ class Trainer:
                     pb = PolicyBatch(fwd.logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
                                      mb.behaviour, cut(advantages, r, w), mb.mask, cut(reference, r, w), fwd.entropy,
                                      fwd.values, cut(old_values, r, w), cut(returns, r, w))
+                    if epoch == 0:
+                        mismatch.add(pb.proximal_logprobs, mb.behaviour, mb.mask)
                     if warming_critic:
                         return algo.critic_loss(pb, part_totals)
                     loss, metrics = algo.loss(pb, part_totals)
@@ -242,14 +248,16 @@ class Trainer:
                 lr = (0.0 if warming_critic else
                       learning_rate(self.cfg, (policy_step * e_count + epoch) * m_count + m,
                                     self.run.rl.policy_optimizer_steps))
+                # the first step's policy is the published one: its current logprobs may be the exact scorer's
                 result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay,
                                               critic_lr=self.run.rl.algorithm.critic_lr,
-                                              train_policy=not warming_critic)
+                                              train_policy=not warming_critic, exact_values=not steps)
                 if epoch == 0:
                     first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
                     arrivals = arrivals or result["arrivals"]
                 steps.append(result)
         metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}
+        metrics.update(mismatch.metrics(self._batch_sum, lambda t: self._all_reduce(t, dist.ReduceOp.MAX)))
         metrics["optimizer_steps"] = len(steps)
         if returns is not None:
             # of the values the advantages came from: the critic before it saw this batch, so a held-out measure
@@ -281,7 +289,7 @@ class Trainer:
             w = mb.mask.shape[1]
             if policy:
                 fwd = self.train_step.forward(self.model, mb, temperature=temperature, replay=replay,
-                                              values=values is not None)
+                                              values=values is not None, exact_values=True)
                 proximal[rows, :w] = fwd.logprobs
                 if values is not None:
                     values[rows, :w] = fwd.values
@@ -324,6 +332,8 @@ class Trainer:
         # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
         state = unsharded_state(self.model, keep_dense=self.rank == 0)
         self.publisher.publish(version, state)
+        if self.train_step.exact is not None:  # the next batch is scored with exactly these weights
+            self.train_step.exact.load(state)
         seconds = self.publisher.snapshot_seconds
         # Before the announcement: the server on this GPU finds the version offered.
         offered = self.exporter is not None and self.exporter.export(VersionRef(self.lineage, version), state)
@@ -544,6 +554,9 @@ class Trainer:
                               (M.STRAGGLER_RATIO, metrics["straggler_ratio"]),
                               (M.EXPERT_LOAD_IMBALANCE, metrics["expert_load_imbalance"]),
                               (M.REWARD_MEAN, row["reward_mean"]), (M.SAMPLE_STALENESS, row["staleness_mean"]),
+                              (M.LOGPROB_BITWISE_EQUAL, metrics["logprob_bitwise_equal"]),
+                              (M.LOGPROB_ABS_DIFF_MAX, metrics["logprob_abs_diff_max"]),
+                              (M.LOGPROB_ABS_DIFF_MEAN, metrics["logprob_abs_diff_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
 

@@ -26,6 +26,7 @@ from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
 from .critic import Critic, prefix_features
 from .microbatch import Sequences
+from .numerics import ExactScorer, values_with_gradient
 
 EXPERT_MARK = ".mlp.experts."
 
@@ -73,8 +74,10 @@ class TrainStep:
 
     def __init__(self, model: MoETransformer, critic: Critic | None, optimizer: torch.optim.Optimizer,
                  *, ep: ExpertParallel | None, world: int, rank: int, device: torch.device, grad_clip: float,
-                 bf16: bool) -> None:
-        self.model, self.critic, self.optimizer = model, critic, optimizer
+                 bf16: bool, exact: ExactScorer | None = None) -> None:
+        """`exact`: the exact numerics mode's scorer (numerics.py), whose values a forward asked for
+        `exact_values` takes."""
+        self.model, self.critic, self.optimizer, self.exact = model, critic, optimizer, exact
         self.ep, self.world, self.rank, self.device = ep, world, rank, device
         self.grad_clip, self.bf16 = grad_clip, bf16
         # Split across ranks (experts by EP, dense weights by FSDP): each rank adds its part's squared norm to the
@@ -85,12 +88,14 @@ class TrainStep:
         self.critic_params = list(critic.parameters()) if critic is not None else []
 
     def forward(self, model: MoETransformer, mb: Sequences, *, temperature: float, replay: bool,
-                values: bool = False, policy_grad: bool = True) -> Forward:
+                values: bool = False, policy_grad: bool = True, exact_values: bool = False) -> Forward:
         """The micro-batch's sequences packed into one row; log-probabilities of its targets at `temperature`
         straight from the final hidden states (no [tokens, vocabulary] logits kept). Under context parallelism
         this rank runs its slice of the row (padded to a multiple of the group by a sequence of its own) and the
         per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's.
-        `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up)."""
+        `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up).
+        `exact_values` (the policy at the weights last published, in the exact numerics mode): the logprobs and
+        entropies are the exact scorer's bits, with this forward's gradient."""
         inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
         routing = mb.packed_routing() if replay else None
         cp, tokens = model.cp, inputs.shape[1]
@@ -119,13 +124,17 @@ class TrainStep:
                 features = F.pad(features, (0, 0, 0, pad))[lo:hi]
             value = self.critic(hidden.detach().float(), features)
             value = value if cp is None else cp.gather(value)[:tokens]
-        return Forward(mb.unpack(logp), mb.unpack(entropy), None if value is None else mb.unpack(value),
-                       out.aux_loss, out.expert_load)
+        logp, entropy = mb.unpack(logp), mb.unpack(entropy)
+        if exact_values and self.exact is not None:
+            exact_logp, exact_entropy = self.exact.logprobs(mb, temperature)
+            logp, entropy = values_with_gradient(exact_logp, logp), values_with_gradient(exact_entropy, entropy)
+        return Forward(logp, entropy, None if value is None else mb.unpack(value), out.aux_loss, out.expert_load)
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
-             replay: bool, critic_lr: float = 0.0, train_policy: bool = True) -> dict:
+             replay: bool, critic_lr: float = 0.0, train_policy: bool = True, exact_values: bool = False) -> dict:
         """Accumulate the micro-batches' gradients, sync, clip, step. `train_policy` false steps the critic alone
         (its warm-up: the model runs without a graph, and neither its weights nor its AdamW state change).
+        `exact_values`: the forwards' values from the exact scorer (a batch's first step).
         Returns the metrics summed over micro-batches and ranks, plus `grad_norm` (the policy's, before
         clipping), `critic_grad_norm` (with a critic), `arrivals` (each rank's seconds to the gradient sync),
         `expert_load` [L, E] (all ranks)."""
@@ -134,7 +143,8 @@ class TrainStep:
         load = None
         for j, mb in enumerate(microbatches):
             fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
-                               values=self.critic is not None, policy_grad=train_policy)
+                               values=self.critic is not None, policy_grad=train_policy,
+                               exact_values=exact_values)
             loss, metrics = loss_fn(j, mb, fwd)
             metrics["loss"] = float(loss.detach())
             if self.model.cp is not None:

@@ -1,0 +1,85 @@
+"""The trainer's side of the rollout/trainer logprob agreement: the exact numerics mode's logprob forward, and the
+mismatch between the rollout's logprobs and the trainer's that training reports every step in both modes.
+
+In the exact mode (`numerics: exact`) the trainer scores a batch's tokens with the rollout engine's own forward
+(model/paged_forward.py's `sequence_logits` on the `exact` backend) over a copy of the policy in the served dtype,
+loaded from the very state each version is published from: the weights the rollout servers sampled with, through
+the same batch-invariant kernels, so a token's logits, and its logprob from the shared row-wise log-softmax, are
+the engine's bits. The copy is right only until the first optimizer step of a batch changes the policy; the
+behaviour/proximal scoring and that first step's current logprobs take their values from it, while their gradient
+comes from the fast forward (`exact_values`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..model import MoETransformer
+from ..model.backends import get_forward_kernels
+from ..model.checkpoint import empty_model
+from ..model.logprobs import softmax_stats
+from ..model.paged_forward import PackedAttention, sequence_logits
+from .microbatch import Sequences
+
+
+class ExactScorer:
+    """A copy of the policy in its served dtype on the `exact` backend (one rank: the run refuses exact mode with
+    expert parallelism in the trainer). It costs the served weights' memory once more."""
+
+    def __init__(self, policy: MoETransformer, device: torch.device) -> None:
+        self.model = empty_model(policy.config, None, "exact", device).eval()
+        self.kernels = get_forward_kernels("exact")
+        self.packed: PackedAttention | None = None  # built at the first load (from real weights)
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the weights of a version as it is published (`state`: every tensor whole, the trainer's dtype),
+        cast to the served dtype as the publisher casts them (round to nearest even)."""
+        mine = self.model.state_dict()
+        for name, tensor in state.items():
+            mine[name].copy_(tensor)
+        if self.packed is None:
+            self.packed = PackedAttention(self.model)
+        else:
+            self.packed.load(self.model)
+
+    @torch.no_grad()
+    def logprobs(self, mb: Sequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(target), entropy) [B, S] of the micro-batch's tokens at `temperature`, zero on padding."""
+        if self.packed is None:
+            raise RuntimeError("ExactScorer.logprobs before load: no version's weights yet")
+        logits, _ = sequence_logits(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
+        logp, entropy, _ = softmax_stats(logits, mb.packed_targets(), temperature)
+        return mb.unpack(logp), mb.unpack(entropy)
+
+
+def values_with_gradient(values: torch.Tensor, differentiable: torch.Tensor) -> torch.Tensor:
+    """`values` exactly (bit for bit), with the gradient of `differentiable`: x - x.detach() is exactly 0."""
+    return values + (differentiable - differentiable.detach())
+
+
+class MismatchTally:
+    """The rollout's logprobs against the trainer's at the weights a batch starts from, over its completion
+    tokens: how many are bitwise equal, the mean and the max of |d log p|. Added to micro-batch by micro-batch,
+    reduced over ranks once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # tokens, bitwise equal, sum |d|
+        self.max = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def add(self, trainer: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> None:
+        """trainer, behaviour logprobs and the completion mask, [B, S] each."""
+        d = (trainer.detach().double() - behaviour.double())[mask > 0]
+        self.sums += torch.stack([d.new_tensor(d.numel()), (d == 0).sum().double(), d.abs().sum()])
+        if d.numel():
+            self.max = torch.maximum(self.max, d.abs().max().reshape(1))
+
+    def metrics(self, batch_sum: Callable[[torch.Tensor], torch.Tensor],
+                batch_max: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The batch's numbers, reduced by the caller's `batch_sum` and `batch_max` over ranks (collectives)."""
+        tokens, equal, total = batch_sum(self.sums).tolist()
+        most = float(batch_max(self.max))
+        tokens = max(tokens, 1.0)
+        return {"logprob_bitwise_equal": equal / tokens, "logprob_abs_diff_mean": total / tokens,
+                "logprob_abs_diff_max": most}
