@@ -101,8 +101,8 @@ KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not s
 # of its pods in one step (Kueue's ProvisioningRequest admission check, kueue.x-k8s.io/provisioning-request). Until
 # then its pods do not exist, so a run that cannot get all its nodes holds none. The atomic class asks for the whole
 # gang in one node-group increase, made only when the group can hold all of it; AWS node groups do not implement
-# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 falls back to one plain increase), so EC2 may still
-# launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
+# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 and 1.36 fall back to one plain increase), so EC2 may
+# still launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
 GANG_PROVISIONING = "moe-rl-gang"  # the ProvisioningRequestConfig and the AdmissionCheck naming it
 PROVISIONING_CLASS = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
 PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
@@ -370,8 +370,9 @@ def _cluster_version(cluster: MoeRlCluster | eks.ICluster, kubernetes_version: s
                              f"{cluster.kubernetes_version} (leave it unset with a MoeRlCluster)")
         return cluster.kubernetes_version
     if kubernetes_version not in KUBERNETES_VERSIONS:
-        raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; the imported cluster's "
-                         f"minor, which picks KEDA's release and the autoscaler's image, {kubernetes_versions_allowed()}")
+        raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; the imported cluster's minor, "
+                         "which picks KEDA's release and the autoscaler's image, "
+                         f"{kubernetes_versions_allowed()}")
     return kubernetes_version
 
 

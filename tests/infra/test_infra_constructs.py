@@ -317,7 +317,8 @@ def test_cluster_services_pin_for_an_imported_clusters_version_which_they_must_b
     imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster",
                                                    vpc=stack.cluster.cluster.vpc, kubectl_provider=provider)
     with pytest.raises(ValueError, match=r"kubernetes_version: None is not allowed; the imported cluster's minor, "
-                                         r"which picks KEDA's release and the autoscaler's image, supported: 1.35, 1.36"):
+                                         r"which picks KEDA's release and the autoscaler's image, "
+                                         r"supported: 1.35, 1.36"):
         ClusterServices(stack, "Unversioned", cluster=imported, pools={"trainer": stack.pool}, run_namespace="x")
     services = ClusterServices(stack, "Services", cluster=imported, pools={"trainer": stack.pool}, run_namespace="x",
                                kubernetes_version="1.36")

@@ -282,7 +282,8 @@ def test_system_nodes_have_room_for_controllers_orchestrators_and_their_images(t
 
 def test_cluster_services_are_pinned_and_configured_for_efa(templates):
     charts = helm_charts(templates["prod"])
-    assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in pinned_charts("1.35").items()}
+    assert {name: c["Version"] for name, c in charts.items()} == \
+        {name: c.version for name, c in pinned_charts("1.35").items()}
     assert charts["keda"]["Version"] == "2.20.2"  # the KEDA release tested on the cluster's 1.35
     assert charts["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.35.0"  # the cluster's minor version
     nvidia = charts["nvidia-device-plugin"]["Values"]

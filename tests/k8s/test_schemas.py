@@ -1,6 +1,7 @@
 """Every object validates: core kinds with kubernetes-validate --strict at every accepted Kubernetes version (a
-run's objects do not depend on the cluster's version), custom resources against their CRD's openAPIV3Schema (committed under data/crd_schemas, source in each file's
-$comment), with unknown fields refused as the API server's strict field validation would."""
+run's objects do not depend on the cluster's version), custom resources against their CRD's openAPIV3Schema
+(committed under data/crd_schemas, source in each file's $comment), with unknown fields refused as the API server's
+strict field validation would."""
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
 # The chart behind each CRD group, and, where a pinned release's own CRD files were not reachable, the release
 # whose schemas stand in for them and why that is sound. Never for the default Kubernetes version's pins.
 CRD_CHARTS = {"jobset.x-k8s.io": "jobset", "keda.sh": "keda", "kueue.x-k8s.io": "kueue"}
-SCHEMA_STAND_INS = {("keda", "2.21.0"): ("2.20.2", "kedacore/keda main at 8b4f083 (2026-08-20, the 2.21 development "
-                                                   "tree) has v2.20.2's ScaledObject and TriggerAuthentication schemas")}
+SCHEMA_STAND_INS = {("keda", "2.21.0"): (
+    "2.20.2", "kedacore/keda main at 8b4f083 (2026-08-20, the 2.21 development tree) has v2.20.2's ScaledObject and "
+              "TriggerAuthentication schemas")}
 
 
 def strict(schema: dict) -> dict:
