@@ -7,19 +7,21 @@ these names from here.
 from __future__ import annotations
 
 # Kubernetes minor versions we ship: each needs a kubectl Lambda layer (aws-cdk.lambda-layer-kubectl-vXY, for Helm
-# charts and manifests), a cdk8s-plus-XY and a schema set for strict validation. 1.35 is in EKS standard support
-# (1.33 left it on 29 July 2026; 1.34 leaves it in December 2026).
-KUBERNETES_VERSIONS = ("1.35",)
-# Versions EKS offers that are refused, each with the pinned chart that does not cover it (infra.services.CHARTS;
-# a test holds the two together). KEDA 2.21 is tested on 1.34-1.36 (keda.sh, read 2026-12-01), but its release
-# files (chart, CRD schemas for the strict validation tests) were not reachable when this was written.
-KUBERNETES_REFUSED = {"1.36": "KEDA 2.20.2, the pinned chart, is tested on Kubernetes 1.33 to 1.35"}
+# charts and manifests: infra/cluster.py), the cluster services' releases for it (infra.services.KUBERNETES_PINS:
+# KEDA, the Cluster Autoscaler's image) and kubernetes-validate's schemas for it (the strict validation tests). The
+# run charts use one typed API for all of them (k8s/kube.py). 1.35 and 1.36 are in EKS standard support (1.33 left it
+# on 29 July 2026; 1.34 leaves it in December 2026).
+KUBERNETES_VERSIONS = ("1.35", "1.36")
+# A new environment's version: 1.35, whose pins are all checked against their releases' files; 1.36's KEDA 2.21.0
+# is validated against KEDA 2.20.2's CRD schemas (2.21.0's files were not reachable: docs/support-matrix.md).
+DEFAULT_KUBERNETES_VERSION = "1.35"
 
 
-def kubernetes_versions_allowed(version: str) -> str:
-    """What to say of an unsupported ``version``: the supported ones, and why this one is not among them."""
-    allowed = "supported: " + ", ".join(KUBERNETES_VERSIONS)
-    return f"{allowed} ({KUBERNETES_REFUSED[version]})" if version in KUBERNETES_REFUSED else allowed
+def kubernetes_versions_allowed() -> str:
+    """What to say of an unsupported Kubernetes version."""
+    return "supported: " + ", ".join(KUBERNETES_VERSIONS)
+
+
 # efa-only interfaces (every EFA card but the first) take no IP address; older VPC CNIs fail on them (EKS user guide,
 # "EFA and EFA-only interfaces"). Every add-on version EKS offers for a version above is newer.
 VPC_CNI_MIN_VERSION_FOR_EFA_ONLY = "1.18.5"

@@ -15,7 +15,8 @@ from typing import Any, Literal, Mapping
 from .catalog import CATALOG
 from .labels import TAINT_EFFECTS, Taint, gpu_taints
 from . import cluster as defaults
-from .cluster import KUBERNETES_VERSIONS, SUBNET_MASKS, kubernetes_versions_allowed, vpc_fits_subnets
+from .cluster import (DEFAULT_KUBERNETES_VERSION, KUBERNETES_VERSIONS, SUBNET_MASKS, kubernetes_versions_allowed,
+                      vpc_fits_subnets)
 from .schema import ConfigError, Validated, fail, parse
 
 # The values of aws_eks_v2.CapacityType: a pool given the aws-cdk-lib enum member stores its value.
@@ -198,7 +199,7 @@ class EnvironmentConfig(Validated):
     availability_zones: tuple[str, ...]  # of the VPC; at least two (EKS), including the GPU zone
     rollout_pool: NodePoolConfig
     trainer_pool: NodePoolConfig
-    kubernetes_version: str = KUBERNETES_VERSIONS[-1]
+    kubernetes_version: str = DEFAULT_KUBERNETES_VERSION
     vpc_cidr: str = "10.0.0.0/16"
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     # Granted cluster admin through an access entry; required: without it only CloudFormation's deployment role can
@@ -230,7 +231,7 @@ class EnvironmentConfig(Validated):
             fail("gpu_availability_zone", self.gpu_availability_zone,
                  f"must be one of availability_zones ({', '.join(self.availability_zones)}) of {self.region}")
         if self.kubernetes_version not in KUBERNETES_VERSIONS:
-            fail("kubernetes_version", self.kubernetes_version, kubernetes_versions_allowed(self.kubernetes_version))
+            fail("kubernetes_version", self.kubernetes_version, kubernetes_versions_allowed())
         try:
             net = ipaddress.ip_network(self.vpc_cidr)
         except ValueError:

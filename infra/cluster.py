@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from aws_cdk import (Acknowledgment, CfnCondition, RemovalPolicy, Stack, Validations, aws_ec2 as ec2,
                      aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms, aws_lambda as lambda_)
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
+from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct, IDependable
 
-from moe_rl_eks.core.cluster import (KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY, VPC_CNI_VERSION,
-                                    kubernetes_versions_allowed)
+from moe_rl_eks.core.cluster import (DEFAULT_KUBERNETES_VERSION, KUBERNETES_VERSIONS, VPC_CNI_MIN_VERSION_FOR_EFA_ONLY,
+                                    VPC_CNI_VERSION, kubernetes_versions_allowed)
 from moe_rl_eks.core.environment import EndpointConfig
 from moe_rl_eks.core.labels import ROLE_LABEL
 
@@ -28,8 +29,9 @@ ALL_LOG_TYPES = (
     eks.ClusterLoggingTypes.SCHEDULER,
 )
 # Each supported version (core.cluster.KUBERNETES_VERSIONS) with the kubectl Lambda layer built for it: the layer
-# ships the kubectl/helm that install manifests and charts.
-_KUBERNETES = {"1.35": (eks.KubernetesVersion.V1_35, KubectlV35Layer)}
+# ships the kubectl/helm that install manifests and charts (kubectl is supported within one minor of the server).
+_KUBERNETES = {"1.35": (eks.KubernetesVersion.V1_35, KubectlV35Layer),
+               "1.36": (eks.KubernetesVersion.V1_36, KubectlV36Layer)}
 assert set(_KUBERNETES) == set(KUBERNETES_VERSIONS), "a supported Kubernetes version lacks its kubectl layer"
 # The CloudWatch agent needs these (AWS managed) to publish Container Insights metrics and logs.
 CLOUDWATCH_AGENT_POLICY = "CloudWatchAgentServerPolicy"
@@ -56,7 +58,8 @@ class MoeRlCluster(Construct):
     ``cluster_security_group_id`` (on every node interface), ``network_ready`` (node groups depend on it: the VPC
     CNI), ``services_ready`` (Helm charts depend on it: system nodes and CoreDNS), :meth:`service_account` (a
     service account bound to its own IAM role by Pod Identity), :meth:`pod_identity_role`, :meth:`grant_admin`.
-    Also ``secrets_key``, ``addons`` (name -> CfnAddon), ``system_nodegroup``.
+    Also ``kubernetes_version`` (the minor, which the cluster services' pins follow), ``secrets_key``, ``addons``
+    (name -> CfnAddon), ``system_nodegroup``.
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class MoeRlCluster(Construct):
         id: str,
         *,
         vpc: ec2.IVpc,
-        kubernetes_version: str = KUBERNETES_VERSIONS[-1],
+        kubernetes_version: str = DEFAULT_KUBERNETES_VERSION,
         cluster_name: str | None = None,
         public_endpoint_cidrs: Sequence[str] = (),
         admin_role: iam.IRole | None = None,
@@ -78,7 +81,8 @@ class MoeRlCluster(Construct):
     ) -> None:
         """
         :param vpc: the VPC; the control plane and the kubectl provider use its private subnets.
-        :param kubernetes_version: Kubernetes minor version; default the newest of core.cluster.KUBERNETES_VERSIONS.
+        :param kubernetes_version: Kubernetes minor version, one of core.cluster.KUBERNETES_VERSIONS; default
+            core.cluster.DEFAULT_KUBERNETES_VERSION.
         :param cluster_name: default: a name CloudFormation generates.
         :param public_endpoint_cidrs: default: none, the API endpoint is private only. Giving CIDRs opens a public
             endpoint reachable from those CIDRs only (never 0.0.0.0/0).
@@ -100,7 +104,7 @@ class MoeRlCluster(Construct):
         super().__init__(scope, id)
         if kubernetes_version not in _KUBERNETES:
             raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; "
-                             f"{kubernetes_versions_allowed(kubernetes_version)}")
+                             f"{kubernetes_versions_allowed()}")
         endpoint = EndpointConfig(public=bool(public_endpoint_cidrs), public_cidrs=public_endpoint_cidrs)
         if system_nodes < 1:
             raise ValueError(f"system_nodes: {system_nodes} is not allowed; at least 1 (cluster services run there)")
@@ -117,6 +121,7 @@ class MoeRlCluster(Construct):
             description="EKS envelope encryption of Kubernetes secrets")
         kubectl_sg = ec2.SecurityGroup(self, "KubectlSecurityGroup", vpc=vpc, allow_all_outbound=True,
                                        description="kubectl provider Lambda: reaches the private API endpoint")
+        self.kubernetes_version = kubernetes_version
         version, layer = _KUBERNETES[kubernetes_version]
         self.cluster = eks.Cluster(
             self, "Cluster",

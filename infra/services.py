@@ -18,7 +18,8 @@ from aws_cdk import Acknowledgment, Duration, Stack, Validations, aws_eks_v2 as 
 from constructs import Construct, IDependable
 
 from moe_rl_eks.core.catalog import CATALOG
-from moe_rl_eks.core.cluster import CLUSTER_SERVICES_PRIORITY_CLASS, HUGEPAGES_RESOURCE, hugepages_mib
+from moe_rl_eks.core.cluster import (CLUSTER_SERVICES_PRIORITY_CLASS, HUGEPAGES_RESOURCE, KUBERNETES_VERSIONS,
+                                    hugepages_mib, kubernetes_versions_allowed)
 from moe_rl_eks.core.environment import ClusterNamesConfig, NodePoolConfig
 from moe_rl_eks.core.labels import EFA_RESOURCE, GPU_RESOURCE, ROLE_LABEL, tolerations
 
@@ -35,22 +36,26 @@ class Chart:
     version: str
     namespace: str
     # The Kubernetes minors this release supports or was tested on: (lowest, highest; None: no upper bound stated),
-    # and where that was read (source, date). Every accepted core.cluster.KUBERNETES_VERSIONS must fall inside.
+    # and where that was read (source, date). Every Kubernetes version it is installed on must fall inside.
     kubernetes: tuple[str, str | None]
     kubernetes_source: str
 
 
-# Pinned chart versions; bump deliberately (each is a cluster-wide upgrade).
+def _keda(version: str, kubernetes: tuple[str, str], source: str) -> Chart:
+    return Chart("https://kedacore.github.io/charts", "keda", version, "keda", kubernetes, source)
+
+
+# Pinned chart versions, the same for every accepted Kubernetes version; bump deliberately (each is a cluster-wide
+# upgrade). KEDA's follows the cluster's Kubernetes minor: KUBERNETES_PINS.
 CHARTS = {
-    "keda": Chart("https://kedacore.github.io/charts", "keda", "2.20.2", "keda", ("1.33", "1.35"),
-                  "keda.sh/docs/2.22/operate/cluster, tested window per release (read 2026-12-01)"),
     "jobset": Chart("oci://registry.k8s.io/jobset/charts/jobset", "jobset", "0.12.0", "jobset-system", ("1.34", "1.36"),
                     "JobSet README at v0.12.0 (2026-05-08): the latest 3 minors; built on k8s.io/api v0.36.0"),
     "kueue": Chart("oci://registry.k8s.io/kueue/charts/kueue", "kueue", "0.19.2", "kueue-system", ("1.34", "1.36"),
                    "no window stated; v0.19.2 (2026-08-20) is built on k8s.io/api v0.36.2, read 2026-12-01"),
     "cluster-autoscaler": Chart("https://kubernetes.github.io/autoscaler", "cluster-autoscaler", "9.54.0",
-                                "kube-system", ("1.35", "1.35"), "one autoscaler minor per Kubernetes minor: image "
-                                "CLUSTER_AUTOSCALER_IMAGE_TAG (autoscaler README, read 2026-11)"),
+                                "kube-system", ("1.35", "1.36"), "the chart states no window; its image is the "
+                                "autoscaler release of the cluster's minor (KUBERNETES_PINS; autoscaler README: one "
+                                "autoscaler minor per Kubernetes minor, read 2026-11)"),
     "nvidia-device-plugin": Chart("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.19.3",
                                   "kube-system", ("1.10", None), "chart kubeVersion '>= 1.10.0-0' at v0.19.3; "
                                   "kubelet device plugin API v1beta1 (read 2026-12-01)"),
@@ -58,20 +63,54 @@ CHARTS = {
                                        "kube-system", ("1.10", None), "no window stated; kubelet device plugin API "
                                        "v1beta1 (read 2026-11)"),
 }
+
+
+@dataclass(frozen=True)
+class KubernetesPins:
+    """What the cluster services pin per Kubernetes minor: the KEDA release tested on it (each is tested on three
+    minors, one later per release), and the Cluster Autoscaler image of the same minor (the autoscaler supports
+    only the Kubernetes minor it is released for)."""
+
+    keda: Chart
+    cluster_autoscaler_image_tag: str
+
+
+KUBERNETES_PINS = {
+    "1.35": KubernetesPins(
+        keda=_keda("2.20.2", ("1.33", "1.35"), "keda.sh/docs/2.22/operate/cluster, tested window per release "
+                   "(read 2026-12-01)"),
+        cluster_autoscaler_image_tag="v1.35.0"),
+    # KEDA 2.21.0: the release's first version (keda-docs content/docs/2.21/deploy.md names v2.21.0's files); not
+    # checked against the chart repository, whose index was not reachable, nor were the release's CRDs.
+    "1.36": KubernetesPins(
+        keda=_keda("2.21.0", ("1.34", "1.36"), "keda.sh/docs/2.22/operate/cluster, tested window per release "
+                   "(read 2026-12-01)"),
+        # Tag cluster-autoscaler-1.36.1 (2026-07-22), promoted to registry.k8s.io by kubernetes/k8s.io#9760.
+        cluster_autoscaler_image_tag="v1.36.1"),
+}
+assert set(KUBERNETES_PINS) == set(KUBERNETES_VERSIONS), "an accepted Kubernetes version lacks its pins"
+
+
+def pinned_charts(kubernetes_version: str) -> dict[str, Chart]:
+    """Every chart installed on a cluster of ``kubernetes_version``: CHARTS and that minor's KEDA."""
+    return {**CHARTS, "keda": KUBERNETES_PINS[kubernetes_version].keda}
+
+
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # served from Kueue 0.15; v1beta1 is not served from 0.20
 # Gang admission: a trainer JobSet is admitted only once the Cluster Autoscaler has scaled its pool up for every one
 # of its pods in one step (Kueue's ProvisioningRequest admission check, kueue.x-k8s.io/provisioning-request). Until
 # then its pods do not exist, so a run that cannot get all its nodes holds none. The atomic class asks for the whole
 # gang in one node-group increase, made only when the group can hold all of it; AWS node groups do not implement
-# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 falls back to one plain increase), so EC2 may still
-# launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
+# the autoscaler's AtomicIncreaseSize (cluster-autoscaler 1.35 and 1.36 fall back to one plain increase), so EC2 may
+# still launch fewer nodes than asked, and waitForPodsReady below gives such a gang back.
 GANG_PROVISIONING = "moe-rl-gang"  # the ProvisioningRequestConfig and the AdmissionCheck naming it
 PROVISIONING_CLASS = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
 PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
 # The roles whose workloads are gangs (JobSets through Kueue): their ClusterQueues carry the admission check.
 GANG_ROLES = ("trainer",)
-# The ProvisioningRequest CRD, from the autoscaler release the pinned image is (its chart installs neither the CRD
-# nor the RBAC for it); the file's moe-rl/source annotation names the commit.
+# The ProvisioningRequest CRD (the autoscaler's chart installs neither the CRD nor the RBAC for it), from the 1.35.0
+# release; the file's moe-rl/source annotation names the commit. 1.36.1's differs from it in description text only
+# (two provisioning class names, compared 2026-12-02), so one CRD serves both pinned images.
 PROVISIONING_REQUEST_CRD = Path(__file__).parent / "crds" / "autoscaling.x-k8s.io_provisioningrequests.json"
 # An admitted gang must have every pod ready within this time (nodes launched from zero, the images pulled, each
 # pod's doctor passed), or Kueue evicts all of it and requeues it after a backoff of 60 s doubling up to 1 h.
@@ -99,7 +138,6 @@ def kueue_configuration() -> dict:
             "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60, "backoffMaxSeconds": 3600},
         },
     }
-CLUSTER_AUTOSCALER_IMAGE_TAG = "v1.35.0"  # matches the cluster's minor version (core.cluster.KUBERNETES_VERSIONS)
 # Helm waits for the release's pods to be ready; the kubectl provider's Lambda runs at most 15 minutes.
 CHART_TIMEOUT = Duration.minutes(12)
 CLUSTER_AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
@@ -126,13 +164,14 @@ def require_kubectl_provider(cluster: eks.ICluster, user: str) -> None:
             "eks.KubectlProviderOptions(kubectl_layer=...) to create one")
 
 
-def add_chart(scope: Construct, cluster: eks.ICluster, name: str, values: dict,
+def add_chart(scope: Construct, cluster: eks.ICluster, pinned: Chart, values: dict,
               depends_on: Sequence[IDependable] = ()) -> eks.HelmChart:
-    """One of CHARTS, pinned, installed with Helm's --wait (so what depends on it finds it running)."""
+    """A pinned chart, released under its own name, installed with Helm's --wait (so what depends on it finds it
+    running)."""
+    name = pinned.chart
     require_kubectl_provider(cluster, f"the {name} chart")
-    c = CHARTS[name]
-    chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=c.chart, repository=c.repository,
-                          version=c.version, namespace=c.namespace, release=name, values=values,
+    chart = eks.HelmChart(scope, pascal(name), cluster=cluster, chart=name, repository=pinned.repository,
+                          version=pinned.version, namespace=pinned.namespace, release=name, values=values,
                           create_namespace=True, wait=True, timeout=CHART_TIMEOUT)
     for dependency in depends_on:
         chart.node.add_dependency(dependency)
@@ -162,12 +201,12 @@ class DevicePlugins(Construct):
             # injection mounts every uverbs device into GPU pods, clashing with the EFA device plugin's allocation;
             # GDS is unused; GDRCopy passes /dev/gdrdrv into GPU containers (NVIDIA_GDRCOPY=enabled), which DeepEP's
             # NVSHMEM proxy over EFA needs, where the node loads the gdrdrv module (the EKS AMI does not).
-            "nvidia-device-plugin": add_chart(self, cluster, "nvidia-device-plugin", {
+            "nvidia-device-plugin": add_chart(self, cluster, CHARTS["nvidia-device-plugin"], {
                 "mofedEnabled": False, "gdsEnabled": False, "gdrcopyEnabled": True,
                 "tolerations": self.tolerations}, depends_on),
             # The plugin's own instance-type allow-list lags new types; without our types on it no node advertises
             # vpc.amazonaws.com/efa and NCCL silently falls back to TCP.
-            "aws-efa-k8s-device-plugin": add_chart(self, cluster, "aws-efa-k8s-device-plugin", {
+            "aws-efa-k8s-device-plugin": add_chart(self, cluster, CHARTS["aws-efa-k8s-device-plugin"], {
                 "supportedInstanceLabels": {"keys": ["node.kubernetes.io/instance-type"],
                                             "values": sorted(n for n, t in CATALOG.items() if t.has_efa)},
                 "tolerations": self.tolerations}, depends_on),
@@ -176,10 +215,11 @@ class DevicePlugins(Construct):
 
 class ClusterServices(Construct):
     """Cluster-wide services for runs. Attributes: ``charts`` (name -> HelmChart), ``device_plugins``,
-    ``cluster_queues`` (pool role -> the ClusterQueue manifest), ``autoscaler_role``."""
+    ``cluster_queues`` (pool role -> the ClusterQueue manifest), ``autoscaler_role``, ``pins`` (the
+    :class:`KubernetesPins` of the cluster's version)."""
 
     def __init__(self, scope: Construct, id: str, *, cluster: MoeRlCluster | eks.ICluster,
-                 pools: Mapping[str, EfaNodePool], run_namespace: str,
+                 pools: Mapping[str, EfaNodePool], run_namespace: str, kubernetes_version: str | None = None,
                  namespace_manifest: IDependable | None = None, keda_role: iam.IRole | None = None,
                  names: ClusterNamesConfig = ClusterNamesConfig(), depends_on: Sequence[IDependable] = ()) -> None:
         """
@@ -190,6 +230,9 @@ class ClusterServices(Construct):
         :param pools: GPU pools by role (``trainer``, ``rollout``); each gets a Kueue ResourceFlavor, ClusterQueue
             and LocalQueue.
         :param run_namespace: where LocalQueues live.
+        :param kubernetes_version: the cluster's Kubernetes minor (one of core.cluster.KUBERNETES_VERSIONS), which
+            picks KEDA's release and the autoscaler's image (KUBERNETES_PINS); default: a ``MoeRlCluster``'s own.
+            Required with any other cluster: an ``eks.ICluster`` does not say its version.
         :param namespace_manifest: the run namespace's manifest, LocalQueues are created after it; default: none,
             the namespace exists already.
         :param keda_role: a Pod Identity role for the KEDA operator, whose scalers query Prometheus with the
@@ -213,6 +256,8 @@ class ClusterServices(Construct):
             eks_cluster, self._ready = cluster, list(depends_on)
             require_kubectl_provider(eks_cluster, "ClusterServices")
             self._service_account = functools.partial(service_account, self, cluster=eks_cluster)
+        version = _cluster_version(cluster, kubernetes_version)
+        self.pins, self._pinned = KUBERNETES_PINS[version], pinned_charts(version)
         self.names = names
         self.device_plugins = DevicePlugins(self, "DevicePlugins", cluster=eks_cluster, pools=list(pools.values()),
                                             depends_on=self._ready)
@@ -227,7 +272,7 @@ class ClusterServices(Construct):
             # The association must exist before the operator starts: Pod Identity injects credentials at pod start.
             association = eks.CfnPodIdentityAssociation(
                 self, "KedaOperatorPodIdentity", cluster_name=eks_cluster.cluster_name,
-                namespace=CHARTS["keda"].namespace, service_account=KEDA_OPERATOR_SERVICE_ACCOUNT,
+                namespace=self.pins.keda.namespace, service_account=KEDA_OPERATOR_SERVICE_ACCOUNT,
                 role_arn=keda_role.role_arn)
             keda.node.add_dependency(association)
         jobset = self._chart(eks_cluster, "jobset", {"controller": {"nodeSelector": _SYSTEM_NODES}})
@@ -251,7 +296,7 @@ class ClusterServices(Construct):
                                for role, pool in pools.items()}
 
     def _chart(self, cluster: eks.ICluster, name: str, values: dict) -> eks.HelmChart:
-        chart = add_chart(self, cluster, name, values, self._ready)
+        chart = add_chart(self, cluster, self._pinned[name], values, self._ready)
         self.charts[name] = chart
         return chart
 
@@ -285,7 +330,7 @@ class ClusterServices(Construct):
             "cloudProvider": "aws",
             "awsRegion": stack.region,
             "autoDiscovery": {"clusterName": cluster.cluster_name},
-            "image": {"tag": CLUSTER_AUTOSCALER_IMAGE_TAG},
+            "image": {"tag": self.pins.cluster_autoscaler_image_tag},
             "rbac": {"serviceAccount": {"create": False, "name": CLUSTER_AUTOSCALER_SERVICE_ACCOUNT}},
             "nodeSelector": _SYSTEM_NODES,
             "priorityClassName": _CRITICAL,
@@ -315,6 +360,20 @@ class ClusterServices(Construct):
         manifest.node.add_dependency(self.charts["kueue"], self.gang_admission,
                                      *([namespace_manifest] if namespace_manifest is not None else []))
         return manifest
+
+
+def _cluster_version(cluster: MoeRlCluster | eks.ICluster, kubernetes_version: str | None) -> str:
+    """The Kubernetes minor the services are pinned for: a MoeRlCluster's own, else the one given."""
+    if isinstance(cluster, MoeRlCluster):
+        if kubernetes_version not in (None, cluster.kubernetes_version):
+            raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; the cluster runs "
+                             f"{cluster.kubernetes_version} (leave it unset with a MoeRlCluster)")
+        return cluster.kubernetes_version
+    if kubernetes_version not in KUBERNETES_VERSIONS:
+        raise ValueError(f"kubernetes_version: {kubernetes_version!r} is not allowed; the imported cluster's minor, "
+                         "which picks KEDA's release and the autoscaler's image, "
+                         f"{kubernetes_versions_allowed()}")
+    return kubernetes_version
 
 
 def _nag_cluster_name(cluster: eks.ICluster) -> str:

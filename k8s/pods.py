@@ -1,17 +1,17 @@
 """Pod building blocks shared by the run chart and the validation chart: sizes, security, volumes, placement.
 
-Typed L1 structs (`cdk8s_plus_35.k8s`) throughout: cdk8s-plus cannot express GPU, EFA or hugepages resources,
+Typed L1 structs (`k8s` of k8s/kube.py) throughout: cdk8s-plus cannot express GPU, EFA or hugepages resources,
 and the JobSet's pod template must be the same struct the Deployment uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cdk8s_plus_35 import k8s
-
 from moe_rl_eks.core import cluster, labels
 from moe_rl_eks.core.environment import NodePoolConfig
 from moe_rl_eks.core.schema import ConfigError
+
+from .kube import k8s
 
 # Kubelet, system reservations and the node's daemon sets (CNI, device plugins, FSx CSI, Pod Identity agent,
 # metrics) keep this share of a GPU node's CPU and memory.

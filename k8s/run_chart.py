@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import cdk8s
 import yaml
-from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster, labels, metrics
@@ -19,6 +18,7 @@ from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun, resolved_run_file
 from moe_rl_eks.core.schema import dump
 
+from .kube import k8s
 from .outputs import StackOutputs
 from .pods import CACHE_ENV, ORCHESTRATOR_SIZE, PULL_POLICY, RUN_FILE, TMP_GIB, aws_env, check_shm, \
     container_security, env_vars, gpu_placement, pod_spec, rollout_size, scraped_on, \

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cdk8s
-from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import cluster
@@ -19,6 +18,7 @@ from moe_rl_eks.core.container import DEEPEP_EFA_ENV
 from moe_rl_eks.core.run import ResolvedRun
 
 from .collectives import collective_env
+from .kube import k8s
 from .pods import CACHE_ENV, PULL_POLICY, container_security, env_vars, gpu_placement, \
     pod_spec, standard_volumes, startup_check, trainer_size
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import cdk8s
-from cdk8s_plus_35 import k8s
 from constructs import Construct
 
 from moe_rl_eks.core import labels
 from moe_rl_eks.core.deploy import image_reference
 from moe_rl_eks.core.run import ResolvedRun
 
+from .kube import k8s
 from .outputs import StackOutputs
 from .pods import RUN_CONFIG_DIR, aws_env
 from .run_chart import no_metadata_egress, role_labels, selector

@@ -46,9 +46,8 @@ def _set(path: str, value):
     ("dev", "trainer_pool.efa", False, "a trainer pool of more than one node needs EFA"),
     ("dev", "endpoint", {"public": True}, "a public endpoint needs an allow-list"),
     ("dev", "endpoint", {"public": True, "public_cidrs": ["0.0.0.0/0"]}, "the whole internet is not an allow-list"),
-    ("dev", "kubernetes_version", "1.21", "supported: 1.35"),
-    ("dev", "kubernetes_version", "1.36", "supported: 1.35 (KEDA 2.20.2, the pinned chart, is tested on Kubernetes "
-     "1.33 to 1.35)"),
+    ("dev", "kubernetes_version", "1.21", "supported: 1.35, 1.36"),
+    ("dev", "kubernetes_version", "1.37", "supported: 1.35, 1.36"),
     ("dev", "cluster_names", {"trainer_queue": "Research_Q"}, "expected a Kubernetes object name"),
     ("dev", "cluster_names", {"rollout_priority_class": "system-node-critical"}, "the system- prefix is reserved"),
     ("dev", "account", "12345", "12-digit"),
@@ -82,3 +81,11 @@ def test_unknown_field_is_refused_with_the_known_ones():
 def test_unknown_environment_name_lists_the_known_ones():
     with pytest.raises(ConfigError, match="env: 'qa' is not allowed; known environments: dev, prod"):
         select_environment(load_environments(CONTEXT), "qa")
+
+
+def test_kubernetes_1_36_is_accepted_and_1_35_stays_the_default():
+    context = copy.deepcopy(CONTEXT)
+    del context["environments"]["dev"]["kubernetes_version"]
+    context["environments"]["prod"]["kubernetes_version"] = "1.36"
+    envs = load_environments(context)
+    assert (envs["dev"].kubernetes_version, envs["prod"].kubernetes_version) == ("1.35", "1.36")

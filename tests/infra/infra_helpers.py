@@ -50,6 +50,28 @@ def helm_charts(template: dict) -> dict[str, dict]:
             for r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").values()}
 
 
+# The core kinds the stack applies through the kubectl provider (the rest are Kueue's).
+STACK_CORE_KINDS = {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job",
+                    "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+
+
+def strictly_validated_kinds(template: dict) -> set[str]:
+    """The kinds of the template's core Kubernetes objects, each validated with kubernetes-validate --strict at the
+    Kubernetes version of the template's cluster."""
+    import kubernetes_validate
+
+    (cluster,) = resources_of(template, "AWS::EKS::Cluster").values()
+    kinds = set()
+    for obj in kubernetes_objects(template):
+        if obj["apiVersion"].startswith("kueue.x-k8s.io/"):
+            continue  # Kueue's own webhooks check these once its chart is up (applied after it)
+        # CloudFormation tokens (ARNs, file-system ids) become strings here; their shape is not what is checked.
+        kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')),
+                                     cluster["Properties"]["Version"], strict=True)
+        kinds.add(obj["kind"])
+    return kinds
+
+
 def pool(template: dict, role: str) -> tuple[dict, dict]:
     """(nodegroup properties, launch template data) of the pool with ``moe-rl/role=role``."""
     for ng in resources_of(template, "AWS::EKS::Nodegroup").values():

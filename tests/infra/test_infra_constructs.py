@@ -303,12 +303,32 @@ def test_storage_refuses_a_repository_prefix_ecr_would_refuse():
         MoeRlStorage(stack, "Storage", vpc=vpc, fsx_subnet=None, repository_prefix="Moe RL")
 
 
-def test_cluster_refuses_kubernetes_1_36_naming_the_chart_that_does_not_cover_it():
-    stack = cdk.Stack(cdk.App(), "K136", env=ENV)
+def test_cluster_refuses_a_kubernetes_version_it_has_no_kubectl_layer_and_pins_for():
+    stack = cdk.Stack(cdk.App(), "K134", env=ENV)
     vpc = ec2.Vpc(stack, "Vpc", availability_zones=["us-west-2a", "us-west-2b"], nat_gateways=1)
-    with pytest.raises(ValueError, match=r"kubernetes_version: '1.36' is not allowed; supported: 1.35 \(KEDA 2.20.2, "
-                                         r"the pinned chart, is tested on Kubernetes 1.33 to 1.35\)"):
-        MoeRlCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.36")
+    with pytest.raises(ValueError, match=r"kubernetes_version: '1.34' is not allowed; supported: 1.35, 1.36$"):
+        MoeRlCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.34")
+
+
+def test_cluster_services_pin_for_an_imported_clusters_version_which_they_must_be_told():
+    stack = PlatformStack(cdk.App(), "TheirVersion")
+    provider = eks.KubectlProvider.from_kubectl_provider_attributes(
+        stack, "TheirKubectl", service_token="arn:aws:lambda:us-west-2:444444444444:function:their-kubectl")
+    imported = eks.Cluster.from_cluster_attributes(stack, "Theirs", cluster_name="their-cluster",
+                                                   vpc=stack.cluster.cluster.vpc, kubectl_provider=provider)
+    with pytest.raises(ValueError, match=r"kubernetes_version: None is not allowed; the imported cluster's minor, "
+                                         r"which picks KEDA's release and the autoscaler's image, "
+                                         r"supported: 1.35, 1.36"):
+        ClusterServices(stack, "Unversioned", cluster=imported, pools={"trainer": stack.pool}, run_namespace="x")
+    services = ClusterServices(stack, "Services", cluster=imported, pools={"trainer": stack.pool}, run_namespace="x",
+                               kubernetes_version="1.36")
+    assert (services.pins.keda.version, services.pins.cluster_autoscaler_image_tag) == ("2.21.0", "v1.36.1")
+    # On our own cluster the version is the cluster's; another one is refused.
+    own = ClusterServices(stack, "OwnServices", cluster=stack.cluster, pools={"trainer": stack.pool}, run_namespace="y")
+    assert (stack.cluster.kubernetes_version, own.pins.keda.version) == ("1.35", "2.20.2")
+    with pytest.raises(ValueError, match=r"kubernetes_version: '1.36' is not allowed; the cluster runs 1.35 \(leave"):
+        ClusterServices(stack, "Mismatch", cluster=stack.cluster, pools={"trainer": stack.pool}, run_namespace="z",
+                        kubernetes_version="1.36")
 
 
 def test_every_user_data_script_is_shellcheck_clean(tmp_path):

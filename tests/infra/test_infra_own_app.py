@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infra_helpers import REPO, SYNTH_TIMEOUT_S, kubernetes_objects, offline_env, resources_of
+from infra_helpers import REPO, SYNTH_TIMEOUT_S, helm_charts, kubernetes_objects, offline_env, resources_of
 
 APP = Path(__file__).parent / "own_app" / "app.py"
 SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "tools", "pyproject.toml", "README.md")
@@ -123,6 +123,10 @@ def test_imported_cluster_app_adds_an_efa_pool_and_the_cluster_services_through_
         "arn:aws:lambda:us-west-2:444444444444:function:their-kubectl"}
     assert {c["Properties"]["Release"] for c in charts} == {
         "nvidia-device-plugin", "aws-efa-k8s-device-plugin", "keda", "jobset", "kueue", "cluster-autoscaler"}
+    # Pinned for the version they said their cluster runs (1.36): KEDA tested on it, the autoscaler of that minor.
+    pinned = helm_charts(template)
+    assert pinned["keda"]["Version"] == "2.21.0"
+    assert pinned["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.36.1"
     # The autoscaler's identity: a Pod Identity association on their cluster, whose role only that cluster may use.
     (association,) = resources_of(template, "AWS::EKS::PodIdentityAssociation").values()
     assert (association["Properties"]["ClusterName"], association["Properties"]["ServiceAccount"]) == \

@@ -14,9 +14,10 @@ from moe_rl_eks.core import metrics
 from moe_rl_eks.core.catalog import CATALOG
 from moe_rl_eks.core.cluster import VPC_CNI_VERSION
 from moe_rl_eks.infra.node_pool import GDRCOPY_COMMIT, GDRCOPY_VERSION, GDRDRV_UNIT, MEMLOCK_DROP_IN
-from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT, CLUSTER_AUTOSCALER_IMAGE_TAG
+from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT, KUBERNETES_PINS, pinned_charts
 
-from infra_helpers import REPO, helm_charts, join_string, kubernetes_objects, pool, resources_of
+from infra_helpers import (REPO, STACK_CORE_KINDS, helm_charts, join_string, kubernetes_objects, pool, resources_of,
+                           strictly_validated_kinds)
 
 
 @pytest.mark.parametrize("env,role,instance_type,efa", [
@@ -230,7 +231,7 @@ def test_charts_install_with_wait_after_system_nodes_and_coredns_and_queues_afte
     (coredns,) = [k for k, r in resources_of(template, "AWS::EKS::Addon").items()
                   if r["Properties"]["AddonName"] == "coredns"]
     charts = {r["Properties"]["Release"]: (k, r) for k, r in resources_of(template, "Custom::AWSCDK-EKS-HelmChart").items()}
-    assert set(charts) == set(CHARTS)
+    assert set(charts) == set(pinned_charts("1.35"))
     for name, (_, chart) in charts.items():
         assert chart["Properties"]["Wait"] is True, name
         assert chart["Properties"]["Timeout"] == f"{CHART_TIMEOUT.to_seconds()}s", name
@@ -281,7 +282,9 @@ def test_system_nodes_have_room_for_controllers_orchestrators_and_their_images(t
 
 def test_cluster_services_are_pinned_and_configured_for_efa(templates):
     charts = helm_charts(templates["prod"])
-    assert {name: c["Version"] for name, c in charts.items()} == {n: c.version for n, c in CHARTS.items()}
+    assert {name: c["Version"] for name, c in charts.items()} == \
+        {name: c.version for name, c in pinned_charts("1.35").items()}
+    assert charts["keda"]["Version"] == "2.20.2"  # the KEDA release tested on the cluster's 1.35
     assert charts["cluster-autoscaler"]["Values"]["image"]["tag"] == "v1.35.0"  # the cluster's minor version
     nvidia = charts["nvidia-device-plugin"]["Values"]
     # Each set explicitly (the chart's defaults moved twice in 0.19.x): no MOFED, no GDS, GDRCopy into GPU pods.
@@ -462,7 +465,7 @@ def test_keda_operator_may_query_only_the_prometheus_workspace_before_it_starts(
     template = templates["prod"]
     (logical_id, association), = [(k, r) for k, r in resources_of(template, "AWS::EKS::PodIdentityAssociation").items()
                                    if r["Properties"]["ServiceAccount"] == "keda-operator"]
-    assert association["Properties"]["Namespace"] == CHARTS["keda"].namespace
+    assert association["Properties"]["Namespace"] == KUBERNETES_PINS["1.35"].keda.namespace
     role = association["Properties"]["RoleArn"]["Fn::GetAtt"][0]
     (workspace_id,) = resources_of(template, "AWS::APS::Workspace")
     statements = [s for p in resources_of(template, "AWS::IAM::Policy").values() if {"Ref": role} in p["Properties"]["Roles"]
@@ -482,21 +485,7 @@ def test_stack_outputs_use_the_shared_keys(templates):
 
 
 def test_every_core_kubernetes_object_the_stack_applies_passes_strict_validation(templates):
-    import kubernetes_validate
-
-    from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
-
-    (version,) = KUBERNETES_VERSIONS
-    kinds = set()
-    for env in ("dev", "prod"):
-        for obj in kubernetes_objects(templates[env]):
-            if obj["apiVersion"].startswith("kueue.x-k8s.io/"):
-                continue  # Kueue's own webhooks check these once its chart is up (applied after it)
-            # CloudFormation tokens (ARNs, file-system ids) become strings here; their shape is not what is checked.
-            kubernetes_validate.validate(json.loads(json.dumps(obj).replace('"TOKEN"', '"x"')), version, strict=True)
-            kinds.add(obj["kind"])
-    assert kinds == {"Namespace", "ServiceAccount", "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Job",
-                     "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    assert strictly_validated_kinds(templates["dev"]) | strictly_validated_kinds(templates["prod"]) == STACK_CORE_KINDS
 
 
 def _rules(template: dict, kind: str, group: dict) -> set[tuple]:
@@ -533,30 +522,28 @@ def test_gpu_pools_repair_unhealthy_nodes_one_at_a_time(templates):
             assert props["NodeRepairConfig"] == {"Enabled": True, "MaxParallelNodesRepairedCount": 1}, (env, role)
 
 
-def test_every_chart_pin_supports_every_kubernetes_version_the_constructs_accept():
+def test_every_pin_supports_each_kubernetes_version_it_is_installed_on():
     from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
 
     def minor(version: str) -> tuple[int, int]:
         major, minor_ = version.split(".")
         return int(major), int(minor_)
 
-    for name, chart in CHARTS.items():
-        low, high = chart.kubernetes
-        assert chart.kubernetes_source, name
-        for version in KUBERNETES_VERSIONS:
+    for version in KUBERNETES_VERSIONS:
+        for name, chart in pinned_charts(version).items():
+            low, high = chart.kubernetes
+            assert chart.kubernetes_source, name
             assert minor(low) <= minor(version) and (high is None or minor(version) <= minor(high)), \
                 f"{name} {chart.version} supports Kubernetes {low} to {high or 'any'} ({chart.kubernetes_source}), " \
                 f"not {version}"
-    # 1.36 is refused for KEDA: the reason names the pin and its window, and the pin indeed stops short of it.
-    from moe_rl_eks.core.cluster import KUBERNETES_REFUSED
-
-    keda = CHARTS["keda"]
-    assert minor("1.36") > minor(keda.kubernetes[1])
-    assert KUBERNETES_REFUSED["1.36"] == \
-        f"KEDA {keda.version}, the pinned chart, is tested on Kubernetes {keda.kubernetes[0]} to {keda.kubernetes[1]}"
-    # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, KEDA 2.20, JobSet 0.12, the plugin's revert.
-    assert [CHARTS[n].version for n in ("kueue", "keda", "jobset", "nvidia-device-plugin")] == \
-        ["0.19.2", "2.20.2", "0.12.0", "0.19.3"]
+        # One autoscaler minor per Kubernetes minor.
+        assert KUBERNETES_PINS[version].cluster_autoscaler_image_tag.startswith(f"v{version}."), version
+    # KEDA 2.20 is tested on 1.33-1.35 only, so 1.36 gets 2.21; 1.35 keeps the release its CRD schemas come from.
+    assert {version: pins.keda.version for version, pins in KUBERNETES_PINS.items()} == {"1.35": "2.20.2",
+                                                                                         "1.36": "2.21.0"}
+    assert not minor("1.36") <= minor(KUBERNETES_PINS["1.35"].keda.kubernetes[1])
+    # The pins the issue of Dec 2026 asked for: Kueue with v1beta2, JobSet 0.12, the plugin's revert.
+    assert [CHARTS[n].version for n in ("kueue", "jobset", "nvidia-device-plugin")] == ["0.19.2", "0.12.0", "0.19.3"]
 
 
 def test_kueue_gives_back_a_whole_gang_that_is_not_ready_in_time_and_admits_one_partial_gang_at_most(templates):
@@ -601,7 +588,8 @@ def test_a_trainer_gang_is_admitted_only_after_the_autoscaler_provisioned_all_of
     assert crd["metadata"]["name"] == "provisioningrequests.autoscaling.x-k8s.io"
     assert [v["name"] for v in crd["spec"]["versions"] if v["served"] and v["storage"]] == ["v1"]
     # From the release the autoscaler's pinned image is built from.
-    assert f"cluster-autoscaler-{CLUSTER_AUTOSCALER_IMAGE_TAG.lstrip('v')} (" in crd["metadata"]["annotations"]["moe-rl/source"]
+    tag = KUBERNETES_PINS["1.35"].cluster_autoscaler_image_tag
+    assert f"cluster-autoscaler-{tag.lstrip('v')} (" in crd["metadata"]["annotations"]["moe-rl/source"]
     (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cluster-autoscaler", "namespace": "kube-system"}]
     (role,) = [o for o in objects if o["kind"] == "ClusterRole"]

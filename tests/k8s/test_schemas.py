@@ -1,6 +1,7 @@
-"""Every object validates: core kinds with kubernetes-validate --strict at the cluster's Kubernetes version,
-custom resources against their CRD's openAPIV3Schema (committed under data/crd_schemas, source in each file's
-$comment), with unknown fields refused as the API server's strict field validation would."""
+"""Every object validates: core kinds with kubernetes-validate --strict at every accepted Kubernetes version (a
+run's objects do not depend on the cluster's version), custom resources against their CRD's openAPIV3Schema
+(committed under data/crd_schemas, source in each file's $comment), with unknown fields refused as the API server's
+strict field validation would."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,7 @@ import kubernetes_validate
 import pytest
 from manifest_helpers import DATA, ROOT
 
-from moe_rl_eks.core.cluster import KUBERNETES_VERSIONS
+from moe_rl_eks.core.cluster import DEFAULT_KUBERNETES_VERSION, KUBERNETES_VERSIONS
 from moe_rl_eks.core.environment import load_cdk_json
 
 CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
@@ -25,7 +26,12 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> schema file
     ("kueue.x-k8s.io/v1beta2", "AdmissionCheck"): "kueue.x-k8s.io_v1beta2_AdmissionCheck.json",
     ("kueue.x-k8s.io/v1beta2", "ProvisioningRequestConfig"): "kueue.x-k8s.io_v1beta2_ProvisioningRequestConfig.json",
 }
-CLUSTER_VERSION = load_cdk_json(ROOT / "cdk.json")["dev"].kubernetes_version
+# The chart behind each CRD group, and, where a pinned release's own CRD files were not reachable, the release
+# whose schemas stand in for them and why that is sound. Never for the default Kubernetes version's pins.
+CRD_CHARTS = {"jobset.x-k8s.io": "jobset", "keda.sh": "keda", "kueue.x-k8s.io": "kueue"}
+SCHEMA_STAND_INS = {("keda", "2.21.0"): (
+    "2.20.2", "kedacore/keda main at 8b4f083 (2026-08-20, the 2.21 development tree) has v2.20.2's ScaledObject and "
+              "TriggerAuthentication schemas")}
 
 
 def strict(schema: dict) -> dict:
@@ -74,15 +80,17 @@ def test_kubernetes_validate_ships_every_cluster_version_we_support():
                                             version, strict=True) == version
 
 
-def test_every_core_object_passes_strict_validation(objects):
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_core_object_passes_strict_validation(objects, version):
     core = [o for o in objects if is_core(o)]
     kinds = {o["kind"] for o in core}
     assert kinds == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     for obj in core:
-        kubernetes_validate.validate(obj, CLUSTER_VERSION, strict=True)
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
-def test_jobset_job_templates_pass_strict_validation_as_jobs(objects):
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_jobset_job_templates_pass_strict_validation_as_jobs(objects, version):
     """The CRD schema embeds the Job schema of JobSet's own Kubernetes version; check ours too."""
     jobsets = [o for o in objects if o["kind"] == "JobSet"]
     assert len(jobsets) == 6  # per run: trainer, nccl-check, ep-bench
@@ -90,7 +98,7 @@ def test_jobset_job_templates_pass_strict_validation_as_jobs(objects):
         for rjob in jobset["spec"]["replicatedJobs"]:
             job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rjob["name"]},
                    "spec": rjob["template"]["spec"]}
-            kubernetes_validate.validate(job, CLUSTER_VERSION, strict=True)
+            kubernetes_validate.validate(job, version, strict=True)
 
 
 def test_every_custom_resource_matches_its_crd_schema(objects):
@@ -115,11 +123,12 @@ def test_crd_validation_catches_typos_and_bad_values(objects, path, value, fragm
     assert any(fragment in e for e in crd_errors(jobset)), crd_errors(jobset)
 
 
-def test_strict_core_validation_catches_a_misspelled_field(objects):
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_strict_core_validation_catches_a_misspelled_field(objects, version):
     deployment = copy.deepcopy(next(o for o in objects if o["kind"] == "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
     with pytest.raises(kubernetes_validate.ValidationError, match="readOnlyRootFileSystem"):
-        kubernetes_validate.validate(deployment, CLUSTER_VERSION, strict=True)
+        kubernetes_validate.validate(deployment, version, strict=True)
 
 
 def test_crd_schema_files_name_their_source():
@@ -129,13 +138,24 @@ def test_crd_schema_files_name_their_source():
 
 
 def test_crd_schemas_are_from_the_versions_the_infra_stack_installs():
-    from moe_rl_eks.infra.services import CHARTS  # loads aws_cdk (~2 s); the pin is what matters
+    from moe_rl_eks.infra.services import pinned_charts  # loads aws_cdk (~2 s); the pin is what matters
 
-    for (api_version, kind), name in CRD_SCHEMAS.items():
-        group = api_version.split("/")[0]
-        comment = json.loads((DATA / "crd_schemas" / name).read_text())["$comment"]
-        chart = CHARTS[{"jobset.x-k8s.io": "jobset", "keda.sh": "keda", "kueue.x-k8s.io": "kueue"}[group]]
-        assert f" v{chart.version.lstrip('v')} (" in comment, (kind, chart.version, comment)
+    for version in KUBERNETES_VERSIONS:
+        charts = pinned_charts(version)
+        for (api_version, kind), name in CRD_SCHEMAS.items():
+            chart = charts[CRD_CHARTS[api_version.split("/")[0]]]
+            schema_release, _ = SCHEMA_STAND_INS.get((chart.chart, chart.version), (chart.version, ""))
+            comment = json.loads((DATA / "crd_schemas" / name).read_text())["$comment"]
+            assert f" v{schema_release.lstrip('v')} (" in comment, (version, kind, chart.version, comment)
+    default = pinned_charts(DEFAULT_KUBERNETES_VERSION)
+    assert not {(c.chart, c.version) for c in default.values()} & set(SCHEMA_STAND_INS)
+
+
+def test_the_charts_typed_api_is_the_oldest_accepted_kubernetes_versions():
+    from moe_rl_eks.k8s.kube import k8s
+
+    oldest = min(KUBERNETES_VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
+    assert k8s.__name__ == f"cdk8s_plus_{oldest.split('.')[1]}.k8s"
 
 
 def test_the_kueue_objects_the_stack_applies_match_kueues_v1beta2_schemas():

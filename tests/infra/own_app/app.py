@@ -55,7 +55,7 @@ class ImportedClusterStack(cdk.Stack):
         rollout = EfaNodePool(self, "Rollout", cluster=cluster, subnet=vpc.private_subnets[1], role="rollout",
                               pool=NodePoolConfig(instance_type="p5.48xlarge", max_size=4))
         ClusterServices(self, "Services", cluster=cluster, pools={"rollout": rollout}, run_namespace="research",
-                        names=ClusterNamesConfig(rollout_queue="research-rollout",
+                        kubernetes_version="1.36", names=ClusterNamesConfig(rollout_queue="research-rollout",
                                                  rollout_priority_class="research-rollout"))
 
 
