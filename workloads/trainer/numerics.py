@@ -2,12 +2,21 @@
 mismatch between the rollout's logprobs and the trainer's that training reports every step in both modes.
 
 In the exact mode (`numerics: exact`) the trainer scores a batch's tokens with the rollout engine's own forward
-(model/paged_forward.py's `sequence_logits` on the `exact` backend) over a copy of the policy in the served dtype,
-loaded from the very state each version is published from: the weights the rollout servers sampled with, through
-the same batch-invariant kernels, so a token's logits, and its logprob from the shared row-wise log-softmax, are
-the engine's bits. The copy is right only until the first optimizer step of a batch changes the policy; the
-behaviour/proximal scoring and that first step's current logprobs take their values from it, while their gradient
-comes from the fast forward (`exact_values`).
+(model/paged_forward.py's `sequence_hidden` on the `exact` backend, then its LM head) over a copy of the policy in
+the served dtype, loaded from the very state each version is published from: the weights the rollout servers sampled
+with, through the same batch-invariant kernels, so a token's logits, and its logprob from the shared row-wise
+log-softmax (the engine's sampler calls the same model/logprobs.softmax_stats), are the engine's bits. The logits
+are made and reduced a chunk of tokens at a time (`chunked_softmax_stats`): the LM head's invariant matmul and the
+log-softmax are row-wise, so a token's bits do not depend on the chunking, and the [tokens, vocabulary] logits
+(5 GB in bf16 at 16,384 tokens of Qwen3's 151,936) never exist at once.
+
+The copy is right only until the first optimizer step of a batch changes the policy; the behaviour/proximal scoring
+and that first step's current logprobs take their values from it, while their gradient comes from the fast forward
+(`exact_values`). That first step therefore runs two forwards: the exact kernels (Triton forward programs, the
+invariant matmul, the fixed-tile expert GEMM, the one-pass attention) have no backward, and the fast forward's saved
+activations are what its backward needs. The extra forward is about a third of a standard step's model FLOPs (a
+quarter under full activation checkpointing, which recomputes the forward anyway), at the exact kernels' own speed,
+and on the first optimizer step of each batch only (`moerl bench-train --numerics standard,exact` measures it).
 """
 from __future__ import annotations
 
@@ -18,17 +27,24 @@ import torch
 from ..model import MoETransformer
 from ..model.backends import get_forward_kernels
 from ..model.checkpoint import empty_model
-from ..model.logprobs import softmax_stats
-from ..model.paged_forward import PackedAttention, sequence_logits
+from ..model.logprobs import chunked_softmax_stats
+from ..model.paged_forward import PackedAttention, sequence_hidden
 from .microbatch import Sequences
+
+# Logits per chunk of the exact scorer's LM head: 512 MiB in bf16 (1,766 tokens at Qwen3's vocabulary). No
+# gradient follows, so unlike the training chunk (model/logprobs.CHUNK_ELEMENTS) nothing is gained by larger ones:
+# the invariant matmul's fixed tiles fill the GPU at a few hundred rows of a 151,936-column product.
+CHUNK_LOGITS = 2**28
 
 
 class ExactScorer:
     """A copy of the policy in its served dtype on the `exact` backend (one rank: the run refuses exact mode with
     expert parallelism in the trainer). It costs the served weights' memory once more."""
 
-    def __init__(self, policy: MoETransformer, device: torch.device) -> None:
+    def __init__(self, policy: MoETransformer, device: torch.device, chunk_tokens: int | None = None) -> None:
+        """`chunk_tokens`: tokens per chunk of logits (default: CHUNK_LOGITS logits)."""
         self.model = empty_model(policy.config, None, "exact", device).eval()
+        self.chunk_tokens = chunk_tokens or max(1, CHUNK_LOGITS // policy.config.vocab_size)
         self.kernels = get_forward_kernels("exact")
         self.packed: PackedAttention | None = None  # built at the first load (from real weights)
 
@@ -49,8 +65,10 @@ class ExactScorer:
         """(log p(target), entropy) [B, S] of the micro-batch's tokens at `temperature`, zero on padding."""
         if self.packed is None:
             raise RuntimeError("ExactScorer.logprobs before load: no version's weights yet")
-        logits, _ = sequence_logits(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
-        logp, entropy, _ = softmax_stats(logits, mb.packed_targets(), temperature)
+        hidden, _ = sequence_hidden(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
+        head = self.model.lm_head.weight
+        logp, entropy, _ = chunked_softmax_stats(hidden, lambda rows: self.kernels.linear(rows, head),
+                                                 mb.packed_targets(), temperature, self.chunk_tokens)
         return mb.unpack(logp), mb.unpack(entropy)
 
 
