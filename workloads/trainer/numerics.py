@@ -43,10 +43,9 @@ class ExactScorer:
     """A copy of the policy in its served dtype on the `exact` backend (one rank: the run refuses exact mode with
     expert parallelism in the trainer). It costs the served weights' memory once more."""
 
-    def __init__(self, policy: MoETransformer, device: torch.device, chunk_tokens: int | None = None) -> None:
-        """`chunk_tokens`: tokens per chunk of logits (default: CHUNK_LOGITS logits)."""
+    def __init__(self, policy: MoETransformer, device: torch.device) -> None:
         self.model = empty_model(policy.config, None, "exact", device).eval()
-        self.chunk_tokens = chunk_tokens or max(1, CHUNK_LOGITS // policy.config.vocab_size)
+        self.chunk_tokens = max(1, CHUNK_LOGITS // policy.config.vocab_size)  # tokens per chunk of logits
         self.kernels = get_forward_kernels("exact")
         self.packed: PackedAttention | None = None  # built at the first load (from real weights)
 
