@@ -15,7 +15,7 @@ from moe_rl_eks.tools.bench.rollout import TINY
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.backends import get_forward_kernels
 from moe_rl_eks.workloads.model.logprobs import inverse_temperatures
-from moe_rl_eks.workloads.model.paged_forward import PackedAttention, sequence_logits
+from moe_rl_eks.workloads.model.paged_forward import PackedAttention, sequence_hidden
 from moe_rl_eks.workloads.rollout.kv_cache_manager import PagedCache
 from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 
@@ -47,8 +47,9 @@ def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_to
         reference = whole.forward(tensor([0] * 9 + [1] * 5), tensor(a + b), tensor(list(range(9)) + list(range(5))),
                                   tensor(list(range(14))), 9, prefill_tiles([(0, 9), (9, 5)], DEVICE))
         # the trainer's forward over the same two sequences packed back to back
-        trainer, trainer_routing = sequence_logits(model, PackedAttention(model), get_forward_kernels("exact"),
-                                                   tensor(a + b), [9, 5])
+        kernels = get_forward_kernels("exact")
+        hidden, trainer_routing = sequence_hidden(model, PackedAttention(model), kernels, tensor(a + b), [9, 5])
+        trainer = kernels.linear(hidden, model.lm_head.weight)
         assert torch.equal(trainer, reference)
         engine_routing = torch.cat([whole.cache.routing_of(0, 9), whole.cache.routing_of(1, 5)])
         assert torch.equal(trainer_routing, engine_routing.long())

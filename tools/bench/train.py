@@ -14,6 +14,14 @@ top-k experts, lm_head; not the embedding lookup) plus causal attention, 6 x n x
 a token of an n-token sequence (QK^T and PV, fwd + bwd, half the square); recomputation is not counted. MFU is
 against the dense bf16 matmul rate measured in the same run (8192^3).
 
+`--exact` adds the exact numerics mode's column from the same run: each row's step again as a batch's first
+optimizer step runs it under `numerics: exact` (trainer/numerics.py): the ExactScorer's forward (a served-dtype copy
+of the policy on the batch-invariant kernels, its log-probabilities chunked) for the values, then the fast forward
+and backward for the gradient. Its MFU counts the same model FLOPs, so the second forward shows as lost MFU; the
+scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. One GPU only (a run
+refuses exact mode with more than one trainer rank); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the
+exact kernels on the CPU).
+
 `--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
 per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given
 shape. A row is then the slowest rank's median step time, the tokens of all ranks, MFU against N times the dense
@@ -54,6 +62,7 @@ from moe_rl_eks.workloads.moe.parallel import ExpertParallel
 from moe_rl_eks.workloads.rl.algorithms import Algorithm
 from moe_rl_eks.workloads.rl.losses import PolicyBatch, Totals
 from moe_rl_eks.workloads.trainer.microbatch import Sequences
+from moe_rl_eks.workloads.trainer.numerics import ExactScorer
 from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef, one_version
 from moe_rl_eks.workloads.trainer.step import TrainStep
 
@@ -104,17 +113,25 @@ def sync(device: torch.device) -> None:
 
 class Step:
     """One model + fused AdamW, trained by the trainer's own step (trainer/step.TrainStep) with GRPO's loss and
-    an entropy term; `run(batch)` is one optimizer step on a packed micro-batch."""
+    an entropy term; `run(batch)` is one optimizer step on a packed micro-batch. With `exact`, the step also holds
+    the exact numerics mode's scorer (loaded once, as a published version is: the benchmark's weights hardly move
+    at lr 1e-6, and the time does not depend on them) and `run(batch, exact=True)` is a batch's first step."""
 
-    def __init__(self, config: ModelConfig, compute: str, device: torch.device, ep: ExpertParallel | None = None):
+    def __init__(self, config: ModelConfig, compute: str, device: torch.device, ep: ExpertParallel | None = None,
+                 exact: bool = False):
         self.config, self.device, self.ep = config, device, ep
         with device:
             self.model = MoETransformer(config, compute=compute, ep=ep)
         cuda = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=cuda)
         world, rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        scorer = ExactScorer(self.model, device) if exact else None
+        if scorer is not None:
+            scorer.load(self.model.state_dict())
+        self.scorer_bytes = (torch.cuda.memory_allocated(device) if cuda else 0) - before
         self.train_step = TrainStep(self.model, None, self.optimizer, ep=ep, world=world, rank=rank, device=device,
-                                    grad_clip=1.0, bf16=cuda)
+                                    grad_clip=1.0, bf16=cuda, exact=scorer)
         self.algorithm = Algorithm(AlgorithmConfig(entropy_coef=1e-3), max_tokens=1)
 
     def batch(self, sequence: int, sequences: int, generator: torch.Generator) -> Sequences:
@@ -126,7 +143,7 @@ class Step:
                    for i, seq in enumerate(ids)]
         return Sequences.of(samples).to(self.device)
 
-    def run(self, batch: Sequences) -> None:
+    def run(self, batch: Sequences, exact: bool = False) -> None:
         local = Totals.local(batch.mask)
         if self.ep is not None:  # the loss is normalised over every rank's tokens, as the trainer does
             dist.all_reduce(local, group=self.ep.group)
@@ -137,7 +154,7 @@ class Step:
                              mb.mask, entropy=fwd.entropy)
             return self.algorithm.loss(pb, totals)
 
-        self.train_step.step([batch], loss_fn, lr=1e-6, temperature=1.0, replay=False)
+        self.train_step.step([batch], loss_fn, lr=1e-6, temperature=1.0, replay=False, exact_values=exact)
 
     def free(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -155,13 +172,14 @@ def planned(config: ModelConfig, checkpointing: str, tokens: int) -> dict:
             "planned_peak_above_gib": (state.gradient_bytes + activations) / 2**30}
 
 
-def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) -> dict:
+def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float, exact: bool = False) -> dict:
+    """A row's numbers; `exact`: of the step as a batch's first under numerics: exact."""
     c, device = step.config, step.device
     rank = step.ep.rank if step.ep is not None else 0
     batch = step.batch(sequence, sequences, torch.Generator().manual_seed(rank))
     row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
     try:
-        step.run(batch)  # warm-up: kernels compiled and autotuned, optimizer state made
+        step.run(batch, exact)  # warm-up: kernels compiled and autotuned, optimizer state made
         step.free()
         sync(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -171,7 +189,7 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) 
         for _ in range(steps):
             sync(device)
             start = time.perf_counter()
-            step.run(batch)
+            step.run(batch, exact)
             sync(device)
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
@@ -179,7 +197,7 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float) 
         row.update(status="ok", step_seconds=seconds, tokens_per_second=row["tokens"] / seconds,
                    model_tflop_per_step=flops / 1e12, tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / peak)
         if device.type == "cuda":
-            row.update(weights_and_optimizer_gib=base / 2**30,
+            row.update(weights_and_optimizer_gib=(base - step.scorer_bytes) / 2**30,
                        peak_above_gib=(torch.cuda.max_memory_allocated(device) - base) / 2**30)
     except torch.OutOfMemoryError:
         row.update(status="OOM")
@@ -202,23 +220,38 @@ def profile_step(step: Step, sequence: int, sequences: int, title: str, path: st
     step.free()
 
 
+def _exact_cells(r: dict) -> str:
+    """The exact column's cells of a row: its step, MFU and peak, and its step time over the standard one's."""
+    e = r["exact"]
+    if e["status"] != "ok":
+        return f" {e['status']} | | | |"
+    ratio = f"{e['step_seconds'] / r['step_seconds']:.2f}x" if r["status"] == "ok" else "-"
+    mem = f"{e['peak_above_gib']:.1f}" if "peak_above_gib" in e else "-"
+    return f" {e['step_seconds']:.2f} | {100 * e['mfu']:.1f} % | {mem} | {ratio} |"
+
+
 def table(result: dict) -> str:
+    exact = any("exact" in r for r in result["rows"])
     lines = [f"{result['machine']}; dense matmul peak measured {result['dense_peak_tflops']:.0f} TFLOP/s; "
              f"{result['layers']} layers; weights + AdamW state {result.get('weights_and_optimizer_gib', 0):.1f} GiB"
              + (f" per rank; {result['ranks']} EP ranks ({result['ep_backend']} over {result['transport']}): a row is "
                 f"every rank's tokens at the slowest rank's step, MFU of {result['ranks']} x the dense peak, the "
-                f"highest rank's memory" if "ranks" in result else ""),
-             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB | planned GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                f"highest rank's memory" if "ranks" in result else "")
+             + (f"; numerics: exact = a batch's first optimizer step with the exact scorer's forward (its served "
+                f"copy {result.get('exact_scorer_gib', 0):.1f} GiB), MFU of the same model FLOPs" if exact else ""),
+             "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB | planned GiB |"
+             + (" exact step s | exact MFU | exact peak above GiB | exact / standard |" if exact else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- | --- |" if exact else "")]
     for r in result["rows"]:
         shape = f"{r['sequences']} x {r['sequence']:,}"
+        cells = _exact_cells(r) if exact else ""
         if r["status"] != "ok":
-            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | | |")
+            lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | | |{cells}")
             continue
         mem = f"{r['peak_above_gib']:.1f}" if "peak_above_gib" in r else "-"
         plan = f"{r['planned_peak_above_gib']:.1f}" if "planned_peak_above_gib" in r else "-"
         lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} | {plan} |")
+                     f"{r['step_seconds']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f} % | {mem} | {plan} |{cells}")
     return "\n".join(lines)
 
 
@@ -254,6 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="how tokens reach the experts under --ranks")
     ap.add_argument("--publish", metavar="DIR", help="under --ranks: publish the trained weights once through the "
                                                      "trainer's Publisher into a directory store at DIR")
+    ap.add_argument("--exact", action="store_true",
+                    help="also each row as a batch's first optimizer step under numerics: exact (the exact column)")
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--profile", metavar="FILE",
                     help="after each row, one more step under torch.profiler; its kernels by GPU time go to FILE")
@@ -264,6 +299,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--ep-share {args.ep_share}: must be >= 1, and 1 with --ranks (it stands in for the other ranks)")
     if args.publish and args.ranks == 1:
         ap.error("--publish measures expert-parallel publication: it needs --ranks >= 2")
+    if args.exact and args.ranks > 1:
+        ap.error(f"--exact with --ranks {args.ranks}: the exact scorer runs on one trainer rank (a run refuses "
+                 "numerics: exact with more); use --ranks 1")
+    if args.exact and args.tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--exact --tiny runs the exact kernels on the CPU through Triton's interpreter: set "
+                 "TRITON_INTERPRET=1")
     return args
 
 
@@ -388,7 +429,9 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
     step = None
     for compute in args.compute.split(","):
         try:
-            step = Step(config, compute, device, ep)
+            step = Step(config, compute, device, ep, exact=args.exact)
+            if args.exact:
+                result["exact_scorer_gib"] = step.scorer_bytes / 2**30
         except Exception:  # e.g. triton missing: the traceback is the report, the other backends still run
             result["errors"].append(traceback.format_exc())
             print(result["errors"][-1], flush=True)
@@ -397,6 +440,10 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
             checkpoint_layers(step.model, checkpointing)
             for sequences, sequence in args.shapes:
                 row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                if args.exact:
+                    exact = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"], exact=True)
+                    row["exact"] = {k: v for k, v in exact.items()
+                                    if k not in ("sequence", "sequences", "tokens", "weights_and_optimizer_gib")}
                 if args.profile and lead and row["status"] == "ok" and ep is None:
                     profile_step(step, sequence, sequences, f"{compute} {checkpointing} {sequences}x{sequence}",
                                  args.profile)

@@ -9,6 +9,8 @@ Gradients, per token with z = logits / temperature, p = softmax(z), H = -sum p l
 so one recomputed chunk of p gives both."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # A chunk's logits are at most this many elements. On a GPU (one Triton pass each way, in place over the bf16
@@ -65,19 +67,29 @@ def logit_grads_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
     return dz.div_(temperature).to(logits.dtype)
 
 
+def chunked_softmax_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                          temperature: float, chunk: int) -> torch.Tensor:
+    """hidden [n, h] -> float32 [3, n]: (log p[target], entropy, lse) per row, as softmax_stats of head(hidden)
+    (the logits [rows, V] of rows of hidden), `chunk` rows of logits at a time, never all n. Where `head` is a row-wise
+    product (a row's logits independent of the other rows, as the exact backend's invariant matmul), a row's numbers
+    are the same bits whatever the chunking: softmax_stats is row-wise too."""
+    n = hidden.shape[0]
+    stats = hidden.new_empty(3, n, dtype=torch.float32)
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        logits = head(hidden[start:end])
+        for row, value in zip(stats, softmax_stats(logits, targets[start:end], temperature)):
+            row[start:end] = value
+        del logits
+    return stats
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, compute_dtype):
-        n = hidden.shape[0]
         w = weight.to(compute_dtype)
-        stats = hidden.new_empty(3, n, dtype=torch.float32)  # log p[target], entropy, lse
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            logits = hidden[start:end].to(compute_dtype) @ w.t()
-            for row, value in zip(stats, softmax_stats(logits, targets[start:end], temperature)):
-                row[start:end] = value
-            del logits
-        logp, entropy, lse = stats
+        logp, entropy, lse = chunked_softmax_stats(hidden, lambda rows: rows.to(compute_dtype) @ w.t(), targets,
+                                                   temperature, chunk)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         return logp, entropy

@@ -2,7 +2,7 @@
 through block tables, with the norms, products, cache writes and attention through a compute backend's
 `ForwardKernels`. The rollout engine's prefill and decode steps run it over their KV cache
 (rollout/model_runner.py); the trainer's forward in the exact numerics mode runs it over a pool of its own packed
-sequences (`sequence_logits`), so the engine and the trainer compute a token's logits with one code path and, on
+sequences (`sequence_hidden`), so the engine and the trainer compute a token's logits with one code path and, on
 the `exact` backend, bitwise alike.
 
 What it reads of a MoETransformer: `config`, `model.embed_tokens`, `model.norm`, `lm_head.weight`, and of each of
@@ -66,6 +66,15 @@ def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: Forwa
     experts go into the pool through the block tables, and each token attends causally to its slot's positions up
     to its own. Returns the logits [R, V] after tokens `last` [R]. `key_len` (> every position) bounds the
     attention."""
+    return kernels.linear(paged_hidden(model, packed, kernels, pool, slot, tokens, positions, last, key_len, tiles),
+                          model.lm_head.weight)
+
+
+def paged_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, pool: KVPool,
+                 slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                 key_len: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_forward` up to the LM head: the final normed hidden states [R, hidden] after tokens `last` [R], whose
+    product with `lm_head.weight` (kernels.linear, row by row) is the logits."""
     c = model.config
     n = tokens.shape[0]
     block, offset = pool.locate(slot, positions)
@@ -86,7 +95,7 @@ def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: Forwa
         delta = moe.out.view(n, c.hidden_size)
         routed.append(moe.ids)
     pool.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(pool.routing.dtype)
-    return kernels.linear(kernels.add_norm(model.model.norm, h[last], delta[last])[0], model.lm_head.weight)
+    return kernels.add_norm(model.model.norm, h[last], delta[last])[0]
 
 
 def attention_inputs(kernels: ForwardKernels, packed: PackedAttention, layer: int, attn, x: torch.Tensor,
@@ -122,11 +131,13 @@ class SequencePool:
         return self.starts[slot] + positions, torch.zeros_like(positions)
 
 
-def sequence_logits(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
+def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
                     sequence_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [N] of sequences packed back to back (their lengths sum to N) -> (logits [N, V] after every token,
-    routed expert ids [N, L, k]): each token attends causally within its own sequence, its positions from 0,
-    through the engine's paged forward."""
+    """tokens [N] of sequences packed back to back (their lengths sum to N) -> (the final normed hidden states
+    [N, hidden] after every token, routed expert ids [N, L, k]): each token attends causally within its own
+    sequence, its positions from 0, through the engine's paged forward. Their logits are
+    kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any chunk of rows on the `exact` backend
+    (so a caller need never hold [N, vocabulary] at once)."""
     lengths = [int(n) for n in sequence_lengths]
     if not lengths or min(lengths) < 1 or sum(lengths) != tokens.shape[0]:
         raise ValueError(f"sequence_lengths {lengths} must be >= 1 each and sum to the {tokens.shape[0]} tokens")
@@ -136,7 +147,7 @@ def sequence_logits(model: MoETransformer, packed: PackedAttention, kernels: For
     slot = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
     positions = torch.arange(tokens.shape[0], device=device) - pool.starts[slot]
     segments = [(int(s), n) for s, n in zip(pool.starts.tolist(), lengths)]
-    logits = paged_forward(model, packed, kernels, pool, slot, tokens, positions,
-                           torch.arange(tokens.shape[0], device=device), max(lengths),
-                           kernels.prefill_tiles(segments, device))
-    return logits, pool.routing[:, 0]
+    hidden = paged_hidden(model, packed, kernels, pool, slot, tokens, positions,
+                          torch.arange(tokens.shape[0], device=device), max(lengths),
+                          kernels.prefill_tiles(segments, device))
+    return hidden, pool.routing[:, 0]

@@ -2,12 +2,23 @@
 mismatch between the rollout's logprobs and the trainer's that training reports every step in both modes.
 
 In the exact mode (`numerics: exact`) the trainer scores a batch's tokens with the rollout engine's own forward
-(model/paged_forward.py's `sequence_logits` on the `exact` backend) over a copy of the policy in the served dtype,
-loaded from the very state each version is published from: the weights the rollout servers sampled with, through
-the same batch-invariant kernels, so a token's logits, and its logprob from the shared row-wise log-softmax, are
-the engine's bits. The copy is right only until the first optimizer step of a batch changes the policy; the
-behaviour/proximal scoring and that first step's current logprobs take their values from it, while their gradient
-comes from the fast forward (`exact_values`).
+(model/paged_forward.py's `sequence_hidden` on the `exact` backend, then its LM head) over a copy of the policy in
+the served dtype, loaded from the very state each version is published from: the weights the rollout servers sampled
+with, through the same batch-invariant kernels, so a token's logits, and its logprob from the shared row-wise
+log-softmax (the engine's sampler calls the same model/logprobs.softmax_stats), are the engine's bits. The logits
+are made and reduced a chunk of tokens at a time (`chunked_softmax_stats`): the LM head's invariant matmul and the
+log-softmax are row-wise, so a token's bits do not depend on the chunking, and the [tokens, vocabulary] logits
+(5 GB in bf16 at 16,384 tokens of Qwen3's 151,936) never exist at once.
+
+The copy is right only until the first optimizer step of a batch changes the policy; the behaviour/proximal scoring
+and that first step's current logprobs take their values from it, while their gradient comes from the fast forward
+(`exact_values`). That first step therefore runs two forwards. One would do only if the exact forward could be
+differentiated: its expert GEMM can (swiglu_experts(exact=True) has the tuned backward), but the invariant matmul,
+the one-pass attention, the row-wise norms and the paged forward's KV writes are forward-only Triton programs; and
+it runs on this bf16 copy, not on the float32 masters the optimizer steps, without activation checkpointing. The
+extra forward is about a third of a standard step's model FLOPs (a quarter under full activation checkpointing,
+which recomputes the forward anyway), at the exact kernels' own speed, and on the first optimizer step of each batch
+only (`moerl bench-train --exact` measures it).
 """
 from __future__ import annotations
 
@@ -18,9 +29,14 @@ import torch
 from ..model import MoETransformer
 from ..model.backends import get_forward_kernels
 from ..model.checkpoint import empty_model
-from ..model.logprobs import softmax_stats
-from ..model.paged_forward import PackedAttention, sequence_logits
+from ..model.logprobs import chunked_softmax_stats
+from ..model.paged_forward import PackedAttention, sequence_hidden
 from .microbatch import Sequences
+
+# Logits per chunk of the exact scorer's LM head: 512 MiB in bf16 (1,766 tokens at Qwen3's vocabulary). No
+# gradient follows, so unlike the training chunk (model/logprobs.CHUNK_ELEMENTS) nothing is gained by larger ones:
+# the invariant matmul's fixed tiles fill the GPU at a few hundred rows of a 151,936-column product.
+CHUNK_LOGITS = 2**28
 
 
 class ExactScorer:
@@ -29,6 +45,7 @@ class ExactScorer:
 
     def __init__(self, policy: MoETransformer, device: torch.device) -> None:
         self.model = empty_model(policy.config, None, "exact", device).eval()
+        self.chunk_tokens = max(1, CHUNK_LOGITS // policy.config.vocab_size)  # tokens per chunk of logits
         self.kernels = get_forward_kernels("exact")
         self.packed: PackedAttention | None = None  # built at the first load (from real weights)
 
@@ -49,8 +66,10 @@ class ExactScorer:
         """(log p(target), entropy) [B, S] of the micro-batch's tokens at `temperature`, zero on padding."""
         if self.packed is None:
             raise RuntimeError("ExactScorer.logprobs before load: no version's weights yet")
-        logits, _ = sequence_logits(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
-        logp, entropy, _ = softmax_stats(logits, mb.packed_targets(), temperature)
+        hidden, _ = sequence_hidden(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
+        head = self.model.lm_head.weight
+        logp, entropy, _ = chunked_softmax_stats(hidden, lambda rows: self.kernels.linear(rows, head),
+                                                 mb.packed_targets(), temperature, self.chunk_tokens)
         return mb.unpack(logp), mb.unpack(entropy)
 
 

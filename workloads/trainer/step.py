@@ -96,6 +96,9 @@ class TrainStep:
         `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up).
         `exact_values` (the policy at the weights last published, in the exact numerics mode): the logprobs and
         entropies are the exact scorer's bits, with this forward's gradient."""
+        # The exact scorer's forward first: its transient buffers (its sequences' keys and values, a chunk of
+        # logits) are freed before the fast forward's activations, kept for the backward, are made.
+        exact = self.exact.logprobs(mb, temperature) if exact_values and self.exact is not None else None
         inputs, targets, lengths = mb.packed_inputs(), mb.packed_targets(), mb.lengths
         routing = mb.packed_routing() if replay else None
         cp, tokens = model.cp, inputs.shape[1]
@@ -125,9 +128,9 @@ class TrainStep:
             value = self.critic(hidden.detach().float(), features)
             value = value if cp is None else cp.gather(value)[:tokens]
         logp, entropy = mb.unpack(logp), mb.unpack(entropy)
-        if exact_values and self.exact is not None:
-            exact_logp, exact_entropy = self.exact.logprobs(mb, temperature)
-            logp, entropy = values_with_gradient(exact_logp, logp), values_with_gradient(exact_entropy, entropy)
+        if exact is not None:
+            # Two forwards, because the exact kernels have no backward (trainer/numerics.py says what it costs)
+            logp, entropy = values_with_gradient(exact[0], logp), values_with_gradient(exact[1], entropy)
         return Forward(logp, entropy, None if value is None else mb.unpack(value), out.aux_loss, out.expert_load)
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
