@@ -85,15 +85,19 @@ class RoutingStore:
         return RoutingRef(key, dtype, tuple(a.shape), len(data), checksum(data), self.compression)
 
     # ---- the trainer's side ---------------------------------------------------------------------------------
-    def read(self, ref: RoutingRef, path: str = "routing", layers_k: tuple[int, int] | None = None):
+    def read(self, ref: RoutingRef, path: str = "routing", model: Any = None):
         """The ids `ref` names, as a read-only numpy array of its dtype and shape; a reference that does not match
-        its object (or `layers_k`, the model's layers and experts per token) raises ProtocolError naming the
-        field at `path`."""
+        its object (or `model`, the trained ModelConfig: its layers, experts per token and id type) raises
+        ProtocolError naming the field at `path`."""
         import numpy as np
 
-        if layers_k is not None and tuple(ref.shape[1:]) != tuple(layers_k):
-            raise ProtocolError(f"{path}.shape", list(ref.shape), f"[positions, {layers_k[0]} layers, "
-                                f"{layers_k[1]} experts per token] (the trained model's)")
+        if model is not None:
+            if tuple(ref.shape[1:]) != (model.num_hidden_layers, model.num_experts_per_tok):
+                raise ProtocolError(f"{path}.shape", list(ref.shape), f"[positions, {model.num_hidden_layers} "
+                                    f"layers, {model.num_experts_per_tok} experts per token] (the trained model's)")
+            if ref.dtype != routing_dtype(model.num_experts):
+                raise ProtocolError(f"{path}.dtype", ref.dtype, f"{routing_dtype(model.num_experts)}, the id type "
+                                    f"of {model.num_experts} experts")
         try:
             data = (self.root / ref.key).read_bytes()
         except FileNotFoundError:

@@ -257,8 +257,7 @@ class Trainer:
 
     def _read_routing(self, ref: RoutingRef, path: str):
         """A sample's routed experts from the routing store (this rank's samples only: rl_step reads its share)."""
-        model = self.run.model
-        return self.routing_store.read(ref, path, (model.num_hidden_layers, model.num_experts_per_tok))
+        return self.routing_store.read(ref, path, self.run.model)
 
     @torch.no_grad()
     def _score(self, seqs: Sequences, plans: list[list[list[int]]], policy: bool, temperature: float, replay: bool):
