@@ -59,10 +59,10 @@ REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward compu
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
 ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times this run's orchestrator has started again from a persisted state (its own per-step file or a trainer checkpoint's); kept in that state, so it survives the restarts it counts")
 # Routing replay's arrays (workloads/rl/routing_store.py): bytes as stored (after rl.routing.compression).
-ROUTING_BYTES_WRITTEN = Metric("moerl_routing_bytes_written_total", "counter", "Bytes of routed expert ids this rollout server wrote to the routing store (routing replay)")
-ROUTING_BYTES_READ = Metric("moerl_routing_bytes_read_total", "counter", "Bytes of routed expert ids this trainer rank read from the routing store (its own samples only)")
-ROUTING_BYTES_DELETED = Metric("moerl_routing_bytes_deleted_total", "counter", "Bytes of routed expert ids the orchestrator deleted from the routing store (trained and checkpointed, never to train, or orphaned)")
-ROUTING_BYTES_STORED = Metric("moerl_routing_bytes_stored", "gauge", "Bytes of routed expert ids in the routing store that the orchestrator's state refers to (waiting groups and batches not yet checkpointed)")
+ROUTING_BYTES_WRITTEN = Metric("moerl_routing_written_bytes_total", "counter", "Bytes of routed expert ids this rollout server wrote to the routing store (routing replay)")
+ROUTING_BYTES_READ = Metric("moerl_routing_read_bytes_total", "counter", "Bytes of routed expert ids this trainer rank read from the routing store (its own samples only)")
+ROUTING_BYTES_DELETED = Metric("moerl_routing_deleted_bytes_total", "counter", "Bytes of routed expert ids the orchestrator deleted from the routing store (trained and checkpointed, never to train, or orphaned)")
+ROUTING_BYTES_STORED = Metric("moerl_routing_stored_bytes", "gauge", "Bytes of routed expert ids in the routing store that the orchestrator's state refers to (waiting groups and batches not yet checkpointed)")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,

@@ -432,6 +432,10 @@ class TrainingConfig:
     lr_warmup_steps: int = 0
     min_learning_rate: float = 0.0
 
+    def output_directory(self, run_name: str) -> str:
+        """`output_dir` with {name} filled in: where every role finds the run's files."""
+        return self.output_dir.format(name=run_name)
+
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch", "context_parallel"):
             if getattr(self, name) < 1:

@@ -74,5 +74,5 @@ def test_a_routing_replay_run_trains_on_the_experts_the_server_chose_and_deletes
     assert keys0 | keys1 <= set(kept) and again == second
     assert not keys0 & set(left) and keys1 <= set(left)
     value = metrics.registry.get_sample_value
-    assert value("moerl_routing_bytes_deleted_total") >= sum(s.routing.bytes for s in first.samples)
+    assert value("moerl_routing_deleted_bytes_total") >= sum(s.routing.bytes for s in first.samples)
     assert value(M.ROUTING_BYTES_STORED.name) >= sum(s.routing.bytes for s in second.samples)
