@@ -144,3 +144,34 @@ def test_the_orchestrators_state_holds_references_of_fixed_size_whatever_the_rou
         assert state.batches[0].samples[1].routing == samples[1].routing  # the reference, checksum and all
         sizes.append(len(text))
     assert sizes[1] - sizes[0] <= 4 * 12 and sizes[1] < 3000  # a few more digits in each shape and size
+
+
+def test_an_orchestrator_taking_a_checkpoints_state_deletes_the_routing_only_its_newer_state_held(tmp_path):
+    import asyncio
+
+    from rl_helpers import tiny_run
+
+    from moe_rl_eks.workloads.orchestrator.app import build
+
+    run = tiny_run(tmp_path, training={"prompts_per_step": 1}, algorithm={"group_size": 2, "routing_replay": True})
+    store = RoutingStore.of(run)
+    cursor = build(run, ["http://127.0.0.1:9"], token=None).source.state()  # a fresh prompt source's
+
+    def state_with(*indices):
+        buf = GroupBuffer(prompts_per_step=1, max_staleness=1, correct_reward=1.0)
+        buf.set_trainer(VersionRef(0, 0))
+        for i in indices:
+            complete(buf, store, i, dynamic_sampling=False)
+        return replace(buf.snapshot(), source=cursor)
+
+    checkpoint, own = state_with(0), state_with(0, 1)  # its own state also holds group 1, formed after the checkpoint
+
+    async def scenario():
+        orch = build(run, ["http://127.0.0.1:9"], token=None, state=own, fallback=checkpoint)  # no server answers
+        await orch.start()
+        await orch.publish(VersionRef(1, 0))  # a trainer resumed in a new lineage: the checkpoint's state is taken
+        await orch.collect_routing()
+        await orch.stop()
+
+    asyncio.run(scenario())
+    assert sorted(p.name for p in store.root.iterdir()) == ["g0-0", "g0-1"]  # group 1's objects had no state left
