@@ -39,7 +39,7 @@ def test_a_routing_replay_run_trains_on_the_experts_the_server_chose_and_deletes
         kept = sorted(p.name for p in store.root.iterdir())
         # what the trainer would train at step 0: its samples' routing read from the store by reference
         stored = [torch.from_numpy(store.read(s.routing).astype("int64")) for s in first.samples]
-        t = Sequences.of(first.samples, trainer._read_routing)
+        t = Sequences.of(first.samples, trainer._read_routing).to(trainer.device)
         third_poll = await orch.batch(1, 1, timeout_s=60)  # the checkpoint of step 1 is committed
         left = sorted(p.name for p in store.root.iterdir())
         metrics = orch.metrics
@@ -67,8 +67,8 @@ def test_a_routing_replay_run_trains_on_the_experts_the_server_chose_and_deletes
         out = trainer.model(t.packed_inputs(), sequence_lengths=t.lengths, routing_replay=t.packed_routing(),
                             return_routing=True)
     want = [torch.cat([r[:, layer] for r in stored]).unsqueeze(0) for layer in range(run.model.num_hidden_layers)]
-    assert all(torch.equal(got, w) for got, w in zip(out.routing, want))
-    assert all(torch.equal(got, w) for got, w in zip(t.packed_routing(), want))
+    assert all(torch.equal(got.cpu(), w) for got, w in zip(out.routing, want))
+    assert all(torch.equal(got.cpu(), w) for got, w in zip(t.packed_routing(), want))
     # deletion: batch 0's objects stay until a checkpoint past step 0 is committed, then go; batch 1's stay
     keys0, keys1 = {s.routing.key for s in first.samples}, {s.routing.key for s in second.samples}
     assert keys0 | keys1 <= set(kept) and again == second
