@@ -79,8 +79,8 @@ class Settings:
     max_attempts: int
     weight_push_timeout_s: float
     model: str
-    routing_dir: str = ""  # the routing store (rl.routing), used when routing_replay is on
-    routing_orphan_after_s: float = 900.0
+    routing_dir: str  # the routing store (rl.routing), used when routing_replay is on
+    routing_orphan_after_s: float
 
     @classmethod
     def of(cls, run: RunConfig) -> "Settings":
