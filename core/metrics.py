@@ -63,6 +63,11 @@ ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times th
 LOGPROB_BITWISE_EQUAL = Metric("moerl_logprob_bitwise_equal_fraction", "gauge", "Fraction of the last batch's completion tokens whose rollout logprob equals the trainer's bitwise")
 LOGPROB_ABS_DIFF_MAX = Metric("moerl_logprob_abs_diff_max", "gauge", "Largest |rollout - trainer| logprob of a completion token in the last batch (nats)")
 LOGPROB_ABS_DIFF_MEAN = Metric("moerl_logprob_abs_diff_mean", "gauge", "Mean |rollout - trainer| logprob of the last batch's completion tokens (nats)")
+# Routing replay's arrays (workloads/rl/routing_store.py): bytes as stored (after rl.routing.compression).
+ROUTING_BYTES_WRITTEN = Metric("moerl_routing_written_bytes_total", "counter", "Bytes of routed expert ids this rollout server wrote to the routing store (routing replay)")
+ROUTING_BYTES_READ = Metric("moerl_routing_read_bytes_total", "counter", "Bytes of routed expert ids this trainer rank read from the routing store (its own samples only)")
+ROUTING_BYTES_DELETED = Metric("moerl_routing_deleted_bytes_total", "counter", "Bytes of routed expert ids the orchestrator deleted from the routing store (trained and checkpointed, never to train, or orphaned)")
+ROUTING_BYTES_STORED = Metric("moerl_routing_stored_bytes", "gauge", "Bytes of routed expert ids in the routing store that the orchestrator's state refers to (waiting groups and batches not yet checkpointed)")
 TRAINER_IDLE_FRACTION = Metric("moerl_trainer_idle_fraction", "gauge", "Fraction of trainer wall time spent waiting for batches")
 
 ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT_RUNNING, ROLLOUT_WAITING,
@@ -74,4 +79,5 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
-       ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN)
+       ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN,
+       ROUTING_BYTES_WRITTEN, ROUTING_BYTES_READ, ROUTING_BYTES_DELETED, ROUTING_BYTES_STORED)

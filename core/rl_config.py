@@ -382,6 +382,31 @@ class WeightStoreConfig:
 
 
 @dataclass(frozen=True)
+class RoutingStoreConfig:
+    """Where rollout servers put the routed experts of each choice when routing replay is on, and trainer ranks
+    read them (workloads/rl/routing_store.py): a directory every server and trainer pod reaches (on a cluster,
+    under the FSx volume). The wire carries only a reference to each (protocol.RoutingRef)."""
+
+    path: str | None = None  # default: <output_dir>/routing
+    # "none": the raw ids (FSx moves GB/s; zlib's level 1 runs at a fraction of that and expert ids shrink little);
+    # "zlib": smaller files for a slow shared filesystem (workloads/BENCHMARKS-rl.md, bench-routing)
+    compression: Literal["none", "zlib"] = "none"
+    # A file no orchestrator state refers to (a hedge's losing answer, an answer whose caller gave up or crashed)
+    # is deleted once this old: longer than any answer takes from the server to the orchestrator's buffer.
+    orphan_after_s: float = 900.0
+
+    def directory(self, output_dir: str) -> str:
+        """The store's directory for a run whose output is `output_dir` (formatted: {name} filled in)."""
+        return self.path or f"{output_dir.rstrip('/')}/routing"
+
+    def validate(self) -> None:
+        if self.path is not None and not self.path:
+            fail("path", self.path, "a directory, or omitted for <output_dir>/routing")
+        if self.orphan_after_s <= 0:
+            fail("orphan_after_s", self.orphan_after_s, "must be > 0 seconds")
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     steps: int = 100
     prompts_per_step: int = 16  # groups per optimizer step (before dynamic sampling)
@@ -431,6 +456,10 @@ class TrainingConfig:
     lr_warmup_steps: int = 0
     min_learning_rate: float = 0.0
 
+    def output_directory(self, run_name: str) -> str:
+        """`output_dir` with {name} filled in: where every role finds the run's files."""
+        return self.output_dir.format(name=run_name)
+
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "checkpoint_every", "max_tokens_per_microbatch", "context_parallel"):
             if getattr(self, name) < 1:
@@ -466,6 +495,7 @@ class RLConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     weights: WeightStoreConfig = field(default_factory=WeightStoreConfig)
+    routing: RoutingStoreConfig = field(default_factory=RoutingStoreConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     # Shared secret for the rollout servers' weight-load endpoint, read from this environment variable.
     weight_token_env: str = "MOERL_WEIGHT_TOKEN"

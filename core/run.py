@@ -567,6 +567,11 @@ def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None
         raise ConfigError(src, "rl.weights", weights.kind if weights.kind == "local" else weights.path,
                           f"rollout servers on other nodes load the weights: use kind: fs with a path under {shared} "
                           "or kind: s3")
+    routing = run.rl.routing
+    if run.rl.algorithm.routing_replay and not routing.directory(output_dir).startswith(shared):
+        raise ConfigError(src, "rl.routing.path", routing.path,
+                          f"rollout servers write each choice's routed experts where every trainer rank reads them: "
+                          f"a path under {shared} (default: <output_dir>/routing)")
 
 
 def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: str = "run") -> None:

@@ -13,7 +13,8 @@ from moe_rl_eks.core.labels import RUN_LABEL
 
 GRAFANA_DASHBOARD = Path(__file__).parent / "dashboards" / "moe-rl.json"
 RUN = RUN_LABEL.split("/")[-1]  # the label the scraper copies from the pod label moe-rl/run
-_UNITS = {"_seconds": "s", "_seconds_total": "s", "_per_second": "short", "_fraction": "percentunit", "_ratio": "short"}
+_UNITS = {"_seconds": "s", "_seconds_total": "s", "_per_second": "short", "_fraction": "percentunit", "_ratio": "short",
+          "_bytes_total": "Bps", "_bytes": "bytes"}  # a counter is plotted as its rate: bytes a second
 
 
 def query(metric: metrics.Metric) -> str:

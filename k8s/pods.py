@@ -125,11 +125,16 @@ class Volumes:
 TMP_GIB = 8  # caches and scratch under /tmp
 
 
-def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: bool, tmp_gib: int = TMP_GIB) -> Volumes:
+def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: bool, tmp_gib: int = TMP_GIB,
+                     fsx_writable: str | None = None) -> Volumes:
+    """`fsx_writable`: one directory under the FSx mount that a pod whose FSx is read-only still writes (a rollout
+    server's routing store), mounted again over it read-write; the rest of the volume stays read-only."""
+    if fsx_writable is not None and not fsx_writable.startswith(f"{cluster.FSX_MOUNT_PATH}/"):
+        raise ValueError(f"fsx_writable: {fsx_writable!r} is not under {cluster.FSX_MOUNT_PATH}/")
     volumes = [
         k8s.Volume(name="run-config", config_map=k8s.ConfigMapVolumeSource(name=config_map)),
         k8s.Volume(name="fsx", persistent_volume_claim=k8s.PersistentVolumeClaimVolumeSource(
-            claim_name=cluster.FSX_CLAIM_NAME, read_only=fsx_read_only)),
+            claim_name=cluster.FSX_CLAIM_NAME, read_only=fsx_read_only and fsx_writable is None)),
         k8s.Volume(name="tmp", empty_dir=k8s.EmptyDirVolumeSource(size_limit=k8s.Quantity.from_string(f"{tmp_gib}Gi"))),
     ]
     mounts = [
@@ -137,6 +142,9 @@ def standard_volumes(config_map: str, *, shm_gib: int | None, fsx_read_only: boo
         k8s.VolumeMount(name="fsx", mount_path=cluster.FSX_MOUNT_PATH, read_only=fsx_read_only),
         k8s.VolumeMount(name="tmp", mount_path="/tmp"),
     ]
+    if fsx_writable is not None:
+        mounts.insert(2, k8s.VolumeMount(name="fsx", mount_path=fsx_writable, read_only=False,
+                                         sub_path=fsx_writable.removeprefix(f"{cluster.FSX_MOUNT_PATH}/")))
     if shm_gib:
         volumes.append(k8s.Volume(name="dshm", empty_dir=k8s.EmptyDirVolumeSource(
             medium="Memory", size_limit=k8s.Quantity.from_string(f"{shm_gib}Gi"))))

@@ -113,8 +113,12 @@ class RunChart(cdk8s.Chart):
         name, pod_labels = f"{self.name}-rollout", role_labels(self.name, "rollout")
         # A version in S3 is downloaded to /tmp before the server's ranks read it: room for one more copy.
         download_gib = math.ceil(run.model.weights_gib) if run.rl.weights.kind == "s3" else 0
+        # Routing replay: the servers write each choice's routed experts to the routing store (rl.routing), the one
+        # directory of the FSx volume they write; the orchestrator deletes and the trainers read there.
+        routing = (run.rl.routing.directory(run.rl.training.output_directory(run.name))
+                   if run.rl.algorithm.routing_replay else None)
         volumes = standard_volumes(config_map_name(self.name), shm_gib=deploy.rollout_shm_gib, fsx_read_only=True,
-                                   tmp_gib=TMP_GIB + download_gib)
+                                   tmp_gib=TMP_GIB + download_gib, fsx_writable=routing)
         # /health: the engine loop is alive (liveness); /ready: a weight version is loaded, so the headless
         # Service lists the server to the orchestrator only once it can answer.
         health = k8s.HttpGetAction(path="/health", port=k8s.IntOrString.from_string("http"))

@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                       "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
     "bench-server": ("moe_rl_eks.tools.bench.server", "main",
                      "the rollout server's HTTP cost over its engine (tokens/s and latency per concurrency)"),
+    "bench-routing": ("moe_rl_eks.tools.bench.routing", "main",
+                      "routing replay's store at 1,024 x 8k-token samples: bytes/s written, read, orchestrator RSS"),
     "bench-load": ("moe_rl_eks.tools.bench.load", "main",
                    "a served checkpoint's cold read against dd iflag=direct on the same files"),
     "bench-weights": ("moe_rl_eks.tools.bench.weights", "main",

@@ -54,6 +54,8 @@ def manifests(tmp_path, run: dict, *extra: str, outputs=EXAMPLE_OUTPUTS) -> tupl
     ({"deploy": None}, "deploy", "needs deploy.images"),
     ({"rl.training.output_dir": "runs/q"}, "rl.training.output_dir", "must be on the FSx volume (under /fsx/)"),
     ({"rl.weights": {"kind": "local"}}, "rl.weights", "use kind: fs with a path under /fsx/ or kind: s3"),
+    # routing replay: the servers' routed experts must land where every trainer rank reads them
+    ({"rl.routing": {"path": "/tmp/routing"}}, "rl.routing.path", "a path under /fsx/ (default: <output_dir>/routing)"),
     ({"deploy.rollout_shm_gib": 100}, "deploy.rollout_shm_gib", "at most half of the pod's memory"),
     ({"name": "a-run-name-that-is-far-too-long-for-k8s"}, "name", "at most 30 characters"),
     ({"environment": None}, "environment", "declares no environment (a local run)"),

@@ -128,6 +128,22 @@ def test_autoscaled_rollout_has_no_replicas_and_a_queue_depth_scaler(manifests):
         "podIdentity": {"provider": "aws"}}
 
 
+@pytest.mark.parametrize("run, routing", [("dev-small", None), ("qwen3-30b-a3b-p5", "/fsx/runs/qwen3-30b-a3b-p5/routing")])
+def test_rollout_servers_write_only_the_routing_store_of_the_fsx_volume_and_only_with_routing_replay(
+        manifests, run, routing):
+    spec = pod_specs(find(manifests[f"{run}/run.k8s.yaml"], "Deployment", f"{run}-rollout"))[0]
+    (c,) = spec["containers"]
+    fsx = {m["mountPath"]: m for m in c["volumeMounts"] if m["name"] == "fsx"}
+    assert fsx[cluster.FSX_MOUNT_PATH]["readOnly"] is True
+    claim = {v["name"]: v for v in spec["volumes"]}["fsx"]["persistentVolumeClaim"]
+    if routing is None:
+        assert list(fsx) == [cluster.FSX_MOUNT_PATH] and claim["readOnly"] is True
+        return
+    assert resolved(run).run.rl.algorithm.routing_replay
+    assert fsx[routing]["readOnly"] is False and fsx[routing]["subPath"] == routing.removeprefix("/fsx/")
+    assert claim["readOnly"] is False  # else no mount of it could write
+
+
 def test_fixed_size_rollout_sets_replicas_and_has_no_scaler(manifests):
     docs = manifests["dev-small/run.k8s.yaml"]
     assert find(docs, "Deployment", "dev-small-rollout")["spec"]["replicas"] == 1

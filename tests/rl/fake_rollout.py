@@ -119,7 +119,7 @@ class FakeRollouts:
                 tokens = [ord(str(digit)), 2]
                 choices.append({"index": i, "text": str(digit), "token_ids": tokens, "finish_reason": "stop",
                                 "logprobs": {"tokens": [], "token_logprobs": [-0.5, -0.1], "top_logprobs": None,
-                                             "text_offset": []}, "routed_experts": None,
+                                             "text_offset": []}, "routing_ref": None,
                                 "weight_versions": [{"version": holds[1], "lineage": holds[0], "tokens": 2}]})
             return web.json_response({"id": "cmpl", "object": "text_completion", "created": 0, "model": body.get("model") or "policy",
                                       "weight_version": holds[1], "weight_lineage": holds[0], "choices": choices})

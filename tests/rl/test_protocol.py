@@ -1,18 +1,17 @@
-"""The wire records: JSON round trips, malformed input rejected naming the field, routing arrays, seeds,
+"""The wire records: JSON round trips, malformed input rejected naming the field, routing references, seeds,
 versions and the staleness rule."""
-import base64
-import io
 import json
 
-import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from moe_rl_eks.workloads.rl.openai_api import CompletionRequest, read_completion
 from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, Group,
-                                              OrchestratorState, PromptRecord, ProtocolError, Sample, TrainingSample, VersionRef,
-                                              VersionSpan, decode_routing, derive_seed, encode_routing, one_version,
+                                              OrchestratorState, PromptRecord, ProtocolError, RoutingRef, Sample,
+                                              TrainingSample, VersionRef, VersionSpan, derive_seed, one_version,
                                               staleness_ok)
+
+REF = RoutingRef("cmpl-1-0", "uint8", (3, 2, 2), 12, "0123456789abcdef")
 
 
 def sample(i, lineage=1, version=3):
@@ -30,7 +29,7 @@ def batch():
 def test_records_round_trip_through_json():
     b = batch()
     assert Batch.from_json(json.loads(json.dumps(b.to_json()))) == b
-    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, one_version(VersionRef(0, 2), 2), encode_routing(np.zeros((3, 2, 2), np.int64)))])
+    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True, one_version(VersionRef(0, 2), 2), REF)])
     pending = PromptRecord(8, [1, 2], "1+1=", "2", "arithmetic", {"level": [1]})
     state = OrchestratorState(next_prompt=9, consumed=2, pending=[pending], buffered=[group], batches={4: b},
                               counts={"retries": 1}, trainer=VersionRef(1, 4), forks={1: VersionRef(0, 2)},
@@ -100,27 +99,30 @@ def test_the_orchestrators_request_is_the_servers_schema_and_checks_its_seed():
         CompletionRequest.model_validate({**data, "seed": 2**64})
 
 
-@pytest.mark.parametrize("experts, dtype", [(4, np.uint8), (256, np.uint8), (300, np.int16)])
-def test_routing_is_base64_npy_in_the_narrowest_of_uint8_and_int16(experts, dtype):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, experts, size=(7, 3, 2))
-    ids[0, 0, 0] = experts - 1
-    text = encode_routing(ids)
-    raw = np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)  # what vLLM's readers do
-    assert raw.dtype == dtype and raw.shape == (7, 3, 2)
-    back = decode_routing(text)
-    assert back.dtype == dtype and np.array_equal(back, ids)
+@pytest.mark.parametrize("change, path, expected", [
+    ({"key": "../etc/passwd"}, "routing_ref.key", "no path"),
+    ({"key": "a/b"}, "routing_ref.key", "no path"),
+    ({"shape": [3, 2]}, "routing_ref.shape", "positions >= 0, layers >= 1, k >= 1"),
+    ({"shape": [3, 0, 2]}, "routing_ref.shape", "layers >= 1"),
+    ({"bytes": 13}, "routing_ref.bytes", "12 for uint8"),
+    ({"dtype": "int16"}, "routing_ref.bytes", "24 for int16"),
+    ({"dtype": "int64"}, "routing_ref.dtype", "allowed: 'uint8', 'int16'"),
+    ({"checksum": "XYZ"}, "routing_ref.checksum", "16 lowercase hex digits"),
+    ({"compression": "gzip"}, "routing_ref.compression", "allowed: 'none', 'zlib'"),
+])
+def test_a_malformed_routing_reference_is_refused_naming_the_field(change, path, expected):
+    assert RoutingRef.from_json(REF.to_json()) == REF
+    with pytest.raises(ProtocolError, match=rf"^{path}: .*{expected}"):
+        RoutingRef.from_json({**REF.to_json(), **change})
 
 
-def test_malformed_routing_is_rejected():
-    with pytest.raises(ProtocolError, match="integer expert ids"):
-        encode_routing(np.zeros((3, 2)))
-    with pytest.raises(ProtocolError, match="base64 of .npy"):
-        decode_routing("not base64!")
-    buf = io.BytesIO()
-    np.save(buf, np.zeros((2, 2, 2), np.float32))
-    with pytest.raises(ProtocolError, match=r"^choice.routing: .*uint8 or int16"):
-        decode_routing(base64.b64encode(buf.getvalue()).decode(), "choice.routing")
+def test_a_training_samples_routing_must_cover_prompt_plus_completion_minus_one_positions():
+    good = TrainingSample("p0/0", [1, 2], [5, 2], [-0.5, -0.1], 1.0, 0.5, True, one_version(VersionRef(0, 0), 2),
+                          REF).to_json()
+    assert TrainingSample.from_json(good).routing == REF
+    with pytest.raises(ProtocolError, match=r"^training_sample\.routing: .*prompt \+ completion - 1 = 2 positions "
+                                            r"\(it covers 3\)"):
+        TrainingSample.from_json({**good, "completion_ids": [5], "logprobs": [-0.5], "versions": [{"lineage": 0, "version": 0, "tokens": 1}]})
 
 
 def test_derived_seeds_are_stable_in_range_and_do_not_collide_across_nearby_runs():
@@ -172,24 +174,37 @@ def test_persisted_state_and_batches_carry_their_format_and_an_older_or_newer_on
     from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer
     from moe_rl_eks.workloads.rl.protocol import STATE_FORMAT, WIRE_FORMAT
 
-    assert (WIRE_FORMAT, STATE_FORMAT) == (2, 2)  # format 2: per-token weight versions
+    assert (WIRE_FORMAT, STATE_FORMAT) == (3, 3)  # format 3: routing by reference to the routing store
     state = GroupBuffer(prompts_per_step=1, max_staleness=0, correct_reward=1.0).snapshot().to_json()
-    assert state["format"] == STATE_FORMAT and OrchestratorState.from_json(state).format == 2
+    assert state["format"] == STATE_FORMAT and OrchestratorState.from_json(state).format == 3
     old = {k: v for k, v in state.items() if k != "format"}  # written before formats were recorded: format 1
     with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 1 .*format 1 by an older moe-rl-eks; this "
-                                            r"one reads format 2 only \(format 2 records each sample's per-token "
-                                            r"weight versions\)"):
+                                            r"one reads format 3 \(format 2 records each sample's per-token "
+                                            r"weight versions; format 3 refers to each sample's routed experts"):
         OrchestratorState.from_json(old)
     with pytest.raises(ProtocolError, match=r"orchestrator_state\.format: .*format 9 by a newer moe-rl-eks; this one "
-                                            r"reads formats up to 2"):
+                                            r"reads formats up to 3"):
         OrchestratorState.from_json({**state, "format": 9})
     sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, one_version(VersionRef(0, 0), 1))
     batch = Batch(0, 0, [sample], BatchStats(0.0, 1.0, 0.0, 0, 0, 0, 0, 1), format=WIRE_FORMAT).to_json()
     assert Batch.from_json(batch).samples[0].versions == [VersionSpan(0, 0, 1)]
-    with pytest.raises(ProtocolError, match=r"^batch\.format: 3 .*newer moe-rl-eks"):
-        Batch.from_json({**batch, "format": 3})
+    with pytest.raises(ProtocolError, match=r"^batch\.format: 4 .*newer moe-rl-eks"):
+        Batch.from_json({**batch, "format": 4})
     # A format-1 batch (each sample one `version`, no `versions`) is refused as older, not as a field missing.
     format_1 = {**batch, "format": 1, "samples": [{**{k: v for k, v in batch["samples"][0].items() if k != "versions"},
                                                    "version": {"lineage": 0, "version": 0}}]}
-    with pytest.raises(ProtocolError, match=r"^batch\.format: 1 .*older moe-rl-eks; this one reads format 2 only"):
+    with pytest.raises(ProtocolError, match=r"^batch\.format: 1 .*older moe-rl-eks; this one reads format 3"):
         Batch.from_json(format_1)
+
+
+def test_a_format_2_record_without_routing_is_migrated_and_one_with_inline_routing_arrays_is_refused():
+    sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, one_version(VersionRef(0, 0), 1))
+    batch = {**Batch(0, 0, [sample], BatchStats(0.0, 1.0, 0.0, 0, 0, 0, 0, 1)).to_json(), "format": 2}
+    assert Batch.from_json(batch).format == 3  # same layout without routing: read as format 3
+    group = Group("p7", 7, [1, 2], VersionRef(0, 2), [Sample([5, 2], [-0.1, -0.2], 1.1, True,
+                                                             one_version(VersionRef(0, 2), 2))]).to_json()
+    group["samples"][0]["routing"] = "k05VTVBZAQB2AHsn"  # base64 .npy, as format 2 carried it
+    state = {**OrchestratorState(0, 0, [], [], {}, {}).to_json(), "format": 2, "buffered": [group]}
+    with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 2 .*carries routing arrays inline, which "
+                                            r"format 3 keeps in the routing store"):
+        OrchestratorState.from_json(state)

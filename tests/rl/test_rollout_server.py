@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
-from moe_rl_eks.workloads.rl.protocol import decode_routing
+from moe_rl_eks.workloads.rl.protocol import RoutingRef
+from moe_rl_eks.workloads.rl.routing_store import RoutingStore
 
 from rl_helpers import call, publish_initial, serve_rollout
 
@@ -43,7 +44,8 @@ def test_completion_from_text_and_token_ids_carries_version_logprobs_and_routing
         assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
         assert choice["logprobs"]["top_logprobs"] is None  # logprobs: 0 = the sampled token's only
         assert choice["finish_reason"] in ("stop", "length") and choice["prompt_token_ids"] == PROMPT_IDS
-        routing = decode_routing(choice["routed_experts"])
+        ref = RoutingRef.from_json(choice["routing_ref"])  # the arrays are in the run's routing store, not here
+        routing = RoutingStore.of(rollout["run"]).read(ref)
         # one row per fed position (5 prompt tokens, then completion[:-1]), per layer the top-k expert ids
         assert routing.shape == (5 + n - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
         assert routing.dtype == "uint8" and routing.max() < cfg.num_experts
@@ -51,7 +53,7 @@ def test_completion_from_text_and_token_ids_carries_version_logprobs_and_routing
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion}
     again = complete(url, prompt=PROMPT_IDS, n=3, top_p=0.9, seed=7, logprobs=0)
     assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in body["choices"]]
-    assert "routed_experts" not in again["choices"][0] or again["choices"][0]["routed_experts"] is None
+    assert again["choices"][0].get("routing_ref") is None
 
 
 def test_seeds_reproduce_per_choice_up_to_the_largest_uint64(shared):

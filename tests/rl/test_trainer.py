@@ -17,7 +17,8 @@ from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.trainer.microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from moe_rl_eks.workloads.rl.protocol import (CHECKPOINT_FORMAT, Batch, BatchStats, TrainingSample, VersionRef,
-                                              encode_routing, one_version)
+                                              one_version)
+from moe_rl_eks.workloads.rl.routing_store import RoutingStore
 from moe_rl_eks.workloads.trainer.checkpoint import CheckpointFormatError
 from moe_rl_eks.workloads.rl.runtime import output_dir
 from moe_rl_eks.workloads.trainer.step import learning_rate
@@ -55,13 +56,16 @@ def test_training_sequences_align_completion_tokens_logprobs_and_advantages():
     assert t.select([1]).inputs.tolist() == [[1, 7]]  # trimmed to its longest row
 
 
-def test_routing_replay_ids_land_on_their_positions_in_the_packed_row():
+def test_routing_replay_ids_land_on_their_positions_in_the_packed_row(tmp_path):
+    store = RoutingStore(tmp_path)
     ids = torch.arange(4 * 2 * 2).view(4, 2, 2) % 4  # [prompt + completion - 1 positions, layers, k]
-    t = Sequences.of([sample(0, [1, 6, 13], [9, 2], routing=encode_routing(ids.numpy()))])
+    ref = store.write("r0", ids.numpy(), num_experts=4)
+    t = Sequences.of([sample(0, [1, 6, 13], [9, 2], routing=ref)], store.read)
     packed = t.packed_routing()
     assert len(packed) == 2 and all(torch.equal(packed[layer][0], ids[:, layer]) for layer in range(2))
+    assert Sequences.of([sample(0, [1, 6, 13], [9, 2], routing=ref)]).routing is None  # no replay: nothing read
     with pytest.raises(ValueError, match="routing covers 4 positions; prompt \\+ completion - 1 is 3"):
-        Sequences.of([sample(0, [1, 6], [9, 2], routing=encode_routing(ids.numpy()))])
+        Sequences.of([sample(0, [1, 6], [9, 2], routing=ref)], store.read)
 
 
 def test_micro_batch_plans_fill_the_token_budget_longest_first_and_refuse_longer_samples():
@@ -130,6 +134,26 @@ def test_micro_batches_and_checkpointing_give_the_gradient_of_one_big_batch(tmp_
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     for key in ("loss", "kl", "entropy", "clip_fraction"):
         assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_each_trainer_rank_reads_the_routing_of_its_own_samples_only(tmp_path):
+    from trainer_ranks import routing_read_by_rank
+
+    path = write_run(tmp_path, algorithm={**FAST, "routing_replay": True})
+    run = load_run(path)
+    store = RoutingStore.of(run)
+    batch = varied_batch()
+    cfg = run.model
+    samples = [replace(s, routing=store.write(
+        f"r{i}", torch.randint(0, cfg.num_experts, (sequence_tokens(s), cfg.num_hidden_layers,
+                                                    cfg.num_experts_per_tok)).numpy(), cfg.num_experts))
+        for i, s in enumerate(batch.samples)]
+    batch = replace(batch, samples=samples)
+    ranks = run_ranks(2, routing_read_by_rank, str(path), batch.to_json())
+    shares = rank_shares([sequence_tokens(s) for s in samples], 2)
+    assert [r["read"] for r in ranks] == [sorted(samples[i].routing.key for i in share) for share in shares]
+    assert [r["bytes_read"] for r in ranks] == [sum(samples[i].routing.bytes for i in share) for share in shares]
+    assert all(share for share in shares)  # both ranks read something, and nothing of the other's
 
 
 def test_ep_ranks_with_one_rank_empty_give_the_gradient_of_one_rank(tmp_path):
@@ -322,9 +346,9 @@ def test_training_with_routing_replay_reproduces_the_rollout_logprobs(tmp_path, 
     results = decode_all(trainer.model.eval(), [RowRequest(tuple(p), SamplingParams(3, seed=seed, return_routing=True),
                                                            str(seed), 0) for seed, p in enumerate(prompts * 2)],
                          [tok.eos_id])
-    samples = [sample(i, p, r.token_ids, logprobs=r.logprobs, routing=encode_routing(r.routing))
-               for i, (p, r) in enumerate(zip(prompts * 2, results))]
-    t = Sequences.of(samples).to(trainer.device)
+    samples = [sample(i, p, r.token_ids, logprobs=r.logprobs, routing=trainer.routing_store.write(
+        f"r{i}", r.routing, run.model.num_experts)) for i, (p, r) in enumerate(zip(prompts * 2, results))]
+    t = Sequences.of(samples, trainer._read_routing).to(trainer.device)
     step = trainer.train_step
 
     def logprobs(replay):

@@ -90,6 +90,23 @@ def ep_step_gradients(rank: int, world: int, run_path: str, batch_json: dict) ->
             "samples": sorted(s.id for s in share), "state": full_state(trainer)}
 
 
+def routing_read_by_rank(rank: int, world: int, run_path: str, batch_json: dict) -> dict:
+    """One RL step with routing replay on `world` ranks: the routing keys this rank read from the store, and the
+    bytes its routing metric counted."""
+    from moe_rl_eks.core import metrics as M
+
+    trainer = Trainer(load_run(run_path), None, rank, world)
+    read, store_read = [], trainer.routing_store.read
+
+    def recording_read(ref, *args, **kwargs):
+        read.append(ref.key)
+        return store_read(ref, *args, **kwargs)
+
+    trainer.routing_store.read = recording_read
+    trainer.rl_step(Batch.from_json(batch_json))
+    return {"read": sorted(read), "bytes_read": trainer.prometheus[M.ROUTING_BYTES_READ]._value.get()}
+
+
 def warm_then_reference(trainer: Trainer) -> None:
     """The KL reference from the weights now (as after a warm-up), then the policy's weights scaled by 1.1, so
     the policy the RL step trains differs from its reference alike in every layout (an elementwise change: no

@@ -12,6 +12,9 @@ what a checkpoint records (`snapshot`/`restore`).
 - Batches are idempotent by step (a restarted trainer gets the batch its dead predecessor fetched, if every
   sample of it is in the new lineage's history; else it and every later batch are dropped and re-formed), in
   prompt order (which rank trains which sample must not depend on timing).
+- Routing replay: samples hold references to their routed experts (protocol.RoutingRef), never the arrays, so
+  the buffer's memory does not grow with the routing's size. A reference nothing will train any more goes to
+  `released` (its owner deletes the objects: routing_store.py says when).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, OrchestratorState, PromptRecord,
-                          TrainingSample, VersionRef, VersionSpan, sample_staleness, tokens_trainable)
+                          RoutingRef, TrainingSample, VersionRef, VersionSpan, sample_staleness, tokens_trainable)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
           "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests", "restarts")
@@ -53,6 +56,25 @@ class GroupBuffer:
     buffered: list[Group] = field(default_factory=list)
     batches: dict[int, Batch] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    released: list[RoutingRef] = field(default_factory=list)  # routing no sample will train: for deletion
+
+    # ---- routing references ---------------------------------------------------------------------------------
+    def release(self, samples) -> None:
+        """These samples (Sample or TrainingSample) will never train (again): their routing may go."""
+        self.released += [s.routing for s in samples if s.routing is not None]
+
+    def _release_groups(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.release(g.samples)
+
+    def live_routing(self) -> dict[str, RoutingRef]:
+        """Every routing reference the state holds (waiting groups, batches not yet checkpointed), by key."""
+        samples = [s for g in self.buffered for s in g.samples] + [s for b in self.batches.values() for s in b.samples]
+        return {s.routing.key: s.routing for s in samples if s.routing is not None}
+
+    def take_released(self) -> list[RoutingRef]:
+        released, self.released = self.released, []
+        return released
 
     # ---- issuing --------------------------------------------------------------------------------------------
     def budget_left(self) -> int:
@@ -84,15 +106,18 @@ class GroupBuffer:
         """A request's scored group (its failed rewards already masked out, `rewards_failed` of them)."""
         if self.in_flight.pop(group.request_id, None) is None:
             self.counts["duplicates_ignored"] += 1
+            self.release(group.samples)  # a second answer's routing is its own objects, never the first's
             return Outcome("duplicate", group)
         self.counts["completed"] += 1
         self.counts["rewards_failed"] += rewards_failed
         if len(group.samples) < 2:  # no group left to compare against: no advantage to learn from
             self.counts["dropped_failed_groups"] += 1
+            self.release(group.samples)
             return Outcome("too_few", group)
         rewards = [s.reward for s in group.samples]
         if dynamic_sampling and max(rewards) == min(rewards):
             self.counts["filtered_groups"] += 1
+            self.release(group.samples)
             return Outcome("filtered", group)
         self.buffered.append(group)
         return Outcome("kept", group)
@@ -129,6 +154,7 @@ class GroupBuffer:
         if stale:
             self.buffered = [g for g in self.buffered if self._group_trainable(g, step, lineage)]
             self.counts["dropped_stale_groups"] += len(stale)
+            self._release_groups(stale)
         return stale
 
     def revalidate(self, step: int, lineage: int) -> list[str]:
@@ -141,6 +167,7 @@ class GroupBuffer:
         dropped = []
         for s in sorted(k for k in self.batches if k >= step):
             batch = self.batches.pop(s)
+            self.release(batch.samples)
             ids = sorted({sample.id.split("/")[0] for sample in batch.samples})
             self.consumed -= len(ids)
             self.counts["dropped_stale_groups"] += len(ids)
@@ -166,11 +193,12 @@ class GroupBuffer:
     def batch(self, step: int, lineage: int, committed: int,
               advantages: Callable[[list[float]], list[float]]) -> Batch | None:
         """The batch of step `step` (formed now if enough groups wait, else None); batches before `committed`
-        (a checkpoint holds them) are forgotten. `advantages` is the algorithm's sequence advantages of one
+        (a checkpoint holds them: trained and checkpointed) are forgotten and their routing released.
+        `advantages` is the algorithm's sequence advantages of one
         group's rewards. Raises StepConflict (check_step) before changing anything."""
         self.check_step(step, committed)
         for old in [s for s in self.batches if s < committed]:
-            del self.batches[old]
+            self.release(self.batches.pop(old).samples)
         if step in self.batches:
             if self.batches[step].lineage != lineage:  # a restarted trainer's: revalidate() checked its samples
                 self.batches[step] = dataclasses.replace(self.batches[step], lineage=lineage)

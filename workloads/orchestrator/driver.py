@@ -12,6 +12,10 @@ takes that one instead if the trainer's first post names a new lineage (the trai
 checkpoint: the batches after it are formed again from the same prompts and seeds). Until the trainer posts, no
 prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
 its version within one poll (trainer/orchestrator_link.py HttpBatchSource).
+
+Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
+orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
+thread, after the buffer releases them; orphans by age: routing_store.py says when).
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from ..rl.data import PromptSource
 from ..rl.openai_api import CompletionRequest
 from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
-from ..rl.runtime import Registry
+from ..rl.routing_store import RoutingStore
+from ..rl.runtime import Registry, output_dir
 from .buffer import GroupBuffer
 from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
@@ -74,6 +79,8 @@ class Settings:
     max_attempts: int
     weight_push_timeout_s: float
     model: str
+    routing_dir: str  # the routing store (rl.routing), used when routing_replay is on
+    routing_orphan_after_s: float
 
     @classmethod
     def of(cls, run: RunConfig) -> "Settings":
@@ -84,7 +91,8 @@ class Settings:
                    rl.sampling.temperature, rl.sampling.top_p, rl.training.seed, rl.reward.pass_threshold,
                    rl.orchestrator.request_timeout_s, rl.orchestrator.straggler_after_s,
                    rl.orchestrator.straggler_factor, run.rollout.min_row_tokens_per_s, rl.orchestrator.max_attempts,
-                   rl.orchestrator.weight_push_timeout_s, run.name)
+                   rl.orchestrator.weight_push_timeout_s, run.name,
+                   rl.routing.directory(str(output_dir(run))), rl.routing.orphan_after_s)
 
     def deadline(self, row_tokens_per_s: float | None) -> Deadline:
         """A request's deadline on a server decoding each row at `row_tokens_per_s` (core/deadlines.py)."""
@@ -106,6 +114,8 @@ class Orchestrator:
         self.evaluator = evaluator  # evaluation.PeriodicEvaluator: evaluates a version on the first server holding it
         self.score_many, self.advantages = score_many, advantages
         self.metrics = Registry()
+        self.routing = RoutingStore(settings.routing_dir, registry=self.metrics) if settings.routing_replay else None
+        self._swept = 0.0  # monotonic time of the last orphan sweep
         self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
         if state is not None:
             self._restore(state)
@@ -123,9 +133,12 @@ class Orchestrator:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def _restore(self, state: OrchestratorState) -> None:
+        held = self.buffer.live_routing()  # a live buffer replaced by a checkpoint's: its newer routing is orphaned
         self.buffer = GroupBuffer.restore(state, prompts_per_step=self.s.prompts_per_step,
                                           max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
         self.source.restore(state.source)
+        kept = self.buffer.live_routing()
+        self.buffer.released += [ref for key, ref in held.items() if key not in kept]
         self.buffer.counts["restarts"] += 1
         self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
 
@@ -191,6 +204,8 @@ class Orchestrator:
         batch, formed = await self._wait_batch(step, committed, timeout_s)
         if formed:
             await self.persist()
+        # after the persist: a state on disk never refers to routing already deleted, except by a step's lag
+        await self.collect_routing(sweep=formed)
         return batch
 
     async def persist(self) -> None:
@@ -229,6 +244,24 @@ class Orchestrator:
                     await asyncio.wait_for(self._changed.wait(), timeout=left)
                 except asyncio.TimeoutError:
                     pass
+
+    async def collect_routing(self, *, sweep: bool = False) -> None:
+        """Delete the routing the buffer released (in a thread: unlinks on a shared filesystem); with `sweep`,
+        also the orphans (at most every quarter of rl.routing.orphan_after_s: a sweep lists the whole store)."""
+        released = self.buffer.take_released()
+        if self.routing is None:
+            return
+        if released:
+            await asyncio.to_thread(self.routing.delete, released)
+        now = time.monotonic()
+        if sweep and now - self._swept >= self.s.routing_orphan_after_s / 4:
+            self._swept = now
+            live = set(self.buffer.live_routing())
+            if self._fallback is not None:  # a checkpoint's state this orchestrator may still continue from
+                live |= {s.routing.key for g in self._fallback.buffered for s in g.samples if s.routing}
+                live |= {s.routing.key for b in self._fallback.batches.values() for s in b.samples if s.routing}
+            await asyncio.to_thread(self.routing.sweep, live, self.s.routing_orphan_after_s)
+        self.metrics[M.ROUTING_BYTES_STORED].set(sum(r.bytes for r in self.buffer.live_routing().values()))
 
     def _formed(self, batch: Batch) -> None:
         self.metrics[M.REWARD_MEAN].set(batch.stats.reward_mean)
@@ -401,8 +434,10 @@ class Orchestrator:
         scores = await asyncio.to_thread(self.score_many, items)
         samples = [sample_of(c, score) for c, score in zip(completion.choices, scores) if score is not None]
         failed = len(completion.choices) - len(samples)
+        self.buffer.release([c for c, score in zip(completion.choices, scores) if score is None])  # masked
         group = Group(request_id, prompt.index, list(prompt.prompt_ids), completion.version, samples)
         outcome = self.buffer.complete(group, rewards_failed=failed, dynamic_sampling=self.s.dynamic_sampling)
+        await self.collect_routing()
         if outcome.kind == "duplicate":
             return
         self.metrics[M.REWARD_FAILURES].inc(failed)

@@ -1,6 +1,7 @@
 """The rollout servers' HTTP API: OpenAI's completion and chat-completion protocol as pydantic models, plus the
 fields RL clients add (vLLM's `return_token_ids`, `stop_token_ids`, `top_k`, `min_p`, `logprob_mode`; our
-`return_routing`). The one vocabulary of that wire: the server (workloads/rollout/server.py) accepts and answers
+`return_routing`: each choice then carries `routing_ref`, a reference to its routed experts in the run's routing
+store, never the arrays). The one vocabulary of that wire: the server (workloads/rollout/server.py) accepts and answers
 these models, and the orchestrator and the evaluation send the same `CompletionRequest` and read the same
 `CompletionResponse` (`read_completion`). Torch-free: the orchestrator, clients and tests import it without the
 model.
@@ -13,7 +14,7 @@ Unknown request fields are kept in `model_extra`, which the server logs and igno
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -70,7 +71,8 @@ class SamplingFields(Request):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="also return the prompt's token ids")
-    return_routing: bool | None = Field(None, description="return each choice's routed experts (routing replay)")
+    return_routing: bool | None = Field(None, description="write each choice's routed experts to the run's routing "
+                                                          "store and answer a reference to them (routing replay)")
     logprob_mode: LogprobMode | None = Field(
         None, description="processed = after temperature/top-k/top-p/min-p (what an RL trainer scores); "
                           "raw (default) = the model's own distribution")
@@ -161,6 +163,10 @@ class WeightSpan(BaseModel):
 
 WeightSpans = Field(None, description="the weights of the choice's tokens, in order: spans of (version, lineage, "
                                       "tokens) covering every token; one span unless weights were swapped mid-row")
+# Read as protocol.RoutingRef (read_completion), which names any bad field: one definition of the reference.
+RoutingRefField = Field(None, description="with return_routing: where the choice's routed experts are in the run's "
+                                          "routing store: {key, dtype (uint8 | int16), shape [prompt + completion - 1, "
+                                          "layers, k], bytes, checksum (XXH3-64), compression}")
 
 
 class CompletionChoice(BaseModel):
@@ -171,8 +177,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: str | None = Field(
-        None, description="base64 .npy [prompt + completion - 1, layers, k] (uint8, int16 above 256 experts)")
+    routing_ref: dict[str, Any] | None = RoutingRefField
     weight_versions: list[WeightSpan] | None = WeightSpans
 
 
@@ -211,7 +216,7 @@ class ChatChoiceFields(BaseModel):
     stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routing_ref: dict[str, Any] | None = RoutingRefField
     weight_versions: list[WeightSpan] | None = WeightSpans
 
 
@@ -317,7 +322,7 @@ def read_completion(body: object, path: str = "response") -> Completion:
                                 "rollout server")
         choices.append(Choice._from_json({
             "index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs.token_logprobs,
-            "finish_reason": c.finish_reason, "text": c.text, "routing": c.routed_experts,
+            "finish_reason": c.finish_reason, "text": c.text, "routing": c.routing_ref,
             "versions": [w.model_dump() for w in c.weight_versions]}, where))
     if sorted(c.index for c in choices) != list(range(len(choices))):
         raise ProtocolError(f"{path}.choices", [c.index for c in choices], "indices 0..n-1, each once")

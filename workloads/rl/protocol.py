@@ -1,19 +1,17 @@
-"""What crosses a process boundary between the RL roles, as typed records: weight versions, routing arrays,
+"""What crosses a process boundary between the RL roles, as typed records: weight versions, routing references,
 request seeds, completion results, training samples and batches, and the orchestrator's checkpointed state.
 
-Torch-free and dependency-free (numpy is imported only to encode or decode routing arrays), so the orchestrator
-image, the trainer on a GPU machine without pydantic, and checkpoints all read the same records. Every record
+Torch-free and dependency-free, so the orchestrator image, the trainer on a GPU machine without pydantic, and checkpoints all read the same records. Every record
 converts with `to_json()` (plain JSON types) and `Record.from_json(data)`, which rejects malformed input with a
 `ProtocolError` naming the field path (`batch.samples[3].advantage`), the value and what was expected.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import hashlib
-import io
 import math
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -38,28 +36,49 @@ class ProtocolError(ValueError):
 # one when its layout changes, and read the older one (migrate) or refuse it (check_format).
 # Format 2 (wire and state): every sample carries the weight versions of its tokens (VersionSpan), which a format-1
 # record lacks and cannot be given after the fact (its server may have swapped weights under it), so it is refused.
+# Format 3 (wire and state): a sample refers to its routed experts in the routing store (RoutingRef) instead of
+# carrying them inline as base64. A format-2 record without routing has format 3's layout and is read as format 3
+# (migrated); one with inline routing arrays is refused (MIGRATIONS).
 # Checkpoint format 2: PPO's critic is an MLP under `critic.*` (trainer/critic.py) where format 1 held a linear
 # `value_head`; the policy's keys are unchanged, so a format-1 checkpoint of a run without a critic is read as it is
 # and one with a value head is refused (trainer/checkpoint.py, read_meta).
-WIRE_FORMAT = 2
-STATE_FORMAT = 2
+WIRE_FORMAT = 3
+STATE_FORMAT = 3
 CHECKPOINT_FORMAT = 2
-FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions"}
+FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions",
+                  3: "format 3 refers to each sample's routed experts in the routing store instead of carrying them "
+                     "inline"}
 
 
 def check_format(found: int, current: int, what: str) -> str | None:
     """What is wrong with a record of format `found` (checked before its fields, so an older layout is refused as
-    such, not as a field missing), None when this code reads it."""
+    such, not as a field missing), None when this code reads it (a migratable older format included)."""
     if found > current:
         return (f"this {what} was written in format {found} by a newer moe-rl-eks; this one reads formats up to "
                 f"{current}: upgrade every role, or resume from a checkpoint of this version")
     if found < 1:
         return f"a format >= 1 (this code writes {current})"
-    if found < current:
+    if found < current and found not in MIGRATIONS.get(current, ()):
+        changes = "; ".join(FORMAT_CHANGES[f] for f in range(found + 1, current + 1))
         return (f"this {what} was written in format {found} by an older moe-rl-eks; this one reads format {current} "
-                f"only ({FORMAT_CHANGES[current]}): run every role at one moe-rl-eks version, and resume only from "
-                f"a checkpoint this version wrote")
+                f"({changes}): run every role at one moe-rl-eks version, and resume only from a checkpoint this "
+                f"version wrote")
     return None
+
+
+def _inline_routing(data: Any) -> bool:
+    """Whether a format-2 record carries a routing array inline (a string `routing` in any of its samples)."""
+    if isinstance(data, dict):
+        return isinstance(data.get("routing"), str) or any(_inline_routing(v) for v in data.values())
+    return isinstance(data, list) and any(_inline_routing(v) for v in data)
+
+
+# current format -> the older formats read as it, each with the check that refuses what cannot be migrated
+# ((record JSON) -> why not, or None)
+MIGRATIONS: dict[int, dict[int, Any]] = {3: {2: lambda data: (
+    "this record of format 2 carries routing arrays inline, which format 3 keeps in the routing store "
+    "(rl.routing) and the orchestrator never holds: finish the run at the older moe-rl-eks, or restart it (a "
+    "format-2 state or batch without routing replay is read as is)") if _inline_routing(data) else None}}
 
 
 # ---- decoding -------------------------------------------------------------------------------------------------
@@ -171,8 +190,11 @@ class Record:
         if cls.FORMAT is not None:
             found = _decode(int, data.get("format", 1), f"{path}.format")
             problem = check_format(found, *cls.FORMAT)
+            if problem is None and found < cls.FORMAT[0]:
+                problem = MIGRATIONS[cls.FORMAT[0]][found](data)
             if problem is not None:
                 raise ProtocolError(f"{path}.format", found, problem)
+            data = {**data, "format": cls.FORMAT[0]}  # migrated: the record is this format's from now on
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ProtocolError(f"{path}.{unknown[0]}", data[unknown[0]], "unknown field; known: " + ", ".join(fields))
@@ -297,35 +319,56 @@ def sample_staleness(step: int, spans: list[VersionSpan]) -> int:
 
 
 # ---- routing replay -------------------------------------------------------------------------------------------
-def encode_routing(array: Any) -> str:
-    """Routed expert ids [tokens - 1, layers, k] (positions of prompt + completion[:-1]) -> base64 of `.npy`
-    bytes: uint8 when every id fits (num_experts <= 256), else int16 (vLLM's layout and width)."""
-    import numpy as np
-
-    a = np.asarray(array)
-    if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer):
-        raise ProtocolError("routing", f"{a.dtype}{list(a.shape)}", "expected integer expert ids [tokens - 1, layers, k]")
-    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int16).max):
-        raise ProtocolError("routing", f"ids in [{a.min()}, {a.max()}]", "expert ids must be in [0, 32767]")
-    dtype = np.uint8 if not a.size or a.max() <= np.iinfo(np.uint8).max else np.int16
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(a, dtype=dtype), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+ROUTING_DTYPES = {"uint8": 1, "int16": 2}  # name -> bytes per id: uint8 while every id fits (experts <= 256)
+ROUTING_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
+CHECKSUM_HEX = re.compile(r"^[0-9a-f]{16}$")
 
 
-def decode_routing(text: str, path: str = "routing") -> Any:
-    """The inverse of encode_routing: a numpy integer array [tokens - 1, layers, k] (uint8 or int16)."""
-    import numpy as np
+def routing_dtype(num_experts: int) -> str:
+    """The narrowest id type for `num_experts` experts (vLLM's width): uint8 up to 256, else int16."""
+    if not 1 <= num_experts <= 32768:
+        raise ProtocolError("num_experts", num_experts, "between 1 and 32768 (int16 expert ids)")
+    return "uint8" if num_experts <= 256 else "int16"
 
-    if not isinstance(text, str):
-        raise ProtocolError(path, text, "expected base64 of .npy bytes")
-    try:
-        a = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise ProtocolError(path, text, f"expected base64 of .npy bytes ({exc})") from None
-    if a.ndim != 3 or a.dtype not in (np.uint8, np.int16):
-        raise ProtocolError(path, f"{a.dtype}{list(a.shape)}", "expected uint8 or int16 [tokens - 1, layers, k]")
-    return a
+
+@dataclass(frozen=True)
+class RoutingRef(Record):
+    """Where one choice's routed expert ids are (routing replay): the object `key` in the run's routing store
+    (workloads/rl/routing_store.py; its root comes from the run, rl.routing, never from the wire), holding a
+    C-order array of `shape` [prompt + completion - 1 positions, layers, k] of `dtype`, `bytes` long as stored
+    (after `compression`), whose XXH3-64 is `checksum`. The key is unique per server answer and choice; a
+    sample's id (`<request>/<choice>`) is the orchestrator's, not the store's."""
+
+    key: str
+    dtype: Literal["uint8", "int16"]
+    shape: tuple[int, ...]  # [positions, layers, k]
+    bytes: int
+    checksum: str  # XXH3-64 of the stored bytes, 16 hex digits
+    compression: Literal["none", "zlib"] = "none"
+
+    @property
+    def array_bytes(self) -> int:
+        """The array's size once decompressed."""
+        return math.prod(self.shape) * ROUTING_DTYPES[self.dtype]
+
+    def check(self) -> tuple[str, str] | None:
+        if not ROUTING_KEY.match(self.key):
+            return "key", "1-200 letters, digits, '_', '.', '-' (a name in the routing store, no path)"
+        if len(self.shape) != 3 or self.shape[0] < 0 or self.shape[1] < 1 or self.shape[2] < 1:
+            return "shape", "[positions >= 0, layers >= 1, k >= 1]"
+        if self.bytes < 0 or (self.compression == "none" and self.bytes != self.array_bytes):
+            return "bytes", f"the stored size: {self.array_bytes} for {self.dtype}{list(self.shape)} uncompressed"
+        if not CHECKSUM_HEX.match(self.checksum):
+            return "checksum", "16 lowercase hex digits (XXH3-64)"
+        return None
+
+
+def routing_positions(routing: RoutingRef | None, prompt: int, completion: int) -> tuple[str, str] | None:
+    """A sample's routing covers every fed position: prompt + completion[:-1]."""
+    if routing is not None and routing.shape[0] != prompt + completion - 1:
+        return "routing", (f"routing of prompt + completion - 1 = {prompt + completion - 1} positions (it covers "
+                           f"{routing.shape[0]})")
+    return None
 
 
 # ---- seeds ----------------------------------------------------------------------------------------------------
@@ -359,7 +402,7 @@ class Choice(Record):
     finish_reason: FinishReason
     versions: list[VersionSpan]  # the weights of each token (check_spans)
     text: str = ""
-    routing: str | None = None  # encode_routing of [prompt + completion - 1, layers, k]
+    routing: RoutingRef | None = None  # [prompt + completion - 1, layers, k] in the routing store
 
     def check(self) -> tuple[str, str] | None:
         return one_logprob_per_token(self.logprobs, self.token_ids) or check_spans(self.versions, self.token_ids)
@@ -399,7 +442,7 @@ class Sample(Record):
     reward: float
     finished: bool  # ended by EOS/stop, not cut by max_tokens
     versions: list[VersionSpan]  # the weights that sampled its tokens (check_spans)
-    routing: str | None = None
+    routing: RoutingRef | None = None
 
     def check(self) -> tuple[str, str] | None:
         return one_logprob_per_token(self.logprobs, self.completion_ids) or check_spans(self.versions,
@@ -432,11 +475,12 @@ class TrainingSample(Record):
     advantage: float  # sequence-level (the algorithm's sequence_advantages); PPO's are 0 and made by the trainer
     finished: bool
     versions: list[VersionSpan]  # the weights that sampled its tokens (check_spans)
-    routing: str | None = None
+    routing: RoutingRef | None = None  # routing replay: read from the store by the rank that trains it
 
     def check(self) -> tuple[str, str] | None:
-        return one_logprob_per_token(self.logprobs, self.completion_ids) or check_spans(self.versions,
-                                                                                        self.completion_ids)
+        return (one_logprob_per_token(self.logprobs, self.completion_ids)
+                or check_spans(self.versions, self.completion_ids)
+                or routing_positions(self.routing, len(self.prompt_ids), len(self.completion_ids)))
 
 
 @dataclass(frozen=True)

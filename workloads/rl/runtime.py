@@ -37,7 +37,7 @@ def run_argparser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def output_dir(run: RunConfig) -> Path:
-    return Path(run.rl.training.output_dir.format(name=run.name))
+    return Path(run.rl.training.output_directory(run.name))
 
 
 def load(path: str) -> RunConfig:

@@ -1,7 +1,8 @@
 """Rollout server: OpenAI's completions and chat-completions API over the RolloutEngine, on FastAPI + uvicorn.
 
   POST /v1/completions, /v1/chat/completions  OpenAI's fields, vLLM's (top_k, min_p, stop_token_ids,
-        return_token_ids, logprob_mode) and ours (return_routing: the routed experts for routing replay);
+        return_token_ids, logprob_mode) and ours (return_routing: each choice's routed experts are written to the
+        run's routing store and the choice carries `routing_ref`, a reference to them, for routing replay);
         `stream: true` answers server-sent events as tokens are sampled. Every answer carries weight_version and
         weight_lineage (the oldest weights that sampled any of its tokens), and each choice weight_versions: spans
         of (version, lineage, tokens) in token order (rollout.weight_swap: inflight swaps under running rows).
@@ -38,7 +39,8 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..rl import openai_api as api
-from ..rl.protocol import VersionRef, encode_routing, first_tokens
+from ..rl.protocol import RoutingRef, VersionRef, first_tokens
+from ..rl.routing_store import RoutingStore
 from ..rl.runtime import HttpError, Registry, json_api
 from ..rl.tokenizer import Tokenizer, UnknownText
 from .detokenizer import CompletionText
@@ -358,8 +360,13 @@ class Answer:
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: api.FinishReason
     stop_reason: int | str | None
-    routing: str | None
+    routed: object  # numpy ids [prompt + completion - 1, layers, k], until written to the routing store
     versions: list[api.WeightSpan]  # the weights of token_ids' tokens
+    routing: RoutingRef | None = None  # where `routed` was written
+
+    @property
+    def routing_ref(self) -> dict | None:
+        return None if self.routing is None else self.routing.to_json()
 
 
 def choice_of(row: StreamedChoice, out: RowOutput, stop_token_ids: tuple[int, ...]) -> Answer:
@@ -370,13 +377,11 @@ def choice_of(row: StreamedChoice, out: RowOutput, stop_token_ids: tuple[int, ..
     else:
         finish = out.finish_reason
         stop_reason = ids[-1] if finish == "stop" and ids and ids[-1] in stop_token_ids else None
-    routing = None
-    if out.routing is not None:  # positions of prompt + completion[:-1]
-        routing = encode_routing(out.routing[:len(row.prompt) + len(ids) - 1])
+    routed = None if out.routing is None else out.routing[:len(row.prompt) + len(ids) - 1]  # prompt + completion[:-1]
     top = out.top_logprobs[:kept] if out.top_logprobs is not None else None
     versions = [api.WeightSpan(version=s.version, lineage=s.lineage, tokens=s.tokens)
                 for s in first_tokens(out.weight_versions, kept)]
-    return Answer(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routing, versions)
+    return Answer(out.row, ids, out.logprobs[:kept], top, finish, stop_reason, routed, versions)
 
 
 class RolloutServer:
@@ -386,6 +391,8 @@ class RolloutServer:
         self.run, self.engine, self.token = run, engine, token
         self.model = ServedModel(run, tokenizer)
         self.metrics = RolloutMetrics(engine.metrics)
+        self.routing = RoutingStore.of(run, engine.metrics)
+        self.num_experts = run.model.num_experts
         self.created = int(time.time())
         self._relay: TokenRelay | None = None
 
@@ -426,14 +433,16 @@ class RolloutServer:
         finally:
             watcher.cancel()
         self.metrics.requests.inc()
-        return self._respond(gen, outputs)
+        return self._respond(gen, outputs, await self._choices(gen, outputs))
 
     def _head(self, gen: Generation, version: int, lineage: int) -> dict:
         return {"id": gen.request_id, "created": int(time.time()), "model": self.model.name,
                 "weight_version": version, "weight_lineage": lineage}
 
-    def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Answer], dict, api.Usage]:
+    async def _choices(self, gen: Generation, outputs: list[RowOutput]) -> tuple[list[Answer], dict, api.Usage]:
         choices = [choice_of(row, o, gen.plan.params[0].stop_token_ids) for row, o in zip(gen.rows, outputs)]
+        if any(c.routed is not None for c in choices):  # megabytes a choice at RL lengths: off the event loop
+            await asyncio.to_thread(self._write_routing, gen.request_id, choices)
         # The oldest weights of any token (a swap in flight changes them under running rows, and a request's rows
         # may even start on different versions): staleness read from the head is never understated.
         lineage, version = min(o.oldest for o in outputs)
@@ -443,9 +452,16 @@ class RolloutServer:
         return choices, head, api.Usage(prompt_tokens=prompt, completion_tokens=completion,
                                         total_tokens=prompt + completion)
 
-    def _respond(self, gen: Generation, outputs: list[RowOutput]):
+    def _write_routing(self, request_id: str, choices: list[Answer]) -> None:
+        """Each choice's routed experts into the routing store under `<request id>-<choice>` (the request id is
+        this server's, unique: a retried or hedged request's other answers never collide with this one's)."""
+        for c in choices:
+            if c.routed is not None:
+                c.routing, c.routed = self.routing.write(f"{request_id}-{c.index}", c.routed, self.num_experts), None
+
+    def _respond(self, gen: Generation, outputs: list[RowOutput], answered: tuple[list[Answer], dict, api.Usage]):
         plan = gen.plan
-        choices, head, usage = self._choices(gen, outputs)
+        choices, head, usage = answered
         if plan.kind == "completion":
             out = []
             for row, c, o in zip(gen.rows, choices, outputs):
@@ -458,13 +474,13 @@ class RolloutServer:
                             gen, list(row.prompt), o.prompt_logprobs, o.prompt_top_logprobs, 0), logprobs)
                 out.append(api.CompletionChoice(
                     index=c.index, text=echo + row.text.text, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing,
+                    stop_reason=c.stop_reason, token_ids=c.token_ids, routing_ref=c.routing_ref,
                     weight_versions=c.versions,
                     prompt_token_ids=list(row.prompt) if plan.return_token_ids else None, logprobs=logprobs))
             return api.CompletionResponse(**head, choices=out, usage=usage)
         out = [api.ChatChoice(
             index=c.index, message=api.AssistantMessage(content=row.text.text), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason, token_ids=c.token_ids, routed_experts=c.routing, weight_versions=c.versions,
+            stop_reason=c.stop_reason, token_ids=c.token_ids, routing_ref=c.routing_ref, weight_versions=c.versions,
             prompt_token_ids=list(row.prompt) if plan.return_token_ids else None,
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
             if plan.logprobs is not None else None)
@@ -491,17 +507,17 @@ class RolloutServer:
             async for burst in gen.bursts():
                 yield "".join(f"{before}{self._token_choice(gen, index, events).model_dump_json()}]}}\n\n"
                               for index, events in burst.items())
-            choices, head, usage = self._choices(gen, gen.result())
+            choices, head, usage = await self._choices(gen, gen.result())
             for row, c in zip(gen.rows, choices):
                 text = row.text.take(final=True)
                 if plan.kind == "chat":
                     chunk = api.ChatCompletionChunk(**head, choices=[api.ChatChunkChoice(
                         index=c.index, delta=api.Delta(content=text), finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, routed_experts=c.routing, weight_versions=c.versions)])
+                        stop_reason=c.stop_reason, routing_ref=c.routing_ref, weight_versions=c.versions)])
                 else:
                     chunk = api.CompletionResponse(**head, choices=[api.CompletionChoice(
                         index=c.index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        routed_experts=c.routing, weight_versions=c.versions)])
+                        routing_ref=c.routing_ref, weight_versions=c.versions)])
                 yield _sse(chunk)
             if plan.include_usage:
                 cls = api.ChatCompletionChunk if plan.kind == "chat" else api.CompletionResponse

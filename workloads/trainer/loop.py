@@ -1,5 +1,6 @@
 """Trainer: `torchrun` ranks with expert parallelism inside. The loop (this module): rank 0 fetches the step's
-batch from the orchestrator (a `BatchSource`, orchestrator_link.py) and broadcasts it; every rank trains on its share, rank 0 publishes
+batch from the orchestrator (a `BatchSource`, orchestrator_link.py) and broadcasts it (routing replay's arrays are
+not in it: each rank reads its own samples' from the routing store); every rank trains on its share, rank 0 publishes
 the weights as the next version; checkpoints every `checkpoint_every` steps and on SIGTERM (preemption: the ranks
 agree on stopping every step, so all of them checkpoint together), then exits cleanly; a restart resumes from the
 newest checkpoint in a new weight lineage.
@@ -39,7 +40,8 @@ from ..rl.checkpoint_dirs import latest
 from ..rl.data import FormatExamples
 from ..rl.device_weights import DeviceExporter, channel as device_channel
 from ..rl.losses import PolicyBatch, Totals
-from ..rl.protocol import Batch, TrainingSample, VersionRef, one_version
+from ..rl.protocol import Batch, RoutingRef, TrainingSample, VersionRef, one_version
+from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, cap_gpu_memory, load, output_dir, run_argparser
 from ..rl.tokenizer import load_tokenizer, write_checkpoint_metadata
 from ..rl.weights import open_store
@@ -119,6 +121,7 @@ class Trainer:
         self.writer = None
         self.last_metrics: dict[str, float] = {}
         self.prometheus = Registry()
+        self.routing_store = RoutingStore.of(run, self.prometheus)  # routing replay: this rank's samples' experts
 
     def _build_model(self, plan: ParallelPlan, ep: ExpertParallel | None = None,
                      cp: ContextParallel | None = None) -> tuple[MoETransformer, ExpertParallel | None]:
@@ -201,7 +204,7 @@ class Trainer:
         algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
         warming_critic = self.step < self.run.rl.algorithm.critic_warmup_steps
         temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
-        seqs = Sequences.of(self._share(batch.samples)).to(self.device)
+        seqs = Sequences.of(self._share(batch.samples), self._read_routing if replay else None).to(self.device)
         rows = list(range(len(seqs.lengths)))
         parts = [rows[m::m_count] for m in range(m_count)]
         plans = self._plan(seqs, parts)
@@ -276,6 +279,10 @@ class Trainer:
             # choosing experts as the trainer does.
             self.model.update_routing_bias(first_load.to(self.device), rate=rate)
         return metrics
+
+    def _read_routing(self, ref: RoutingRef, path: str):
+        """A sample's routed experts from the routing store (this rank's samples only: rl_step reads its share)."""
+        return self.routing_store.read(ref, path, self.run.model)
 
     @torch.no_grad()
     def _score(self, seqs: Sequences, plans: list[list[list[int]]], policy: bool, temperature: float, replay: bool):

@@ -4,12 +4,16 @@ are shared among trainer ranks (balanced by tokens), and the plan that splits a 
 micro-batches under a token budget."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..rl.protocol import decode_routing
+from ..rl.protocol import RoutingRef
+
+# (a sample's routing reference, its field path for errors) -> its expert ids [positions, layers, k] (numpy)
+ReadRouting = Callable[[RoutingRef, str], Any]
 
 
 class TrainingSequence(Protocol):
@@ -20,7 +24,7 @@ class TrainingSequence(Protocol):
     logprobs: list[float]
     reward: float
     advantage: float
-    routing: str | None
+    routing: RoutingRef | None
 
 
 def sequence_tokens(sample: TrainingSequence) -> int:
@@ -43,7 +47,9 @@ class Sequences:
     routing: torch.Tensor | None  # [L, B, S, k] expert ids for routing replay
 
     @classmethod
-    def of(cls, samples: Sequence[TrainingSequence]) -> "Sequences":
+    def of(cls, samples: Sequence[TrainingSequence], read_routing: ReadRouting | None = None) -> "Sequences":
+        """With `read_routing` (routing replay), each sample's routed experts are read through it: only the
+        samples given, so a trainer rank reads its own share of a batch's routing and nothing else."""
         b = len(samples)
         width = max((sequence_tokens(s) for s in samples), default=0)
         inputs, targets = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, width, dtype=torch.long)
@@ -56,8 +62,8 @@ class Sequences:
             valid[i, :n] = True
             mask[i, p - 1:n] = 1.0
             behaviour[i, p - 1:n] = torch.tensor(s.logprobs)
-            if s.routing is not None:
-                ids = torch.from_numpy(decode_routing(s.routing).astype("int64"))  # [n, L, k]
+            if read_routing is not None and s.routing is not None:
+                ids = torch.from_numpy(read_routing(s.routing, f"samples[{i}].routing").astype("int64"))  # [n, L, k]
                 if ids.shape[0] != n:
                     raise ValueError(f"sample {i}: routing covers {ids.shape[0]} positions; prompt + completion - 1 "
                                      f"is {n}")
