@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from moe_rl_eks.workloads.rl.openai_api import CompletionRequest, read_completion
-from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Completion, Group,
+from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, Group,
                                               OrchestratorState, PromptRecord, ProtocolError, RoutingRef, Sample,
                                               TrainingSample, VersionRef, VersionSpan, derive_seed, one_version,
                                               staleness_ok)

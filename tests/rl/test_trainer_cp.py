@@ -5,7 +5,6 @@ import os
 import random
 
 import pytest
-import torch
 from rl_helpers import tiny_run, write_run
 from test_trainer import sample, varied_batch
 from test_trainer_fsdp import GRAD_TOLERANCE, relative_error
