@@ -63,6 +63,7 @@ ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times th
 LOGPROB_BITWISE_EQUAL = Metric("moerl_logprob_bitwise_equal_fraction", "gauge", "Fraction of the last batch's completion tokens whose rollout logprob equals the trainer's bitwise")
 LOGPROB_ABS_DIFF_MAX = Metric("moerl_logprob_abs_diff_max", "gauge", "Largest |rollout - trainer| logprob of a completion token in the last batch (nats)")
 LOGPROB_ABS_DIFF_MEAN = Metric("moerl_logprob_abs_diff_mean", "gauge", "Mean |rollout - trainer| logprob of the last batch's completion tokens (nats)")
+CRITIC_EXPLAINED_VARIANCE = Metric("moerl_critic_explained_variance", "gauge", "PPO: 1 - Var(returns - values) / Var(returns) of the last batch, with the critic's values from before it trained on that batch (held out)")
 # Routing replay's arrays (workloads/rl/routing_store.py): bytes as stored (after rl.routing.compression).
 ROUTING_BYTES_WRITTEN = Metric("moerl_routing_written_bytes_total", "counter", "Bytes of routed expert ids this rollout server wrote to the routing store (routing replay)")
 ROUTING_BYTES_READ = Metric("moerl_routing_read_bytes_total", "counter", "Bytes of routed expert ids this trainer rank read from the routing store (its own samples only)")
@@ -80,4 +81,4 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
        ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN,
-       ROUTING_BYTES_WRITTEN, ROUTING_BYTES_READ, ROUTING_BYTES_DELETED, ROUTING_BYTES_STORED)
+       CRITIC_EXPLAINED_VARIANCE, ROUTING_BYTES_WRITTEN, ROUTING_BYTES_READ, ROUTING_BYTES_DELETED, ROUTING_BYTES_STORED)

@@ -62,15 +62,15 @@ class OnPolicyBatches:
         return None
 
 
-def train(run) -> list[dict]:
-    """Run `run` through the trainer's loop on on-policy batches; its metrics.jsonl rows."""
+def train(run) -> tuple[list[dict], Trainer]:
+    """Run `run` through the trainer's loop on on-policy batches: its metrics.jsonl rows, and the trainer."""
     source = OnPolicyBatches(run)
     trainer = Trainer(run, source, rank=0, world=1)
     source.trainer = trainer
     trainer.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     assert trainer.run_loop() == 0
-    return [json.loads(line) for line in Path(trainer.out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in Path(trainer.out / "metrics.jsonl").read_text().splitlines()], trainer
 
 
 def mean_reward(rows: list[dict], last: int) -> float:

@@ -10,6 +10,7 @@ import yaml
 from onpolicy import train
 from rl_helpers import REPO, rewarded_batch, tiny_run
 
+from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.core.schema import ConfigError
 from moe_rl_eks.workloads.rl.algorithms import explained_variance
@@ -128,7 +129,9 @@ def test_the_critic_explains_the_returns_of_a_task_rewarded_only_at_its_end(tmp_
     answer is going. Warm-up only (the policy frozen): each step's explained variance is measured on that step's
     fresh batch before the critic trains on it, so it is held out. Measured: 0.27 to 0.51 over steps 10-20, 0.43 on
     average over steps 15-20."""
-    rows = train(countdown_run(tmp_path, {"name": "ppo", "critic_lr": 3e-3, "critic_warmup_steps": 20}, steps=21))
+    rows, trainer = train(countdown_run(tmp_path, {"name": "ppo", "critic_lr": 3e-3, "critic_warmup_steps": 20},
+                                        steps=21))
     ev = [r["critic_explained_variance"] for r in rows]
+    assert trainer.prometheus[M.CRITIC_EXPLAINED_VARIANCE]._value.get() == ev[-1]  # the dashboard's gauge
     assert abs(ev[0]) < 1e-6  # the untrained critic predicts 0 everywhere: no better than the mean
     assert statistics.fmean(ev[14:20]) >= 0.3, ev

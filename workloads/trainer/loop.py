@@ -566,6 +566,8 @@ class Trainer:
                               (M.LOGPROB_ABS_DIFF_MEAN, metrics["logprob_abs_diff_mean"]),
                               (M.WEIGHT_PUBLISH_SECONDS, self.last_metrics.get(M.WEIGHT_PUBLISH_SECONDS.name, 0.0))):
             self.prometheus[metric].set(value)
+        if "critic_explained_variance" in metrics:  # PPO only
+            self.prometheus[M.CRITIC_EXPLAINED_VARIANCE].set(metrics["critic_explained_variance"])
 
 
 def eval_snapshots(run: RunConfig, needs_reference: bool) -> tuple[str, ...]:
