@@ -27,6 +27,20 @@ MOMENTS = (".exp_avg", ".exp_avg_sq")
 GRAD_TOLERANCE = 2e-6
 
 
+def assert_steps_as_one_process(r: dict, want_metrics: dict, want_grads: dict, want_state: dict) -> None:
+    """A rank's step against one process's: loss and gradient norm, every gradient, AdamW's moments."""
+    assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-6)
+    assert r["metrics"]["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-6)
+    assert r["grads"].keys() == want_grads.keys() and r["state"].keys() == want_state.keys()
+    for name, grad in want_grads.items():
+        assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
+    for name, tensor in want_state.items():
+        if name.endswith(MOMENTS):  # AdamW's moments: the gradients' running mean and mean square
+            # the mean square's relative error is twice the gradient's
+            bound = GRAD_TOLERANCE * (2 if name.endswith("_sq") else 1)
+            assert relative_error(r["state"][name], tensor) < bound, name
+
+
 @pytest.mark.parametrize("world, algorithm", [(2, "grpo"), (4, "grpo"), (4, "dr_grpo"), (4, "gspo"), (4, "ppo"),
                                               (8, "ppo"), (8, "gspo")])
 def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_path, world, algorithm):
@@ -44,16 +58,7 @@ def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_
         path = write_run(tmp_path / f"fsdp-{fsdp}", algorithm=algo, **sections)
         layouts[fsdp] = run_ranks(world, ep_step_gradients, str(path), varied_batch().to_json())
     for r in layouts[True]:
-        assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-6)
-        assert r["metrics"]["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-6)
-        assert r["grads"].keys() == want_grads.keys() and r["state"].keys() == want_state.keys()
-        for name, grad in want_grads.items():
-            assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
-        for name, tensor in want_state.items():
-            if name.endswith(MOMENTS):  # AdamW's moments: the gradients' running mean and mean square
-                # the mean square's relative error is twice the gradient's
-                bound = GRAD_TOLERANCE * (2 if name.endswith("_sq") else 1)
-                assert relative_error(r["state"][name], tensor) < bound, name
+        assert_steps_as_one_process(r, want_metrics, want_grads, want_state)
     # The weights after the step: AdamW's first step is about lr * sign(gradient), so an entry whose gradient is
     # rounding noise may step either way in any layout with another summation order. FSDP stays as close to one
     # process as the EP trainer does (each within about 1e-5 of the weight's norm at this learning rate).
@@ -172,15 +177,7 @@ def test_ep_over_half_the_ranks_shards_each_experts_copies_and_steps_as_one_proc
     assert [r["ep_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["held_experts"] for r in ranks] == [2, 2, 2, 2]  # 8 experts / 4 ranks
     for r in ranks:
-        assert r["metrics"]["loss"] == pytest.approx(want_metrics["loss"], rel=1e-6)
-        assert r["metrics"]["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-6)
-        assert r["grads"].keys() == want_grads.keys() and r["state"].keys() == want_state.keys()
-        for name, grad in want_grads.items():
-            assert relative_error(r["grads"][name], grad) < GRAD_TOLERANCE, name
-        for name, tensor in want_state.items():
-            if name.endswith(MOMENTS):
-                bound = GRAD_TOLERANCE * (2 if name.endswith("_sq") else 1)
-                assert relative_error(r["state"][name], tensor) < bound, name
+        assert_steps_as_one_process(r, want_metrics, want_grads, want_state)
 
 
 def test_bf16_parameters_with_float32_reduction_train_and_keep_float32_master_weights(tmp_path):

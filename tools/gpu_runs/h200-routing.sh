@@ -8,10 +8,9 @@
 # the machine's python3; carry .whl/ (git-ignored cp312 wheels the machine lacks) where it exists.
 # Log: $OUT/routing.log when OUT is set; the exit status is pytest's.
 set -euo pipefail
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
-if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
-export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=tools/gpu_runs/budget.sh
+source "$(dirname "$0")/budget.sh"
+package_env
 tests() {
     timeout --kill-after=5 400 python3 -m pytest -q tests/rl/test_routing_replay.py tests/rl/test_routing_store.py \
         tests/rl/test_trainer.py tests/rl/test_rollout_server.py -k routing -p no:cacheprovider

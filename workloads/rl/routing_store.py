@@ -32,15 +32,10 @@ from typing import Any
 from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.run import RunConfig
 
+from ..model.safetensors_io import xxh3
 from .protocol import ROUTING_DTYPES, ROUTING_KEY, ProtocolError, RoutingRef, routing_dtype
 
 ZLIB_LEVEL = 1  # the fastest: expert ids are nearly incompressible past it, and the writer is on a request's path
-
-
-def checksum(data: Any) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class RoutingStore:
@@ -82,7 +77,7 @@ class RoutingStore:
             f.write(data)
         os.replace(tmp, self.root / key)
         self._count(M.ROUTING_BYTES_WRITTEN, len(data))
-        return RoutingRef(key, dtype, tuple(a.shape), len(data), checksum(data), self.compression)
+        return RoutingRef(key, dtype, tuple(a.shape), len(data), xxh3(data), self.compression)
 
     # ---- the trainer's side ---------------------------------------------------------------------------------
     def read(self, ref: RoutingRef, path: str = "routing", model: Any = None):
@@ -107,8 +102,8 @@ class RoutingStore:
         if len(data) != ref.bytes:
             raise ProtocolError(f"{path}.bytes", ref.bytes, f"the object's size, {len(data)} bytes (torn or "
                                 "rewritten)")
-        if checksum(data) != ref.checksum:
-            raise ProtocolError(f"{path}.checksum", ref.checksum, f"the object's XXH3-64, {checksum(data)} "
+        if xxh3(data) != ref.checksum:
+            raise ProtocolError(f"{path}.checksum", ref.checksum, f"the object's XXH3-64, {xxh3(data)} "
                                 "(its bytes changed since they were written)")
         if ref.compression == "zlib":
             try:

@@ -334,8 +334,8 @@ class Trainer:
         log.info("publishing weights as lineage %d", self.lineage)
 
     def publish(self, version: int) -> None:
-        """Snapshot the weights as `version` (returns once they are in host memory; written in the background,
-        then announced to the batch source)."""
+        """Snapshot the weights as `version` (returns once they are in host memory; written in the background)
+        and announce it to the batch source (Announcer: when the store has it, or sooner over device memory)."""
         # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
         state = unsharded_state(self.model, keep_dense=self.rank == 0)
         self.publisher.publish(version, state)

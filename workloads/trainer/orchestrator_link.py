@@ -106,12 +106,14 @@ class HttpBatchSource:
 
 
 class Announcer:
-    """Rank 0: tells the batch source each weight version once the publisher has put it in the store, so the
-    orchestrator hears of a version only when rollout servers can load it.
+    """Rank 0: tells the batch source each weight version once rollout servers can load it: once the publisher
+    has put it in the store, or (synchronous runs) once it is offered over device memory to the server on the
+    trainer's GPU.
 
-    Asynchronous runs (max_staleness >= 1): a thread announces versions as they land, while the trainer goes on.
-    Synchronous runs (max_staleness 0): the next batch needs samples of the new version, so nothing can overlap
-    the write anyway; `published(version)` waits for it and announces before the trainer asks for that batch.
+    Asynchronous runs (max_staleness >= 1): a thread announces versions as they land in the store, while the
+    trainer goes on. Synchronous runs (max_staleness 0): the next batch needs samples of the new version;
+    `published(version)` announces it at once when offered over device memory, else waits for the store write, and
+    returns before the trainer asks for that batch.
     Locking rule: the source is called by the thread alone when there is one, else by the trainer's thread."""
 
     def __init__(self, publisher: Publisher, source: BatchSource, lineage: int, *, background: bool) -> None:
