@@ -80,6 +80,8 @@ def trainer_logprobs(policy, samples, numerics):
     return fwd, mb, tally.metrics(lambda t: t, lambda t: t)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's form (the exact kernels on CPU tensors); compiled on a "
+                    "GPU, the 30B-layer-shape test below proves the same with CUDA graphs")
 def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(policy):
     samples = rollout(policy, "exact")
     fwd, mb, report = trainer_logprobs(policy, samples, "exact")

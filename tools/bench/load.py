@@ -32,9 +32,12 @@ TARGET = 0.7
 
 def random_checkpoint(directory: Path, layers: int) -> Path:
     """`layers` layers of the Qwen3-30B-A3B shape, random bf16 weights, as a Hugging Face checkpoint a server can
-    serve (a small generated tokenizer beside them: the benchmarks send token ids)."""
+    serve (a small generated tokenizer beside them: the benchmarks send token ids). Drawn on the GPU where there is
+    one: bf16 randn on the host runs at well under 1 GB/s, which kept 24 layers (30 GB) from being written within
+    the H200 script's 200 s."""
     config = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)
-    state = {k: torch.randn(s, dtype=torch.bfloat16) * 0.02 for k, s in shapes(config).items()}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = {k: (torch.randn(s, dtype=torch.bfloat16, device=device) * 0.02).cpu() for k, s in shapes(config).items()}
     save_hf(state, config, directory)
     write_tokenizer_dir(directory, ["a served checkpoint of random weights"] * 8)
     return directory

@@ -17,7 +17,7 @@ if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --targe
 export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
 D=/var/tmp/moerl-serve-model
 SHAPE=(--concurrency 8 32 --n 8 --max-tokens 256)
-step bench-load 200 python3 -m moe_rl_eks.tools.bench.load --dir "$D" --layers 24 --keep \
+step bench-load 260 python3 -m moe_rl_eks.tools.bench.load --dir "$D" --layers 24 --keep \
     --json "$OUT/bench-load.json" > "$OUT/bench-load.log" 2>&1
 cat "$OUT/bench-load.log"
 python3 -m moe_rl_eks.tools.cli serve-rollout --model "$D" --host 127.0.0.1 --port 18777 --max-new-tokens 256 \
