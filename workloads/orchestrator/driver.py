@@ -13,6 +13,14 @@ checkpoint: the batches after it are formed again from the same prompts and seed
 prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
 its version within one poll (trainer/orchestrator_link.py HttpBatchSource).
 
+A restart that lost the state file (a fresh volume) and resumed from the checkpoint's older state while the
+trainer trained on is behind the trainer: its next batch to form is older than the step asked for (409). The
+trainer then hands over its record of the batches it trained (`catch_up`: the request ids of each step since its
+second newest checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream
+(buffer.py GroupBuffer.catch_up), so no prompt trains twice. Until the trainer commits a checkpoint at or past the
+step caught up to, the state as it was before is held as the fallback: a trainer that dies and restarts from the
+older checkpoint (a new lineage) gets that one, and the batches after the checkpoint formed again.
+
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
 thread, after the buffer releases them; orphans by age: routing_store.py says when).
@@ -39,7 +47,7 @@ from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, 
                         VersionRef, derive_seed)
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
-from .buffer import GroupBuffer
+from .buffer import GroupBuffer, StepConflict, request_ids
 from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
 from .state_file import write_state
@@ -120,6 +128,7 @@ class Orchestrator:
         if state is not None:
             self._restore(state)
         self._fallback = fallback
+        self._fallback_until: int | None = None  # after a catch-up: the step whose checkpoint retires the fallback
         self.state_path = state_path
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
@@ -182,13 +191,16 @@ class Orchestrator:
         """The trainer published `ref`: requests go to servers whose weights are within max_staleness of it from
         now on (GroupBuffer.usable), and every healthy server is told to load it (in the background: a slow server
         never stalls the trainer)."""
-        if self._fallback is not None and self.buffer.trainer is None:  # the first post since this start
-            previous = self.buffer.previous
-            if previous is None or ref.lineage != previous.lineage:  # the trainer restarted from its checkpoint
+        held = self.buffer.trainer or self.buffer.previous
+        # at the first post since this start, or after a catch-up until a checkpoint past it
+        if self._fallback is not None and (self.buffer.trainer is None or self._fallback_until is not None):
+            if held is None or ref.lineage != held.lineage:  # the trainer restarted from its checkpoint
                 log.info("trainer resumed in lineage %d: continuing from its checkpoint's orchestrator state",
                          ref.lineage)
                 self._restore(self._fallback)
-            self._fallback = None
+                self._fallback = self._fallback_until = None
+            elif self._fallback_until is None:  # this orchestrator's own state is the newer: the one to go on with
+                self._fallback = None
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
             self._push_all(ref)
@@ -201,12 +213,46 @@ class Orchestrator:
         a step that is neither batched nor the next one. A batch formed now is persisted before it is returned."""
         if self.buffer.trainer is None:
             return None
+        if self._fallback_until is not None and committed >= self._fallback_until:  # a checkpoint of this state's
+            self._fallback = self._fallback_until = None
         batch, formed = await self._wait_batch(step, committed, timeout_s)
         if formed:
             await self.persist()
         # after the persist: a state on disk never refers to routing already deleted, except by a step's lag
         await self.collect_routing(sweep=formed)
         return batch
+
+    async def catch_up(self, trained: dict[int, list[str]]) -> int:
+        """The trainer's record of the request ids it trained at each step, for a state behind it (module
+        docstring); returns the next step to form. Raises buffer.StepConflict or MalformedRecord, changing nothing,
+        for a record that does not fit. The state caught up is persisted before this returns."""
+        if self.buffer.trainer is None:
+            raise StepConflict("no trainer version is held: a trainer posts its version before its record")
+        before = self.snapshot()
+        done = self.buffer.catch_up(trained)
+        steps = self.buffer.counts["caught_up_steps"] - before.counts["caught_up_steps"]
+        if not steps:
+            return done.next_step  # nothing this state lacked
+        for request_id in done.cancelled:  # those prompts trained already: their answers would be ignored
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+        kept = routing_keys(self._fallback or before)  # the fallback's groups may train again: keep their routing
+        self.buffer.released += [s.routing for g in done.dropped for s in g.samples
+                                 if s.routing is not None and s.routing.key not in kept]
+        if self._fallback is None:
+            self._fallback = before
+        self._fallback_until = done.next_step
+        log.warning("caught up to the trainer: steps %d..%d were trained from batches this state never recorded "
+                    "(it is older than the trainer); %d requests in flight and %d groups taken out, %d prompts to "
+                    "skip when drawn", done.next_step - steps, done.next_step - 1, len(done.cancelled),
+                    len(done.dropped), len(self.buffer.trained_ahead))
+        self._event("caught_up", next_step=done.next_step, cancelled=done.cancelled,
+                    dropped=[g.request_id for g in done.dropped])
+        await self.persist()
+        await self.collect_routing()
+        await self._notify()
+        return done.next_step
 
     async def persist(self) -> None:
         """Write the state as it is now to `state_path` (snapshot taken on the loop, written in a thread; one
@@ -258,8 +304,7 @@ class Orchestrator:
             self._swept = now
             live = set(self.buffer.live_routing())
             if self._fallback is not None:  # a checkpoint's state this orchestrator may still continue from
-                live |= {s.routing.key for g in self._fallback.buffered for s in g.samples if s.routing}
-                live |= {s.routing.key for b in self._fallback.batches.values() for s in b.samples if s.routing}
+                live |= routing_keys(self._fallback)
             await asyncio.to_thread(self.routing.sweep, live, self.s.routing_orphan_after_s)
         self.metrics[M.ROUTING_BYTES_STORED].set(sum(r.bytes for r in self.buffer.live_routing().values()))
 
@@ -270,7 +315,7 @@ class Orchestrator:
         for sample in batch.samples:
             for span in sample.versions:
                 token_staleness.observe(batch.step - span.version, span.tokens)
-        self._event("batched", step=batch.step, request_ids=sorted({s.id.split("/")[0] for s in batch.samples}))
+        self._event("batched", step=batch.step, request_ids=sorted(request_ids(batch)))
         self._wake.set()  # the budget moved
 
     def snapshot(self) -> OrchestratorState:
@@ -293,7 +338,10 @@ class Orchestrator:
         if self.buffer.trainer is None:
             return
         for _ in range(self.buffer.budget_left() if time.monotonic() >= self._paused_until else 0):
-            self.buffer.issue(prompt_record(self.source.next()))
+            prompt = self.source.next()
+            while self.buffer.trained_already(prompt.index):
+                prompt = self.source.next()
+            self.buffer.issue(prompt_record(prompt))
         waiting = sorted((p.index, rid) for rid, p in self.buffer.in_flight.items() if rid not in self._tasks)
         for i, (_, request_id) in enumerate(waiting):
             url = self.pool.acquire(self.buffer.usable, demand=len(waiting) - i)
@@ -484,6 +532,12 @@ class Orchestrator:
         if self.evaluator is not None:
             self.evaluator.maybe_start(ref.version, url)
         self._wake.set()
+
+
+def routing_keys(state: OrchestratorState) -> set[str]:
+    """The routing objects a state's samples refer to (waiting groups and kept batches)."""
+    samples = [s for g in state.buffered for s in g.samples] + [s for b in state.batches.values() for s in b.samples]
+    return {s.routing.key for s in samples if s.routing is not None}
 
 
 def prompt_record(prompt: Any) -> PromptRecord:
