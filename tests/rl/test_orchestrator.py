@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import pytest
-from fake_rollout import FakeRollouts
 from rl_helpers import tiny_run
 
 from moe_rl_eks.workloads.orchestrator.app import build, resume_state
@@ -236,19 +235,6 @@ def test_dns_endpoints_expand_to_every_address_and_plain_urls_stay():
 
 
 # ---- the driver, against endpoints that answer like rollout servers -------------------------------------------
-@pytest.fixture
-def fakes():
-    made = []
-
-    def make(count, **kw):
-        made.append(FakeRollouts(count, **kw))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
-
-
 def orchestrator(tmp_path, urls, state=None, fallback=None, state_path=None, **sections):
     run = tiny_run(tmp_path, training={"prompts_per_step": 2}, algorithm={"group_size": 2}, **sections)
     return build(run, urls, token=None, events_path=tmp_path / "events.jsonl", state=state, fallback=fallback,
