@@ -99,9 +99,10 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
         restarted = HttpBatchSource(second.url)  # the trainer died and resumed from its checkpoint of step 2
         restarted.version_published(2, 1)
         again = restarted.next_batch(2, 2, lambda: False)
+        restarts = orch.buffer.counts["restarts"]
     finally:
         second.stop()
-    assert caught_up == 4 and source.reannounced >= 1
+    assert caught_up == 4 and source.reannounced >= 1 and restarts == 1  # a state replaced, not another start
     prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
     for step, batch in later.items():
         assert batch.step == step and len({request_of(s.id) for s in batch.samples}) == 2
@@ -113,14 +114,38 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
     assert not {request_of(s.id) for s in again.samples} & {request_of(i) for i in trained[0] + trained[1]}
 
 
+def checkpointed_state():
+    return dataclasses.replace(checkpointed_buffer().snapshot(), source={"kind": BUILTIN_SOURCE, "cursor": 8})
+
+
+def test_a_trainer_resumed_from_a_checkpoint_past_the_catch_up_goes_on_from_the_caught_up_state(tmp_path, fakes):
+    servers = fakes(2)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        assert await orch.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]}) == 4
+        assert (await orch.batch(4, 2, timeout_s=20)).step == 4
+        await orch.publish(VersionRef(1, 5))  # died after its checkpoint of step 5 (past the catch-up) was committed
+        batch = await orch.batch(5, 5, timeout_s=20)
+        state = orch.snapshot()
+        await orch.stop()
+        return batch, state
+
+    batch, state = asyncio.run(scenario())
+    assert batch.step == 5 and batch.lineage == 1 and state.consumed == 12 and state.counts["restarts"] == 1
+    assert not {request_of(s.id) for s in batch.samples} & {"p4", "p5", "p6", "p9"}
+
+
 def test_the_state_caught_up_is_persisted_before_the_answer(tmp_path, fakes):
     from moe_rl_eks.workloads.orchestrator.state_file import read_state
 
     servers, path = fakes(1), tmp_path / "orchestrator-state.json"
 
     async def scenario():
-        state = dataclasses.replace(checkpointed_buffer().snapshot(), source={"kind": BUILTIN_SOURCE, "cursor": 8})
-        orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 2})
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
         await orch.start()
         with pytest.raises(StepConflict, match="no trainer version is held"):
             await orch.catch_up({2: ["p5", "p6"]})

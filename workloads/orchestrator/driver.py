@@ -18,8 +18,9 @@ trainer trained on is behind the trainer: its next batch to form is older than t
 trainer then hands over its record of the batches it trained (`catch_up`: the request ids of each step since its
 second newest checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream
 (buffer.py GroupBuffer.catch_up), so no prompt trains twice. Until the trainer commits a checkpoint at or past the
-step caught up to, the state as it was before is held as the fallback: a trainer that dies and restarts from the
-older checkpoint (a new lineage) gets that one, and the batches after the checkpoint formed again.
+step caught up to, the state as it was before is held: a trainer that dies and resumes from the older checkpoint
+(a new lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint
+are formed again.
 
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
@@ -128,7 +129,8 @@ class Orchestrator:
         if state is not None:
             self._restore(state)
         self._fallback = fallback
-        self._fallback_until: int | None = None  # after a catch-up: the step whose checkpoint retires the fallback
+        # after a catch-up: the state before it, the trainer's lineage then, and the step whose checkpoint retires it
+        self._caught_up: tuple[OrchestratorState, int, int] | None = None
         self.state_path = state_path
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
@@ -141,14 +143,15 @@ class Orchestrator:
         self.running = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
-    def _restore(self, state: OrchestratorState) -> None:
+    def _restore(self, state: OrchestratorState, *, restart: bool = True) -> None:
+        """Continue from `state`; `restart`: this is a new start (counted), not a state replaced in this life."""
         held = self.buffer.live_routing()  # a live buffer replaced by a checkpoint's: its newer routing is orphaned
         self.buffer = GroupBuffer.restore(state, prompts_per_step=self.s.prompts_per_step,
                                           max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
         self.source.restore(state.source)
         kept = self.buffer.live_routing()
         self.buffer.released += [ref for key, ref in held.items() if key not in kept]
-        self.buffer.counts["restarts"] += 1
+        self.buffer.counts["restarts"] += restart
         self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
 
     async def start(self) -> None:
@@ -191,16 +194,13 @@ class Orchestrator:
         """The trainer published `ref`: requests go to servers whose weights are within max_staleness of it from
         now on (GroupBuffer.usable), and every healthy server is told to load it (in the background: a slow server
         never stalls the trainer)."""
-        held = self.buffer.trainer or self.buffer.previous
-        # at the first post since this start, or after a catch-up until a checkpoint past it
-        if self._fallback is not None and (self.buffer.trainer is None or self._fallback_until is not None):
-            if held is None or ref.lineage != held.lineage:  # the trainer restarted from its checkpoint
+        if self._fallback is not None and self.buffer.trainer is None:  # the first post since this start
+            previous = self.buffer.previous
+            if previous is None or ref.lineage != previous.lineage:  # the trainer restarted from its checkpoint
                 log.info("trainer resumed in lineage %d: continuing from its checkpoint's orchestrator state",
                          ref.lineage)
                 self._restore(self._fallback)
-                self._fallback = self._fallback_until = None
-            elif self._fallback_until is None:  # this orchestrator's own state is the newer: the one to go on with
-                self._fallback = None
+            self._fallback = None
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
             self._push_all(ref)
@@ -213,14 +213,32 @@ class Orchestrator:
         a step that is neither batched nor the next one. A batch formed now is persisted before it is returned."""
         if self.buffer.trainer is None:
             return None
-        if self._fallback_until is not None and committed >= self._fallback_until:  # a checkpoint of this state's
-            self._fallback = self._fallback_until = None
+        if self._caught_up is not None:
+            self._behind_catch_up(step, committed)
         batch, formed = await self._wait_batch(step, committed, timeout_s)
         if formed:
             await self.persist()
         # after the persist: a state on disk never refers to routing already deleted, except by a step's lag
         await self.collect_routing(sweep=formed)
         return batch
+
+    def _behind_catch_up(self, step: int, committed: int) -> None:
+        """After a catch-up: a trainer of a newer lineage asking for a step only the state before the catch-up can
+        serve resumed from the older checkpoint (the steps caught up died with its predecessor): that state is
+        restored for it. A checkpoint at or past the step caught up to retires it."""
+        before, lineage, until = self._caught_up
+        if committed >= until:
+            self._caught_up = None
+            return
+        trainer = self.buffer.trainer
+        next_before = before.first_step + before.consumed // self.s.prompts_per_step
+        if (trainer.lineage > lineage and step not in self.buffer.batches and step < self.buffer.next_step()
+                and (step in before.batches or step == next_before)):
+            log.info("trainer resumed in lineage %d at step %d, before the catch-up: continuing from the state "
+                     "before it", trainer.lineage, step)
+            self._caught_up = None
+            self._restore(before, restart=False)
+            self.buffer.set_trainer(trainer)
 
     async def catch_up(self, trained: dict[int, list[str]]) -> int:
         """The trainer's record of the request ids it trained at each step, for a state behind it (module
@@ -237,12 +255,12 @@ class Orchestrator:
             task = self._tasks.get(request_id)
             if task is not None:
                 task.cancel()
-        kept = routing_keys(self._fallback or before)  # the fallback's groups may train again: keep their routing
+        if self._caught_up is not None:  # caught up twice before a checkpoint: the oldest state is the one to keep
+            before = self._caught_up[0]
+        kept = routing_keys(before)  # its groups may train again (a trainer resumed from the checkpoint)
         self.buffer.released += [s.routing for g in done.dropped for s in g.samples
                                  if s.routing is not None and s.routing.key not in kept]
-        if self._fallback is None:
-            self._fallback = before
-        self._fallback_until = done.next_step
+        self._caught_up = (before, self.buffer.trainer.lineage, done.next_step)
         log.warning("caught up to the trainer: steps %d..%d were trained from batches this state never recorded "
                     "(it is older than the trainer); %d requests in flight and %d groups taken out, %d prompts to "
                     "skip when drawn", done.next_step - steps, done.next_step - 1, len(done.cancelled),
@@ -303,8 +321,9 @@ class Orchestrator:
         if sweep and now - self._swept >= self.s.routing_orphan_after_s / 4:
             self._swept = now
             live = set(self.buffer.live_routing())
-            if self._fallback is not None:  # a checkpoint's state this orchestrator may still continue from
-                live |= routing_keys(self._fallback)
+            for held in (self._fallback, self._caught_up and self._caught_up[0]):
+                if held:  # a state this orchestrator may still continue from
+                    live |= routing_keys(held)
             await asyncio.to_thread(self.routing.sweep, live, self.s.routing_orphan_after_s)
         self.metrics[M.ROUTING_BYTES_STORED].set(sum(r.bytes for r in self.buffer.live_routing().values()))
 
