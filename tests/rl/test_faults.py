@@ -5,7 +5,7 @@ as a weight load reaches it, the trainer and the orchestrator killed and resumed
 lost while the trainer is past its checkpoint (it catches up from the trainer's record), the asynchronous trainer
 killed, a preempted trainer (no sample lost or used twice in asynchronous mode). Every test proves of the
 samples trained that none trained twice and none past its staleness bound (rl_helpers.check_trained). Each takes
-18-110 s on the 2-core machine (about 7 minutes for the file)."""
+18-110 s on the 2-core machine (about 9 minutes for the file)."""
 import signal
 
 import pytest

@@ -12,6 +12,10 @@ what a checkpoint records (`snapshot`/`restore`).
 - Batches are idempotent by step (a restarted trainer gets the batch its dead predecessor fetched, if every
   sample of it is in the new lineage's history; else it and every later batch are dropped and re-formed), in
   prompt order (which rank trains which sample must not depend on timing).
+- Catch-up (`catch_up`): a state restored from a checkpoint older than its trainer (the orchestrator's own file
+  lost) takes the trainer's record of the request ids it trained at each step it lacks; those prompts leave what
+  waits or are skipped when drawn (`trained_ahead`), so no prompt trains twice and the batches go on at the
+  trainer's step.
 - Routing replay: samples hold references to their routed experts (protocol.RoutingRef), never the arrays, so
   the buffer's memory does not grow with the routing's size. A reference nothing will train any more goes to
   `released` (its owner deletes the objects: routing_store.py says when).
