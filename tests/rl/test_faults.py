@@ -154,6 +154,25 @@ def assert_resumed_and_every_step_trained_once(cluster, state: dict, at: int, st
     assert len(acc["trained_ids"]) == steps * 8 * SHORT["prompts_per_step"]
 
 
+def restart_the_orchestrator_alone(cluster, ready, what: str, steps: int, *, resume: bool,
+                                   lose_state: bool = False) -> dict:
+    """Once `ready()`, SIGKILL the orchestrator (its state file deleted too with `lose_state`: a fresh volume),
+    start it again (with --resume latest if `resume`) while the trainer lives on; the final state once the trainer
+    has finished (before the last of its `steps`, or the test proves nothing)."""
+    try:
+        wait_until(ready, 180, what, interval=0.05)
+        cluster.orchestrator.stop(signal.SIGKILL)
+        killed_at = len(read_metrics(cluster.out))
+        if lose_state:
+            (cluster.out / STATE_FILE).unlink()
+        cluster.start_orchestrator(resume=resume)
+        state = finish(cluster)
+    finally:
+        cluster.stop()
+    assert killed_at < steps, "the run ended before the kill; the test proves nothing"
+    return state
+
+
 @pytest.mark.parametrize("staleness, resume", [(0, True), (2, False)], ids=["sync-with-resume", "async-without"])
 def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_no_sample_twice(
         tmp_path, staleness, resume):
@@ -164,15 +183,8 @@ def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_
     path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": staleness},
                      training={**SHORT, "steps": steps, "checkpoint_every": 4})
     cluster = start(path)
-    try:
-        wait_until(lambda: len(read_metrics(cluster.out)) >= 5, 180, "five steps", interval=0.05)
-        cluster.orchestrator.stop(signal.SIGKILL)
-        killed_at = len(read_metrics(cluster.out))
-        cluster.start_orchestrator(resume=resume)
-        state = finish(cluster)
-    finally:
-        cluster.stop()
-    assert killed_at < steps, "the run ended before the kill; the test proves nothing"
+    state = restart_the_orchestrator_alone(cluster, lambda: len(read_metrics(cluster.out)) >= 5, "five steps", steps,
+                                           resume=resume)
     log = (cluster.logs / "trainer.log").read_text()
     assert "resumed from" not in log  # the same trainer lived on
     # its version reached the restarted orchestrator again: re-posted by the batch source at the first 202 that
@@ -193,19 +205,10 @@ def test_the_orchestrator_sigkilled_with_its_state_file_lost_catches_up_to_the_t
     path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": staleness},
                      training={**SHORT, "steps": steps, "checkpoint_every": 4})
     cluster = start(path)
-    root = cluster.out / "checkpoints"
-    try:
-        ahead = lambda: (lambda c: c is not None and len(read_metrics(cluster.out)) >= int(c.name.split("-")[1]) + 2)(
-            latest_checkpoint(root))
-        wait_until(ahead, 180, "the trainer two steps past a checkpoint", interval=0.05)
-        cluster.orchestrator.stop(signal.SIGKILL)
-        killed_at = len(read_metrics(cluster.out))
-        (cluster.out / STATE_FILE).unlink()
-        cluster.start_orchestrator(resume=True)
-        state = finish(cluster)
-    finally:
-        cluster.stop()
-    assert killed_at < steps, "the run ended before the kill; the test proves nothing"
+    ahead = lambda: (lambda c: c is not None and len(read_metrics(cluster.out)) >= int(c.name.split("-")[1]) + 2)(
+        latest_checkpoint(cluster.out / "checkpoints"))
+    state = restart_the_orchestrator_alone(cluster, ahead, "the trainer two steps past a checkpoint", steps,
+                                           resume=True, lose_state=True)
     log = (cluster.logs / "trainer.log").read_text()
     assert "resumed from" not in log and "the orchestrator was behind us" in log  # the same trainer, caught up to
     assert state["counts"]["caught_up_steps"] >= 2 and state["counts"]["restarts"] == 1
