@@ -9,7 +9,7 @@ from test_orchestrator import GRPO, complete, orchestrator, prompt
 
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, MalformedRecord, StepConflict
 from moe_rl_eks.workloads.rl.data import BUILTIN_SOURCE
-from moe_rl_eks.workloads.rl.protocol import VersionRef, request_of, sample_staleness
+from moe_rl_eks.workloads.rl.protocol import OrchestratorState, VersionRef, request_of, sample_staleness
 
 
 def checkpointed_buffer():
@@ -59,18 +59,16 @@ def test_a_record_that_does_not_fit_the_state_is_refused_and_changes_nothing(rec
     assert buf.snapshot() == before
 
 
-def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers_record_over_http(tmp_path, fakes):
-    """Through the HTTP seams both sides use: the first orchestrator serves batches 0..5 to the trainer's
-    HttpBatchSource, its /v1/state of step 2 is the checkpoint's; it dies and its state file is lost. One started
-    on the same port from the checkpoint's state refuses step 6 (its next batch is 2), takes the source's record of
-    steps 0..5, and serves 6 and 7 with no prompt the trainer trained. A trainer then restarted from the checkpoint
-    (lineage 1) gets the state as it was before the catch-up, and step 2 again."""
+def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0):
+    """The first orchestrator serves batches 0..5 to a trainer's HttpBatchSource (the trainer's committed step
+    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's; it dies and its state
+    file is lost. Returns the source, the ids trained by step, and (orchestrator, server) started on the same port
+    from the checkpoint's state alone."""
     from moe_rl_eks.workloads.orchestrator.app import make_app
-    from moe_rl_eks.workloads.rl.protocol import OrchestratorState
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
     from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
 
-    servers, path = fakes(2), tmp_path / "orchestrator-state.json"
+    path = tmp_path / "orchestrator-state.json"
 
     def serve(state, port=0):
         orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 1})
@@ -80,14 +78,24 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
     source = HttpBatchSource(first.url)
     trained, checkpoint = {}, None
     for step in range(6):
-        if step == 2:
+        if step == checkpoint_at:
             checkpoint = OrchestratorState.from_json(source.state())
         source.version_published(step, 0)
-        trained[step] = [s.id for s in source.next_batch(step, 0, lambda: False).samples]
+        trained[step] = [s.id for s in source.next_batch(step, committed(step), lambda: False).samples]
     source.version_published(6, 0)
     first.stop()
     path.unlink()  # a fresh volume: only the checkpoint's state is left
-    orch, second = serve(checkpoint, port=first.port)
+    return source, trained, serve(checkpoint, port=first.port)
+
+
+def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers_record_over_http(tmp_path, fakes):
+    """Through the HTTP seams both sides use: restored from the checkpoint's state of step 2, the orchestrator
+    refuses step 6 (its next batch is 2), takes the source's record of steps 0..5, and serves 6 and 7 with no
+    prompt the trainer trained. A trainer then restarted from the checkpoint
+    (lineage 1) gets the state as it was before the catch-up, and step 2 again."""
+    from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
+
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(2), checkpoint_at=2)
     try:
         later = {}
         for step in (6, 7):
@@ -112,6 +120,22 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
     # the state before the catch-up, restored for the trainer's new lineage: step 2 from the checkpoint's cursor
     assert again.step == 2 and again.lineage == 1
     assert not {request_of(s.id) for s in again.samples} & {request_of(i) for i in trained[0] + trained[1]}
+
+
+def test_a_trainer_whose_record_begins_after_the_restored_state_fails_naming_both_refusals(tmp_path, fakes):
+    """The source keeps its record from the committed step before the newest on (here 2, with 4 the newest): an
+    orchestrator restored from a state of step 1 lacks step 1 from both, and the trainer fails, saying so."""
+    source, _, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=1,
+                                                                  committed=lambda step: step // 2 * 2)
+    try:
+        assert sorted(source.trained) == [2, 3, 4, 5]
+        with pytest.raises(RuntimeError, match=r"refused the batch request: 409 .*next batch to form is step 1.*; "
+                                               r"our record of steps 2\.\.5 was refused too: 409 .*steps 1\.\.1 are "
+                                               r"known to neither"):
+            source.next_batch(6, 4, lambda: False)
+        assert orch.buffer.next_step() == 1 and orch.buffer.counts["caught_up_steps"] == 0
+    finally:
+        second.stop()
 
 
 def checkpointed_state():
