@@ -171,7 +171,8 @@ def main(argv: list[str]) -> int:
                                          "for the run's newest checkpoint (a fresh start when there is none); "
                                          f"with {STATE_FILE} in the run's output (written every step), that one "
                                          "is continued and the checkpoint's taken only if the trainer restarts "
-                                         "from its checkpoint")
+                                         "from its checkpoint; without it (lost), the checkpoint's is caught up to "
+                                         "a trainer past it from the trainer's record of its batches")
     args = parser.parse_args(argv)
     run = load(args.run)
     out = output_dir(run)
