@@ -257,9 +257,8 @@ class Orchestrator:
                 task.cancel()
         if self._caught_up is not None:  # caught up twice before a checkpoint: the oldest state is the one to keep
             before = self._caught_up[0]
-        kept = routing_keys(before)  # its groups may train again (a trainer resumed from the checkpoint)
-        self.buffer.released += [s.routing for g in done.dropped for s in g.samples
-                                 if s.routing is not None and s.routing.key not in kept]
+        # The groups taken out keep their routing: the state before refers to them and may yet train them (a trainer
+        # resumed from the checkpoint); once it is retired, the orphan sweep deletes what nothing refers to.
         self._caught_up = (before, self.buffer.trainer.lineage, done.next_step)
         log.warning("caught up to the trainer: steps %d..%d were trained from batches this state never recorded "
                     "(it is older than the trainer); %d requests in flight and %d groups taken out, %d prompts to "
