@@ -48,7 +48,7 @@ class MalformedRecord(ValueError):
 @dataclass
 class CaughtUp:
     """What a catch-up did: the next batch to form, and the waiting work it took away because a trainer trained
-    those prompts already (requests in flight, to cancel; groups, whose routing may go)."""
+    those prompts already (requests in flight, to cancel; buffered groups)."""
 
     next_step: int
     cancelled: list[str] = field(default_factory=list)

@@ -110,6 +110,17 @@ class Settings:
                                 allowance_s=self.straggler_after_s, cap_s=self.request_timeout_s)
 
 
+@dataclass
+class HeldState:
+    """The state before a catch-up (and its next step to form, the trainer's lineage then), held until a checkpoint
+    at or past `until`, the step caught up to, is committed."""
+
+    state: OrchestratorState
+    next_step: int
+    lineage: int
+    until: int
+
+
 class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
@@ -129,8 +140,7 @@ class Orchestrator:
         if state is not None:
             self._restore(state)
         self._fallback = fallback
-        # after a catch-up: the state before it, the trainer's lineage then, and the step whose checkpoint retires it
-        self._caught_up: tuple[OrchestratorState, int, int] | None = None
+        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
         self.state_path = state_path
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
@@ -214,7 +224,7 @@ class Orchestrator:
         if self.buffer.trainer is None:
             return None
         if self._caught_up is not None:
-            self._behind_catch_up(step, committed)
+            self._after_catch_up(step, committed)
         batch, formed = await self._wait_batch(step, committed, timeout_s)
         if formed:
             await self.persist()
@@ -222,22 +232,19 @@ class Orchestrator:
         await self.collect_routing(sweep=formed)
         return batch
 
-    def _behind_catch_up(self, step: int, committed: int) -> None:
+    def _after_catch_up(self, step: int, committed: int) -> None:
         """After a catch-up: a trainer of a newer lineage asking for a step only the state before the catch-up can
         serve resumed from the older checkpoint (the steps caught up died with its predecessor): that state is
         restored for it. A checkpoint at or past the step caught up to retires it."""
-        before, lineage, until = self._caught_up
-        if committed >= until:
+        held, trainer = self._caught_up, self.buffer.trainer
+        if committed >= held.until:
             self._caught_up = None
-            return
-        trainer = self.buffer.trainer
-        next_before = before.first_step + before.consumed // self.s.prompts_per_step
-        if (trainer.lineage > lineage and step not in self.buffer.batches and step < self.buffer.next_step()
-                and (step in before.batches or step == next_before)):
+        elif (trainer.lineage > held.lineage and step not in self.buffer.batches and step < self.buffer.next_step()
+                and (step in held.state.batches or step == held.next_step)):
             log.info("trainer resumed in lineage %d at step %d, before the catch-up: continuing from the state "
                      "before it", trainer.lineage, step)
             self._caught_up = None
-            self._restore(before, restart=False)
+            self._restore(held.state, restart=False)
             self.buffer.set_trainer(trainer)
 
     async def catch_up(self, trained: dict[int, list[str]]) -> int:
@@ -255,11 +262,11 @@ class Orchestrator:
             task = self._tasks.get(request_id)
             if task is not None:
                 task.cancel()
-        if self._caught_up is not None:  # caught up twice before a checkpoint: the oldest state is the one to keep
-            before = self._caught_up[0]
-        # The groups taken out keep their routing: the state before refers to them and may yet train them (a trainer
-        # resumed from the checkpoint); once it is retired, the orphan sweep deletes what nothing refers to.
-        self._caught_up = (before, self.buffer.trainer.lineage, done.next_step)
+        # caught up twice before a checkpoint: the oldest state is the one to keep. The groups taken out keep their
+        # routing: that state refers to them and may yet train them (a trainer resumed from the checkpoint); once it
+        # is retired, the orphan sweep deletes what nothing refers to.
+        held = self._caught_up or HeldState(before, done.next_step - steps, self.buffer.trainer.lineage, 0)
+        self._caught_up = dataclasses.replace(held, until=done.next_step)
         log.warning("caught up to the trainer: steps %d..%d were trained from batches this state never recorded "
                     "(it is older than the trainer); %d requests in flight and %d groups taken out, %d prompts to "
                     "skip when drawn", done.next_step - steps, done.next_step - 1, len(done.cancelled),
@@ -267,7 +274,6 @@ class Orchestrator:
         self._event("caught_up", next_step=done.next_step, cancelled=done.cancelled,
                     dropped=[g.request_id for g in done.dropped])
         await self.persist()
-        await self.collect_routing()
         await self._notify()
         return done.next_step
 
@@ -320,7 +326,7 @@ class Orchestrator:
         if sweep and now - self._swept >= self.s.routing_orphan_after_s / 4:
             self._swept = now
             live = set(self.buffer.live_routing())
-            for held in (self._fallback, self._caught_up and self._caught_up[0]):
+            for held in (self._fallback, self._caught_up and self._caught_up.state):
                 if held:  # a state this orchestrator may still continue from
                     live |= routing_keys(held)
             await asyncio.to_thread(self.routing.sweep, live, self.s.routing_orphan_after_s)
