@@ -46,7 +46,7 @@ class HttpBatchSource:
         self._lock = threading.Lock()
         self.newest: VersionRef | None = None  # the newest version the trainer asked to post (posted or not)
         self.reannounced = 0
-        self.trained: dict[int, list[str]] = {}  # step -> request ids of its batch, from _kept_from on
+        self.trained: dict[int, list[str]] = {}  # step -> request ids of its batch (_forget_before)
         self._committed: tuple[int, int] | None = None  # (the committed step before the newest, the newest)
 
     def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
