@@ -1,10 +1,12 @@
-"""Fixtures shared by the RL tests: in-process rollout servers, a one-process gloo world."""
+"""Fixtures shared by the RL tests: in-process rollout servers, endpoints that answer like them, a one-process
+gloo world."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 import torch.distributed as dist
+from fake_rollout import FakeRollouts
 from rl_helpers import serve_rollout
 
 
@@ -16,6 +18,20 @@ def world_of_one():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def fakes():
+    """make(count, **endpoint settings) -> FakeRollouts (fake_rollout.py), all closed after the test."""
+    made = []
+
+    def make(count, **kw):
+        made.append(FakeRollouts(count, **kw))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """Faults, on the real multi-process loop (rollout servers, orchestrator, torchrun trainer with EP=2 over gloo):
 a rollout server killed and another straggling (behind a proxy that delays its answers), a rollout server killed
 as a weight load reaches it, the trainer and the orchestrator killed and resumed while the servers hold newer versions
-(bitwise in synchronous mode), the orchestrator alone killed (synchronous and asynchronous), the asynchronous
-trainer killed, a preempted trainer (no sample lost or used twice in asynchronous mode). Every test proves of the
+(bitwise in synchronous mode), the orchestrator alone killed (synchronous and asynchronous), the orchestrator killed with its state file
+lost while the trainer is past its checkpoint (it catches up from the trainer's record), the asynchronous trainer
+killed, a preempted trainer (no sample lost or used twice in asynchronous mode). Every test proves of the
 samples trained that none trained twice and none past its staleness bound (rl_helpers.check_trained). Each takes
-18-110 s on the 2-core machine (about 7 minutes for the file)."""
+18-110 s on the 2-core machine (about 9 minutes for the file)."""
 import signal
 
 import pytest
@@ -15,6 +16,8 @@ from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rl.checkpoint_dirs import latest as latest_checkpoint
 from moe_rl_eks.tools.local_run import LocalCluster, read_metrics
 from moe_rl_eks.workloads.model.checkpoint import load_hf
+from moe_rl_eks.workloads.orchestrator.state_file import STATE_FILE
+from moe_rl_eks.workloads.rl.protocol import request_of
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
@@ -151,6 +154,25 @@ def assert_resumed_and_every_step_trained_once(cluster, state: dict, at: int, st
     assert len(acc["trained_ids"]) == steps * 8 * SHORT["prompts_per_step"]
 
 
+def restart_the_orchestrator_alone(cluster, ready, what: str, steps: int, *, resume: bool,
+                                   lose_state: bool = False) -> dict:
+    """Once `ready()`, SIGKILL the orchestrator (its state file deleted too with `lose_state`: a fresh volume),
+    start it again (with --resume latest if `resume`) while the trainer lives on; the final state once the trainer
+    has finished (before the last of its `steps`, or the test proves nothing)."""
+    try:
+        wait_until(ready, 180, what, interval=0.05)
+        cluster.orchestrator.stop(signal.SIGKILL)
+        killed_at = len(read_metrics(cluster.out))
+        if lose_state:
+            (cluster.out / STATE_FILE).unlink()
+        cluster.start_orchestrator(resume=resume)
+        state = finish(cluster)
+    finally:
+        cluster.stop()
+    assert killed_at < steps, "the run ended before the kill; the test proves nothing"
+    return state
+
+
 @pytest.mark.parametrize("staleness, resume", [(0, True), (2, False)], ids=["sync-with-resume", "async-without"])
 def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_no_sample_twice(
         tmp_path, staleness, resume):
@@ -161,15 +183,8 @@ def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_
     path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": staleness},
                      training={**SHORT, "steps": steps, "checkpoint_every": 4})
     cluster = start(path)
-    try:
-        wait_until(lambda: len(read_metrics(cluster.out)) >= 5, 180, "five steps", interval=0.05)
-        cluster.orchestrator.stop(signal.SIGKILL)
-        killed_at = len(read_metrics(cluster.out))
-        cluster.start_orchestrator(resume=resume)
-        state = finish(cluster)
-    finally:
-        cluster.stop()
-    assert killed_at < steps, "the run ended before the kill; the test proves nothing"
+    state = restart_the_orchestrator_alone(cluster, lambda: len(read_metrics(cluster.out)) >= 5, "five steps", steps,
+                                           resume=resume)
     log = (cluster.logs / "trainer.log").read_text()
     assert "resumed from" not in log  # the same trainer lived on
     # its version reached the restarted orchestrator again: re-posted by the batch source at the first 202 that
@@ -178,6 +193,30 @@ def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_
     check_trained(cluster.out, staleness)
     assert sorted(trained_steps(cluster.out)) == list(range(steps))
     assert state["counts"]["restarts"] == 1 and state["counts"]["failed_requests"] == 0
+
+
+@pytest.mark.parametrize("staleness", [0, 2], ids=["sync", "async"])
+def test_the_orchestrator_sigkilled_with_its_state_file_lost_catches_up_to_the_trainer_ahead_of_the_checkpoint(
+        tmp_path, staleness):
+    """The orchestrator dies and its state file is lost (a fresh volume) while the trainer is steps past its newest
+    checkpoint: the restarted one holds only the checkpoint's state (--resume latest), refuses the trainer's step
+    (409), takes the trainer's record of the batches it trained, and serves on; no prompt trains twice."""
+    steps = 14
+    path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": staleness},
+                     training={**SHORT, "steps": steps, "checkpoint_every": 4})
+    cluster = start(path)
+    ahead = lambda: (lambda c: c is not None and len(read_metrics(cluster.out)) >= int(c.name.split("-")[1]) + 2)(
+        latest_checkpoint(cluster.out / "checkpoints"))
+    state = restart_the_orchestrator_alone(cluster, ahead, "the trainer two steps past a checkpoint", steps,
+                                           resume=True, lose_state=True)
+    log = (cluster.logs / "trainer.log").read_text()
+    assert "resumed from" not in log and "the orchestrator was behind us" in log  # the same trainer, caught up to
+    assert state["counts"]["caught_up_steps"] >= 2 and state["counts"]["restarts"] == 1
+    rows = check_trained(cluster.out, staleness)
+    assert [r["step"] for r in rows] == list(range(steps))
+    prompts = [request_of(i) for r in rows for i in r["ids"]]
+    assert len(prompts) == steps * 8 * SHORT["prompts_per_step"]  # every step's full batch
+    assert len(set(prompts)) == steps * SHORT["prompts_per_step"]  # and no prompt in two steps
 
 
 def test_the_asynchronous_trainer_sigkilled_resumes_from_its_checkpoint_and_trains_no_sample_twice(tmp_path):

@@ -1,4 +1,4 @@
-"""The orchestrator's HTTP API (batches, versions, state) fuzzed on 127.0.0.1 with 10,000 seeded requests: a few
+"""The orchestrator's HTTP API (batches, versions, records of trained batches, state) fuzzed on 127.0.0.1 with 10,000 seeded requests: a few
 hundred from its own /openapi.json through the rollout server's generator (rl_helpers.fuzz_openapi: valid per the
 schema and hostile), the rest from a cheap seeded generator of hostile bodies and queries the schema does not
 describe (numbers past 64 bits, wrong types, duplicate and extra keys, deep nesting, bytes that are not JSON or
@@ -23,9 +23,9 @@ VALUES = NUMBERS + ["1", "", "NaN", None, True, False, [], [1], {}, {"version": 
 
 
 def hostile_requests(rng: random.Random, n: int):
-    """(method, path with query, raw body or None, content type) for the three trainer-facing operations."""
+    """(method, path with query, raw body or None, content type) for the four trainer-facing operations."""
     for _ in range(n):
-        kind = rng.randrange(6)
+        kind = rng.randrange(7)
         if kind <= 2:  # a version post: its fields' values and keys wrong in every way
             body = {k: rng.choice(VALUES) for k in rng.sample(["version", "lineage", "extra", "Version"], rng.randint(0, 4))}
             raw = json.dumps(body if rng.random() < 0.9 else rng.choice(VALUES)).encode()
@@ -41,6 +41,13 @@ def hostile_requests(rng: random.Random, n: int):
             query = [(k, str(rng.choice(NUMBERS + ["", "x", "1e3", "0x10", " 2", "1_0", "٣"])))
                      for k in rng.choices(["step", "committed", "step", "other"], k=rng.randint(0, 4))]
             yield "GET", "/v1/batch?" + urllib.parse.urlencode(query), None, ""
+        elif kind == 5:  # a record of trained batches: steps and request ids as no trainer sends them
+            batches = {str(rng.choice(NUMBERS + ["x", "-1"])): rng.choice([[rng.choice(["p0", "p1", "p01", "x", ""])
+                                                                          for _ in range(rng.randint(0, 3))],
+                                                                         rng.choice(VALUES)])
+                       for _ in range(rng.randint(0, 3))}
+            body = {"batches": batches} if rng.random() < 0.8 else rng.choice(VALUES)
+            yield "POST", "/v1/trained", json.dumps(body).encode(), "application/json"
         else:  # the state, asked with a body and a query it takes no notice of
             yield "GET", "/v1/state?" + urllib.parse.urlencode({"step": rng.choice(NUMBERS)}), b"{", "application/json"
 
@@ -90,9 +97,11 @@ def test_10000_fuzzed_requests_get_no_5xx_and_a_refused_one_changes_no_state(tmp
         http.stop()
     assert len(statuses) >= REQUESTS and health == 200
     by_path = {(p, s) for p, s in statuses}
-    # refusals of both kinds (400 malformed, 409 a step it cannot serve), and accepted version posts and polls
+    # refusals of both kinds (400 malformed, 409 a step it cannot serve or a record that does not fit), and
+    # accepted version posts and polls
     assert {("/v1/version", 400), ("/v1/batch", 400), ("/v1/batch", 409), ("/v1/version", 200),
-            ("/v1/batch", 202), ("/v1/state", 200)} <= by_path, sorted(by_path)
+            ("/v1/batch", 202), ("/v1/state", 200), ("/v1/trained", 400), ("/v1/trained", 409)} <= by_path, \
+        sorted(by_path)
     # a version post far past the next batch to form moved no budget: what was issued is one step's worth
     pending = json.loads(before["state"])["pending"]
     assert len(pending) <= (run.rl.orchestrator.max_staleness + 1) * 2, len(pending)

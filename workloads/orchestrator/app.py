@@ -5,6 +5,10 @@ for Prometheus.
                                       trainer version held: null after a restart, at once), or a step that is
                                       neither batched nor the next one (409)
   POST /v1/version {"version", "lineage"}   the trainer published a version: pushed to every rollout server
+  POST /v1/trained {"batches": {step: [request ids]}}   the trainer's record of the batches it trained, after a
+                                      409 from an orchestrator behind it (restored from an older state): the steps
+                                      it lacks are caught up (200 with the next step to form), or 409 where the
+                                      record does not fit, changing nothing
   GET  /v1/state                      the orchestrator's state (what a trainer checkpoint stores)
   GET  /health, /metrics
 """
@@ -26,7 +30,7 @@ from moe_rl_eks.core.run import RunConfig
 from ..rl.algorithms import make_algorithm
 from ..rl.protocol import OrchestratorState, PromptRecord, VersionRef
 from ..rl.runtime import HttpError, json_api, load, output_dir, run_argparser
-from .buffer import StepConflict
+from .buffer import MalformedRecord, StepConflict
 from .client import HttpRolloutBackend
 from .driver import Orchestrator, Settings
 from .pool import ServerPool
@@ -39,6 +43,10 @@ BATCH_POLL_S = 10.0
 class VersionPost(BaseModel):
     version: int = Field(ge=0, strict=True)
     lineage: int = Field(default=0, ge=0, strict=True)
+
+
+class TrainedPost(BaseModel):
+    batches: dict[int, list[str]] = Field(min_length=1)  # step -> the request ids its batch trained
 
 
 def make_app(orch: Orchestrator, batch_poll_s: float = BATCH_POLL_S) -> FastAPI:
@@ -86,6 +94,15 @@ def make_app(orch: Orchestrator, batch_poll_s: float = BATCH_POLL_S) -> FastAPI:
     async def version(body: VersionPost) -> dict:
         published = await orch.publish(VersionRef(body.lineage, body.version))
         return {"published": published.to_json() if published else None}
+
+    @app.post("/v1/trained")
+    async def trained(body: TrainedPost) -> dict:
+        try:
+            return {"next_step": await orch.catch_up(body.batches)}
+        except MalformedRecord as exc:
+            raise HttpError(400, str(exc), param="batches") from None
+        except StepConflict as exc:
+            raise HttpError(409, str(exc), param="batches") from None
 
     return app
 
@@ -154,7 +171,8 @@ def main(argv: list[str]) -> int:
                                          "for the run's newest checkpoint (a fresh start when there is none); "
                                          f"with {STATE_FILE} in the run's output (written every step), that one "
                                          "is continued and the checkpoint's taken only if the trainer restarts "
-                                         "from its checkpoint")
+                                         "from its checkpoint; without it (lost), the checkpoint's is caught up to "
+                                         "a trainer past it from the trainer's record of its batches")
     args = parser.parse_args(argv)
     run = load(args.run)
     out = output_dir(run)

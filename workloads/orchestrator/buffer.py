@@ -12,6 +12,10 @@ what a checkpoint records (`snapshot`/`restore`).
 - Batches are idempotent by step (a restarted trainer gets the batch its dead predecessor fetched, if every
   sample of it is in the new lineage's history; else it and every later batch are dropped and re-formed), in
   prompt order (which rank trains which sample must not depend on timing).
+- Catch-up (`catch_up`): a state restored from a checkpoint older than its trainer (the orchestrator's own file
+  lost) takes the trainer's record of the request ids it trained at each step it lacks; those prompts leave what
+  waits or are skipped when drawn (`trained_ahead`), so no prompt trains twice and the batches go on at the
+  trainer's step.
 - Routing replay: samples hold references to their routed experts (protocol.RoutingRef), never the arrays, so
   the buffer's memory does not grow with the routing's size. A reference nothing will train any more goes to
   `released` (its owner deletes the objects: routing_store.py says when).
@@ -19,18 +23,36 @@ what a checkpoint records (`snapshot`/`restore`).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..rl.protocol import (STATE_FORMAT, WIRE_FORMAT, Batch, BatchStats, Group, OrchestratorState, PromptRecord,
-                          RoutingRef, TrainingSample, VersionRef, VersionSpan, sample_staleness, tokens_trainable)
+                          RoutingRef, TrainingSample, VersionRef, VersionSpan, prompt_index, request_id, request_of,
+                          sample_id, sample_staleness, tokens_trainable)
 
 COUNTS = ("completed", "dropped_stale_groups", "filtered_groups", "dropped_failed_groups", "rewards_failed",
-          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests", "restarts")
+          "retries", "hedges", "deadline_misses", "duplicates_ignored", "failed_requests", "restarts",
+          "caught_up_steps")
 
 
 class StepConflict(ValueError):
-    """A trainer asked for a step that is neither batched nor the next one."""
+    """A trainer asked for a step that is neither batched nor the next one (or handed a record of trained batches
+    that does not fit this state)."""
+
+
+class MalformedRecord(ValueError):
+    """A trainer's record of trained batches names something that is no request id of this orchestrator's."""
+
+
+@dataclass
+class CaughtUp:
+    """What a catch-up did: the next batch to form, and the waiting work it took away because a trainer trained
+    those prompts already (requests in flight, to cancel; buffered groups)."""
+
+    next_step: int
+    cancelled: list[str] = field(default_factory=list)
+    dropped: list[Group] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +79,7 @@ class GroupBuffer:
     batches: dict[int, Batch] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     released: list[RoutingRef] = field(default_factory=list)  # routing no sample will train: for deletion
+    trained_ahead: set[int] = field(default_factory=set)  # prompt indices to skip when drawn (catch_up)
 
     # ---- routing references ---------------------------------------------------------------------------------
     def release(self, samples) -> None:
@@ -91,10 +114,18 @@ class GroupBuffer:
 
     def issue(self, prompt: PromptRecord) -> str:
         """Record `prompt` as in flight; returns its request id."""
-        request_id = f"p{prompt.index}"
-        self.in_flight[request_id] = prompt
+        rid = request_id(prompt.index)
+        self.in_flight[rid] = prompt
         self.next_prompt = max(self.next_prompt, prompt.index + 1)
-        return request_id
+        return rid
+
+    def trained_already(self, index: int) -> bool:
+        """Whether the prompt drawn as `index` was trained in steps this state never recorded (catch_up): it is
+        skipped, and forgotten here (the source draws each index once)."""
+        if index not in self.trained_ahead:
+            return False
+        self.trained_ahead.discard(index)
+        return True
 
     def abandon(self, request_id: str) -> None:
         """Every attempt of the request failed: it is counted and never trained."""
@@ -168,7 +199,7 @@ class GroupBuffer:
         for s in sorted(k for k in self.batches if k >= step):
             batch = self.batches.pop(s)
             self.release(batch.samples)
-            ids = sorted({sample.id.split("/")[0] for sample in batch.samples})
+            ids = sorted(request_ids(batch))
             self.consumed -= len(ids)
             self.counts["dropped_stale_groups"] += len(ids)
             dropped += ids
@@ -183,12 +214,70 @@ class GroupBuffer:
                                f"checkpoint past it); a trainer asks for a step at or after its committed one")
         if step in self.batches or self.first_step is None:
             return
-        expected = self.first_step + self.consumed // self.prompts_per_step  # each batch takes prompts_per_step
+        expected = self.next_step()
         if step > expected:
-            raise StepConflict(f"step {step}: the next batch to form is step {expected}; ask for that one")
+            raise StepConflict(f"step {step}: the next batch to form is step {expected}; ask for that one (a trainer "
+                               f"past it, which trained batches this state never recorded, posts its record of "
+                               f"them to /v1/trained)")
         if step < expected:
             raise StepConflict(f"step {step}: its batch was forgotten (a trainer said a checkpoint past it was "
                                f"committed); the next batch to form is step {expected}")
+
+    def next_step(self) -> int:
+        """The step of the next batch to form (after a first one: each batch takes prompts_per_step groups)."""
+        return self.first_step + self.consumed // self.prompts_per_step
+
+    def catch_up(self, trained: dict[int, list[str]]) -> CaughtUp:
+        """A trainer's record of the request ids it trained at each step (`trained`, contiguous steps), handed over
+        when this state is behind it: restored from a checkpoint's older state after this orchestrator's own file
+        was lost, while the trainer trained on. The steps from the next one to form through the record's last
+        become formed (their groups consumed); their prompts are taken out of what waits (in flight, buffered) or
+        skipped when drawn (`trained_ahead`): the prompt stream is a pure function of the seed and the draws, so
+        none trains twice, and those the lost state had drawn but not trained are drawn again. Raises
+        StepConflict or MalformedRecord, changing nothing, where the record does not fit this state."""
+        steps = sorted(trained)
+        if self.first_step is None:
+            raise StepConflict("this orchestrator has formed no batch: it serves the step a trainer asks for, "
+                               "and has nothing to catch up")
+        expected = self.next_step()
+        if not steps or steps[-1] - steps[0] + 1 != len(steps):
+            raise MalformedRecord(f"steps {steps[:8]}: a record of consecutive steps, at least one")
+        if steps[-1] < expected:
+            return CaughtUp(expected)  # nothing this state lacks (a repeated post: idempotent)
+        if steps[0] > expected:
+            raise StepConflict(f"the trainer's record begins at step {steps[0]} and this state ends before step "
+                               f"{expected}: steps {expected}..{steps[0] - 1} are known to neither; restart the "
+                               f"orchestrator from the trainer's newest checkpoint (--resume latest)")
+        held = set().union(*(request_ids(b) for b in self.batches.values()))
+        ahead: list[str] = []
+        for step in steps:
+            ids = trained[step]
+            bad = next((r for r in ids if prompt_index(r) is None), None)
+            if bad is not None:
+                raise MalformedRecord(f"trained[{step}]: {bad[:40]!r} is no request id of this orchestrator's "
+                                      f"(p<prompt index>)")
+            if step in self.batches and request_ids(self.batches[step]) != set(ids):
+                raise StepConflict(f"step {step}: the trainer's record of its batch is not the batch this state "
+                                   f"holds; they come from different runs")
+            if step >= expected:
+                if len(set(ids)) != len(ids) or len(ids) != self.prompts_per_step:
+                    raise StepConflict(f"trained[{step}]: {len(ids)} request ids ({len(set(ids))} distinct); a "
+                                       f"batch has prompts_per_step = {self.prompts_per_step} distinct ones")
+                ahead += ids
+        again = sorted(set(ahead) & held) or sorted(r for r, n in Counter(ahead).items() if n > 1)
+        if again:
+            raise StepConflict(f"request {again[0]}: the record trains it at two steps (or at a step this state "
+                               f"holds another batch for); a prompt trains once")
+        taken = set(ahead)
+        cancelled = [r for r in self.in_flight if r in taken]
+        for r in cancelled:
+            del self.in_flight[r]
+        dropped = [g for g in self.buffered if g.request_id in taken]
+        self.buffered = [g for g in self.buffered if g.request_id not in taken]
+        self.trained_ahead |= {i for i in map(prompt_index, ahead) if i >= self.next_prompt}
+        self.consumed += (steps[-1] + 1 - expected) * self.prompts_per_step
+        self.counts["caught_up_steps"] += steps[-1] + 1 - expected
+        return CaughtUp(steps[-1] + 1, cancelled, dropped)
 
     def batch(self, step: int, lineage: int, committed: int,
               advantages: Callable[[list[float]], list[float]]) -> Batch | None:
@@ -214,7 +303,7 @@ class GroupBuffer:
         for g in taken:
             adv = advantages([s.reward for s in g.samples])
             for j, (s, a) in enumerate(zip(g.samples, adv)):
-                samples.append(TrainingSample(id=f"{g.request_id}/{j}", prompt_ids=g.prompt_ids,
+                samples.append(TrainingSample(id=sample_id(g.request_id, j), prompt_ids=g.prompt_ids,
                                               completion_ids=s.completion_ids, logprobs=s.logprobs, reward=s.reward,
                                               advantage=a, finished=s.finished, versions=s.versions,
                                               routing=s.routing))
@@ -239,7 +328,7 @@ class GroupBuffer:
                                  pending=sorted(self.in_flight.values(), key=lambda p: p.index),
                                  buffered=list(self.buffered), batches=dict(self.batches), counts=dict(self.counts),
                                  trainer=self.trainer, forks=dict(self.forks), first_step=self.first_step,
-                                 format=STATE_FORMAT)
+                                 trained_ahead=sorted(self.trained_ahead), format=STATE_FORMAT)
 
     @classmethod
     def restore(cls, state: OrchestratorState, *, prompts_per_step: int, max_staleness: int,
@@ -249,7 +338,12 @@ class GroupBuffer:
         until the restarted trainer posts its own, nothing is issued."""
         buf = cls(prompts_per_step, max_staleness, correct_reward, next_prompt=state.next_prompt,
                   consumed=state.consumed, first_step=state.first_step, previous=state.trainer, forks=dict(state.forks),
-                  in_flight={f"p{p.index}": p for p in state.pending}, buffered=list(state.buffered),
-                  batches=dict(state.batches))
+                  in_flight={request_id(p.index): p for p in state.pending}, buffered=list(state.buffered),
+                  batches=dict(state.batches), trained_ahead=set(state.trained_ahead))
         buf.counts.update(state.counts)
         return buf
+
+
+def request_ids(batch: Batch) -> set[str]:
+    """The requests (prompts) whose samples a batch holds."""
+    return {request_of(s.id) for s in batch.samples}

@@ -13,6 +13,15 @@ checkpoint: the batches after it are formed again from the same prompts and seed
 prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
 its version within one poll (trainer/orchestrator_link.py HttpBatchSource).
 
+A restart that lost the state file (a fresh volume) and resumed from the checkpoint's older state while the
+trainer trained on is behind the trainer: its next batch to form is older than the step asked for (409). The
+trainer then hands over its record of the batches it trained (`catch_up`: the request ids of each step since its
+second newest checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream
+(buffer.py GroupBuffer.catch_up), so no prompt trains twice. Until the trainer commits a checkpoint at or past the
+step caught up to, the state as it was before is held: a trainer that dies and resumes from the older checkpoint
+(a new lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint
+are formed again.
+
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
 thread, after the buffer releases them; orphans by age: routing_store.py says when).
@@ -39,7 +48,7 @@ from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, 
                         VersionRef, derive_seed)
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
-from .buffer import GroupBuffer
+from .buffer import GroupBuffer, StepConflict, request_ids
 from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
 from .state_file import write_state
@@ -101,6 +110,17 @@ class Settings:
                                 allowance_s=self.straggler_after_s, cap_s=self.request_timeout_s)
 
 
+@dataclass
+class HeldState:
+    """The state before a catch-up (and its next step to form, the trainer's lineage then), held until a checkpoint
+    at or past `until`, the step caught up to, is committed."""
+
+    state: OrchestratorState
+    next_step: int
+    lineage: int
+    until: int
+
+
 class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
@@ -120,6 +140,7 @@ class Orchestrator:
         if state is not None:
             self._restore(state)
         self._fallback = fallback
+        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
         self.state_path = state_path
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
@@ -132,14 +153,15 @@ class Orchestrator:
         self.running = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
-    def _restore(self, state: OrchestratorState) -> None:
+    def _restore(self, state: OrchestratorState, *, restart: bool = True) -> None:
+        """Continue from `state`; `restart`: this is a new start (counted), not a state replaced in this life."""
         held = self.buffer.live_routing()  # a live buffer replaced by a checkpoint's: its newer routing is orphaned
         self.buffer = GroupBuffer.restore(state, prompts_per_step=self.s.prompts_per_step,
                                           max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
         self.source.restore(state.source)
         kept = self.buffer.live_routing()
         self.buffer.released += [ref for key, ref in held.items() if key not in kept]
-        self.buffer.counts["restarts"] += 1
+        self.buffer.counts["restarts"] += restart
         self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
 
     async def start(self) -> None:
@@ -201,12 +223,59 @@ class Orchestrator:
         a step that is neither batched nor the next one. A batch formed now is persisted before it is returned."""
         if self.buffer.trainer is None:
             return None
+        if self._caught_up is not None:
+            self._after_catch_up(step, committed)
         batch, formed = await self._wait_batch(step, committed, timeout_s)
         if formed:
             await self.persist()
         # after the persist: a state on disk never refers to routing already deleted, except by a step's lag
         await self.collect_routing(sweep=formed)
         return batch
+
+    def _after_catch_up(self, step: int, committed: int) -> None:
+        """After a catch-up: a trainer of a newer lineage asking for a step only the state before the catch-up can
+        serve resumed from the older checkpoint (the steps caught up died with its predecessor): that state is
+        restored for it. A checkpoint at or past the step caught up to retires it."""
+        held, trainer = self._caught_up, self.buffer.trainer
+        if committed >= held.until:
+            self._caught_up = None
+        elif (trainer.lineage > held.lineage and step not in self.buffer.batches and step < self.buffer.next_step()
+                and (step in held.state.batches or step == held.next_step)):
+            log.info("trainer resumed in lineage %d at step %d, before the catch-up: continuing from the state "
+                     "before it", trainer.lineage, step)
+            self._caught_up = None
+            self._restore(held.state, restart=False)
+            self.buffer.set_trainer(trainer)
+
+    async def catch_up(self, trained: dict[int, list[str]]) -> int:
+        """The trainer's record of the request ids it trained at each step, for a state behind it (module
+        docstring); returns the next step to form. Raises buffer.StepConflict or MalformedRecord, changing nothing,
+        for a record that does not fit. The state caught up is persisted before this returns."""
+        if self.buffer.trainer is None:
+            raise StepConflict("no trainer version is held: a trainer posts its version before its record")
+        before = self.snapshot()
+        done = self.buffer.catch_up(trained)
+        steps = self.buffer.counts["caught_up_steps"] - before.counts["caught_up_steps"]
+        if not steps:
+            return done.next_step  # nothing this state lacked
+        for request_id in done.cancelled:  # those prompts trained already: their answers would be ignored
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+        # caught up twice before a checkpoint: the oldest state is the one to keep. The groups taken out keep their
+        # routing: that state refers to them and may yet train them (a trainer resumed from the checkpoint); once it
+        # is retired, the orphan sweep deletes what nothing refers to.
+        held = self._caught_up or HeldState(before, done.next_step - steps, self.buffer.trainer.lineage, 0)
+        self._caught_up = dataclasses.replace(held, until=done.next_step)
+        log.warning("caught up to the trainer: steps %d..%d were trained from batches this state never recorded "
+                    "(it is older than the trainer); %d requests in flight and %d groups taken out, %d prompts to "
+                    "skip when drawn", done.next_step - steps, done.next_step - 1, len(done.cancelled),
+                    len(done.dropped), len(self.buffer.trained_ahead))
+        self._event("caught_up", next_step=done.next_step, cancelled=done.cancelled,
+                    dropped=[g.request_id for g in done.dropped])
+        await self.persist()
+        await self._notify()
+        return done.next_step
 
     async def persist(self) -> None:
         """Write the state as it is now to `state_path` (snapshot taken on the loop, written in a thread; one
@@ -257,9 +326,9 @@ class Orchestrator:
         if sweep and now - self._swept >= self.s.routing_orphan_after_s / 4:
             self._swept = now
             live = set(self.buffer.live_routing())
-            if self._fallback is not None:  # a checkpoint's state this orchestrator may still continue from
-                live |= {s.routing.key for g in self._fallback.buffered for s in g.samples if s.routing}
-                live |= {s.routing.key for b in self._fallback.batches.values() for s in b.samples if s.routing}
+            for held in (self._fallback, self._caught_up and self._caught_up.state):
+                if held:  # a state this orchestrator may still continue from
+                    live |= routing_keys(held)
             await asyncio.to_thread(self.routing.sweep, live, self.s.routing_orphan_after_s)
         self.metrics[M.ROUTING_BYTES_STORED].set(sum(r.bytes for r in self.buffer.live_routing().values()))
 
@@ -270,7 +339,7 @@ class Orchestrator:
         for sample in batch.samples:
             for span in sample.versions:
                 token_staleness.observe(batch.step - span.version, span.tokens)
-        self._event("batched", step=batch.step, request_ids=sorted({s.id.split("/")[0] for s in batch.samples}))
+        self._event("batched", step=batch.step, request_ids=sorted(request_ids(batch)))
         self._wake.set()  # the budget moved
 
     def snapshot(self) -> OrchestratorState:
@@ -293,7 +362,10 @@ class Orchestrator:
         if self.buffer.trainer is None:
             return
         for _ in range(self.buffer.budget_left() if time.monotonic() >= self._paused_until else 0):
-            self.buffer.issue(prompt_record(self.source.next()))
+            prompt = self.source.next()
+            while self.buffer.trained_already(prompt.index):
+                prompt = self.source.next()
+            self.buffer.issue(prompt_record(prompt))
         waiting = sorted((p.index, rid) for rid, p in self.buffer.in_flight.items() if rid not in self._tasks)
         for i, (_, request_id) in enumerate(waiting):
             url = self.pool.acquire(self.buffer.usable, demand=len(waiting) - i)
@@ -484,6 +556,12 @@ class Orchestrator:
         if self.evaluator is not None:
             self.evaluator.maybe_start(ref.version, url)
         self._wake.set()
+
+
+def routing_keys(state: OrchestratorState) -> set[str]:
+    """The routing objects a state's samples refer to (waiting groups and kept batches)."""
+    samples = [s for g in state.buffered for s in g.samples] + [s for b in state.batches.values() for s in b.samples]
+    return {s.routing.key for s in samples if s.routing is not None}
 
 
 def prompt_record(prompt: Any) -> PromptRecord:

@@ -4,7 +4,9 @@ stopped (the trainer checkpoint's copy, `--resume`, is as old as the checkpoint)
 Written before the trainer gets the batch it records (a restarted orchestrator knows every batch a trainer has
 trained), atomically: the JSON goes to a temporary file beside it, is fsynced, and replaces the old file in one
 rename, so a crash leaves the previous step's state, never half of one. Samples completed after the last write are
-lost with the process (at most one step's worth); their prompts are issued again under the same request ids.
+lost with the process (at most one step's worth); their prompts are issued again under the same request ids. Where
+the file itself is lost (a fresh volume), `--resume` gives the checkpoint's older state and the trainer's record
+catches it up (driver.py).
 """
 from __future__ import annotations
 

@@ -39,27 +39,34 @@ class ProtocolError(ValueError):
 # Format 3 (wire and state): a sample refers to its routed experts in the routing store (RoutingRef) instead of
 # carrying them inline as base64. A format-2 record without routing has format 3's layout and is read as format 3
 # (migrated); one with inline routing arrays is refused (MIGRATIONS).
+# State format 4: the state lists the prompts a trainer trained in steps it never recorded (`trained_ahead`, after
+# a catch-up: GroupBuffer.catch_up); a format-3 state has none, and is read as format 4 with an empty list.
 # Checkpoint format 2: PPO's critic is an MLP under `critic.*` (trainer/critic.py) where format 1 held a linear
 # `value_head`; the policy's keys are unchanged, so a format-1 checkpoint of a run without a critic is read as it is
 # and one with a value head is refused (trainer/checkpoint.py, read_meta).
 WIRE_FORMAT = 3
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 CHECKPOINT_FORMAT = 2
-FORMAT_CHANGES = {2: "format 2 records each sample's per-token weight versions",
-                  3: "format 3 refers to each sample's routed experts in the routing store instead of carrying them "
-                     "inline"}
+_SPANS = "format 2 records each sample's per-token weight versions"
+_ROUTING = "format 3 refers to each sample's routed experts in the routing store instead of carrying them inline"
+# what each format changed, by the kind of record it numbers (the text a refusal of an older one shows)
+FORMAT_CHANGES = {"wire": {2: _SPANS, 3: _ROUTING},
+                  "state": {2: _SPANS, 3: _ROUTING,
+                            4: "format 4 lists the prompts a trainer trained in steps the state never recorded"},
+                  "checkpoint": {2: "format 2 holds PPO's critic as an MLP under critic.*"}}
 
 
-def check_format(found: int, current: int, what: str) -> str | None:
-    """What is wrong with a record of format `found` (checked before its fields, so an older layout is refused as
-    such, not as a field missing), None when this code reads it (a migratable older format included)."""
+def check_format(found: int, current: int, what: str, kind: str) -> str | None:
+    """What is wrong with a `kind` record ("wire", "state", "checkpoint") of format `found` (checked before its
+    fields, so an older layout is refused as such, not as a field missing), None when this code reads it (a
+    migratable older format included)."""
     if found > current:
         return (f"this {what} was written in format {found} by a newer moe-rl-eks; this one reads formats up to "
                 f"{current}: upgrade every role, or resume from a checkpoint of this version")
     if found < 1:
         return f"a format >= 1 (this code writes {current})"
-    if found < current and found not in MIGRATIONS.get(current, ()):
-        changes = "; ".join(FORMAT_CHANGES[f] for f in range(found + 1, current + 1))
+    if found < current and found not in MIGRATIONS.get(kind, ()):
+        changes = "; ".join(FORMAT_CHANGES[kind][f] for f in range(found + 1, current + 1))
         return (f"this {what} was written in format {found} by an older moe-rl-eks; this one reads format {current} "
                 f"({changes}): run every role at one moe-rl-eks version, and resume only from a checkpoint this "
                 f"version wrote")
@@ -73,12 +80,16 @@ def _inline_routing(data: Any) -> bool:
     return isinstance(data, list) and any(_inline_routing(v) for v in data)
 
 
-# current format -> the older formats read as it, each with the check that refuses what cannot be migrated
-# ((record JSON) -> why not, or None)
-MIGRATIONS: dict[int, dict[int, Any]] = {3: {2: lambda data: (
-    "this record of format 2 carries routing arrays inline, which format 3 keeps in the routing store "
-    "(rl.routing) and the orchestrator never holds: finish the run at the older moe-rl-eks, or restart it (a "
-    "format-2 state or batch without routing replay is read as is)") if _inline_routing(data) else None}}
+def _format_2(data: Any) -> str | None:
+    return ("this record of format 2 carries routing arrays inline, which format 3 keeps in the routing store "
+            "(rl.routing) and the orchestrator never holds: finish the run at the older moe-rl-eks, or restart it (a "
+            "format-2 state or batch without routing replay is read as is)") if _inline_routing(data) else None
+
+
+# kind of record -> the older formats read as its current one, each with the check that refuses what cannot be
+# migrated ((record JSON) -> why not, or None)
+MIGRATIONS: dict[str, dict[int, Any]] = {"wire": {2: _format_2},
+                                         "state": {2: _format_2, 3: lambda data: None}}
 
 
 # ---- decoding -------------------------------------------------------------------------------------------------
@@ -169,9 +180,9 @@ def _encode(value: Any) -> Any:
 
 class Record:
     """Base of the wire records (dataclasses): JSON out, checked JSON in, then the record's own `check()`. A
-    record with a `format` field names (its current format, what it is) in FORMAT."""
+    record with a `format` field names (its current format, what it is, its kind: check_format) in FORMAT."""
 
-    FORMAT: ClassVar[tuple[int, str] | None] = None
+    FORMAT: ClassVar[tuple[int, str, str] | None] = None
 
     def to_json(self) -> dict:
         """Plain JSON types; an optional field that is None (its default) is left out."""
@@ -191,7 +202,7 @@ class Record:
             found = _decode(int, data.get("format", 1), f"{path}.format")
             problem = check_format(found, *cls.FORMAT)
             if problem is None and found < cls.FORMAT[0]:
-                problem = MIGRATIONS[cls.FORMAT[0]][found](data)
+                problem = MIGRATIONS[cls.FORMAT[2]][found](data)
             if problem is not None:
                 raise ProtocolError(f"{path}.format", found, problem)
             data = {**data, "format": cls.FORMAT[0]}  # migrated: the record is this format's from now on
@@ -461,13 +472,35 @@ class Group(Record):
     samples: list[Sample]
 
 
+def request_id(prompt_index: int) -> str:
+    """The orchestrator's request id of the prompt drawn as `prompt_index` (unique per draw in a run)."""
+    return f"p{prompt_index}"
+
+
+def prompt_index(request: str) -> int | None:
+    """The prompt index a request id names; None for a string that is not one."""
+    digits = request[1:]
+    if not (digits.isascii() and digits.isdigit() and len(digits) < 19):
+        return None
+    return int(digits) if request_id(int(digits)) == request else None  # the one spelling request_id gives
+
+
+def sample_id(request: str, choice: int) -> str:
+    return f"{request}/{choice}"
+
+
+def request_of(sample: str) -> str:
+    """The request id of a sample id (sample_id's inverse on its first part)."""
+    return sample.split("/")[0]
+
+
 @dataclass(frozen=True)
 class TrainingSample(Record):
     """What a trainer rank trains on: one completion with its advantage. Its behaviour logprobs are per token, each
     under the weights its span of `versions` names, which is what the decoupled objective's importance weights
     divide by (rl/losses.py, policy_objective)."""
 
-    id: str  # "<request id>/<choice>": unique in a run, so accounting can prove nothing is trained twice
+    id: str  # sample_id(request id, choice): unique in a run, so accounting can prove nothing is trained twice
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
@@ -506,7 +539,7 @@ class Batch(Record):
     samples: list[TrainingSample]
     stats: BatchStats
     format: int = WIRE_FORMAT  # of the orchestrator that formed it (read without one: format 1)
-    FORMAT: ClassVar[tuple[int, str]] = (WIRE_FORMAT, "batch")
+    FORMAT: ClassVar[tuple[int, str, str]] = (WIRE_FORMAT, "batch", "wire")
 
     def check(self) -> tuple[str, str] | None:
         if not self.samples:
@@ -530,5 +563,8 @@ class OrchestratorState(Record):
     forks: dict[int, VersionRef] = field(default_factory=dict)  # lineage -> where it began (staleness_ok)
     source: dict[str, Any] = field(default_factory=dict)  # the prompt source's own state (its cursor)
     first_step: int | None = None  # the step of the first batch formed
+    # prompts (by index) that a trainer trained in steps this state never recorded, not yet drawn from the source:
+    # skipped when drawn (a catch-up: orchestrator/buffer.py GroupBuffer.catch_up)
+    trained_ahead: list[int] = field(default_factory=list)
     format: int = STATE_FORMAT  # read without one: format 1
-    FORMAT: ClassVar[tuple[int, str]] = (STATE_FORMAT, "orchestrator state")
+    FORMAT: ClassVar[tuple[int, str, str]] = (STATE_FORMAT, "orchestrator state", "state")

@@ -134,7 +134,7 @@ def read_meta(directory: Path, *, critic: bool) -> dict:
                    "(format 2) and cannot be loaded from it: start the PPO run afresh, or from its policy through "
                    "rl.training.init_from")
     else:
-        problem = None if found == 1 else check_format(found, CHECKPOINT_FORMAT, "checkpoint")
+        problem = None if found == 1 else check_format(found, CHECKPOINT_FORMAT, "checkpoint", "checkpoint")
     if problem is not None:
         raise CheckpointFormatError(f"{path}: format {found!r} is not readable here (this code reads checkpoint "
                                     f"formats 1 to {CHECKPOINT_FORMAT}): {problem}")

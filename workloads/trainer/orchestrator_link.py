@@ -1,5 +1,6 @@
 """The trainer's link to the orchestrator: where batches come from (`BatchSource`, over HTTP `HttpBatchSource`:
-retried through orchestrator restarts, re-posting the newest version to one that lost it) and the `Announcer`, which
+retried through orchestrator restarts, re-posting the newest version to one that lost it and handing its record of
+the batches it trained to one restored from an older state) and the `Announcer`, which
 tells the orchestrator of each weight version once the store holds it. Rank 0 alone talks to the orchestrator."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import urllib.error
 from typing import Protocol
 
-from ..rl.protocol import Batch, VersionRef
+from ..rl.protocol import Batch, VersionRef, request_of
 from ..rl.runtime import http_json
 from .publisher import Publisher
 
@@ -32,8 +33,11 @@ class BatchSource(Protocol):
 class HttpBatchSource:
     """The orchestrator over HTTP. A restarted orchestrator knows no trainer version (its budget is 0, no batch
     forms) and says so in its 202; so does one whose post of our newest version failed (it was down then): that
-    version is posted again, so batches flow within one poll. Locking rule: `_lock` guards `newest` (the
-    announcer's thread posts, the trainer's thread polls)."""
+    version is posted again, so batches flow within one poll. One restored from a checkpoint's state older than our
+    step (its own state file lost) refuses our step (409); it is handed our record of the batches we trained (the
+    request ids of each step since our second newest committed checkpoint: the one it may have resumed from, when
+    the newest was committed while it restarted), catches up, and serves our step. Locking rule: `_lock` guards
+    `newest` (the announcer's thread posts, the trainer's thread polls); `trained` is the trainer thread's."""
 
     STATE_ATTEMPTS = 5  # /v1/state: an orchestrator blip at checkpoint time must not kill the trainer, nor hang it
 
@@ -42,14 +46,22 @@ class HttpBatchSource:
         self._lock = threading.Lock()
         self.newest: VersionRef | None = None  # the newest version the trainer asked to post (posted or not)
         self.reannounced = 0
+        self.trained: dict[int, list[str]] = {}  # step -> request ids of its batch (_forget_before)
+        self._committed: tuple[int, int] | None = None  # (the committed step before the newest, the newest)
 
     def next_batch(self, step: int, committed: int, stopping) -> Batch | None:
+        self._forget_before(committed)
+        caught_up = False
         while not stopping():
             try:
                 data = http_json("GET", f"{self.url}/v1/batch?step={step}&committed={committed}", timeout=60)
             except urllib.error.HTTPError as exc:
+                refusal = f"orchestrator refused the batch request: {exc.code} {exc.read()!r}"
+                if exc.code == 409 and not caught_up:  # it may be behind us: hand it our record, ask once more
+                    caught_up = self._hand_record(step, refusal)
+                    continue
                 if exc.code < 500:  # the orchestrator refused this trainer's request: retrying cannot help
-                    raise RuntimeError(f"orchestrator refused the batch request: {exc.code} {exc.read()!r}") from exc
+                    raise RuntimeError(refusal) from exc
                 log.warning("orchestrator error (%s); retrying", exc)
                 time.sleep(1)
                 continue
@@ -58,7 +70,9 @@ class HttpBatchSource:
                 time.sleep(1)
                 continue
             if data.get("samples"):
-                return Batch.from_json(data)
+                batch = Batch.from_json(data)
+                self.trained[step] = sorted({request_of(s.id) for s in batch.samples})
+                return batch
             # {"ready": false, "trainer": ...}: not ready within the long poll; ask again, after re-posting our
             # version where the orchestrator holds an older one or none (it restarted)
             held = None if data.get("trainer") is None else VersionRef.from_json(data["trainer"])
@@ -69,6 +83,41 @@ class HttpBatchSource:
             elif held is None or held < newest:
                 self._reannounce(newest, held)
         return None
+
+    def _forget_before(self, committed: int) -> None:
+        """Keep the record from the committed step before the newest on (an orchestrator resumes from one of
+        those two)."""
+        if self._committed is None or committed != self._committed[1]:
+            self._committed = (committed if self._committed is None else self._committed[1], committed)
+        for s in [s for s in self.trained if s < self._committed[0]]:
+            del self.trained[s]
+
+    def _hand_record(self, step: int, refusal: str) -> bool:
+        """After a 409 for `step`: post our record of the batches before it. True once the orchestrator has
+        caught up to `step`; raises (the refusal, and why the record did not help) where it cannot."""
+        record = {s: ids for s, ids in self.trained.items() if s < step}
+        if not record:
+            raise RuntimeError(f"{refusal}; this trainer has trained no batch since it started, so it holds no "
+                               "record to catch the orchestrator up with")
+        try:
+            answer = http_json("POST", f"{self.url}/v1/trained", {"batches": record}, timeout=60)
+        except urllib.error.HTTPError as exc:
+            if exc.code >= 500:
+                log.warning("orchestrator error on our record (%s); asking again", exc)
+                time.sleep(1)
+                return False
+            raise RuntimeError(f"{refusal}; our record of steps {min(record)}..{max(record)} was refused too: "
+                               f"{exc.code} {exc.read()!r}") from exc
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            log.warning("orchestrator unreachable with our record (%s); asking again", exc)
+            time.sleep(1)
+            return False
+        if answer.get("next_step") != step:
+            raise RuntimeError(f"{refusal}; after our record of steps {min(record)}..{max(record)} its next batch "
+                               f"is step {answer.get('next_step')}, not ours ({step})")
+        log.warning("the orchestrator was behind us (restored from an older state): it caught up to step %d from "
+                    "our record of steps %d..%d", step, min(record), max(record))
+        return True
 
     def _reannounce(self, newest: VersionRef, held: VersionRef | None) -> None:
         log.warning("the orchestrator holds %s, not our version %s (it restarted, or was down when we posted "

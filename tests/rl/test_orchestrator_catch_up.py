@@ -1,0 +1,185 @@
+"""An orchestrator restored from a checkpoint's older state (its own state file lost) while the trainer trained on:
+the trainer's record of the batches it trained catches it up (GroupBuffer.catch_up, POST /v1/trained), no prompt
+trains twice, and a record that does not fit is refused changing nothing. The process test is in test_faults.py."""
+import asyncio
+import dataclasses
+
+import pytest
+from test_orchestrator import GRPO, complete, orchestrator, prompt
+
+from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, MalformedRecord, StepConflict
+from moe_rl_eks.workloads.rl.data import BUILTIN_SOURCE
+from moe_rl_eks.workloads.rl.protocol import OrchestratorState, VersionRef, request_of, sample_staleness
+
+
+def checkpointed_buffer():
+    """Batches 0 and 1 formed (p0..p3), p4 and p5 buffered, p6 and p7 in flight: a checkpoint's state at step 2."""
+    buf = GroupBuffer(prompts_per_step=2, max_staleness=2, correct_reward=1.0)
+    buf.set_trainer(VersionRef(0, 0))
+    for i in range(6):
+        complete(buf, i, 0)
+        if i in (1, 3):
+            buf.batch(i // 2, 0, 0, GRPO)
+    buf.issue(prompt(6))
+    buf.issue(prompt(7))
+    return buf
+
+
+def test_catching_up_takes_the_trained_prompts_out_of_what_waits_and_skips_those_not_yet_drawn():
+    buf = checkpointed_buffer()
+    # The lost state went on: step 2 trained p5 and p6, step 3 p4 and p9 (p8 was filtered, p7 still in flight).
+    done = buf.catch_up({1: ["p2", "p3"], 2: ["p5", "p6"], 3: ["p4", "p9"]})
+    assert done.next_step == 4 and done.cancelled == ["p6"] and [g.request_id for g in done.dropped] == ["p4", "p5"]
+    assert buf.next_step() == 4 and buf.consumed == 8 and buf.counts["caught_up_steps"] == 2
+    assert list(buf.in_flight) == ["p7"] and buf.buffered == [] and buf.trained_ahead == {9}
+    assert buf.snapshot().trained_ahead == [9]  # persisted: a second restart still skips it
+    drawn = [i for i in range(8, 12) if not buf.trained_already(i)]
+    assert drawn == [8, 10, 11] and buf.trained_ahead == set()  # p8 is drawn again: it never trained
+    buf.check_step(4, 0)  # the trainer's step is the next to form now
+    assert buf.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]}).next_step == 4  # the same record again: nothing to do
+    assert buf.counts["caught_up_steps"] == 2
+
+
+@pytest.mark.parametrize("record, refused, message", [
+    ({3: ["p6", "p7"]}, StepConflict, r"record begins at step 3 and this state ends before step 2: steps 2\.\.2"),
+    ({1: ["p2", "p9"], 2: ["p5", "p6"]}, StepConflict, r"step 1: the trainer's record of its batch is not the batch"),
+    ({2: ["p5"]}, StepConflict, r"trained\[2\]: 1 request ids .* prompts_per_step = 2"),
+    ({2: ["p5", "p6"], 3: ["p6", "p9"]}, StepConflict, r"request p6: the record trains it at two steps"),
+    ({2: ["p1", "p6"]}, StepConflict, r"request p1: .*a prompt trains once"),  # p1 trained at step 0
+    ({2: ["p5", "x"]}, MalformedRecord, r"trained\[2\]: 'x' is no request id"),
+    ({2: ["p5", "p06"]}, MalformedRecord, r"'p06' is no request id"),
+    ({2: ["p5", "p6"], 4: ["p8", "p9"]}, MalformedRecord, r"consecutive steps"),
+    ({2: ["p5", "p6"], 10**30: ["p8", "p9"]}, MalformedRecord, r"consecutive steps"),
+], ids=["gap", "another-runs-batch", "short", "twice", "held", "not-an-id", "not-its-spelling", "holes", "huge"])
+def test_a_record_that_does_not_fit_the_state_is_refused_and_changes_nothing(record, refused, message):
+    buf = checkpointed_buffer()
+    before = buf.snapshot()
+    with pytest.raises(refused, match=message):
+        buf.catch_up(record)
+    assert buf.snapshot() == before
+
+
+def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0):
+    """The first orchestrator serves batches 0..5 to a trainer's HttpBatchSource (the trainer's committed step
+    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's; it dies and its state
+    file is lost. Returns the source, the ids trained by step, and (orchestrator, server) started on the same port
+    from the checkpoint's state alone."""
+    from moe_rl_eks.workloads.orchestrator.app import make_app
+    from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+    from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
+
+    path = tmp_path / "orchestrator-state.json"
+
+    def serve(state, port=0):
+        orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 1})
+        return orch, BackgroundServer(make_app(orch, batch_poll_s=5.0), port=port).start()
+
+    _, first = serve(None)
+    source = HttpBatchSource(first.url)
+    trained, checkpoint = {}, None
+    for step in range(6):
+        if step == checkpoint_at:
+            checkpoint = OrchestratorState.from_json(source.state())
+        source.version_published(step, 0)
+        trained[step] = [s.id for s in source.next_batch(step, committed(step), lambda: False).samples]
+    source.version_published(6, 0)
+    first.stop()
+    path.unlink()  # a fresh volume: only the checkpoint's state is left
+    return source, trained, serve(checkpoint, port=first.port)
+
+
+def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers_record_over_http(tmp_path, fakes):
+    """Through the HTTP seams both sides use: restored from the checkpoint's state of step 2, the orchestrator
+    refuses step 6 (its next batch is 2), takes the source's record of steps 0..5, and serves 6 and 7 with no
+    prompt the trainer trained. A trainer then restarted from the checkpoint
+    (lineage 1) gets the state as it was before the catch-up, and step 2 again."""
+    from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
+
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(2), checkpoint_at=2)
+    try:
+        later = {}
+        for step in (6, 7):
+            batch = source.next_batch(step, 0, lambda: False)
+            later[step] = batch
+            source.version_published(step + 1, 0)
+        caught_up = orch.buffer.counts["caught_up_steps"]
+        assert orch.buffer.next_step() == 8 and OrchestratorState.from_json(source.state()).first_step == 0
+        restarted = HttpBatchSource(second.url)  # the trainer died and resumed from its checkpoint of step 2
+        restarted.version_published(2, 1)
+        again = restarted.next_batch(2, 2, lambda: False)
+        restarts = orch.buffer.counts["restarts"]
+    finally:
+        second.stop()
+    assert caught_up == 4 and source.reannounced >= 1 and restarts == 1  # a state replaced, not another start
+    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
+    for step, batch in later.items():
+        assert batch.step == step and len({request_of(s.id) for s in batch.samples}) == 2
+        assert not {request_of(s.id) for s in batch.samples} & prompts_trained
+        assert all(0 <= sample_staleness(step, s.versions) <= 1 for s in batch.samples)
+    assert not {request_of(s.id) for s in later[6].samples} & {request_of(s.id) for s in later[7].samples}
+    # the state before the catch-up, restored for the trainer's new lineage: step 2 from the checkpoint's cursor
+    assert again.step == 2 and again.lineage == 1
+    assert not {request_of(s.id) for s in again.samples} & {request_of(i) for i in trained[0] + trained[1]}
+
+
+def test_a_trainer_whose_record_begins_after_the_restored_state_fails_naming_both_refusals(tmp_path, fakes):
+    """The source keeps its record from the committed step before the newest on (here 2, with 4 the newest): an
+    orchestrator restored from a state of step 1 lacks step 1 from both, and the trainer fails, saying so."""
+    source, _, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=1,
+                                                                  committed=lambda step: step // 2 * 2)
+    try:
+        assert sorted(source.trained) == [2, 3, 4, 5]
+        with pytest.raises(RuntimeError, match=r"refused the batch request: 409 .*next batch to form is step 1.*; "
+                                               r"our record of steps 2\.\.5 was refused too: 409 .*steps 1\.\.1 are "
+                                               r"known to neither"):
+            source.next_batch(6, 4, lambda: False)
+        assert orch.buffer.next_step() == 1 and orch.buffer.counts["caught_up_steps"] == 0
+    finally:
+        second.stop()
+
+
+def checkpointed_state():
+    return dataclasses.replace(checkpointed_buffer().snapshot(), source={"kind": BUILTIN_SOURCE, "cursor": 8})
+
+
+def test_a_trainer_resumed_from_a_checkpoint_past_the_catch_up_goes_on_from_the_caught_up_state(tmp_path, fakes):
+    servers = fakes(2)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        assert await orch.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]}) == 4
+        assert (await orch.batch(4, 2, timeout_s=20)).step == 4
+        await orch.publish(VersionRef(1, 5))  # died after its checkpoint of step 5 (past the catch-up) was committed
+        batch = await orch.batch(5, 5, timeout_s=20)
+        state = orch.snapshot()
+        await orch.stop()
+        return batch, state
+
+    batch, state = asyncio.run(scenario())
+    assert batch.step == 5 and batch.lineage == 1 and state.consumed == 12 and state.counts["restarts"] == 1
+    assert not {request_of(s.id) for s in batch.samples} & {"p4", "p5", "p6", "p9"}
+
+
+def test_the_state_caught_up_is_persisted_before_the_answer(tmp_path, fakes):
+    from moe_rl_eks.workloads.orchestrator.state_file import read_state
+
+    servers, path = fakes(1), tmp_path / "orchestrator-state.json"
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
+        await orch.start()
+        with pytest.raises(StepConflict, match="no trainer version is held"):
+            await orch.catch_up({2: ["p5", "p6"]})
+        await orch.publish(VersionRef(0, 4))
+        next_step = await orch.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]})
+        await orch.stop()
+        return next_step
+
+    assert asyncio.run(scenario()) == 4
+    saved = read_state(path)
+    # p9 is skipped when drawn, or, drawn after the version post and before the record, taken out of flight
+    assert saved.consumed == 8 and saved.first_step == 0 and saved.trained_ahead == ([9] if saved.next_prompt <= 9 else [])
+    assert not {4, 5, 6, 9} & {p.index for p in saved.pending} | {g.prompt_index for g in saved.buffered}
