@@ -72,9 +72,8 @@ def assert_same(sharded, single):
             assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-5)
 
 
-@pytest.fixture
-def servers(tmp_path):
-    """The same run served by two ranks (torchrun, gloo) and by one in-process engine."""
+def start_sharded(tmp_path):
+    """The run served by two ranks (torchrun, gloo) with version 0 published: (cluster, its server, run, store)."""
     path = write_run(tmp_path, rollout={"gpus_per_server": 2, "max_batch_size": 16},
                      sampling={"max_n": 4, "max_prompt_tokens": 16}, algorithm={"group_size": 4})
     run = load_run(path)
@@ -82,12 +81,21 @@ def servers(tmp_path):
     publish_initial(run, store, version=0, seed=1)
     cluster = LocalCluster(str(path), run)
     sharded = cluster.start_server(0)
+    return cluster, sharded, run, store
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The same run served by two ranks and by one in-process engine, for the module: starting the two ranks is
+    most of a test's time, and every test leaves both serving the same version."""
+    tmp_path = tmp_path_factory.mktemp("servers")
+    cluster, sharded, run, store = start_sharded(tmp_path)
     engine = RolloutEngine(run, store, tmp_path / "cache", CharTokenizer())  # one process, the whole model
     engine.load_version(0)
     http = BackgroundServer(make_app(RolloutServer(run, engine, CharTokenizer(), token=None))).start()
     try:
         wait_for(f"{sharded.url}/ready", timeout=120)  # /health answers before the weights are loaded
-        yield {"role": sharded, "sharded": sharded.url, "single": http.url, "store": store,
+        yield {"sharded": sharded.url, "single": http.url, "store": store,
                "run": run, "engine": engine, "token": cluster.env[run.rl.weight_token_env], "logs": cluster.logs}
     finally:
         cluster.stop()
@@ -143,13 +151,18 @@ def publish_lacking_experts(run, store, version, lacking):
     store.publish(version, staging)
 
 
-def test_a_lost_rank_ends_the_whole_sharded_server_instead_of_leaving_it_hung(servers):
-    role = servers["role"]
-    ranks = {int(environ(pid).get("RANK", -1)): pid for pid in descendants(role.proc.pid)}
-    os.kill(ranks[1], signal.SIGKILL)  # rank 0 would wait in its next collective forever
-    assert role.proc.wait(timeout=60) != 0  # torchrun stops rank 0 too: the pod restarts, the orchestrator fails over
-    with pytest.raises(OSError):
-        call("GET", f"{servers['sharded']}/health", timeout=2)
+def test_a_lost_rank_ends_the_whole_sharded_server_instead_of_leaving_it_hung(tmp_path):
+    cluster, role, _, _ = start_sharded(tmp_path)  # its own: this test ends it
+    try:
+        wait_for(f"{role.url}/ready", timeout=120)
+        ranks = {int(environ(pid).get("RANK", -1)): pid for pid in descendants(role.proc.pid)}
+        os.kill(ranks[1], signal.SIGKILL)  # rank 0 would wait in its next collective forever
+        # torchrun stops rank 0 too: the pod restarts, the orchestrator fails over
+        assert role.proc.wait(timeout=60) != 0
+        with pytest.raises(OSError):
+            call("GET", f"{role.url}/health", timeout=2)
+    finally:
+        cluster.stop()
 
 
 def environ(pid: int) -> dict[str, str]:

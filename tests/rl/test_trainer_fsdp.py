@@ -182,13 +182,16 @@ def test_ep_over_half_the_ranks_shards_each_experts_copies_and_steps_as_one_proc
 
 def test_bf16_parameters_with_float32_reduction_train_and_keep_float32_master_weights(tmp_path):
     # rl.training.fsdp_param_dtype: bfloat16: layers compute with bf16 gathers of float32 shards (AdamW's master
-    # copy); gradients reduce in float32 and stay within bf16's rounding of the float32 policy's
+    # copy); gradients reduce in float32 and stay within bf16's rounding of the float32 policy's. Micro-batches of
+    # 64 tokens, not SECTIONS' 9: the dtypes do not depend on how a step is split, and each micro-batch costs
+    # FSDP's gathers and reductions (most of this test's time at 9).
     algo = {"name": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0}
     runs = {}
     for dtype in ("float32", "bfloat16"):
         (tmp_path / dtype).mkdir()
         path = write_run(tmp_path / dtype, algorithm=algo, **{**SECTIONS, "training": {
-            **SECTIONS["training"], "fsdp_param_dtype": dtype, "warmup_learning_rate": 0.01}})
+            **SECTIONS["training"], "fsdp_param_dtype": dtype, "warmup_learning_rate": 0.01,
+            "max_tokens_per_microbatch": 64}})
         runs[dtype] = run_ranks(2, bf16_warmup, str(path), 4)[0]
     bf16, fp32 = runs["bfloat16"], runs["float32"]
     assert bf16["computed_in"] == torch.bfloat16 and fp32["computed_in"] == torch.float32
