@@ -158,8 +158,8 @@ def test_bad_importance_settings_are_refused_naming_field_value_and_what_is_allo
                                           r"on-policy token's weight is 1, .*importance_correction: none turns the "
                                           r"correction off"):
         load_run(write_run(tmp_path, algorithm={"importance_cap": 0.5}))
-    assert load_run(write_run(tmp_path, algorithm={"importance_correction": "none"})).rl.algorithm.importance_correction \
-        == "none"
+    run = load_run(write_run(tmp_path, algorithm={"importance_correction": "none"}))
+    assert run.rl.algorithm.importance_correction == "none"
 
 
 def test_clip_higher_is_asymmetric():
