@@ -105,7 +105,8 @@ local-run: $(STAMP)
 	$(PY) -m moe_rl_eks.tools.cli local-run --run configs/runs/local.yaml
 
 # The whole loop on one GPU (configs/runs/gpu.yaml: rollout server and trainer sharing GPU 0, the countdown task;
-# ~6-9 min on an H200; RUN_GPU_ARGS=--quick for the short form). It uses the machine's own CUDA build of torch and
+# ~6-9 min on an H200; RUN_GPU_ARGS=--quick for the short form, and local-run's --numerics, --importance-correction
+# and --max-staleness for the exact-numerics A/B's arms, docs/benchmarks.md). It uses the machine's own CUDA build of torch and
 # triton in $(PYTHON), installing only this package and its other needs next to them (no CPU bootstrap).
 .PHONY: run-gpu
 RUN_GPU_ARGS ?=

@@ -42,7 +42,15 @@ class AlgorithmConfig:
     # is a geometric mean over tokens and moves far less than one token's).
     clip_low: float | None = None
     clip_high: float | None = None
-    importance_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (off-policy correction)
+    # The off-policy correction of the decoupled objective (workloads/rl/losses.py): each token (GSPO: each
+    # sequence) weighed by w = pi_proximal / pi_behaviour, the rollout's logprob against the trainer's, which differ
+    # by policy lag (max_staleness) and by numerics. `truncated`: w = min(w, importance_cap) (TIS); a cap of 1 still
+    # weighs tokens the rollout found likelier than the trainer does below 1. `none`: w = 1 exactly and the rollout's
+    # logprobs are not read by the loss (only by the importance_weight_mean metric): the on-policy objective, right
+    # where nothing is off-policy (numerics: exact with max_staleness 0), and the uncorrected baseline of a numerics
+    # A/B elsewhere (docs/benchmarks.md).
+    importance_correction: Literal["truncated", "none"] = "truncated"
+    importance_cap: float = 2.0  # with importance_correction: truncated, the largest weight
     kl_coef: float = 0.0  # KL to the frozen initial policy; 0 = no reference model is kept
     # k1; k3 (log-ratio clamped to +-20, estimate to <= 10, as verl); k3+ (k3's value, k2's unbiased gradient)
     kl_estimator: Literal["k1", "k3", "k3+"] = "k3"
@@ -72,7 +80,8 @@ class AlgorithmConfig:
             if getattr(self, name) is not None and not 0 < getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be between 0 and 1 (exclusive), or omitted for the default")
         if self.importance_cap < 1:
-            fail("importance_cap", self.importance_cap, "must be >= 1 (1 = ignore off-policy mismatch)")
+            fail("importance_cap", self.importance_cap, "must be >= 1: an on-policy token's weight is 1, and a cap "
+                 "below would lower it (importance_correction: none turns the correction off)")
         for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0")

@@ -17,10 +17,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import yaml
 
 from moe_rl_eks.core.launch import launch
+from moe_rl_eks.core.rl_config import AlgorithmConfig
 from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine
 from moe_rl_eks.core.schema import parse
 from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
@@ -287,12 +289,46 @@ def quick_data(path: str, run: RunConfig) -> dict:
     return data
 
 
-def numerics_data(data: dict, numerics: str) -> dict:
-    """Run file data in `numerics` mode; an exact run is named <name>-exact (its own output directory)."""
-    return {**data, "numerics": numerics, "name": data["name"] + ("-exact" if numerics == "exact" else "")}
+# The settings the numerics A/B varies (docs/benchmarks.md), as the command line may override them
+CORRECTIONS = get_args(get_type_hints(AlgorithmConfig)["importance_correction"])
 
 
-def main(argv: list[str]) -> int:
+def variant_data(data: dict, numerics: str | None = None, importance_correction: str | None = None,
+                 max_staleness: int | None = None) -> dict:
+    """Run file data with the numerics A/B's settings overridden where given, named after them, so each arm has its
+    own output directory: <name>-exact (numerics: exact), -correction-<value> (rl.algorithm.importance_correction),
+    -staleness<N> (rl.orchestrator.max_staleness)."""
+    data, name = {**data, "rl": dict(data.get("rl", {}))}, data["name"]
+    rl = data["rl"]
+    if numerics is not None:
+        data["numerics"] = numerics
+        name += "-exact" if numerics == "exact" else ""
+    if importance_correction is not None:
+        rl["algorithm"] = {**rl.get("algorithm", {}), "importance_correction": importance_correction}
+        name += f"-correction-{importance_correction}"
+    if max_staleness is not None:
+        rl["orchestrator"] = {**rl.get("orchestrator", {}), "max_staleness": max_staleness}
+        name += f"-staleness{max_staleness}"
+    return {**data, "name": name}
+
+
+# What each RL step reports of the rollout/trainer mismatch (trainer/numerics.MismatchTally) and of the
+# off-policy correction (rl/losses.py): the A/B's columns, averaged over the run's steps in summary.json
+MISMATCH_MEANS = ("logprob_bitwise_equal", "logprob_abs_diff_mean", "logprob_kl_rollout_trainer",
+                  "logprob_kl_trainer_rollout", "importance_weight_mean", "importance_truncated_fraction")
+
+
+def mismatch_summary(rows: list[dict]) -> dict[str, float]:
+    """The per-step means of MISMATCH_MEANS over the RL steps' metrics rows that have them (PPO's critic warm-up
+    steps report no importance weights), and the largest |d log p| of any."""
+    summary = {key: statistics.fmean(values) for key in MISMATCH_MEANS
+               if (values := [r[key] for r in rows if key in r])}
+    if rows:
+        summary["logprob_abs_diff_max"] = max(r["logprob_abs_diff_max"] for r in rows)
+    return summary
+
+
+def argparser():
     parser = run_argparser("local-run", "run the whole RL loop on this machine")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     parser.add_argument("--timeout", type=float, default=1200, help="stop the run after this many seconds")
@@ -301,15 +337,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--numerics", choices=("standard", "exact"), default=None,
                         help="run in this numerics mode instead of the run file's (the exact-numerics A/B); "
                         "exact runs under the name <name>-exact, so both runs' outputs stay")
-    args = parser.parse_args(argv)
+    parser.add_argument("--importance-correction", choices=CORRECTIONS, default=None,
+                        help="rl.algorithm.importance_correction instead of the run file's (the A/B's arms); "
+                        "runs under <name>-correction-<value>")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="rl.orchestrator.max_staleness instead of the run file's (0: synchronous, the A/B's "
+                        "on-policy setting); runs under <name>-staleness<N>")
+    return parser
+
+
+def variant_overrides(args) -> dict:
+    """The parsed command line's overrides for variant_data (None: the run file's)."""
+    return {"numerics": args.numerics, "importance_correction": args.importance_correction,
+            "max_staleness": args.max_staleness}
+
+
+def main(argv: list[str]) -> int:
+    args = argparser().parse_args(argv)
     run_path, run = args.run, load(args.run)
     derived = None  # the roles read a derived run file, written beside the run's outputs
     if args.quick:
         derived = quick_data(args.run, run)
-    if args.numerics:
-        derived = numerics_data(derived or yaml.safe_load(Path(args.run).read_text()), args.numerics)
+    overrides = variant_overrides(args)
+    if any(v is not None for v in overrides.values()):
+        derived = variant_data(derived or yaml.safe_load(Path(args.run).read_text()), **overrides)
     if derived is not None:
-        flags = " ".join(f for f, on in (("--quick", args.quick), (f"--numerics {args.numerics}", args.numerics)) if on)
+        flags = " ".join(["--quick"] * args.quick + [f"--{k.replace('_', '-')} {v}" for k, v in overrides.items()
+                                                     if v is not None])
         run = parse(RunConfig, derived, source=f"{args.run} ({flags})")
         run_path = str(output_dir(run).parent / f"{run.name}{'-quick' if args.quick else ''}.yaml")
     if run.local_gpus is not None:
@@ -344,7 +398,12 @@ def main(argv: list[str]) -> int:
                "rl_gain": evals["final"]["reward_mean"] - evals.get("warmup", evals["final"])["reward_mean"],
                "rl_gain_paired_se": gain_se, "rl_gain_in_paired_se": gain / gain_se if gain_se else math.nan,
                "samples_per_second": rows[-1]["samples_per_second"] if rows else 0.0,
-               "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0}
+               "trainer_idle_fraction": rows[-1]["trainer_idle_fraction"] if rows else 0.0,
+               # the A/B's record: what this arm ran with, and the mismatch it trained on
+               "settings": {"numerics": run.numerics, "importance_correction": run.rl.algorithm.importance_correction,
+                            "importance_cap": run.rl.algorithm.importance_cap,
+                            "max_staleness": run.rl.orchestrator.max_staleness, "seed": run.rl.training.seed},
+               "mismatch": mismatch_summary(rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("evaluation mean reward (accuracy):  " + "  ".join(
         f"{k} {v['reward_mean']:.3f} ({v['accuracy']:.2f})" for k, v in evals.items()))

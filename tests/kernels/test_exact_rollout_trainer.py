@@ -88,7 +88,8 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(
     on = mb.mask > 0
     assert int(on.sum()) == sum(len(s.completion_ids) for s in samples)
     assert torch.equal(fwd.logprobs[on], mb.behaviour[on])
-    assert report == {"logprob_bitwise_equal": 1.0, "logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0}
+    assert report == {"logprob_bitwise_equal": 1.0, "logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0,
+                      "logprob_kl_rollout_trainer": 0.0, "logprob_kl_trainer_rollout": 0.0}
     # the values are the scorer's, the gradient the fast forward's: the loss can be trained through them
     (fwd.logprobs * mb.mask).sum().backward()
     assert policy.lm_head.weight.grad is not None and policy.lm_head.weight.grad.abs().sum() > 0
@@ -100,6 +101,9 @@ def test_standard_mode_reports_the_rollout_trainer_mismatch(policy):
     _, _, report = trainer_logprobs(policy, samples, "standard")
     assert report["logprob_bitwise_equal"] < 1.0
     assert 0 < report["logprob_abs_diff_mean"] <= report["logprob_abs_diff_max"] < 1e-3
+    # each KL about half the mean square difference: e^d - 1 - d and d e^d - (e^d - 1) are d^2 / 2 + O(d^3)
+    assert 0 < report["logprob_kl_rollout_trainer"] <= report["logprob_abs_diff_max"] ** 2
+    assert 0 < report["logprob_kl_trainer_rollout"] <= report["logprob_abs_diff_max"] ** 2
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="compiled on a GPU "

@@ -91,6 +91,77 @@ def test_a_sample_sampled_across_a_weight_swap_is_weighted_per_token_by_the_vers
     assert loss.item() == pytest.approx(-5.5 / 3, abs=1e-6)
 
 
+def off_policy_batch(b=3, t=5):
+    """Rollout logprobs off the trainer's by e^-1 to e^0.9 per token (importance weights 0.41 to 2.72: over the cap
+    of 2 on some tokens), a ragged mask, advantages of both signs; the current logprobs a little off the proximal
+    ones (some ratios clipped)."""
+    g = torch.Generator().manual_seed(0)
+    proximal = -torch.rand(b, t, generator=g) - 0.1
+    behaviour = proximal + torch.tensor([-1.0, 0.9, -0.3, 0.5, -0.8]).roll(1).repeat(b, 1)
+    logprobs = (proximal + torch.empty(b, t).uniform_(-0.4, 0.4, generator=g)).requires_grad_()
+    mask = torch.tensor([[1.0] * t, [1.0] * (t - 2) + [0.0] * 2, [1.0] + [0.0] * (t - 1)])
+    return PolicyBatch(logprobs, proximal, behaviour, torch.tensor([[1.0], [-1.0], [0.5]]).expand(b, t), mask,
+                       entropy=torch.rand(b, t, generator=g))
+
+
+def loss_and_gradient(batch, name, **cfg):
+    loss, metrics = algorithm(name, entropy_coef=0.01, **cfg).loss(batch, Totals(float(batch.mask.sum()), 3.0))
+    (gradient,) = torch.autograd.grad(loss, batch.logprobs)
+    return loss, gradient, metrics
+
+
+def bits(t):
+    return t.detach().view(torch.int32)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
+def test_no_importance_correction_is_the_on_policy_objective_bit_for_bit_on_an_off_policy_batch(name):
+    batch = off_policy_batch()
+    on_policy = PolicyBatch(batch.logprobs, batch.proximal_logprobs, batch.proximal_logprobs, batch.advantages,
+                            batch.mask, entropy=batch.entropy)  # the rollout sampled exactly the trainer's policy
+    loss, gradient, metrics = loss_and_gradient(batch, name, importance_correction="none")
+    reference, reference_gradient, reference_metrics = loss_and_gradient(on_policy, name)
+    assert torch.equal(bits(loss), bits(reference)) and torch.equal(bits(gradient), bits(reference_gradient))
+    corrected, corrected_gradient, corrected_metrics = loss_and_gradient(batch, name)
+    assert not torch.equal(corrected, loss) and not torch.equal(corrected_gradient, gradient)  # there was a mismatch
+    assert metrics["importance_truncated_fraction"] == 0.0
+    if name != "gspo":  # a sequence's weight, a geometric mean over its tokens, stays under the cap here
+        assert corrected_metrics["importance_truncated_fraction"] > 0
+    # the mismatch is still reported (the raw weights, as with the correction on); on policy they are exactly 1
+    assert metrics["importance_weight_mean"] == corrected_metrics["importance_weight_mean"] != 1.0
+    assert reference_metrics["importance_weight_mean"] == 1.0
+
+
+def test_truncated_importance_correction_caps_only_from_above_so_a_cap_of_1_still_weighs_tokens_below_1():
+    # _two_token_batch: w = 0.4/0.1 = 4 on token 0, 0.4/0.4 = 1 on token 1; with behaviour 0.8 on token 1,
+    # w = 0.5 there. Cap 1: token 0 -> 1 * r 1.25 * A 1 = 1.25; token 1 -> 0.5 * min(-0.5, -0.8) = -0.4
+    # loss = -(1.25 - 0.4) / 2 = -0.425: the cap does not lift token 1's weight to 1
+    batch = _two_token_batch(behaviour_logprobs=torch.log(torch.tensor([[0.1, 0.8]])))
+    loss, m = algorithm("grpo", importance_cap=1.0).loss(batch, Totals(2.0, 1.0))
+    assert loss.item() == pytest.approx(-0.425, abs=1e-6) and m["importance_truncated_fraction"] == 0.5
+    explicit, _ = algorithm("grpo", importance_cap=1.0, importance_correction="truncated").loss(batch, Totals(2.0, 1.0))
+    assert torch.equal(bits(explicit), bits(loss))  # truncated is the default
+    off, _ = algorithm("grpo", importance_correction="none").loss(batch, Totals(2.0, 1.0))
+    assert off.item() == pytest.approx(-(1.25 - 0.8) / 2, abs=1e-6)  # w = 1 on both tokens
+
+
+def test_bad_importance_settings_are_refused_naming_field_value_and_what_is_allowed(tmp_path):
+    from rl_helpers import write_run
+
+    from moe_rl_eks.core.run import load_run
+    from moe_rl_eks.core.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rl\.algorithm\.importance_correction: 'off' is not allowed; allowed: "
+                                          r"'truncated', 'none'"):
+        load_run(write_run(tmp_path, algorithm={"importance_correction": "off"}))
+    with pytest.raises(ConfigError, match=r"rl\.algorithm\.importance_cap: 0\.5 is not allowed; must be >= 1: an "
+                                          r"on-policy token's weight is 1, .*importance_correction: none turns the "
+                                          r"correction off"):
+        load_run(write_run(tmp_path, algorithm={"importance_cap": 0.5}))
+    run = load_run(write_run(tmp_path, algorithm={"importance_correction": "none"}))
+    assert run.rl.algorithm.importance_correction == "none"
+
+
 def test_clip_higher_is_asymmetric():
     batch = _two_token_batch(mask=torch.tensor([[1.0, 0.0]]))
     # r = 1.25, A = +1, w = 2: symmetric clip 0.2 caps r at 1.2 -> loss -2.4; clip_high 0.28 leaves 1.25 -> -2.5

@@ -109,6 +109,15 @@ def value_loss_per_token(values: torch.Tensor, old_values: torch.Tensor, returns
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
+def importance_weights(raw: torch.Tensor, cfg: "AlgorithmConfig") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the off-policy weights the surrogate is multiplied by, where the cap bit) from the raw proximal/behaviour
+    ratios: rl.algorithm.importance_correction `truncated` caps them at importance_cap; `none` is 1 everywhere, so
+    the objective is the on-policy one bit for bit (x * 1 is x)."""
+    if cfg.importance_correction == "none":
+        return torch.ones_like(raw), torch.zeros_like(raw, dtype=torch.bool)
+    return raw.clamp(max=cfg.importance_cap), raw > cfg.importance_cap
+
+
 def sequence_log_ratio(logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, 1]: the mean per-token log-ratio of each sequence: log of GSPO's length-normalised sequence ratio."""
     lengths = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
@@ -122,7 +131,8 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
 
       per token: -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
         r = pi / pi_proximal (the trust region is around the policy before this step, not the stale rollout one)
-        w = min(pi_proximal / pi_behaviour, importance_cap) (corrects for off-policy samples, truncated)
+        w = min(pi_proximal / pi_behaviour, importance_cap) (corrects for off-policy samples, truncated), or 1
+          with importance_correction: none
       plus kl_coef * KL(pi || pi_ref), minus entropy_coef * entropy, plus value_coef * the clipped value loss
       when the batch carries values (PPO).
 
@@ -143,12 +153,12 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
         ratio = torch.exp(batch.logprobs - batch.proximal_logprobs)
         log_w = (batch.proximal_logprobs - batch.behaviour_logprobs).detach()
     raw_weight = torch.exp(log_w).expand_as(mask)
-    weight = raw_weight.clamp(max=cfg.importance_cap)
+    weight, truncated = importance_weights(raw_weight, cfg)
     surrogate, clipped = clipped_surrogate(ratio, batch.advantages, *cfg.ratio_clip())
     loss = -(weights * weight * surrogate).sum()
     metrics = {"clip_fraction": token_mean(clipped.to(mask.dtype)),
-               "importance_weight_mean": token_mean(raw_weight),
-               "importance_truncated_fraction": token_mean((raw_weight > cfg.importance_cap).to(mask.dtype))}
+               "importance_weight_mean": token_mean(raw_weight),  # the mismatch, corrected or not
+               "importance_truncated_fraction": token_mean(truncated.to(mask.dtype))}
     if cfg.kl_coef > 0:
         if batch.reference_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference_logprobs")

@@ -295,11 +295,10 @@ class Trainer:
             mb = seqs.select(rows)
             w = mb.mask.shape[1]
             if policy:
-                fwd = self.train_step.forward(self.model, mb, temperature=temperature, replay=replay,
-                                              values=values is not None, exact_values=True)
-                proximal[rows, :w] = fwd.logprobs
+                proximal[rows, :w], value = self.train_step.score(mb, temperature=temperature, replay=replay,
+                                                                  values=values is not None)
                 if values is not None:
-                    values[rows, :w] = fwd.values
+                    values[rows, :w] = value
             if reference is not None:
                 reference[rows, :w] = self.train_step.forward(self.reference, mb, temperature=temperature,
                                                               replay=replay).logprobs

@@ -12,13 +12,14 @@ log-softmax are row-wise, so a token's bits do not depend on the chunking, and t
 
 The copy is right only until the first optimizer step of a batch changes the policy; the behaviour/proximal scoring
 and that first step's current logprobs take their values from it, while their gradient comes from the fast forward
-(`exact_values`). That first step therefore runs two forwards. One would do only if the exact forward could be
-differentiated: its expert GEMM can (swiglu_experts(exact=True) has the tuned backward), but the invariant matmul,
-the one-pass attention, the row-wise norms and the paged forward's KV writes are forward-only Triton programs; and
-it runs on this bf16 copy, not on the float32 masters the optimizer steps, without activation checkpointing. The
-extra forward is about a third of a standard step's model FLOPs (a quarter under full activation checkpointing,
-which recomputes the forward anyway), at the exact kernels' own speed, and on the first optimizer step of each batch
-only (`moerl bench-train --exact` measures it).
+(`exact_values`). The scoring needs no gradient, so it runs the exact forward alone (TrainStep.score), and the fast
+one only for PPO's critic, which reads its hidden states. That first step runs two forwards. One would do only if
+the exact forward could be differentiated: its expert GEMM can (swiglu_experts(exact=True) has the tuned backward),
+but the invariant matmul, the one-pass attention, the row-wise norms and the paged forward's KV writes are
+forward-only Triton programs; and it runs on this bf16 copy, not on the float32 masters the optimizer steps, without
+activation checkpointing. The extra forward is about a third of a standard step's model FLOPs (a quarter under full
+activation checkpointing, which recomputes the forward anyway), at the exact kernels' own speed, and on the first
+optimizer step of each batch only (`moerl bench-train --exact` measures it).
 """
 from __future__ import annotations
 
@@ -80,25 +81,31 @@ def values_with_gradient(values: torch.Tensor, differentiable: torch.Tensor) -> 
 
 class MismatchTally:
     """The rollout's logprobs against the trainer's at the weights a batch starts from, over its completion
-    tokens: how many are bitwise equal, the mean and the max of |d log p|. Added to micro-batch by micro-batch,
-    reduced over ranks once."""
+    tokens: how many are bitwise equal, the mean and the max of |d log p|, and the KL between the two policies both
+    ways, estimated from the rollout's samples with d = log p_trainer - log p_rollout: KL(rollout || trainer) by
+    k3 = e^d - 1 - d, KL(trainer || rollout) by importance weighting, d e^d - (e^d - 1) (each term >= 0, zero when
+    d = 0). Added to micro-batch by micro-batch, reduced over ranks once."""
 
     def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # tokens, bitwise equal, sum |d|
+        # tokens, bitwise equal, sum |d|, sum of each KL's terms
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
         self.max = torch.zeros(1, dtype=torch.float64, device=device)
 
     def add(self, trainer: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> None:
         """trainer, behaviour logprobs and the completion mask, [B, S] each."""
         d = (trainer.detach().double() - behaviour.double())[mask > 0]
-        self.sums += torch.stack([d.new_tensor(d.numel()), (d == 0).sum().double(), d.abs().sum()])
+        grown = torch.expm1(d)  # e^d - 1 without the cancellation at the small d of a close match
+        self.sums += torch.stack([d.new_tensor(d.numel()), (d == 0).sum().double(), d.abs().sum(),
+                                  (grown - d).sum(), (d * (grown + 1) - grown).sum()])
         if d.numel():
             self.max = torch.maximum(self.max, d.abs().max().reshape(1))
 
     def metrics(self, batch_sum: Callable[[torch.Tensor], torch.Tensor],
                 batch_max: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """The batch's numbers, reduced by the caller's `batch_sum` and `batch_max` over ranks (collectives)."""
-        tokens, equal, total = batch_sum(self.sums).tolist()
+        tokens, equal, total, kl_rollout_trainer, kl_trainer_rollout = batch_sum(self.sums).tolist()
         most = float(batch_max(self.max))
         tokens = max(tokens, 1.0)
         return {"logprob_bitwise_equal": equal / tokens, "logprob_abs_diff_mean": total / tokens,
-                "logprob_abs_diff_max": most}
+                "logprob_abs_diff_max": most, "logprob_kl_rollout_trainer": kl_rollout_trainer / tokens,
+                "logprob_kl_trainer_rollout": kl_trainer_rollout / tokens}

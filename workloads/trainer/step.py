@@ -133,6 +133,20 @@ class TrainStep:
             logp, entropy = values_with_gradient(exact[0], logp), values_with_gradient(exact[1], entropy)
         return Forward(logp, entropy, None if value is None else mb.unpack(value), out.aux_loss, out.expert_load)
 
+    @torch.no_grad()
+    def score(self, mb: Sequences, *, temperature: float, replay: bool,
+              values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's logprobs [B, S] of the micro-batch at the weights last published, and the critic's values
+        if asked for (else None): a batch's scoring before its first update. In the exact numerics mode the
+        logprobs are the exact scorer's alone, and the fast forward runs only for the critic, which reads its
+        hidden states: without one nothing of that forward would be read (its values would be the scorer's bits,
+        and no gradient follows). Skipping it on one rank holds no other rank back: exact mode trains on one
+        (core/run.py refuses more), so this forward is no expert-parallel collective."""
+        if self.exact is not None and not values:
+            return self.exact.logprobs(mb, temperature)[0], None
+        fwd = self.forward(self.model, mb, temperature=temperature, replay=replay, values=values, exact_values=True)
+        return fwd.logprobs, fwd.values
+
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
              replay: bool, critic_lr: float = 0.0, train_policy: bool = True, exact_values: bool = False) -> dict:
         """Accumulate the micro-batches' gradients, sync, clip, step. `train_policy` false steps the critic alone
