@@ -121,26 +121,34 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
             enumerate(zip(prompts(batch, prompt_tokens, model.config.vocab_size, batch + prompt_tokens), lengths))]
     seqs = [decoder.add(r) for r in rows]
     start = time.perf_counter()
-    decode_start, steps = None, 0
+    decode_start, steps, all_steps = None, 0, 0
     while decoder.busy:
         decoder.step()
+        all_steps += 1
         if decode_start is None and not decoder.scheduler.prefilling and not decoder.waiting:
             sync(device)
             decode_start, tokens_at_decode = time.perf_counter(), sum(len(s.tokens) for s in seqs)
             kv = decoder.stats()  # blocks held once every prompt is in: memory follows the tokens present
+            decoder.take_device_seconds()  # the decode steps' device time from here on
+            continue
+        if decode_start is None:  # rows still wait for slots or prefill: not a decode step of the figures below
             continue
         steps += 1
-        if decode_start is not None and time.perf_counter() - decode_start > max_seconds:
+        if time.perf_counter() - decode_start > max_seconds:
             for s in seqs:
                 decoder.cancel(s)
     sync(device)
     end = time.perf_counter()
     generated = sum(len(s.tokens) for s in seqs)
     decode_s = end - decode_start
+    device_ms = 1000 * decoder.take_device_seconds() / max(steps, 1)
     out = {"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "generated": generated,
            "seconds": end - start, "tokens_per_s": generated / (end - start), "prefill_s": decode_start - start,
-           "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
+           "steps": all_steps, "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
            "step_ms": 1000 * decode_s / max(steps, 1), "graph_capture_s": capture_s,
+           # of a decode step: the device's span of its forward and sampling, and the host's part the device waits
+           # for (scheduling and bookkeeping; ModelRunner's DeviceClock)
+           "device_step_ms": device_ms, "host_step_ms": 1000 * decode_s / max(steps, 1) - device_ms,
            "complete": generated == sum(lengths), "cuda_graphs": bool(decoder.runner.graphs),
            "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
            "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"]}

@@ -78,6 +78,11 @@ class Decoder:
         """KV-cache blocks (total, used, free, positions per block) and preemptions so far."""
         return {**self.scheduler.cache.stats(), "preemptions": self.scheduler.preemptions}
 
+    def take_device_seconds(self) -> float:
+        """Seconds the device spent on this decoder's forwards and sampling since the last call (ModelRunner's
+        DeviceClock)."""
+        return self.runner.clock.take()
+
     def take_preemptions(self) -> int:
         """Preemptions since the last call (a counter metric adds them: a decoder built anew starts from zero
         without the caller keeping a baseline)."""

@@ -9,6 +9,7 @@ exact numerics mode (the trainer's exact forward runs the same function over its
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,49 @@ class SlotState:
                             filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
 
 
+class DeviceClock:
+    """The device's span of the runner's forwards and sampling, window by window (`start` before a window's first
+    kernel is launched, `stop` after its last): on a GPU CUDA events, read once the GPU has passed them, so the
+    clock adds no synchronisation; on a CPU, where the work runs as it is called, the windows' wall time. A step's
+    wall time minus its windows is the host work the device waits for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start: torch.cuda.Event | float | None = None
+        self._windows: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # stopped, not yet read
+        self._seconds = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._windows.append((self._start, end))
+        else:
+            self._seconds += time.perf_counter() - self._start
+        self._start = None
+
+    def take(self) -> float:
+        """Seconds of the windows finished since the last call (a window the GPU has not finished yet counts at a
+        later call)."""
+        done = 0
+        while done < len(self._windows) and self._windows[done][1].query():
+            begin, end = self._windows[done]
+            self._seconds += begin.elapsed_time(end) / 1000
+            done += 1
+        del self._windows[:done]
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
 def graph_buckets(slots: int) -> list[int]:
     """Batch sizes that decode steps are padded to (one CUDA graph each): 1, 2, 4, 8, then every 16 up to 256,
     every 64 up to 1,024, every 256 beyond; the last is `slots`."""
@@ -125,6 +169,7 @@ class ModelRunner:
                                                                        else "torch"))
         self.packed = PackedAttention(model)
         self.state = SlotState.allocate(self.slots, self.device)
+        self.clock = DeviceClock(self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
         self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
@@ -173,8 +218,11 @@ class ModelRunner:
         packed = (packed.pin_memory() if dev.type == "cuda" else packed).to(dev, non_blocking=True)
         tiles = self.kernels.prefill_tiles(segments, dev)
         self.cache.sync_tables()
-        logits = self.forward(packed[1], packed[0], packed[2], torch.tensor(last, device=dev),
-                              max(g.prefilled + take for g, take in plan.chunks), tiles)
+        last = torch.tensor(last, device=dev)
+        self.clock.start()
+        logits = self.forward(packed[1], packed[0], packed[2], last, max(g.prefilled + take for g, take in plan.chunks),
+                              tiles)
+        self.clock.stop()
         scores = []
         if plan.scored:
             per_chunk = logits[len(plan.chunks):].split([segments[i][1] for i in plan.scored])
@@ -205,8 +253,11 @@ class ModelRunner:
     def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> list[SampledToken]:
         """Sample the first token of rows whose prefill ended (`logits` [rows, V], `lengths` their positions)."""
         slots = torch.tensor([r.slot for r in rows], device=self.device)
-        self.state.length[slots] = torch.tensor(lengths, device=self.device)
-        return self.sample(rows, slots, logits)
+        lengths = torch.tensor(lengths, device=self.device)
+        flags = SamplerFlags.of([r.params for r in rows])
+        self.clock.start()
+        self.state.length[slots] = lengths
+        return self.sample(rows, slots, logits, flags)
 
     def scratch_forward(self) -> None:
         """One token of the scratch slot: an idle expert-parallel rank's part of a forward every rank joins."""
@@ -218,20 +269,24 @@ class ModelRunner:
         """One decode step: each row's last sampled token fed at its length, then a token sampled per row.
         `key_len`: the longest row's length + 1 (bounds an eager step's attention)."""
         self.cache.sync_tables()
+        flags = SamplerFlags.of([r.params for r in rows])
         slots = [r.slot for r in rows]
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
             padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
-            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
-                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+            fresh = torch.tensor(padded).pin_memory() if self.graph_slots.get(bucket) != padded else None
+            self.clock.start()
+            if fresh is not None:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(fresh, non_blocking=True)
                 self.graph_slots[bucket] = padded
             graph.replay()
             slot, logits = slot_in[:len(slots)], logits[:len(slots)]
         else:
             slot = torch.tensor(slots, device=self.device)
+            self.clock.start()
             logits = self._decode_forward(slot, key_len)
-        return self.sample(rows, slot, logits, bucket)
+        return self.sample(rows, slot, logits, flags, bucket)
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -244,12 +299,14 @@ class ModelRunner:
         return logits
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, bucket: int | None = None
-               ) -> list[SampledToken]:
-        flags = SamplerFlags.of([r.params for r in rows])
+    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags,
+               bucket: int | None = None) -> list[SampledToken]:
+        """Sample `rows` (at `slot`) from `logits` (a decode step's: with `bucket`'s sampler graph where it has
+        one); ends the device clock's window."""
         packed = self._sampler_graph(bucket, flags)
         if packed is None:
             packed = self._sample_packed(slot, logits, flags)
+        self.clock.stop()  # before the copy that waits for the device: the host's part of the step follows
         host = packed[:len(rows)].cpu().tolist()
         top_n = flags.top_n
         out = []

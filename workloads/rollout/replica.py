@@ -55,7 +55,7 @@ class StepPlan:
 class RankReport:
     """What one rank did in a step: the tokens its rows sampled (request_id, row, token, logprob, top), the rows
     that finished, and its decoder's state after the step (rows running and waiting, KV-cache blocks, preemptions
-    in this step)."""
+    in this step, the device's seconds on its forwards and sampling: Decoder.take_device_seconds)."""
 
     sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]
     finished: list[RowOutput]
@@ -64,6 +64,7 @@ class RankReport:
     blocks_used: int = 0
     blocks_total: int = 0
     preemptions: int = 0
+    device_seconds: float = 0.0
 
 
 class SwapRefused(RuntimeError):
@@ -192,6 +193,7 @@ class Replica:
         report.running, report.waiting = self.decoder.running, self.decoder.waiting
         report.blocks_used, report.blocks_total = stats["blocks_used"], stats["blocks_total"]
         report.preemptions = self.decoder.take_preemptions()
+        report.device_seconds = self.decoder.take_device_seconds()
         if self.size == 1:
             return [report]
         parts = [None] * self.size if self.rank == 0 else None
