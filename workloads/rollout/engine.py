@@ -379,9 +379,9 @@ class RolloutEngine:
             return
         now = time.monotonic()
         bursts: dict[_Call, list[TokenEvent]] = {}
-        first, fresh, again = [], set(), 0
-        for request_id, row, token, logprob, top in sampled:
-            call, index = self._live[(request_id, row)]
+        first, fresh, again, live = [], set(), 0, self._live
+        for request_id, row, token, logprob, top in sampled:  # every running row, every step: lookups kept local
+            call, index = live[(request_id, row)]
             count = call.sampled[index]
             if not count:
                 first.append(now - call.submitted)

@@ -32,13 +32,14 @@ SAMPLER_GRAPH_ROWS = 16
 
 
 @dataclass
-class SampledToken:
-    """What the runner reports of one row of a step: the token it sampled, its logprob and, when the row asked
-    for them, the alternatives the filters kept."""
+class SampledRows:
+    """What the runner reports of a step's rows, in their order: the token each sampled, its logprob and, when
+    some row asked for them, each row's alternatives the filters kept (None for a row that did not ask). Lists,
+    not a record per row: every running row passes here every step."""
 
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] | None
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]] | None] | None
 
 
 @dataclass
@@ -250,7 +251,7 @@ class ModelRunner:
                 score.top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         return scores
 
-    def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> list[SampledToken]:
+    def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> SampledRows:
         """Sample the first token of rows whose prefill ended (`logits` [rows, V], `lengths` their positions)."""
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         lengths = torch.tensor(lengths, device=self.device)
@@ -265,7 +266,7 @@ class ModelRunner:
         self.forward(zero + self.slots, zero, zero, zero, 1)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def decode(self, rows: list[Sequence], key_len: int) -> list[SampledToken]:
+    def decode(self, rows: list[Sequence], key_len: int) -> SampledRows:
         """One decode step: each row's last sampled token fed at its length, then a token sampled per row.
         `key_len`: the longest row's length + 1 (bounds an eager step's attention)."""
         self.cache.sync_tables()
@@ -300,25 +301,28 @@ class ModelRunner:
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags,
-               bucket: int | None = None) -> list[SampledToken]:
+               bucket: int | None = None) -> SampledRows:
         """Sample `rows` (at `slot`) from `logits` (a decode step's: with `bucket`'s sampler graph where it has
         one); ends the device clock's window."""
         packed = self._sampler_graph(bucket, flags)
         if packed is None:
             packed = self._sample_packed(slot, logits, flags)
         self.clock.stop()  # before the copy that waits for the device: the host's part of the step follows
-        host = packed[:len(rows)].cpu().tolist()
+        host = packed[:len(rows)].cpu()
+        tokens, logprobs = host[:, 0].long().tolist(), host[:, 1].tolist()  # (a token id is exact in float64)
         top_n = flags.top_n
-        out = []
-        for r, values in zip(rows, host):
+        if not top_n:
+            return SampledRows(tokens, logprobs, None)
+        tops = []
+        for r, values in zip(rows, host.tolist()):
             top = None
             if r.params.top_logprobs:
                 n = r.params.top_logprobs
                 # alternatives the filters cut (logprob -inf under the processed distribution) are left out
                 top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])
                        if lp != float("-inf")]
-            out.append(SampledToken(int(values[0]), values[1], top))
-        return out
+            tops.append(top)
+        return SampledRows(tokens, logprobs, tops)
 
     def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
         """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:

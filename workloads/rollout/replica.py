@@ -182,10 +182,10 @@ class Replica:
             if seq is not None and self.decoder.cancel(seq):
                 report.finished.append(seq.output(self.version, self.lineage))
         events = self.decoder.step(agree=self._any if self.size > 1 else None)
-        for seq, *_ in events.sampled:  # the weights of this step sampled them (a swap comes between steps)
-            seq.weights_of(self.lineage or 0, self.version)
-        report.sampled = [(s.request.request_id, s.request.row, token, logprob, top)
-                          for s, token, logprob, top in events.sampled]
+        lineage, version, sampled = self.lineage or 0, self.version, report.sampled
+        for seq, token, logprob, top in events.sampled:
+            seq.weights_of(lineage, version)  # the weights of this step sampled it (a swap comes between steps)
+            sampled.append((seq.request.request_id, seq.request.row, token, logprob, top))
         for seq in events.finished:
             self._rows.pop((seq.request.request_id, seq.request.row), None)
             report.finished.append(seq.output(self.version, self.lineage))  # routing comes to the host here
