@@ -43,6 +43,17 @@ class SampledRows:
 
 
 @dataclass
+class LaunchedDecode:
+    """A decode step queued on the device: its rows, and its packed output (ModelRunner._sample_packed) being
+    copied to the host, there once `ready` has passed (None: already there, as on a CPU)."""
+
+    rows: list[Sequence]
+    flags: SamplerFlags
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+@dataclass
 class PromptScores:
     """Logprobs of the prompt tokens a prefill chunk's positions predict (and their top alternatives)."""
 
@@ -269,6 +280,25 @@ class ModelRunner:
     def decode(self, rows: list[Sequence], key_len: int) -> SampledRows:
         """One decode step: each row's last sampled token fed at its length, then a token sampled per row.
         `key_len`: the longest row's length + 1 (bounds an eager step's attention)."""
+        return self.collect(self.launch_decode(rows, key_len))
+
+    def collect(self, launched: LaunchedDecode) -> SampledRows:
+        """A launched step's tokens, once the device has produced them."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return self._unpack(launched.rows, launched.flags, launched.host)
+
+    def rewind(self, rows: list[Sequence], lengths: list[int]) -> None:
+        """Undo a launched decode step of `rows` on the device (Scheduler.rewind on the host): each feeds its last
+        sampled token again at `lengths`, drawing the same counter as before."""
+        if not rows:
+            return
+        slot = torch.tensor([r.slot for r in rows], device=self.device)
+        values = torch.tensor([[n, r.tokens[-1], len(r.tokens)] for r, n in zip(rows, lengths)], device=self.device)
+        self.state.length[slot], self.state.last_token[slot], self.state.step[slot] = values.t()
+
+    def launch_decode(self, rows: list[Sequence], key_len: int) -> LaunchedDecode:
+        """Queue a decode step (decode) and the copy of its tokens to the host, without waiting for either."""
         self.cache.sync_tables()
         flags = SamplerFlags.of([r.params for r in rows])
         slots = [r.slot for r in rows]
@@ -287,7 +317,20 @@ class ModelRunner:
             slot = torch.tensor(slots, device=self.device)
             self.clock.start()
             logits = self._decode_forward(slot, key_len)
-        return self.sample(rows, slot, logits, flags, bucket)
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        self.clock.stop()
+        packed = packed[:len(rows)]
+        if not packed.is_cuda:
+            return LaunchedDecode(rows, flags, packed, None)
+        # into pinned memory, so the copy is queued behind the step and the next step can be queued behind it (the
+        # sampler's graph rewrites its output buffer)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedDecode(rows, flags, host, ready)
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -300,15 +343,16 @@ class ModelRunner:
         return logits
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags,
-               bucket: int | None = None) -> SampledRows:
-        """Sample `rows` (at `slot`) from `logits` (a decode step's: with `bucket`'s sampler graph where it has
-        one); ends the device clock's window."""
-        packed = self._sampler_graph(bucket, flags)
-        if packed is None:
-            packed = self._sample_packed(slot, logits, flags)
+    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags
+               ) -> SampledRows:
+        """Sample `rows` (at `slot`) from `logits`; ends the device clock's window."""
+        packed = self._sample_packed(slot, logits, flags)
         self.clock.stop()  # before the copy that waits for the device: the host's part of the step follows
-        host = packed[:len(rows)].cpu()
+        return self._unpack(rows, flags, packed.cpu())
+
+    @staticmethod
+    def _unpack(rows: list[Sequence], flags: SamplerFlags, host: torch.Tensor) -> SampledRows:
+        """The packed output of `rows` ([rows, 2 + 2 top_n] on the host) as lists."""
         tokens, logprobs = host[:, 0].long().tolist(), host[:, 1].tolist()  # (a token id is exact in float64)
         top_n = flags.top_n
         if not top_n:

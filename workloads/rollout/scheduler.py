@@ -141,6 +141,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[SharedPrefill] = []
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
+        # rows of a decode step launched before the previous step's tokens were booked (plan_ahead): their
+        # positions are counted in `length`, their tokens not yet in `tokens`
+        self.in_flight: list[Sequence] = []
         self.length = [0] * (cache.scratch + 1)  # positions filled per slot (host copy of what the cache holds)
         self.preemptions = 0
         self._admissions = 0
@@ -151,11 +154,11 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(g.rows) for g in self.prefilling) + len(self.decoding)
+        return sum(len(g.rows) for g in self.prefilling) + len(self.decoding) + len(self.in_flight)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.waiting or self.prefilling or self.decoding or self.in_flight)
 
     def add(self, request: RowRequest) -> Sequence:
         """Queue a row; it is admitted when a slot and its prompt's blocks are free. Raises ValueError if it can
@@ -188,6 +191,8 @@ class Scheduler:
         elif seq in self.decoding:
             self.decoding.remove(seq)
             self.release(seq)
+        elif seq in self.in_flight:  # its launched step's token is dropped when that step is booked
+            self.release(seq)
         else:
             for group in self.prefilling:
                 if all(r.finish_reason is not None for r in group.rows):
@@ -207,7 +212,7 @@ class Scheduler:
         if not (self.waiting and self.free):
             return admitted
         cache = self.cache
-        spare = sum(map(self._needs_block, self.decoding))
+        spare = sum(map(self._needs_block, self.decoding)) + sum(map(self._needs_block, self.in_flight))
         while self.waiting and self.free:
             context = self.waiting[0].context
             full, partial = divmod(len(context), cache.block_size)
@@ -302,6 +307,34 @@ class Scheduler:
             cache.grow(r.slot, length[r.slot] + 1)
         return DecodePlan(rows, max((length[r.slot] for r in rows), default=0) + 1)
 
+    def plan_ahead(self, running: list[Sequence]) -> DecodePlan | None:
+        """The next decode step, planned while `running` (a launched step's rows) are still on the device: the rows
+        of it that continue whatever they sample (below their max_tokens and max_len after it; a stop token is
+        seen only when that step is booked: such a row's next token is then dropped), with the rows that finished
+        their prefill, each granted the block its next position needs. None when blocks are short (the next
+        step is planned once this one is booked, and may preempt)."""
+        length, max_len, page, owned = self.length, self.max_len, self.cache.block_size, self.cache.owned
+        self.in_flight = []  # `running` is booked next: only the step planned here will be in flight
+        rows = [r for r in running if r.finish_reason is None and len(r.tokens) + 1 < r.request.params.max_tokens
+                and length[r.slot] < max_len] + self.decoding
+        needing = [r for r in rows if length[r.slot] >= len(owned[r.slot]) * page]
+        if not rows or len(needing) > len(self.cache.free):
+            return None
+        for r in needing:
+            self.cache.grow(r.slot, length[r.slot] + 1)
+        rows.sort(key=_admission)
+        self.decoding, self.in_flight = [], list(rows)  # (a cancel takes a row out of it, not out of the plan)
+        return DecodePlan(rows, max(length[r.slot] for r in rows) + 1)
+
+    def rewind(self) -> list[Sequence]:
+        """Undo the launched step of the rows in flight (its tokens are dropped: new weights were installed under
+        it): they feed their last token again at the next step. Returns them."""
+        rows, self.in_flight = [r for r in self.in_flight if r.finish_reason is None], []
+        for r in rows:
+            self.length[r.slot] -= 1
+        self.decoding += rows
+        return rows
+
     def decoded(self, plan: DecodePlan) -> None:
         """The runner fed the plan's rows one position each."""
         length = self.length
@@ -324,11 +357,15 @@ class Scheduler:
     # ---- what the runner sampled -----------------------------------------------------------------------------
     def sampled(self, rows: list[Sequence], sampled: SampledRows, events: StepEvents) -> None:
         """Book each row's new token; a row that sampled a stop token or reached its length finishes and returns
-        its slot and blocks, the others decode at the next step. (Every running row passes here every step: the
-        loop keeps its lookups local.)"""
+        its slot and blocks, the others decode at the next step (or are already in it: in flight). A row that
+        finished while its step ran (cancelled, or a stop token booked after the step was launched) drops it.
+        (Every running row passes here every step: the loop keeps its lookups local.)"""
         tops = sampled.top or [None] * len(rows)
         length, max_len, decoding, events_sampled = self.length, self.max_len, self.decoding, events.sampled
+        ahead = {id(r) for r in self.in_flight}
         for r, token, logprob, top in zip(rows, sampled.tokens, sampled.logprobs, tops):
+            if r.finish_reason is not None:
+                continue
             if top is not None:
                 r.top_logprobs.append(top)
             r.tokens.append(token)
@@ -339,7 +376,8 @@ class Scheduler:
             elif len(r.tokens) >= r.request.params.max_tokens or length[r.slot] >= max_len:
                 r.finish_reason = "length"
             if r.finish_reason is None:
-                decoding.append(r)
+                if id(r) not in ahead:
+                    decoding.append(r)
             else:
                 events.finished.append(r)
                 self.release(r)
@@ -349,8 +387,12 @@ class Scheduler:
         prompt + completion[:-1], if it asked for them."""
         if seq.slot is None:
             return
+        fed = self.length[seq.slot]
+        if seq in self.in_flight:  # finished while a launched step fed its last token: that position is not its own
+            self.in_flight.remove(seq)
+            fed -= 1
         if keep_routing and seq.params.return_routing:
-            seq.routing = self.cache.routing_of(seq.slot, self.length[seq.slot])
+            seq.routing = self.cache.routing_of(seq.slot, fed)
         self.cache.release(seq.slot)
         self.free.append(seq.slot)
         seq.slot = None
