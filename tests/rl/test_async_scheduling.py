@@ -17,6 +17,11 @@ from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
 from moe_rl_eks.workloads.rollout.weight_staging import install
 
 
+# On a GPU the queued step really runs while the host books the last one (the H200 runs these through
+# tools/gpu_runs/h200-engine-idle.sh).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
 @pytest.fixture
 def model(tmp_path):
     run = tiny_run(tmp_path)
@@ -46,7 +51,9 @@ def decode(model, rows, look_ahead, *, slots=8, join_at=None, joining=(), cancel
     return seqs
 
 
-def test_rows_that_share_every_step_sample_bitwise_what_one_step_at_a_time_samples(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_share_every_step_sample_bitwise_what_one_step_at_a_time_samples(model, device):
+    model = model.to(device)
     # uneven lengths (rows leave at different steps), filters, alternatives, routing: all start together
     rows = [request([1, 5 + i, 13, 7, 16][:3 + i % 3], 3 + 2 * i, 40 + i, i, return_routing=True,
                     top_logprobs=2 * (i % 2), top_p=0.9 if i % 3 == 0 else 1.0) for i in range(6)]
@@ -83,11 +90,13 @@ def test_a_row_cancelled_while_its_next_step_is_queued_keeps_what_it_had_and_ret
     assert ahead[1].tokens == steady[1].tokens and len(ahead[1].tokens) == 20
 
 
-def test_new_weights_installed_under_a_queued_step_undo_it_and_sample_every_later_token(model, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_new_weights_installed_under_a_queued_step_undo_it_and_sample_every_later_token(model, tmp_path, device):
+    model = model.to(device)
     (tmp_path / "other").mkdir()
     other = tiny_run(tmp_path / "other")
     torch.manual_seed(5)
-    new = MoETransformer(other.model).state_dict()
+    new = {k: v.to(device) for k, v in MoETransformer(other.model).state_dict().items()}
     old = {k: v.clone() for k, v in model.state_dict().items()}
     outputs = []
     for look_ahead in (True, False):

@@ -82,7 +82,8 @@ def run_data(args: argparse.Namespace, layers: int, root: Path) -> dict:
         "moe_compute": "torch" if args.tiny else "triton",
         "parallelism": {"ep_backend": "local", "ranks_per_node": 1},
         "rollout": {"min_servers": 1, "max_servers": 1, "max_batch_size": args.batch_size,
-                    "max_new_tokens": args.max_tokens, "min_row_tokens_per_s": 5, "hung_after_s": 900},
+                    "max_new_tokens": args.max_tokens, "min_row_tokens_per_s": 5, "hung_after_s": 900,
+                    "async_scheduling": args.async_scheduling},
         "rl": {"algorithm": {"name": "grpo", "group_size": args.n, "kl_coef": 0.0},
                "task": {"name": "random_tokens", "prompt_tokens": args.prompt_tokens,
                         "mean_completion_tokens": args.mean_tokens},
@@ -372,7 +373,8 @@ def standalone_child(args: argparse.Namespace, layers: int, out: Path) -> None:
     lengths = [p.max_tokens for p in (source.next() for _ in range(groups)) for _ in range(args.n)]
     model = bench_rollout.build_model(model_cfg, device, "torch" if args.tiny else "triton")
     gen = bench_rollout.run_engine(model, len(lengths), args.prompt_tokens, args.max_tokens, graphs=not args.tiny,
-                                   max_seconds=3600, lengths=lengths, slots=min(args.batch_size, len(lengths)))
+                                   max_seconds=3600, lengths=lengths, slots=min(args.batch_size, len(lengths)),
+                                   look_ahead=args.async_scheduling)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -481,6 +483,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "reports the steps it finished")
     parser.add_argument("--standalone-share", type=float, default=0.45,
                         help="of --timeout, the most the standalone parts may take")
+    parser.add_argument("--async-scheduling", action="store_true", help="rollout.async_scheduling: the rollout "
+                        "engine queues each decode step before booking the previous one's tokens (also alone)")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (the test of this script)")
     parser.add_argument("--out", default="runs/bench-rl-gpu")
     parser.add_argument("--standalone-child", help=argparse.SUPPRESS)
@@ -490,7 +494,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.mode == "async" and args.staleness < 1:
         parser.error(f"--staleness {args.staleness}: async needs >= 1 (0 is --mode sync)")
     # what the standalone child needs to build the same shapes (all but the mode's own flags)
-    args.child_argv = [*(["--tiny"] if args.tiny else []), "--samples", str(args.samples), "--n", str(args.n),
+    args.child_argv = [*(["--tiny"] if args.tiny else []), *(["--async-scheduling"] if args.async_scheduling else []),
+                       "--samples", str(args.samples), "--n", str(args.n),
                        "--prompt-tokens", str(args.prompt_tokens), "--mean-tokens", str(args.mean_tokens),
                        "--max-tokens", str(args.max_tokens), "--batch-size", str(args.batch_size),
                        "--microbatch-tokens", str(args.microbatch_tokens)]

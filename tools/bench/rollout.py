@@ -105,22 +105,23 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[tuple[int, .
 
 def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens: int, *, graphs: bool,
                max_seconds: float, lengths: list[int] | None = None, slots: int | None = None,
-               kernels: str | None = None) -> dict:
+               kernels: str | None = None, look_ahead: bool = False) -> dict:
     """One batch of distinct prompts through a Decoder sized for it; stops early (and says so) past max_seconds
     of decoding. `lengths`: each row's own new tokens (at most new_tokens; default new_tokens each), `slots`: rows
-    decoding at once (default all; the rest wait for a finished row's slot, as in a server)."""
+    decoding at once (default all; the rest wait for a finished row's slot, as in a server), `look_ahead`: the
+    decoder's (rollout.async_scheduling)."""
     device = next(model.parameters()).device
     lengths = [new_tokens] * batch if lengths is None else lengths
     slots = batch if slots is None else slots
     build = time.perf_counter()
     decoder = Decoder(model, slots=slots, max_len=prompt_tokens + new_tokens, eos_ids=(), prefill_tokens=8192,
-                      cuda_graphs=graphs, buckets=[slots], kernels=kernels)
+                      cuda_graphs=graphs, buckets=[slots], kernels=kernels, look_ahead=look_ahead)
     sync(device)
     capture_s = time.perf_counter() - build
     rows = [RowRequest(p, SamplingParams(n, seed=i), "bench", i) for i, (p, n) in
             enumerate(zip(prompts(batch, prompt_tokens, model.config.vocab_size, batch + prompt_tokens), lengths))]
     seqs = [decoder.add(r) for r in rows]
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     decode_start, steps, all_steps = None, 0, 0
     while decoder.busy:
         decoder.step()
@@ -151,7 +152,8 @@ def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens
            "device_step_ms": device_ms, "host_step_ms": 1000 * decode_s / max(steps, 1) - device_ms,
            "complete": generated == sum(lengths), "cuda_graphs": bool(decoder.runner.graphs),
            "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
-           "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"]}
+           "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"], "look_ahead": look_ahead,
+           "window": [started_at, time.time()]}  # Unix times of the generation (for GPU samples taken meanwhile)
     del decoder
     return out
 
