@@ -38,8 +38,9 @@ def measure(rows: int, slots: int, n: int, prompt_tokens: int, new_tokens: int, 
 
     from . import rl_gpu
 
+    # bench-rl --gpu --tiny's run at this size (its task's mean length is not used: the rows here are fixed)
     args = rl_gpu.parse_args(["--tiny", "--samples", str(rows), "--n", str(n), "--prompt-tokens", str(prompt_tokens),
-                              "--max-tokens", str(new_tokens), "--mean-tokens", str(max(1, new_tokens // 2)),  # (the task is not used)
+                              "--max-tokens", str(new_tokens), "--mean-tokens", str(max(1, new_tokens // 2)),
                               "--batch-size", str(slots)])
     run = parse(RunConfig, rl_gpu.run_data(args, rl_gpu.TINY_LAYERS, work), source="bench-engine-host")
     store = DirectoryStore(work / "weights")
