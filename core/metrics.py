@@ -53,6 +53,10 @@ ROLLOUT_ROWS_AT_SWAP = Metric("moerl_rollout_rows_at_swap_total", "counter", "Ro
 # Per token: a trained sample's token sampled with version v at step s counts s - v (0 = on-policy).
 SAMPLE_TOKEN_STALENESS = Metric("moerl_sample_token_staleness", "histogram", "Weight-version lag of each trained token (trainer step minus the version that sampled it)", buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 ROLLOUT_BUSY_SECONDS = Metric("moerl_rollout_busy_seconds_total", "counter", "Seconds this rollout server spent generating")
+# Of the busy seconds, the device's span of each step's forwards and sampling (CUDA events; on a CPU their wall
+# time); busy minus device is the engine's host time between them (scheduling, bookkeeping), when the GPU waits.
+ROLLOUT_DEVICE_SECONDS = Metric("moerl_rollout_device_seconds_total", "counter", "Seconds of the rollout engine's steps the device spent on their forwards and sampling (the rest of the busy seconds is host work the GPU waits for)")
+ROLLOUT_STEPS = Metric("moerl_rollout_engine_steps_total", "counter", "Engine steps (a prefill chunk and/or one decode forward of every running row) this rollout server ran")
 ROLLOUT_RETRIES = Metric("moerl_rollout_retries_total", "counter", "Completion requests re-sent to another server (failure, deadline or straggler)")
 ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter", "Completion attempts given up at their deadline (from max_tokens and the server's per-row rate), apart from server faults")
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
@@ -79,6 +83,6 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        TRAINER_TOKENS_PER_SECOND, TRAINER_LAST_STEP_TIMESTAMP, SAMPLE_STALENESS, SAMPLES_DROPPED_STALE,
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
-       ROLLOUT_BUSY_SECONDS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
+       ROLLOUT_BUSY_SECONDS, ROLLOUT_DEVICE_SECONDS, ROLLOUT_STEPS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
        ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN,
        CRITIC_EXPLAINED_VARIANCE, ROUTING_BYTES_WRITTEN, ROUTING_BYTES_READ, ROUTING_BYTES_DELETED, ROUTING_BYTES_STORED)

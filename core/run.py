@@ -142,8 +142,17 @@ class RolloutConfig:
     # `drain`: once no row runs, every row of one version (strictly on-policy). Default: inflight, or drain when
     # rl.orchestrator.max_staleness is 0 (RunConfig.weight_swap).
     weight_swap: Literal["inflight", "drain"] | None = None
+    # Queue each decode step on the GPU before the host books the previous one's tokens (vLLM's
+    # --async-scheduling), so the host's per-step work runs while the GPU computes instead of between its steps.
+    # Tokens are the same; a row that finished its prefill decodes one step later, a row that samples a stop token
+    # costs one dropped step, and logprobs may differ in the last bits where rows join a step at another time.
+    # A server of one GPU only (the ranks of a sharded one agree on every forward). Default: off.
+    async_scheduling: bool = False
 
     def validate(self) -> None:
+        if self.async_scheduling and self.gpus_per_server > 1:
+            fail("async_scheduling", self.async_scheduling, f"must be false with gpus_per_server "
+                 f"{self.gpus_per_server}: a sharded server's ranks agree on every forward, one step at a time")
         if not 1 <= self.min_servers <= self.max_servers:
             fail("min_servers", self.min_servers, f"must be between 1 and max_servers ({self.max_servers})")
         if not self.hung_after_s > 0:

@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                          "rollout decoding with a group's prompt prefilled once vs per row"),
     "bench-rollout": ("moe_rl_eks.tools.bench.rollout", "main",
                       "rollout engine on one GPU vs transformers and the weight-read roofline (needs CUDA)"),
+    "bench-engine-host": ("moe_rl_eks.tools.bench.engine_host", "main",
+                          "the rollout engine's host time per step apart from its device work, at N rows"),
     "bench-server": ("moe_rl_eks.tools.bench.server", "main",
                      "the rollout server's HTTP cost over its engine (tokens/s and latency per concurrency)"),
     "bench-routing": ("moe_rl_eks.tools.bench.routing", "main",

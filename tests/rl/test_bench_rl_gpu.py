@@ -7,7 +7,8 @@ from datetime import datetime
 import pytest
 
 from moe_rl_eks.core.rl_config import TaskConfig
-from moe_rl_eks.tools.bench.rl_gpu import fitting_layers, main, parse_args, summarize, targets
+from moe_rl_eks.tools.bench.rl_gpu import (fitting_layers, generating_spans, main, parse_args, phase_split, summarize,
+                                           targets, training_spans)
 from moe_rl_eks.workloads.rl.data import RandomTokenSource
 
 TINY = ["--tiny", "--steps", "2", "--samples", "8", "--n", "4", "--prompt-tokens", "8", "--mean-tokens", "6",
@@ -33,6 +34,13 @@ def test_the_tiny_benchmark_runs_the_real_loop_with_drawn_lengths_and_its_parts_
     # the rollout's counters are read as each step's record appears: at this size the next batch's generation
     # can start before the record is written, so a step's window need not hold its own generation; all of them do
     assert sum(s["generation_s"] for s in steps) > 0
+    # of the generating time, the device's forwards and the engine's host work between them, over its steps
+    assert sum(s["engine_steps"] for s in steps) > 0 and sum(s["rollout_device_s"] for s in steps) > 0
+    for s in steps:
+        assert s["rollout_device_s"] + s["rollout_host_s"] == pytest.approx(s["generation_s"])
+    # every NVML sample of the window in one phase (none on a machine without nvidia-smi)
+    phases = result["nvml_phases"].values()
+    assert sum(p["samples"] for p in phases) == result["nvml_samples"] == len(result["nvml_trace"])
     assert sum(s["generated_tokens"] for s in steps) >= sum(s["trained_tokens"] - 64 for s in steps)
     alone, summary = result["standalone"], result["summary"]
     # alone: the first measured step's (the second's) requests at their drawn lengths
@@ -54,7 +62,8 @@ def test_a_gpu_too_small_for_the_layers_takes_the_largest_count_that_fits_and_sa
 def step(n, step_s, train_s, tokens=1000.0, generated=900.0, generation_s=5.0):
     return {"step": n, "step_s": step_s, "idle_s": step_s - train_s - 1, "score_s": 0.0, "train_s": train_s,
             "publish_s": 0.5, "other_s": 0.5, "generation_s": generation_s, "load_s": 2.0, "trained_tokens": tokens,
-            "generated_tokens": generated, "samples": 10, "staleness": 0.0}
+            "generated_tokens": generated, "samples": 10, "staleness": 0.0, "rollout_device_s": 0.8 * generation_s,
+            "rollout_host_s": 0.2 * generation_s, "engine_steps": 500}
 
 
 def test_targets_compare_a_sync_step_with_its_parts_alone_and_async_with_sync():
@@ -66,6 +75,8 @@ def test_targets_compare_a_sync_step_with_its_parts_alone_and_async_with_sync():
     assert s["loop_tokens_per_s_48_layer_equivalent"] == pytest.approx(2000 / 42 * 8 / 48)
     assert s["trainer_tokens_per_s"] == 250.0 and s["rollout_tokens_per_s"] == 180.0
     assert s["sync_over_standalone"] == pytest.approx(20 / 14.5)  # the first measured step's, like for like
+    # the engine's host work: 1 s of each measured step's 5 s of generation, over its 500 engine steps
+    assert s["rollout_host_share"] == pytest.approx(0.2) and s["rollout_host_ms_per_engine_step"] == pytest.approx(2.0)
     assert targets("sync", s, None) == [("sync step <= 1.15 x its parts alone", pytest.approx(20 / 14.5), False),
                                         ("GPU busy >= 90% of 100 ms samples", 0.95, True)]
     fast = summarize([step(1, 60.0, 5.0), step(2, 15.0, 4.0)], 8, None, None)
@@ -94,3 +105,24 @@ def test_gpu_busy_is_the_share_of_stamped_samples_at_90_percent_or_more_within_t
     at = datetime(2026, 12, 2).timestamp()
     assert sampler.busy(at + 0.1, at + 0.7) == (5 / 7, 7)  # 95, 90, 100, 99, 91 of 95 90 89 100 99 30 91
     assert sampler.busy(at + 5, at + 6) == (None, 0)
+
+
+def test_nvml_samples_split_by_what_ran_each_with_its_busy_share_and_mean_utilisation():
+    # the rollout's busy counter read every 0.5 s: generating in [0, 1] (0.5 s of 0.5 s, then 0.3 of 0.5), idle in
+    # [1, 1.5] (0.1 of 0.5), generating again in [1.5, 2]
+    generating = generating_spans([(0.0, 0.0), (0.5, 0.5), (1.0, 0.8), (1.5, 0.9), (2.0, 1.4)])
+    assert generating == [(0.0, 0.5), (0.5, 1.0), (1.5, 2.0)]
+    # a trainer row written at 3.0 after 2.2 s: 2.0 s of compute, then 0.2 s of publication
+    training = training_spans([{"time": 3.0, "step_seconds": 2.2, "step_compute_seconds": 2.0}])
+    assert training == [(pytest.approx(0.8), pytest.approx(2.8))]
+    samples = [(0.2, 95), (0.6, 80), (0.9, 100), (1.2, 92), (1.6, 60), (2.5, 100), (2.9, 0), (3.5, 10)]
+    split = phase_split(samples, generating, training)
+    assert split["generation"] == {"samples": 2, "busy": 0.5, "mean_utilisation": pytest.approx(0.875),
+                                   "share": 0.25}  # 95, 80
+    assert split["both"] == {"samples": 2, "busy": 0.5, "mean_utilisation": pytest.approx(0.8),
+                             "share": 0.25}  # 100 at 0.9, 60 at 1.6
+    assert split["training"] == {"samples": 2, "busy": 1.0, "mean_utilisation": pytest.approx(0.96),
+                                 "share": 0.25}  # 92 at 1.2, 100 at 2.5
+    assert split["neither"] == {"samples": 2, "busy": 0.0, "mean_utilisation": pytest.approx(0.05), "share": 0.25}
+    assert phase_split([], generating, training)["neither"] == {"samples": 0, "busy": None, "mean_utilisation": None,
+                                                                "share": None}

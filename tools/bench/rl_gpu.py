@@ -8,9 +8,13 @@ samples per step; one command per mode: `--mode sync` (max_staleness 0) or `--mo
 Per step: the trainer's wait for its batch (idle: generation and the rollout's weight load, in sync mode),
 logprob scoring (before the first update; none for GRPO's single update), training, publication (the snapshot on
 the trainer's critical path), the rest (batch transfer, bookkeeping); beside them the rollout server's generating
-seconds and its load of the newest version. The trainer's fields come from its metrics.jsonl, the rollout's from its
+seconds (of them the device's forwards and sampling, and the engine's host work between them, over its engine
+steps) and its load of the newest version. The trainer's fields come from its metrics.jsonl, the rollout's from its
 /metrics counters read as each step's record appears (every 0.1 s). GPU busy: the share of 100 ms NVML samples
-(nvidia-smi) at >= 90 % utilisation over the steps after the first (the first includes compilation and start-up).
+(nvidia-smi) at >= 90 % utilisation over the steps after the first (the first includes compilation and start-up),
+beside their mean utilisation; both also by phase, from what ran when each sample was taken (the rollout
+generating: its busy counter read every 0.5 s; the trainer computing: its rows' times), and the samples
+themselves in the results (`nvml_trace`).
 
 `--standalone` (the default for `--mode sync`) first measures, in a child process holding the GPU alone, what the
 parts do alone: the first measured step's requests (its prompts' drawn lengths) through the engine's decoder with
@@ -53,6 +57,10 @@ ASYNC_SPEEDUP_TARGET = 1.1  # async samples/s over sync's
 BUSY_TARGET = 0.9  # share of NVML samples at >= BUSY_UTILISATION
 BUSY_UTILISATION = 90
 POLL_S = 0.1
+# How often the rollout's busy counter is read to place generation in time (the NVML samples' phases): coarse
+# enough that the scrapes cost the server's engine thread nothing measurable, fine beside steps of a minute.
+PHASE_POLL_S = 0.5
+PHASES = ("generation", "training", "both", "neither")
 TINY_LAYERS = 2  # --tiny: bench-rollout's small model's depth
 
 
@@ -74,7 +82,8 @@ def run_data(args: argparse.Namespace, layers: int, root: Path) -> dict:
         "moe_compute": "torch" if args.tiny else "triton",
         "parallelism": {"ep_backend": "local", "ranks_per_node": 1},
         "rollout": {"min_servers": 1, "max_servers": 1, "max_batch_size": args.batch_size,
-                    "max_new_tokens": args.max_tokens, "min_row_tokens_per_s": 5, "hung_after_s": 900},
+                    "max_new_tokens": args.max_tokens, "min_row_tokens_per_s": 5, "hung_after_s": 900,
+                    "async_scheduling": args.async_scheduling},
         "rl": {"algorithm": {"name": "grpo", "group_size": args.n, "kl_coef": 0.0},
                "task": {"name": "random_tokens", "prompt_tokens": args.prompt_tokens,
                         "mean_completion_tokens": args.mean_tokens},
@@ -135,9 +144,13 @@ class GpuSampler:
                 when = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as printed
                 self.samples.append((when, int(utilisation)))
 
+    def window(self, start: float, end: float) -> list[tuple[float, int]]:
+        """The samples stamped within [start, end]."""
+        return [(t, u) for t, u in self.samples if start <= t <= end]
+
     def busy(self, start: float, end: float) -> tuple[float | None, int]:
         """The share of samples in [start, end] at >= BUSY_UTILISATION, and how many samples there were."""
-        window = [u for t, u in self.samples if start <= t <= end]
+        window = [u for _, u in self.window(start, end)]
         return (sum(u >= BUSY_UTILISATION for u in window) / len(window) if window else None), len(window)
 
     def stop(self) -> None:
@@ -146,14 +159,52 @@ class GpuSampler:
             self.proc.wait(timeout=10)
 
 
+def utilisation(samples: list[tuple[float, int]]) -> dict:
+    """Samples (time, utilisation %): how many, the share at >= BUSY_UTILISATION (the issue's busy) and the mean
+    utilisation as a fraction (a phase at 80 % counts 0 busy but 0.8 mean)."""
+    values = [u for _, u in samples]
+    if not values:
+        return {"samples": 0, "busy": None, "mean_utilisation": None}
+    return {"samples": len(values), "busy": sum(u >= BUSY_UTILISATION for u in values) / len(values),
+            "mean_utilisation": sum(values) / len(values) / 100}
+
+
+def generating_spans(track: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """From readings (Unix time, the rollout's busy seconds): the intervals between readings in which the server
+    generated for at least half the interval."""
+    return [(t0, t1) for (t0, b0), (t1, b1) in zip(track, track[1:]) if t1 > t0 and (b1 - b0) / (t1 - t0) >= 0.5]
+
+
+def training_spans(rows: list[dict]) -> list[tuple[float, float]]:
+    """Each trainer step's compute (logprob scoring and training) in Unix time: a metrics row is written at
+    `time`, after `step_seconds` of compute (`step_compute_seconds`) then publication."""
+    return [(r["time"] - r["step_seconds"], r["time"] - r["step_seconds"] + r["step_compute_seconds"]) for r in rows]
+
+
+def phase_split(samples: list[tuple[float, int]], generating: list[tuple[float, float]],
+                training: list[tuple[float, float]]) -> dict:
+    """The samples by what ran when each was taken (the rollout generating, the trainer computing, both, neither),
+    each phase's share of the samples and its utilisation (`utilisation`)."""
+    def within(t: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a <= t <= b for a, b in spans)
+    by_phase: dict[str, list[tuple[float, int]]] = {phase: [] for phase in PHASES}
+    for t, u in samples:
+        gen, train = within(t, generating), within(t, training)
+        by_phase["both" if gen and train else "generation" if gen else "training" if train else "neither"].append((t, u))
+    return {phase: {**utilisation(part), "share": len(part) / len(samples) if samples else None}
+            for phase, part in by_phase.items()}
+
+
 def rollout_counters(url: str) -> dict:
-    """The rollout server's generating seconds, generated tokens and last weight-load seconds (its /metrics)."""
+    """The rollout server's generating seconds (and the device's part of them), engine steps, generated tokens and
+    last weight-load seconds (its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from moe_rl_eks.core import metrics as M
 
     wanted = {M.ROLLOUT_BUSY_SECONDS.name: "busy_seconds", M.ROLLOUT_GENERATION_TOKENS.name: "generated_tokens",
-              M.WEIGHT_LOAD_SECONDS.name: "load_seconds"}
+              M.WEIGHT_LOAD_SECONDS.name: "load_seconds", M.ROLLOUT_DEVICE_SECONDS.name: "device_seconds",
+              M.ROLLOUT_STEPS.name: "engine_steps"}
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     found = {wanted[s.name]: s.value for family in text_string_to_metric_families(text) for s in family.samples
@@ -165,7 +216,8 @@ def breakdown(rows: list[dict], counters: list[dict], prompt_tokens: int) -> lis
     """Each step's parts from the trainer's metrics rows and the rollout counters read as each row appeared
     (counters[0]: before the first step). Seconds: step (between the rows' wall times), idle (the trainer waiting
     for its batch), score, train, publish (the snapshot), other (the step's rest), generation (the rollout
-    server generating), load (its load of the newest version); tokens: trained (prompt + completion) and
+    server generating; of it the device's forwards and sampling, and the engine's host work between them, with
+    the engine steps they took), load (its load of the newest version); tokens: trained (prompt + completion) and
     generated."""
     from moe_rl_eks.core import metrics as M
 
@@ -177,10 +229,13 @@ def breakdown(rows: list[dict], counters: list[dict], prompt_tokens: int) -> lis
         part = {"step": row["step"], "step_s": row["wall_seconds"] - wall, "idle_s": idle_total - waited,
                 "score_s": score, "train_s": row["step_compute_seconds"] - score, "publish_s": publish,
                 "generation_s": after["busy_seconds"] - before["busy_seconds"], "load_s": after["load_seconds"],
+                "rollout_device_s": after["device_seconds"] - before["device_seconds"],
+                "engine_steps": after["engine_steps"] - before["engine_steps"],
                 "trained_tokens": row["tokens"] + row["samples"] * prompt_tokens, "samples": row["samples"],
                 "generated_tokens": after["generated_tokens"] - before["generated_tokens"],
                 "staleness": row["staleness_mean"]}
         part["other_s"] = part["step_s"] - part["idle_s"] - score - part["train_s"] - publish
+        part["rollout_host_s"] = part["generation_s"] - part["rollout_device_s"]
         steps.append(part)
         wall, waited = row["wall_seconds"], idle_total
     return steps
@@ -193,7 +248,8 @@ def rate(amount: float, seconds: float) -> float | None:
 
 def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: float | None) -> dict:
     """Throughputs and targets over the steps after the first (the first includes start-up and compilation;
-    all of them when there is one)."""
+    all of them when there is one); of the rollout's generating time, the engine's host share and its host ms per
+    engine step (the time the GPU waits between the device's forwards)."""
     steady = steps[1:] or steps
     seconds = sum(s["step_s"] for s in steady)
     tokens = sum(s["trained_tokens"] for s in steady)
@@ -202,6 +258,9 @@ def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: flo
            "loop_tokens_per_s_48_layer_equivalent": tokens / seconds * layers / QWEN3_LAYERS,
            "rollout_tokens_per_s": rate(sum(s["generated_tokens"] for s in steady), sum(s["generation_s"] for s in steady)),
            "trainer_tokens_per_s": rate(tokens, sum(s["train_s"] for s in steady)), "gpu_busy": busy,
+           "rollout_host_share": rate(sum(s["rollout_host_s"] for s in steady), sum(s["generation_s"] for s in steady)),
+           "rollout_host_ms_per_engine_step": rate(1000 * sum(s["rollout_host_s"] for s in steady),
+                                                   sum(s["engine_steps"] for s in steady)),
            "nemo_rl_tokens_per_s_per_gpu": NEMO_RL_TOKENS_PER_GPU}
     if standalone is not None:
         # the first measured step's parts alone: its requests' generation (the same drawn lengths), its training at
@@ -250,10 +309,35 @@ def table(result: dict) -> str:
                  + ("" if alone is None else f" vs {alone['rollout_tokens_per_s']:.0f} alone") +
                  f"; trainer {shown(s['trainer_tokens_per_s'])} tok/s in the loop"
                  + ("" if alone is None else f" vs {alone['trainer_tokens_per_s']:.0f} alone"))
+    lines += [engine_line(s, alone), gpu_line(s, result.get("nvml_phases") or {})]
     for name, value, met in result["targets"]:
         shown = "not measured" if value is None else f"{value:.2f}"
         lines.append(f"target {name}: {shown} -> {'met' if met else 'not met' if met is not None else 'unknown'}")
     return "\n".join(lines)
+
+
+def fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def engine_line(summary: dict, alone: dict | None) -> str:
+    """The rollout engine's host time between the device's forwards, in the loop and alone."""
+    ms = summary.get("rollout_host_ms_per_engine_step")
+    line = (f"rollout engine: host work {fraction(summary.get('rollout_host_share'))} of its generating time, "
+            f"{'n/a' if ms is None else f'{ms:.2f}'} ms per engine step")
+    gen = (alone or {}).get("generation") or {}
+    if "host_step_ms" in gen:
+        line += (f"; alone {gen['host_step_ms']:.2f} ms host + {gen['device_step_ms']:.2f} ms device per decode "
+                 f"step")
+    return line
+
+
+def gpu_line(summary: dict, phases: dict) -> str:
+    """GPU busy (the issue's share of samples at >= 90 %) beside the mean utilisation, overall and by phase."""
+    parts = [f"{phase} {fraction(p['share'])} of samples (busy {fraction(p['busy'])}, mean "
+             f"{fraction(p['mean_utilisation'])})" for phase, p in phases.items() if p["samples"]]
+    return (f"GPU busy {fraction(summary.get('gpu_busy'))} of samples at >= {BUSY_UTILISATION}%, mean utilisation "
+            f"{fraction(summary.get('gpu_util_mean'))}" + (f"; by phase: {'; '.join(parts)}" if parts else ""))
 
 
 def standalone(args: argparse.Namespace, layers: int, out: Path, timeout_s: float) -> dict | None:
@@ -289,7 +373,8 @@ def standalone_child(args: argparse.Namespace, layers: int, out: Path) -> None:
     lengths = [p.max_tokens for p in (source.next() for _ in range(groups)) for _ in range(args.n)]
     model = bench_rollout.build_model(model_cfg, device, "torch" if args.tiny else "triton")
     gen = bench_rollout.run_engine(model, len(lengths), args.prompt_tokens, args.max_tokens, graphs=not args.tiny,
-                                   max_seconds=3600, lengths=lengths, slots=min(args.batch_size, len(lengths)))
+                                   max_seconds=3600, lengths=lengths, slots=min(args.batch_size, len(lengths)),
+                                   look_ahead=args.async_scheduling)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -312,6 +397,8 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
     cluster = LocalCluster(str(path), run)
     sampler = GpuSampler()
     counters, times = [], []
+    track: list[tuple[float, float]] = []  # (Unix time, the rollout's busy seconds) every PHASE_POLL_S
+    next_track = 0.0
     try:
         cluster.start_server(0)
         cluster.start_orchestrator()
@@ -319,17 +406,21 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
         url = cluster.servers[0].url
         while True:
             rows = read_metrics(cluster.out)
-            if len(counters) <= len(rows):  # a new step's record (or the start): read the rollout's counters
+            new_row = len(counters) <= len(rows)  # a new step's record (or the start)
+            if new_row or time.monotonic() >= next_track:  # read the rollout's counters
                 try:
                     sample, now = rollout_counters(url), time.time()  # Unix time, as the GPU samples'
                 except OSError:  # the server not up yet
                     if rows:
                         raise
                 else:
-                    # records that appeared within one poll (a tiny model's steps) share the reading: the
-                    # rollout's work between them goes to the last
-                    counters += [sample] * (len(rows) + 1 - len(counters))
-                    times += [now] * (len(counters) - len(times))
+                    track.append((now, sample["busy_seconds"]))
+                    next_track = time.monotonic() + PHASE_POLL_S
+                    if new_row:
+                        # records that appeared within one poll (a tiny model's steps) share the reading: the
+                        # rollout's work between them goes to the last
+                        counters += [sample] * (len(rows) + 1 - len(counters))
+                        times += [now] * (len(counters) - len(times))
             if len(rows) >= args.steps:
                 break
             for role in (cluster.trainer, *cluster.servers):
@@ -354,8 +445,14 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
     rows = read_metrics(cluster.out)[:min(len(counters) - 1, args.steps)]
     if not rows:
         raise SystemExit(f"bench-rl --gpu: no step finished; see {cluster.logs}")
-    busy, samples = sampler.busy(times[1] if len(times) > 2 else times[0], min(end, times[len(rows)]))
-    return {"steps": breakdown(rows, counters, args.prompt_tokens), "gpu_busy": busy, "nvml_samples": samples}
+    start, stop = times[1] if len(times) > 2 else times[0], min(end, times[len(rows)])
+    window = sampler.window(start, stop)
+    gpu = utilisation(window)
+    return {"steps": breakdown(rows, counters, args.prompt_tokens), "gpu_busy": gpu["busy"],
+            "gpu_util_mean": gpu["mean_utilisation"], "nvml_samples": gpu["samples"],
+            # what ran when each sample was taken, and the samples themselves (seconds from the window's start)
+            "nvml_phases": phase_split(window, generating_spans(track), training_spans(rows)),
+            "nvml_trace": [[round(t - start, 2), u] for t, u in window]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -386,6 +483,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "reports the steps it finished")
     parser.add_argument("--standalone-share", type=float, default=0.45,
                         help="of --timeout, the most the standalone parts may take")
+    parser.add_argument("--async-scheduling", action="store_true", help="rollout.async_scheduling: the rollout "
+                        "engine queues each decode step before booking the previous one's tokens (also alone)")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (the test of this script)")
     parser.add_argument("--out", default="runs/bench-rl-gpu")
     parser.add_argument("--standalone-child", help=argparse.SUPPRESS)
@@ -395,7 +494,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.mode == "async" and args.staleness < 1:
         parser.error(f"--staleness {args.staleness}: async needs >= 1 (0 is --mode sync)")
     # what the standalone child needs to build the same shapes (all but the mode's own flags)
-    args.child_argv = [*(["--tiny"] if args.tiny else []), "--samples", str(args.samples), "--n", str(args.n),
+    args.child_argv = [*(["--tiny"] if args.tiny else []), *(["--async-scheduling"] if args.async_scheduling else []),
+                       "--samples", str(args.samples), "--n", str(args.n),
                        "--prompt-tokens", str(args.prompt_tokens), "--mean-tokens", str(args.mean_tokens),
                        "--max-tokens", str(args.max_tokens), "--batch-size", str(args.batch_size),
                        "--microbatch-tokens", str(args.microbatch_tokens)]
@@ -421,11 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         alone = standalone(args, layers, root / "standalone.json", args.standalone_share * args.timeout)
     measured = run_mode(args, layers, root, deadline)
     summary = summarize(measured["steps"], layers, alone, measured["gpu_busy"])
+    summary["gpu_util_mean"] = measured["gpu_util_mean"]
     sync = json.loads(Path(args.compare).read_text())["summary"] if args.compare else None
     command = "moerl bench-rl --gpu " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"mode": name, "layers": layers, "layers_asked": args.layers, "why_fewer": why, "command": command,
               "date": time.strftime("%Y-%m-%d"), "standalone": alone, "summary": summary, "steps": measured["steps"],
-              "nvml_samples": measured["nvml_samples"], "targets": targets(args.mode, summary, sync)}
+              "nvml_samples": measured["nvml_samples"], "nvml_phases": measured["nvml_phases"],
+              "targets": targets(args.mode, summary, sync), "nvml_trace": measured["nvml_trace"]}
     (root / "results.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     print(text)

@@ -105,45 +105,55 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[tuple[int, .
 
 def run_engine(model: MoETransformer, batch: int, prompt_tokens: int, new_tokens: int, *, graphs: bool,
                max_seconds: float, lengths: list[int] | None = None, slots: int | None = None,
-               kernels: str | None = None) -> dict:
+               kernels: str | None = None, look_ahead: bool = False) -> dict:
     """One batch of distinct prompts through a Decoder sized for it; stops early (and says so) past max_seconds
     of decoding. `lengths`: each row's own new tokens (at most new_tokens; default new_tokens each), `slots`: rows
-    decoding at once (default all; the rest wait for a finished row's slot, as in a server)."""
+    decoding at once (default all; the rest wait for a finished row's slot, as in a server), `look_ahead`: the
+    decoder's (rollout.async_scheduling)."""
     device = next(model.parameters()).device
     lengths = [new_tokens] * batch if lengths is None else lengths
     slots = batch if slots is None else slots
     build = time.perf_counter()
     decoder = Decoder(model, slots=slots, max_len=prompt_tokens + new_tokens, eos_ids=(), prefill_tokens=8192,
-                      cuda_graphs=graphs, buckets=[slots], kernels=kernels)
+                      cuda_graphs=graphs, buckets=[slots], kernels=kernels, look_ahead=look_ahead)
     sync(device)
     capture_s = time.perf_counter() - build
     rows = [RowRequest(p, SamplingParams(n, seed=i), "bench", i) for i, (p, n) in
             enumerate(zip(prompts(batch, prompt_tokens, model.config.vocab_size, batch + prompt_tokens), lengths))]
     seqs = [decoder.add(r) for r in rows]
-    start = time.perf_counter()
-    decode_start, steps = None, 0
+    start, started_at = time.perf_counter(), time.time()
+    decode_start, steps, all_steps = None, 0, 0
     while decoder.busy:
         decoder.step()
+        all_steps += 1
         if decode_start is None and not decoder.scheduler.prefilling and not decoder.waiting:
             sync(device)
             decode_start, tokens_at_decode = time.perf_counter(), sum(len(s.tokens) for s in seqs)
             kv = decoder.stats()  # blocks held once every prompt is in: memory follows the tokens present
+            decoder.take_device_seconds()  # the decode steps' device time from here on
+            continue
+        if decode_start is None:  # rows still wait for slots or prefill: not a decode step of the figures below
             continue
         steps += 1
-        if decode_start is not None and time.perf_counter() - decode_start > max_seconds:
+        if time.perf_counter() - decode_start > max_seconds:
             for s in seqs:
                 decoder.cancel(s)
     sync(device)
     end = time.perf_counter()
     generated = sum(len(s.tokens) for s in seqs)
     decode_s = end - decode_start
+    device_ms = 1000 * decoder.take_device_seconds() / max(steps, 1)
     out = {"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "generated": generated,
            "seconds": end - start, "tokens_per_s": generated / (end - start), "prefill_s": decode_start - start,
-           "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
+           "steps": all_steps, "decode_steps": steps, "decode_tokens_per_s": (generated - tokens_at_decode) / decode_s,
            "step_ms": 1000 * decode_s / max(steps, 1), "graph_capture_s": capture_s,
+           # of a decode step: the device's span of its forward and sampling, and the host's part the device waits
+           # for (scheduling and bookkeeping; ModelRunner's DeviceClock)
+           "device_step_ms": device_ms, "host_step_ms": 1000 * decode_s / max(steps, 1) - device_ms,
            "complete": generated == sum(lengths), "cuda_graphs": bool(decoder.runner.graphs),
            "kv_blocks_used_after_prefill": kv["blocks_used"], "kv_blocks_total": kv["blocks_total"],
-           "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"]}
+           "kv_block_size": kv["block_size"], "preemptions": kv["preemptions"], "look_ahead": look_ahead,
+           "window": [started_at, time.time()]}  # Unix times of the generation (for GPU samples taken meanwhile)
     del decoder
     return out
 

@@ -14,6 +14,14 @@ and the prompt's full blocks; only its partial last block is copied.
 Every row computes only on its own positions, and its randomness is a counter-based function of (seed, row, step)
 computed on the device (sampler), so a row's tokens, logprobs and routing do not depend on which rows shared its
 steps (up to floating-point reduction order).
+
+With `look_ahead` (rollout.async_scheduling, as vLLM's asynchronous scheduling) the device stays busy between
+steps: the next decode step is queued on the device before the host books the current one's tokens (a step reads
+each row's last token from the device, and a row that continues by length needs nothing else from the host), so
+the host's bookkeeping runs while the device computes. A row whose booked token turns out to be a stop token has
+its already queued next token dropped; rows that finished their prefill join the step after; new weights
+installed under a queued step undo it (`load_weights`), so every token after a swap is the new weights'.
+Expert-parallel decoders (every rank agrees on each forward) step one at a time.
 """
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ from ..model import MoETransformer
 from ..moe.parallel import decode_phase
 from .engine_api import RowOutput, RowRequest
 from .kv_cache_manager import BLOCK_SIZE, PagedCache, fitting_blocks
-from .model_runner import ModelRunner
-from .scheduler import Scheduler, Sequence, StepEvents
+from .model_runner import LaunchedDecode, ModelRunner
+from .scheduler import DecodePlan, Scheduler, Sequence, StepEvents
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +47,8 @@ class Decoder:
 
     def __init__(self, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int],
                  prefill_tokens: int = 4096, cuda_graphs: bool = True, buckets: list[int] | None = None,
-                 blocks: int | None = None, block_size: int = BLOCK_SIZE, kernels: str | None = None) -> None:
+                 blocks: int | None = None, block_size: int = BLOCK_SIZE, kernels: str | None = None,
+                 look_ahead: bool = False) -> None:
         self.model = model
         param = next(model.parameters())
         blocks = slots * -(-max_len // block_size) if blocks is None else blocks
@@ -48,10 +57,12 @@ class Decoder:
                                    prefill_tokens=prefill_tokens)
         self.runner = ModelRunner(model, cache, cuda_graphs=cuda_graphs, buckets=buckets, kernels=kernels)
         self._preemptions_taken = 0  # the part of the scheduler's preemptions take_preemptions() has handed out
+        self.look_ahead = look_ahead
+        self._launched: LaunchedDecode | None = None  # a decode step queued on the device, not yet booked
 
     @classmethod
     def in_free_memory(cls, model: MoETransformer, *, slots: int, max_len: int, eos_ids: Iterable[int],
-                       kernels: str | None = None) -> "Decoder":
+                       kernels: str | None = None, look_ahead: bool = False) -> "Decoder":
         """A decoder whose block pool holds every row at `max_len`, or on a GPU as many blocks as fit its free
         memory (then rows wait for blocks, and decoding rows may be preempted)."""
         wanted = slots * -(-max_len // BLOCK_SIZE)
@@ -60,7 +71,8 @@ class Decoder:
         if blocks < wanted:
             log.warning("KV cache: %d blocks of %d positions fit in this GPU's free memory, %d rows of %d positions "
                         "would need %d; rows wait for free blocks", blocks, BLOCK_SIZE, slots, max_len, wanted)
-        return cls(model, slots=slots, max_len=max_len, eos_ids=eos_ids, blocks=blocks, kernels=kernels)
+        return cls(model, slots=slots, max_len=max_len, eos_ids=eos_ids, blocks=blocks, kernels=kernels,
+                   look_ahead=look_ahead)
 
     @property
     def busy(self) -> bool:
@@ -78,6 +90,11 @@ class Decoder:
         """KV-cache blocks (total, used, free, positions per block) and preemptions so far."""
         return {**self.scheduler.cache.stats(), "preemptions": self.scheduler.preemptions}
 
+    def take_device_seconds(self) -> float:
+        """Seconds the device spent on this decoder's forwards and sampling since the last call (ModelRunner's
+        DeviceClock)."""
+        return self.runner.clock.take()
+
     def take_preemptions(self) -> int:
         """Preemptions since the last call (a counter metric adds them: a decoder built anew starts from zero
         without the caller keeping a baseline)."""
@@ -93,7 +110,13 @@ class Decoder:
         return self.scheduler.cancel(seq)
 
     def load_weights(self) -> None:
-        """The model's weights changed in place (a version installed): refresh what the runner derives from them."""
+        """The model's weights changed in place (a version installed): refresh what the runner derives from them,
+        and undo a decode step queued under the old ones (its rows decode it again with the new)."""
+        if self._launched is not None:
+            self.runner.collect(self._launched)  # (the install waited for it; its tokens are dropped)
+            self._launched = None
+            rows = self.scheduler.rewind()
+            self.runner.rewind(rows, [self.scheduler.length[r.slot] for r in rows])
         self.runner.load_weights()
 
     @torch.no_grad()
@@ -109,9 +132,9 @@ class Decoder:
             runner.admit(admitted)
         if agree(bool(scheduler.prefilling)) if agree is not None else scheduler.prefilling:
             self._prefill(events)
-        if agree(bool(scheduler.decoding)) if agree is not None else scheduler.decoding:
+        if agree(bool(scheduler.decoding)) if agree is not None else scheduler.decoding or self._launched:
             with decode_phase(self.model.ep):  # an expert-parallel server's decode dispatcher (DeepEP low-latency)
-                self._decode(events)
+                self._decode(events, ahead=self.look_ahead and agree is None)
         return events
 
     def _prefill(self, events: StepEvents) -> None:
@@ -127,14 +150,24 @@ class Decoder:
                                                    logits[torch.tensor(which, device=logits.device)])
             scheduler.sampled(rows, sampled, events)
 
-    def _decode(self, events: StepEvents) -> None:
-        plan = self.scheduler.plan_decode()
-        if not plan.rows:  # an idle expert-parallel rank, or every row preempted (blocks held by prefilling rows)
-            self.runner.scratch_forward()
-            return
-        sampled = self.runner.decode(plan.rows, plan.key_len)
+    def _decode(self, events: StepEvents, ahead: bool) -> None:
+        """Book one decode step: the one queued at the last step, or one planned and launched now; with `ahead`,
+        the next is launched before this one's tokens are booked."""
+        scheduler, launched = self.scheduler, self._launched
+        if launched is None:
+            plan = scheduler.plan_decode()
+            if not plan.rows:  # an idle expert-parallel rank, or every row preempted (blocks held by prefilling rows)
+                self.runner.scratch_forward()
+                return
+            launched = self._launch(plan)
+        nxt = scheduler.plan_ahead(launched.rows) if ahead else None
+        self._launched = self._launch(nxt) if nxt is not None else None
+        scheduler.sampled(launched.rows, self.runner.collect(launched), events)
+
+    def _launch(self, plan: DecodePlan) -> LaunchedDecode:
+        launched = self.runner.launch_decode(plan.rows, plan.key_len)
         self.scheduler.decoded(plan)
-        self.scheduler.sampled(plan.rows, sampled, events)
+        return launched
 
 
 @torch.no_grad()

@@ -234,6 +234,7 @@ class RolloutEngine:
                     STEP_AVERAGE_WEIGHT * elapsed + (1 - STEP_AVERAGE_WEIGHT) * self._step_seconds)
             self.busy_seconds += elapsed
             self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
+            self.metrics[M.ROLLOUT_STEPS].inc()
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
         running, waiting = self._in_ranks
@@ -242,8 +243,10 @@ class RolloutEngine:
         return True
 
     def _report_ranks(self, reports: list[RankReport]) -> None:
-        """The ranks' decoders after a step: rows for health(), KV-cache blocks and preemptions for the metrics."""
+        """The ranks' decoders after a step: rows for health(), KV-cache blocks, preemptions and device seconds (the
+        slowest rank's: the ranks step together) for the metrics."""
         self._in_ranks = (sum(r.running for r in reports), sum(r.waiting for r in reports))
+        self.metrics[M.ROLLOUT_DEVICE_SECONDS].inc(max((r.device_seconds for r in reports), default=0.0))
         total = sum(r.blocks_total for r in reports)
         self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(sum(r.blocks_used for r in reports) / total if total else 0)
         self.metrics[M.ROLLOUT_PREEMPTIONS].inc(sum(r.preemptions for r in reports))
@@ -376,9 +379,9 @@ class RolloutEngine:
             return
         now = time.monotonic()
         bursts: dict[_Call, list[TokenEvent]] = {}
-        first, fresh, again = [], set(), 0
-        for request_id, row, token, logprob, top in sampled:
-            call, index = self._live[(request_id, row)]
+        first, fresh, again, live = [], set(), 0, self._live
+        for request_id, row, token, logprob, top in sampled:  # every running row, every step: lookups kept local
+            call, index = live[(request_id, row)]
             count = call.sampled[index]
             if not count:
                 first.append(now - call.submitted)

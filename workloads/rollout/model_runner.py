@@ -9,6 +9,7 @@ exact numerics mode (the trainer's exact forward runs the same function over its
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +32,25 @@ SAMPLER_GRAPH_ROWS = 16
 
 
 @dataclass
-class SampledToken:
-    """What the runner reports of one row of a step: the token it sampled, its logprob and, when the row asked
-    for them, the alternatives the filters kept."""
+class SampledRows:
+    """What the runner reports of a step's rows, in their order: the token each sampled, its logprob and, when
+    some row asked for them, each row's alternatives the filters kept (None for a row that did not ask). Lists,
+    not a record per row: every running row passes here every step."""
 
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] | None
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]] | None] | None
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step queued on the device: its rows, and its packed output (ModelRunner._sample_packed) being
+    copied to the host, there once `ready` has passed (None: already there, as on a CPU)."""
+
+    rows: list[Sequence]
+    flags: SamplerFlags
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 @dataclass
@@ -97,6 +110,49 @@ class SlotState:
                             filtered=flags.filtered, any_raw=flags.any_raw, top_n=flags.top_n)
 
 
+class DeviceClock:
+    """The device's span of the runner's forwards and sampling, window by window (`start` before a window's first
+    kernel is launched, `stop` after its last): on a GPU CUDA events, read once the GPU has passed them, so the
+    clock adds no synchronisation; on a CPU, where the work runs as it is called, the windows' wall time. A step's
+    wall time minus its windows is the host work the device waits for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start: torch.cuda.Event | float | None = None
+        self._windows: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # stopped, not yet read
+        self._seconds = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._windows.append((self._start, end))
+        else:
+            self._seconds += time.perf_counter() - self._start
+        self._start = None
+
+    def take(self) -> float:
+        """Seconds of the windows finished since the last call (a window the GPU has not finished yet counts at a
+        later call)."""
+        done = 0
+        while done < len(self._windows) and self._windows[done][1].query():
+            begin, end = self._windows[done]
+            self._seconds += begin.elapsed_time(end) / 1000
+            done += 1
+        del self._windows[:done]
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
 def graph_buckets(slots: int) -> list[int]:
     """Batch sizes that decode steps are padded to (one CUDA graph each): 1, 2, 4, 8, then every 16 up to 256,
     every 64 up to 1,024, every 256 beyond; the last is `slots`."""
@@ -125,6 +181,7 @@ class ModelRunner:
                                                                        else "torch"))
         self.packed = PackedAttention(model)
         self.state = SlotState.allocate(self.slots, self.device)
+        self.clock = DeviceClock(self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (bucket, filtered, any_raw) -> (graph, packed [bucket, 2] float64 (token, logprob) of every row)
         self.sampler_graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
@@ -173,8 +230,11 @@ class ModelRunner:
         packed = (packed.pin_memory() if dev.type == "cuda" else packed).to(dev, non_blocking=True)
         tiles = self.kernels.prefill_tiles(segments, dev)
         self.cache.sync_tables()
-        logits = self.forward(packed[1], packed[0], packed[2], torch.tensor(last, device=dev),
-                              max(g.prefilled + take for g, take in plan.chunks), tiles)
+        last = torch.tensor(last, device=dev)
+        self.clock.start()
+        logits = self.forward(packed[1], packed[0], packed[2], last, max(g.prefilled + take for g, take in plan.chunks),
+                              tiles)
+        self.clock.stop()
         scores = []
         if plan.scored:
             per_chunk = logits[len(plan.chunks):].split([segments[i][1] for i in plan.scored])
@@ -202,11 +262,14 @@ class ModelRunner:
                 score.top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         return scores
 
-    def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> list[SampledToken]:
+    def sample_prefilled(self, rows: list[Sequence], lengths: list[int], logits: torch.Tensor) -> SampledRows:
         """Sample the first token of rows whose prefill ended (`logits` [rows, V], `lengths` their positions)."""
         slots = torch.tensor([r.slot for r in rows], device=self.device)
-        self.state.length[slots] = torch.tensor(lengths, device=self.device)
-        return self.sample(rows, slots, logits)
+        lengths = torch.tensor(lengths, device=self.device)
+        flags = SamplerFlags.of([r.params for r in rows])
+        self.clock.start()
+        self.state.length[slots] = lengths
+        return self.sample(rows, slots, logits, flags)
 
     def scratch_forward(self) -> None:
         """One token of the scratch slot: an idle expert-parallel rank's part of a forward every rank joins."""
@@ -214,24 +277,60 @@ class ModelRunner:
         self.forward(zero + self.slots, zero, zero, zero, 1)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def decode(self, rows: list[Sequence], key_len: int) -> list[SampledToken]:
+    def decode(self, rows: list[Sequence], key_len: int) -> SampledRows:
         """One decode step: each row's last sampled token fed at its length, then a token sampled per row.
         `key_len`: the longest row's length + 1 (bounds an eager step's attention)."""
+        return self.collect(self.launch_decode(rows, key_len))
+
+    def collect(self, launched: LaunchedDecode) -> SampledRows:
+        """A launched step's tokens, once the device has produced them."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return self._unpack(launched.rows, launched.flags, launched.host)
+
+    def rewind(self, rows: list[Sequence], lengths: list[int]) -> None:
+        """Undo a launched decode step of `rows` on the device (Scheduler.rewind on the host): each feeds its last
+        sampled token again at `lengths`, drawing the same counter as before."""
+        if not rows:
+            return
+        slot = torch.tensor([r.slot for r in rows], device=self.device)
+        values = torch.tensor([[n, r.tokens[-1], len(r.tokens)] for r, n in zip(rows, lengths)], device=self.device)
+        self.state.length[slot], self.state.last_token[slot], self.state.step[slot] = values.t()
+
+    def launch_decode(self, rows: list[Sequence], key_len: int) -> LaunchedDecode:
+        """Queue a decode step (decode) and the copy of its tokens to the host, without waiting for either."""
         self.cache.sync_tables()
+        flags = SamplerFlags.of([r.params for r in rows])
         slots = [r.slot for r in rows]
         bucket = next((b for b in sorted(self.graphs) if b >= len(slots)), None)
         if bucket is not None:
             graph, slot_in, logits = self.graphs[bucket]
             padded = tuple(slots) + (self.slots,) * (bucket - len(slots))
-            if self.graph_slots.get(bucket) != padded:  # steady decoding feeds the same slots: no copy
-                slot_in.copy_(torch.tensor(padded).pin_memory(), non_blocking=True)
+            fresh = torch.tensor(padded).pin_memory() if self.graph_slots.get(bucket) != padded else None
+            self.clock.start()
+            if fresh is not None:  # steady decoding feeds the same slots: no copy
+                slot_in.copy_(fresh, non_blocking=True)
                 self.graph_slots[bucket] = padded
             graph.replay()
             slot, logits = slot_in[:len(slots)], logits[:len(slots)]
         else:
             slot = torch.tensor(slots, device=self.device)
+            self.clock.start()
             logits = self._decode_forward(slot, key_len)
-        return self.sample(rows, slot, logits, bucket)
+        packed = self._sampler_graph(bucket, flags)
+        if packed is None:
+            packed = self._sample_packed(slot, logits, flags)
+        self.clock.stop()
+        packed = packed[:len(rows)]
+        if not packed.is_cuda:
+            return LaunchedDecode(rows, flags, packed, None)
+        # into pinned memory, so the copy is queued behind the step and the next step can be queued behind it (the
+        # sampler's graph rewrites its output buffer)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedDecode(rows, flags, host, ready)
 
     def _decode_forward(self, slot: torch.Tensor, key_len: int) -> torch.Tensor:
         """Feed each slot's last sampled token at its length; what a CUDA graph captures (static shapes)."""
@@ -244,24 +343,30 @@ class ModelRunner:
         return logits
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, bucket: int | None = None
-               ) -> list[SampledToken]:
-        flags = SamplerFlags.of([r.params for r in rows])
-        packed = self._sampler_graph(bucket, flags)
-        if packed is None:
-            packed = self._sample_packed(slot, logits, flags)
-        host = packed[:len(rows)].cpu().tolist()
+    def sample(self, rows: list[Sequence], slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags
+               ) -> SampledRows:
+        """Sample `rows` (at `slot`) from `logits`; ends the device clock's window."""
+        packed = self._sample_packed(slot, logits, flags)
+        self.clock.stop()  # before the copy that waits for the device: the host's part of the step follows
+        return self._unpack(rows, flags, packed.cpu())
+
+    @staticmethod
+    def _unpack(rows: list[Sequence], flags: SamplerFlags, host: torch.Tensor) -> SampledRows:
+        """The packed output of `rows` ([rows, 2 + 2 top_n] on the host) as lists."""
+        tokens, logprobs = host[:, 0].long().tolist(), host[:, 1].tolist()  # (a token id is exact in float64)
         top_n = flags.top_n
-        out = []
-        for r, values in zip(rows, host):
+        if not top_n:
+            return SampledRows(tokens, logprobs, None)
+        tops = []
+        for r, values in zip(rows, host.tolist()):
             top = None
             if r.params.top_logprobs:
                 n = r.params.top_logprobs
                 # alternatives the filters cut (logprob -inf under the processed distribution) are left out
                 top = [(int(t), lp) for t, lp in zip(values[2:2 + n], values[2 + top_n:2 + top_n + n])
                        if lp != float("-inf")]
-            out.append(SampledToken(int(values[0]), values[1], top))
-        return out
+            tops.append(top)
+        return SampledRows(tokens, logprobs, tops)
 
     def _sample_packed(self, slot: torch.Tensor, logits: torch.Tensor, flags: SamplerFlags) -> torch.Tensor:
         """Sample a token for each slot of `slot`, advance their state, and return [B, 2 + 2 top_n] float64:

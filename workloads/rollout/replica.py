@@ -55,7 +55,7 @@ class StepPlan:
 class RankReport:
     """What one rank did in a step: the tokens its rows sampled (request_id, row, token, logprob, top), the rows
     that finished, and its decoder's state after the step (rows running and waiting, KV-cache blocks, preemptions
-    in this step)."""
+    in this step, the device's seconds on its forwards and sampling: Decoder.take_device_seconds)."""
 
     sampled: list[tuple[str, int, int, float, list[tuple[int, float]] | None]]
     finished: list[RowOutput]
@@ -64,6 +64,7 @@ class RankReport:
     blocks_used: int = 0
     blocks_total: int = 0
     preemptions: int = 0
+    device_seconds: float = 0.0
 
 
 class SwapRefused(RuntimeError):
@@ -167,7 +168,8 @@ class Replica:
     def _step(self, plan: StepPlan) -> list[RankReport] | None:
         if self.decoder is None or self.decoder.model is not self.model:
             self.decoder = Decoder.in_free_memory(self.model, slots=plan.slots, max_len=plan.max_len,
-                                                  eos_ids=plan.eos_ids, kernels=engine_kernels(self.run))
+                                                  eos_ids=plan.eos_ids, kernels=engine_kernels(self.run),
+                                                  look_ahead=self.run.rollout.async_scheduling)
             self._rows = {}
         report = RankReport([], [])
         for request in plan.admit[self.rank]:
@@ -181,10 +183,10 @@ class Replica:
             if seq is not None and self.decoder.cancel(seq):
                 report.finished.append(seq.output(self.version, self.lineage))
         events = self.decoder.step(agree=self._any if self.size > 1 else None)
-        for seq, *_ in events.sampled:  # the weights of this step sampled them (a swap comes between steps)
-            seq.weights_of(self.lineage or 0, self.version)
-        report.sampled = [(s.request.request_id, s.request.row, token, logprob, top)
-                          for s, token, logprob, top in events.sampled]
+        lineage, version, sampled = self.lineage or 0, self.version, report.sampled
+        for seq, token, logprob, top in events.sampled:
+            seq.weights_of(lineage, version)  # the weights of this step sampled it (a swap comes between steps)
+            sampled.append((seq.request.request_id, seq.request.row, token, logprob, top))
         for seq in events.finished:
             self._rows.pop((seq.request.request_id, seq.request.row), None)
             report.finished.append(seq.output(self.version, self.lineage))  # routing comes to the host here
@@ -192,6 +194,7 @@ class Replica:
         report.running, report.waiting = self.decoder.running, self.decoder.waiting
         report.blocks_used, report.blocks_total = stats["blocks_used"], stats["blocks_total"]
         report.preemptions = self.decoder.take_preemptions()
+        report.device_seconds = self.decoder.take_device_seconds()
         if self.size == 1:
             return [report]
         parts = [None] * self.size if self.rank == 0 else None

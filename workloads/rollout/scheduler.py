@@ -19,9 +19,13 @@ from .engine_api import RowOutput, RowRequest, SamplingParams
 from .kv_cache_manager import PagedCache
 
 if TYPE_CHECKING:  # the runner's records; the runner imports this module's
-    from .model_runner import PromptScores, SampledToken
+    from .model_runner import PromptScores, SampledRows
 
 log = logging.getLogger(__name__)
+
+
+def _admission(seq: "Sequence") -> int:
+    return seq.admitted
 
 
 @dataclass(eq=False)
@@ -42,7 +46,9 @@ class Sequence:
     preempted: int = 0  # times its blocks were taken back and it was queued to be recomputed
     prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs, once its prefill ended
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    spans: list[VersionSpan] = field(default_factory=list)  # the weights of its tokens, in order (weights_of)
+    # the weights of its tokens, in order (weights_of): [lineage, version, tokens] each, the last one counted up in
+    # place (a row's every token passes here: a new record per token cost a measurable part of a step's host time)
+    versions: list[list[int]] = field(default_factory=list)
 
     @property
     def params(self) -> SamplingParams:
@@ -61,11 +67,15 @@ class Sequence:
     def weights_of(self, lineage: int, version: int) -> None:
         """Its newest token was sampled with weights (lineage, version): the last span grows, or a new one begins
         (the replica's weights were swapped while it ran)."""
-        last = self.spans[-1] if self.spans else None
-        if last is not None and (last.lineage, last.version) == (lineage, version):
-            self.spans[-1] = VersionSpan(lineage, version, last.tokens + 1)
+        last = self.versions[-1] if self.versions else None
+        if last is not None and last[1] == version and last[0] == lineage:
+            last[2] += 1
         else:
-            self.spans.append(VersionSpan(lineage, version, 1))
+            self.versions.append([lineage, version, 1])
+
+    @property
+    def spans(self) -> list[VersionSpan]:
+        return [VersionSpan(*v) for v in self.versions]
 
     def output(self, version: int | None, lineage: int | None) -> RowOutput:
         """The finished row as the engine reports it; its routing leaves the device here, as [positions, layers,
@@ -73,7 +83,7 @@ class Sequence:
         routing = self.routing.cpu().numpy() if self.routing is not None else None
         return RowOutput(self.request.request_id, self.request.row, list(self.tokens), list(self.logprobs),
                          self.top_logprobs, self.finish_reason, self.error, routing, version, lineage or 0,
-                         self.prompt_logprobs, self.prompt_top_logprobs, list(self.spans))
+                         self.prompt_logprobs, self.prompt_top_logprobs, self.spans)
 
 
 @dataclass(eq=False)
@@ -131,6 +141,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[SharedPrefill] = []
         self.decoding: list[Sequence] = []  # rows whose last sampled token is still to be fed
+        # rows of a decode step launched before the previous step's tokens were booked (plan_ahead): their
+        # positions are counted in `length`, their tokens not yet in `tokens`
+        self.in_flight: list[Sequence] = []
         self.length = [0] * (cache.scratch + 1)  # positions filled per slot (host copy of what the cache holds)
         self.preemptions = 0
         self._admissions = 0
@@ -141,11 +154,11 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(g.rows) for g in self.prefilling) + len(self.decoding)
+        return sum(len(g.rows) for g in self.prefilling) + len(self.decoding) + len(self.in_flight)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.waiting or self.prefilling or self.decoding or self.in_flight)
 
     def add(self, request: RowRequest) -> Sequence:
         """Queue a row; it is admitted when a slot and its prompt's blocks are free. Raises ValueError if it can
@@ -178,6 +191,8 @@ class Scheduler:
         elif seq in self.decoding:
             self.decoding.remove(seq)
             self.release(seq)
+        elif seq in self.in_flight:  # its launched step's token is dropped when that step is booked
+            self.release(seq)
         else:
             for group in self.prefilling:
                 if all(r.finish_reason is not None for r in group.rows):
@@ -197,7 +212,7 @@ class Scheduler:
         if not (self.waiting and self.free):
             return admitted
         cache = self.cache
-        spare = sum(map(self._needs_block, self.decoding))
+        spare = sum(map(self._needs_block, self.decoding)) + sum(map(self._needs_block, self.in_flight))
         while self.waiting and self.free:
             context = self.waiting[0].context
             full, partial = divmod(len(context), cache.block_size)
@@ -276,23 +291,55 @@ class Scheduler:
     def plan_decode(self) -> DecodePlan:
         """Every row with a token to feed, each granted the block its next position needs; while more rows need
         one than blocks are free, the newest row is preempted."""
-        cache = self.cache
-        rows = sorted(self.decoding, key=lambda r: r.admitted)
+        cache, length, page, owned = self.cache, self.length, self.cache.block_size, self.cache.owned
+        rows = sorted(self.decoding, key=_admission)
         self.decoding = []
-        needing = {id(r) for r in rows if self._needs_block(r)}
-        while rows and len(needing) > len(cache.free):
-            victim = rows.pop()
-            needing.discard(id(victim))
-            self._preempt(victim)
+        # a row's next position starts a block it does not hold yet (_needs_block, inlined: every row, every step)
+        needing = [r for r in rows if length[r.slot] >= len(owned[r.slot]) * page]
+        if len(needing) > len(cache.free):
+            needing = {id(r) for r in needing}
+            while rows and len(needing) > len(cache.free):
+                victim = rows.pop()
+                needing.discard(id(victim))
+                self._preempt(victim)
+            needing = [r for r in rows if id(r) in needing]
+        for r in needing:
+            cache.grow(r.slot, length[r.slot] + 1)
+        return DecodePlan(rows, max((length[r.slot] for r in rows), default=0) + 1)
+
+    def plan_ahead(self, running: list[Sequence]) -> DecodePlan | None:
+        """The next decode step, planned while `running` (a launched step's rows) are still on the device: the rows
+        of it that continue whatever they sample (below their max_tokens and max_len after it; a stop token is
+        seen only when that step is booked: such a row's next token is then dropped), with the rows that finished
+        their prefill, each granted the block its next position needs. None when blocks are short (the next
+        step is planned once this one is booked, and may preempt)."""
+        length, max_len, page, owned = self.length, self.max_len, self.cache.block_size, self.cache.owned
+        self.in_flight = []  # `running` is booked next: only the step planned here will be in flight
+        rows = [r for r in running if r.finish_reason is None and len(r.tokens) + 1 < r.request.params.max_tokens
+                and length[r.slot] < max_len] + self.decoding
+        needing = [r for r in rows if length[r.slot] >= len(owned[r.slot]) * page]
+        if not rows or len(needing) > len(self.cache.free):
+            return None
+        for r in needing:
+            self.cache.grow(r.slot, length[r.slot] + 1)
+        rows.sort(key=_admission)
+        self.decoding, self.in_flight = [], list(rows)  # (a cancel takes a row out of it, not out of the plan)
+        return DecodePlan(rows, max(length[r.slot] for r in rows) + 1)
+
+    def rewind(self) -> list[Sequence]:
+        """Undo the launched step of the rows in flight (its tokens are dropped: new weights were installed under
+        it): they feed their last token again at the next step. Returns them."""
+        rows, self.in_flight = [r for r in self.in_flight if r.finish_reason is None], []
         for r in rows:
-            if id(r) in needing:
-                cache.grow(r.slot, self.length[r.slot] + 1)
-        return DecodePlan(rows, max((self.length[r.slot] for r in rows), default=0) + 1)
+            self.length[r.slot] -= 1
+        self.decoding += rows
+        return rows
 
     def decoded(self, plan: DecodePlan) -> None:
         """The runner fed the plan's rows one position each."""
+        length = self.length
         for r in plan.rows:
-            self.length[r.slot] += 1
+            length[r.slot] += 1
 
     def _needs_block(self, seq: Sequence) -> bool:
         """Whether a decoding row's next position starts a block it does not hold yet."""
@@ -308,21 +355,29 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- what the runner sampled -----------------------------------------------------------------------------
-    def sampled(self, rows: list[Sequence], tokens: list[SampledToken], events: StepEvents) -> None:
+    def sampled(self, rows: list[Sequence], sampled: SampledRows, events: StepEvents) -> None:
         """Book each row's new token; a row that sampled a stop token or reached its length finishes and returns
-        its slot and blocks, the others decode at the next step."""
-        for r, s in zip(rows, tokens):
-            if s.top is not None:
-                r.top_logprobs.append(s.top)
-            r.tokens.append(s.token)
-            r.logprobs.append(s.logprob)
-            events.sampled.append((r, s.token, s.logprob, s.top))
-            if s.token in r.stop_ids:
+        its slot and blocks, the others decode at the next step (or are already in it: in flight). A row that
+        finished while its step ran (cancelled, or a stop token booked after the step was launched) drops it.
+        (Every running row passes here every step: the loop keeps its lookups local.)"""
+        tops = sampled.top or [None] * len(rows)
+        length, max_len, decoding, events_sampled = self.length, self.max_len, self.decoding, events.sampled
+        ahead = {id(r) for r in self.in_flight}
+        for r, token, logprob, top in zip(rows, sampled.tokens, sampled.logprobs, tops):
+            if r.finish_reason is not None:
+                continue
+            if top is not None:
+                r.top_logprobs.append(top)
+            r.tokens.append(token)
+            r.logprobs.append(logprob)
+            events_sampled.append((r, token, logprob, top))
+            if token in r.stop_ids:
                 r.finish_reason = "stop"
-            elif len(r.tokens) >= r.params.max_tokens or self.length[r.slot] >= self.max_len:
+            elif len(r.tokens) >= r.request.params.max_tokens or length[r.slot] >= max_len:
                 r.finish_reason = "length"
             if r.finish_reason is None:
-                self.decoding.append(r)
+                if id(r) not in ahead:
+                    decoding.append(r)
             else:
                 events.finished.append(r)
                 self.release(r)
@@ -332,8 +387,12 @@ class Scheduler:
         prompt + completion[:-1], if it asked for them."""
         if seq.slot is None:
             return
+        fed = self.length[seq.slot]
+        if seq in self.in_flight:  # finished while a launched step fed its last token: that position is not its own
+            self.in_flight.remove(seq)
+            fed -= 1
         if keep_routing and seq.params.return_routing:
-            seq.routing = self.cache.routing_of(seq.slot, self.length[seq.slot])
+            seq.routing = self.cache.routing_of(seq.slot, fed)
         self.cache.release(seq.slot)
         self.free.append(seq.slot)
         seq.slot = None
