@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 from fake_rollout import FakeRollouts
-from rl_helpers import serve_rollout
+from rl_helpers import serve_rollout, tiny_run
+
+from moe_rl_eks.workloads.model import MoETransformer
 
 
 @pytest.fixture
@@ -53,3 +56,11 @@ def s3_endpoint(monkeypatch):
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture
+def model(tmp_path):
+    """The tiny run's model, seeded, in eval mode (the engine and generation tests decode with it)."""
+    run = tiny_run(tmp_path)
+    torch.manual_seed(0)
+    return MoETransformer(run.model).eval()

@@ -13,6 +13,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -283,3 +284,7 @@ def serve_rollout(tmp_path, tokenizer=None, **rollout):
     yield {"url": http.url, "engine": engine, "server": server, "store": store, "run": run}
     http.stop()
     engine.stop()
+
+
+# The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]

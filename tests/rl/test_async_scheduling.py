@@ -5,7 +5,7 @@ after a swap under a queued step; every block comes back; the engine serves with
 import numpy as np
 import pytest
 import torch
-from rl_helpers import publish_initial, tiny_run, write_run
+from rl_helpers import DEVICES, publish_initial, tiny_run, write_run
 
 from moe_rl_eks.core.run import ConfigError, load_run
 from moe_rl_eks.workloads.model import MoETransformer
@@ -16,17 +16,6 @@ from moe_rl_eks.workloads.rollout.engine import RolloutEngine
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
 from moe_rl_eks.workloads.rollout.weight_staging import install
 
-
-# On a GPU the queued step really runs while the host books the last one (the H200 runs these through
-# tools/gpu_runs/h200-engine-idle.sh).
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
-
-
-@pytest.fixture
-def model(tmp_path):
-    run = tiny_run(tmp_path)
-    torch.manual_seed(0)
-    return MoETransformer(run.model).eval()
 
 
 def request(prompt, max_tokens, seed, row, **params):

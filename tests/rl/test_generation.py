@@ -3,7 +3,7 @@ row samples exactly as it would alone; the sampler's filters, logprob modes and 
 import numpy as np
 import pytest
 import torch
-from rl_helpers import tiny_run
+from rl_helpers import DEVICES
 
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.rollout import sampler
@@ -13,15 +13,6 @@ from moe_rl_eks.workloads.rollout.model_runner import ModelRunner, PackedAttenti
 from moe_rl_eks.workloads.rollout.sampler import SamplingRows, philox4x32, sample
 
 EOS = 2
-# The rollout engine decodes on its GPU; the CUDA cases run on the H200 through the device tool.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
-
-
-@pytest.fixture
-def model(tmp_path):
-    run = tiny_run(tmp_path)
-    torch.manual_seed(0)
-    return MoETransformer(run.model).eval()
 
 
 @pytest.mark.parametrize("device", DEVICES)
