@@ -1,5 +1,5 @@
-"""Trainer ranks in gloo processes (imported by module name, so forked workers find these functions): one RL
-step's gradients, and a loop that one rank is asked to stop."""
+"""Trainer ranks in gloo processes (imported by module name, so forked or spawned workers find these functions):
+one RL step's gradients, and a loop that one rank is asked to stop."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -27,8 +27,11 @@ def _entry(fn, rank, world, init_file, out_dir, args):
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
-    """fn(rank, world, *args) on `world` forked processes of one gloo group; every rank's result."""
-    ctx = mp.get_context("fork")
+    """fn(rank, world, *args) on `world` processes of one gloo group; every rank's result."""
+    # A process that has touched CUDA cannot fork a child that uses it ("Cannot re-initialize CUDA in forked
+    # subprocess"), and the trainer takes the GPU where there is one; spawned children get the parent's sys.path, so
+    # they find this module too.
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args)) for r in range(world)]
