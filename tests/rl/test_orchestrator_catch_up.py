@@ -183,3 +183,40 @@ def test_the_state_caught_up_is_persisted_before_the_answer(tmp_path, fakes):
     # p9 is skipped when drawn, or, drawn after the version post and before the record, taken out of flight
     assert saved.consumed == 8 and saved.first_step == 0 and saved.trained_ahead == ([9] if saved.next_prompt <= 9 else [])
     assert not {4, 5, 6, 9} & {p.index for p in saved.pending} | {g.prompt_index for g in saved.buffered}
+
+
+def test_an_orchestrator_restarted_after_a_catch_up_still_holds_the_state_before_it(tmp_path, fakes):
+    """The state before a catch-up is in the state file (format 5): an orchestrator restarted from that file,
+    whose trainer then dies and resumes from the checkpoint older than the catch-up, serves that checkpoint's next
+    step again instead of refusing it."""
+    from moe_rl_eks.workloads.orchestrator.state_file import read_state
+
+    servers, path = fakes(1), tmp_path / "orchestrator-state.json"
+
+    async def caught_up():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        await orch.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]})
+        checkpoint = orch.snapshot()  # what /v1/state (a trainer checkpoint) records
+        await orch.stop()
+        return checkpoint
+
+    async def restarted(saved):
+        orch = orchestrator(tmp_path, servers.urls, state=saved, state_path=path, orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))  # the trainer re-posts its version to the restarted orchestrator
+        await orch.publish(VersionRef(1, 2))  # then dies and resumes from its checkpoint of step 2
+        batch = await orch.batch(2, 2, timeout_s=20)
+        await orch.stop()
+        return batch
+
+    checkpoint = asyncio.run(caught_up())
+    saved = read_state(path)
+    assert checkpoint.held is None and saved.held is not None
+    assert (saved.held.next_step, saved.held.lineage, saved.held.until) == (2, 0, 4)
+    assert saved.held.state.consumed == 4 and saved.consumed == 8
+    batch = asyncio.run(restarted(saved))
+    assert batch.step == 2 and batch.lineage == 1
+    assert not {request_of(s.id) for s in batch.samples} & {"p0", "p1", "p2", "p3"}

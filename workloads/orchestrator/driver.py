@@ -18,9 +18,9 @@ trainer trained on is behind the trainer: its next batch to form is older than t
 trainer then hands over its record of the batches it trained (`catch_up`: the request ids of each step since its
 second newest checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream
 (buffer.py GroupBuffer.catch_up), so no prompt trains twice. Until the trainer commits a checkpoint at or past the
-step caught up to, the state as it was before is held: a trainer that dies and resumes from the older checkpoint
-(a new lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint
-are formed again.
+step caught up to, the state as it was before is held (in the state file too: an orchestrator restarted meanwhile
+keeps it): a trainer that dies and resumes from the older checkpoint (a new lineage asking for a step only that
+state can serve) gets that one, and the batches after the checkpoint are formed again.
 
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
@@ -44,7 +44,7 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..rl.data import PromptSource
 from ..rl.openai_api import CompletionRequest
-from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, PromptRecord, Sample,
+from ..rl.protocol import (Batch, Choice, Completion, Group, HeldState, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
@@ -110,17 +110,6 @@ class Settings:
                                 allowance_s=self.straggler_after_s, cap_s=self.request_timeout_s)
 
 
-@dataclass
-class HeldState:
-    """The state before a catch-up (and its next step to form, the trainer's lineage then), held until a checkpoint
-    at or past `until`, the step caught up to, is committed."""
-
-    state: OrchestratorState
-    next_step: int
-    lineage: int
-    until: int
-
-
 class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
@@ -137,10 +126,11 @@ class Orchestrator:
         self.routing = RoutingStore(settings.routing_dir, registry=self.metrics) if settings.routing_replay else None
         self._swept = 0.0  # monotonic time of the last orphan sweep
         self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
+        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
         if state is not None:
             self._restore(state)
+            self._caught_up = state.held  # persisted with the state file's state (a checkpoint's holds none)
         self._fallback = fallback
-        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
         self.state_path = state_path
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
@@ -210,6 +200,7 @@ class Orchestrator:
                 log.info("trainer resumed in lineage %d: continuing from its checkpoint's orchestrator state",
                          ref.lineage)
                 self._restore(self._fallback)
+                self._caught_up = None  # the checkpoint the trainer resumed from is the state to serve it
             self._fallback = None
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
@@ -283,7 +274,8 @@ class Orchestrator:
         if self.state_path is None:
             return
         async with self._persisting:
-            await asyncio.to_thread(write_state, self.state_path, self.snapshot())
+            state = dataclasses.replace(self.snapshot(), held=self._caught_up)
+            await asyncio.to_thread(write_state, self.state_path, state)
 
     async def _wait_batch(self, step: int, committed: int, timeout_s: float) -> tuple[Batch | None, bool]:
         """(the batch or None, whether it was formed by this call)."""
