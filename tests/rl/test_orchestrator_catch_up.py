@@ -3,11 +3,13 @@ the trainer's record of the batches it trained catches it up (GroupBuffer.catch_
 trains twice, and a record that does not fit is refused changing nothing. The process test is in test_faults.py."""
 import asyncio
 import dataclasses
+import json
 
 import pytest
 from test_orchestrator import GRPO, complete, orchestrator, prompt
 
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, MalformedRecord, StepConflict
+from moe_rl_eks.workloads.rl.checkpoint_dirs import LATEST, ORCHESTRATOR_STATE, final_dir
 from moe_rl_eks.workloads.rl.data import BUILTIN_SOURCE
 from moe_rl_eks.workloads.rl.protocol import OrchestratorState, VersionRef, request_of, sample_staleness
 
@@ -59,11 +61,13 @@ def test_a_record_that_does_not_fit_the_state_is_refused_and_changes_nothing(rec
     assert buf.snapshot() == before
 
 
-def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0):
+def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0,
+                                      on_disk: int | None = None):
     """The first orchestrator serves batches 0..5 to a trainer's HttpBatchSource (the trainer's committed step
-    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's; it dies and its state
-    file is lost. Returns the source, the ids trained by step, and (orchestrator, server) started on the same port
-    from the checkpoint's state alone."""
+    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's (and the one before
+    step `on_disk`, if given, the run's newest trainer checkpoint's on disk); it dies and its state file is lost.
+    Returns the source, the ids trained by step, and (orchestrator, server) started on the same port from the
+    checkpoint's state alone."""
     from moe_rl_eks.workloads.orchestrator.app import make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
     from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
@@ -74,12 +78,17 @@ def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, com
         orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 1})
         return orch, BackgroundServer(make_app(orch, batch_poll_s=5.0), port=port).start()
 
-    _, first = serve(None)
+    orch, first = serve(None)
     source = HttpBatchSource(first.url)
     trained, checkpoint = {}, None
     for step in range(6):
         if step == checkpoint_at:
             checkpoint = OrchestratorState.from_json(source.state())
+        if step == on_disk:
+            newest = final_dir(orch.checkpoints, step)
+            newest.mkdir(parents=True)
+            (newest / ORCHESTRATOR_STATE).write_text(json.dumps(source.state()))
+            (orch.checkpoints / LATEST).write_text(newest.name)
         source.version_published(step, 0)
         trained[step] = [s.id for s in source.next_batch(step, committed(step), lambda: False).samples]
     source.version_published(6, 0)
@@ -124,18 +133,44 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
 
 def test_a_trainer_whose_record_begins_after_the_restored_state_fails_naming_both_refusals(tmp_path, fakes):
     """The source keeps its record from the committed step before the newest on (here 2, with 4 the newest): an
-    orchestrator restored from a state of step 1 lacks step 1 from both, and the trainer fails, saying so."""
+    orchestrator restored from a state of step 1 lacks step 1 from both, and with no checkpoint state on disk to
+    take instead (an orchestrator not sharing the run's output), the trainer fails, saying so."""
     source, _, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=1,
                                                                   committed=lambda step: step // 2 * 2)
     try:
         assert sorted(source.trained) == [2, 3, 4, 5]
         with pytest.raises(RuntimeError, match=r"refused the batch request: 409 .*next batch to form is step 1.*; "
                                                r"our record of steps 2\.\.5 was refused too: 409 .*steps 1\.\.1 are "
-                                               r"known to neither"):
+                                               r"known to neither, and the run has no checkpoint state"):
             source.next_batch(6, 4, lambda: False)
         assert orch.buffer.next_step() == 1 and orch.buffer.counts["caught_up_steps"] == 0
     finally:
         second.stop()
+
+
+def test_an_orchestrator_resumed_from_a_state_older_than_the_trainers_record_adopts_the_newest_checkpoint(
+        tmp_path, fakes, caplog):
+    """Restored from a state of step 1 (an explicit older --resume path) while the trainer's record covers 2..5:
+    the orchestrator takes the run's newest checkpoint's state (step 4) instead, catches it up to step 6 from the
+    record, says so, and the trainer goes on at steps 6 and 7 with no prompt trained twice."""
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(
+        tmp_path, fakes(1), checkpoint_at=1, committed=lambda step: step // 2 * 2, on_disk=4)
+    try:
+        with caplog.at_level("WARNING", logger="moe_rl_eks.workloads.orchestrator.driver"):
+            later = {}
+            for step in (6, 7):
+                later[step] = source.next_batch(step, 4, lambda: False)
+                source.version_published(step + 1, 0)
+        counts = dict(orch.buffer.counts)
+    finally:
+        second.stop()
+    assert counts["caught_up_steps"] == 2 and counts["restarts"] == 1  # 4..5 from the record, on the adopted state
+    assert any("adopted the run's newest checkpoint state" in r.message and "(next step 4)" in r.message
+               and "(next step 1)" in r.message and "steps 2..5" in r.message for r in caplog.records)
+    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
+    assert [later[s].step for s in (6, 7)] == [6, 7]
+    seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
+    assert len(set(seen)) == 4 and not set(seen) & prompts_trained
 
 
 def checkpointed_state():
