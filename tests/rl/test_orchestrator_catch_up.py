@@ -4,6 +4,8 @@ trains twice, and a record that does not fit is refused changing nothing. The pr
 import asyncio
 import dataclasses
 import json
+import re
+import urllib.request
 
 import pytest
 from test_orchestrator import GRPO, complete, orchestrator, prompt
@@ -59,6 +61,14 @@ def test_a_record_that_does_not_fit_the_state_is_refused_and_changes_nothing(rec
     with pytest.raises(refused, match=message):
         buf.catch_up(record)
     assert buf.snapshot() == before
+
+
+def catch_up_metrics(url: str) -> dict[str, float]:
+    """The orchestrator's catch-up series on its /metrics (Prometheus text), by series name with labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    series = re.findall(r"^(moerl_orchestrator_ca\w+_total\S*) (\S+)$", text, re.M)
+    return {name: float(value) for name, value in series}
 
 
 def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0,
@@ -117,9 +127,12 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
         restarted.version_published(2, 1)
         again = restarted.next_batch(2, 2, lambda: False)
         restarts = orch.buffer.counts["restarts"]
+        metrics = catch_up_metrics(second.url)
     finally:
         second.stop()
     assert caught_up == 4 and source.reannounced >= 1 and restarts == 1  # a state replaced, not another start
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="own"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 4.0}
     prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
     for step, batch in later.items():
         assert batch.step == step and len({request_of(s.id) for s in batch.samples}) == 2
@@ -144,6 +157,7 @@ def test_a_trainer_whose_record_begins_after_the_restored_state_fails_naming_bot
                                                r"known to neither, and the run has no checkpoint state"):
             source.next_batch(6, 4, lambda: False)
         assert orch.buffer.next_step() == 1 and orch.buffer.counts["caught_up_steps"] == 0
+        assert catch_up_metrics(second.url) == {}  # a refused record is no catch-up
     finally:
         second.stop()
 
@@ -162,8 +176,11 @@ def test_an_orchestrator_resumed_from_a_state_older_than_the_trainers_record_ado
                 later[step] = source.next_batch(step, 4, lambda: False)
                 source.version_published(step + 1, 0)
         counts = dict(orch.buffer.counts)
+        metrics = catch_up_metrics(second.url)
     finally:
         second.stop()
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 2.0}
     assert counts["caught_up_steps"] == 2 and counts["restarts"] == 1  # 4..5 from the record, on the adopted state
     assert any("adopted the run's newest checkpoint state" in r.message and "(next step 4)" in r.message
                and "(next step 1)" in r.message and "steps 2..5" in r.message for r in caplog.records)

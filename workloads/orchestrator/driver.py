@@ -267,6 +267,9 @@ class Orchestrator:
             before = self.snapshot()
             done = self.buffer.catch_up(trained)
         steps = self.buffer.counts["caught_up_steps"] - before.counts["caught_up_steps"]
+        if steps or adopted:
+            self.metrics[M.ORCHESTRATOR_CATCH_UPS].labels(state="newest_checkpoint" if adopted else "own").inc()
+            self.metrics[M.ORCHESTRATOR_CAUGHT_UP_STEPS].inc(steps)
         if not steps:  # nothing this state lacked (the checkpoint adopted may have reached the trainer's step)
             if adopted:
                 await self.persist()
