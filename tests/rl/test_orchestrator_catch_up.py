@@ -272,3 +272,51 @@ def test_an_orchestrator_restarted_after_a_catch_up_still_holds_the_state_before
     batch = asyncio.run(restarted(saved))
     assert batch.step == 2 and batch.lineage == 1
     assert not {request_of(s.id) for s in batch.samples} & {"p0", "p1", "p2", "p3"}
+
+
+def test_a_newest_checkpoint_that_does_not_fit_the_record_is_refused_and_one_at_the_trainers_step_is_adopted(
+        tmp_path, fakes):
+    """The state (next step 2) is older than the record of step 3. A newest checkpoint state as old (step 2) fits no
+    better: refused naming both, nothing changed. One of step 4 (batches 0..3 formed) already holds the record's
+    step: adopted with no step to catch up, persisted, and counted."""
+    from moe_rl_eks.workloads.orchestrator.state_file import read_state
+
+    servers, path = fakes(1), tmp_path / "orchestrator-state.json"
+    ahead = GroupBuffer(prompts_per_step=2, max_staleness=2, correct_reward=1.0)
+    ahead.set_trainer(VersionRef(0, 0))
+    for i in range(8):
+        complete(ahead, i, 0)
+        if i % 2:
+            ahead.batch(i // 2, 0, 0, GRPO)
+    at_step_4 = dataclasses.replace(ahead.snapshot(), source={"kind": BUILTIN_SOURCE, "cursor": 8})
+
+    def formed(state):  # what a catch-up changes (prompts may be issued meanwhile: the budget is open)
+        return state.consumed, state.first_step, sorted(state.batches), state.trained_ahead
+
+    def newest_checkpoint(orch, state):
+        newest = final_dir(orch.checkpoints, 4)
+        newest.mkdir(parents=True, exist_ok=True)
+        (newest / ORCHESTRATOR_STATE).write_text(json.dumps(state.to_json()))
+        (orch.checkpoints / LATEST).write_text(newest.name)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        newest_checkpoint(orch, checkpointed_state())
+        before = formed(orch.snapshot())
+        with pytest.raises(StepConflict, match=r"steps 2\.\.2 are known to neither; nor does the trainer's record fit "
+                                               r"the run's newest checkpoint state .*step-00000004.*steps 2\.\.2"):
+            await orch.catch_up({3: ["p6", "p7"]})
+        refused = formed(orch.snapshot()) == before == (4, 0, [0, 1], [])
+        newest_checkpoint(orch, at_step_4)
+        next_step = await orch.catch_up({3: ["p6", "p7"]})
+        metrics = orch.metrics.exposition().decode()
+        await orch.stop()
+        return refused, next_step, metrics
+
+    refused, next_step, metrics = asyncio.run(scenario())
+    assert refused and next_step == 4 and read_state(path).consumed == 8
+    assert 'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"} 1.0' in metrics
+    assert "moerl_orchestrator_caught_up_steps_total 0.0" in metrics
