@@ -62,6 +62,8 @@ ROLLOUT_DEADLINE_MISSES = Metric("moerl_rollout_deadline_misses_total", "counter
 REWARD_FAILURES = Metric("moerl_reward_failures_total", "counter", "Reward computations that failed (timeout, error or non-finite score); their samples are masked, not scored")
 SAMPLES_FILTERED = Metric("moerl_samples_filtered_total", "counter", "Samples dropped by dynamic sampling (groups whose rewards do not vary)")
 ORCHESTRATOR_RESTARTS = Metric("moerl_orchestrator_restarts", "gauge", "Times this run's orchestrator has started again from a persisted state (its own per-step file or a trainer checkpoint's); kept in that state, so it survives the restarts it counts")
+ORCHESTRATOR_CATCH_UPS = Metric("moerl_orchestrator_catch_ups_total", "counter", "Catch-ups of the orchestrator's state to a trainer past it (restored from an older state), by the state caught up: own (the one it holds) or newest_checkpoint (the run's newest checkpoint's, taken for a state older than the trainer's record)", ("state",))
+ORCHESTRATOR_CAUGHT_UP_STEPS = Metric("moerl_orchestrator_caught_up_steps_total", "counter", "Steps a catch-up took as trained from the trainer's record of its batches (steps the orchestrator's state never recorded)")
 # The rollout's logprobs against the trainer's at the weights a batch starts from, over its completion tokens (in
 # the exact numerics mode 1, 0, 0 for tokens sampled by those weights; tokens of older versions add policy lag).
 LOGPROB_BITWISE_EQUAL = Metric("moerl_logprob_bitwise_equal_fraction", "gauge", "Fraction of the last batch's completion tokens whose rollout logprob equals the trainer's bitwise")
@@ -84,5 +86,5 @@ ALL = (ROLLOUT_TOKENS_PER_SECOND, ROLLOUT_QUEUE_DEPTH, ROLLOUT_REQUESTS, ROLLOUT
        STRAGGLER_RATIO, EXPERT_LOAD_IMBALANCE, REWARD_MEAN, WEIGHT_PUBLISH_SECONDS, WEIGHT_LOAD_SECONDS, ROLLOUT_WEIGHT_VERSION,
        ROLLOUT_SWAPS_IN_FLIGHT, ROLLOUT_ROWS_AT_SWAP, SAMPLE_TOKEN_STALENESS,
        ROLLOUT_BUSY_SECONDS, ROLLOUT_DEVICE_SECONDS, ROLLOUT_STEPS, ROLLOUT_RETRIES, ROLLOUT_DEADLINE_MISSES, REWARD_FAILURES, SAMPLES_FILTERED, TRAINER_IDLE_FRACTION,
-       ORCHESTRATOR_RESTARTS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN,
+       ORCHESTRATOR_RESTARTS, ORCHESTRATOR_CATCH_UPS, ORCHESTRATOR_CAUGHT_UP_STEPS, LOGPROB_BITWISE_EQUAL, LOGPROB_ABS_DIFF_MAX, LOGPROB_ABS_DIFF_MEAN,
        CRITIC_EXPLAINED_VARIANCE, ROUTING_BYTES_WRITTEN, ROUTING_BYTES_READ, ROUTING_BYTES_DELETED, ROUTING_BYTES_STORED)

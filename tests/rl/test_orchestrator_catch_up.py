@@ -3,11 +3,15 @@ the trainer's record of the batches it trained catches it up (GroupBuffer.catch_
 trains twice, and a record that does not fit is refused changing nothing. The process test is in test_faults.py."""
 import asyncio
 import dataclasses
+import json
+import re
+import urllib.request
 
 import pytest
 from test_orchestrator import GRPO, complete, orchestrator, prompt
 
 from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer, MalformedRecord, StepConflict
+from moe_rl_eks.workloads.rl.checkpoint_dirs import LATEST, ORCHESTRATOR_STATE, final_dir
 from moe_rl_eks.workloads.rl.data import BUILTIN_SOURCE
 from moe_rl_eks.workloads.rl.protocol import OrchestratorState, VersionRef, request_of, sample_staleness
 
@@ -59,11 +63,21 @@ def test_a_record_that_does_not_fit_the_state_is_refused_and_changes_nothing(rec
     assert buf.snapshot() == before
 
 
-def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0):
+def catch_up_metrics(url: str) -> dict[str, float]:
+    """The orchestrator's catch-up series on its /metrics (Prometheus text), by series name with labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    series = re.findall(r"^(moerl_orchestrator_ca\w+_total\S*) (\S+)$", text, re.M)
+    return {name: float(value) for name, value in series}
+
+
+def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, committed=lambda step: 0,
+                                      on_disk: int | None = None):
     """The first orchestrator serves batches 0..5 to a trainer's HttpBatchSource (the trainer's committed step
-    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's; it dies and its state
-    file is lost. Returns the source, the ids trained by step, and (orchestrator, server) started on the same port
-    from the checkpoint's state alone."""
+    at each: `committed(step)`), its /v1/state before step `checkpoint_at` is the checkpoint's (and the one before
+    step `on_disk`, if given, the run's newest trainer checkpoint's on disk); it dies and its state file is lost.
+    Returns the source, the ids trained by step, and (orchestrator, server) started on the same port from the
+    checkpoint's state alone."""
     from moe_rl_eks.workloads.orchestrator.app import make_app
     from moe_rl_eks.workloads.rl.runtime import BackgroundServer
     from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
@@ -74,12 +88,17 @@ def first_life_then_a_lost_state_file(tmp_path, servers, checkpoint_at: int, com
         orch = orchestrator(tmp_path, servers.urls, state=state, state_path=path, orchestrator={"max_staleness": 1})
         return orch, BackgroundServer(make_app(orch, batch_poll_s=5.0), port=port).start()
 
-    _, first = serve(None)
+    orch, first = serve(None)
     source = HttpBatchSource(first.url)
     trained, checkpoint = {}, None
     for step in range(6):
         if step == checkpoint_at:
             checkpoint = OrchestratorState.from_json(source.state())
+        if step == on_disk:
+            newest = final_dir(orch.checkpoints, step)
+            newest.mkdir(parents=True)
+            (newest / ORCHESTRATOR_STATE).write_text(json.dumps(source.state()))
+            (orch.checkpoints / LATEST).write_text(newest.name)
         source.version_published(step, 0)
         trained[step] = [s.id for s in source.next_batch(step, committed(step), lambda: False).samples]
     source.version_published(6, 0)
@@ -108,9 +127,12 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
         restarted.version_published(2, 1)
         again = restarted.next_batch(2, 2, lambda: False)
         restarts = orch.buffer.counts["restarts"]
+        metrics = catch_up_metrics(second.url)
     finally:
         second.stop()
     assert caught_up == 4 and source.reannounced >= 1 and restarts == 1  # a state replaced, not another start
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="own"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 4.0}
     prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
     for step, batch in later.items():
         assert batch.step == step and len({request_of(s.id) for s in batch.samples}) == 2
@@ -124,18 +146,48 @@ def test_an_orchestrator_restored_from_an_older_state_catches_up_to_the_trainers
 
 def test_a_trainer_whose_record_begins_after_the_restored_state_fails_naming_both_refusals(tmp_path, fakes):
     """The source keeps its record from the committed step before the newest on (here 2, with 4 the newest): an
-    orchestrator restored from a state of step 1 lacks step 1 from both, and the trainer fails, saying so."""
+    orchestrator restored from a state of step 1 lacks step 1 from both, and with no checkpoint state on disk to
+    take instead (an orchestrator not sharing the run's output), the trainer fails, saying so."""
     source, _, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=1,
                                                                   committed=lambda step: step // 2 * 2)
     try:
         assert sorted(source.trained) == [2, 3, 4, 5]
         with pytest.raises(RuntimeError, match=r"refused the batch request: 409 .*next batch to form is step 1.*; "
                                                r"our record of steps 2\.\.5 was refused too: 409 .*steps 1\.\.1 are "
-                                               r"known to neither"):
+                                               r"known to neither, and the run has no checkpoint state"):
             source.next_batch(6, 4, lambda: False)
         assert orch.buffer.next_step() == 1 and orch.buffer.counts["caught_up_steps"] == 0
+        assert catch_up_metrics(second.url) == {}  # a refused record is no catch-up
     finally:
         second.stop()
+
+
+def test_an_orchestrator_resumed_from_a_state_older_than_the_trainers_record_adopts_the_newest_checkpoint(
+        tmp_path, fakes, caplog):
+    """Restored from a state of step 1 (an explicit older --resume path) while the trainer's record covers 2..5:
+    the orchestrator takes the run's newest checkpoint's state (step 4) instead, catches it up to step 6 from the
+    record, says so, and the trainer goes on at steps 6 and 7 with no prompt trained twice."""
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(
+        tmp_path, fakes(1), checkpoint_at=1, committed=lambda step: step // 2 * 2, on_disk=4)
+    try:
+        with caplog.at_level("WARNING", logger="moe_rl_eks.workloads.orchestrator.driver"):
+            later = {}
+            for step in (6, 7):
+                later[step] = source.next_batch(step, 4, lambda: False)
+                source.version_published(step + 1, 0)
+        counts = dict(orch.buffer.counts)
+        metrics = catch_up_metrics(second.url)
+    finally:
+        second.stop()
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 2.0}
+    assert counts["caught_up_steps"] == 2 and counts["restarts"] == 1  # 4..5 from the record, on the adopted state
+    assert any("adopted the run's newest checkpoint state" in r.message and "(next step 4)" in r.message
+               and "(next step 1)" in r.message and "steps 2..5" in r.message for r in caplog.records)
+    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
+    assert [later[s].step for s in (6, 7)] == [6, 7]
+    seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
+    assert len(set(seen)) == 4 and not set(seen) & prompts_trained
 
 
 def checkpointed_state():
@@ -183,3 +235,88 @@ def test_the_state_caught_up_is_persisted_before_the_answer(tmp_path, fakes):
     # p9 is skipped when drawn, or, drawn after the version post and before the record, taken out of flight
     assert saved.consumed == 8 and saved.first_step == 0 and saved.trained_ahead == ([9] if saved.next_prompt <= 9 else [])
     assert not {4, 5, 6, 9} & {p.index for p in saved.pending} | {g.prompt_index for g in saved.buffered}
+
+
+def test_an_orchestrator_restarted_after_a_catch_up_still_holds_the_state_before_it(tmp_path, fakes):
+    """The state before a catch-up is in the state file (format 5): an orchestrator restarted from that file,
+    whose trainer then dies and resumes from the checkpoint older than the catch-up, serves that checkpoint's next
+    step again instead of refusing it."""
+    from moe_rl_eks.workloads.orchestrator.state_file import read_state
+
+    servers, path = fakes(1), tmp_path / "orchestrator-state.json"
+
+    async def caught_up():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        await orch.catch_up({2: ["p5", "p6"], 3: ["p4", "p9"]})
+        checkpoint = orch.snapshot()  # what /v1/state (a trainer checkpoint) records
+        await orch.stop()
+        return checkpoint
+
+    async def restarted(saved):
+        orch = orchestrator(tmp_path, servers.urls, state=saved, state_path=path, orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))  # the trainer re-posts its version to the restarted orchestrator
+        await orch.publish(VersionRef(1, 2))  # then dies and resumes from its checkpoint of step 2
+        batch = await orch.batch(2, 2, timeout_s=20)
+        await orch.stop()
+        return batch
+
+    checkpoint = asyncio.run(caught_up())
+    saved = read_state(path)
+    assert checkpoint.held is None and saved.held is not None
+    assert (saved.held.next_step, saved.held.lineage, saved.held.until) == (2, 0, 4)
+    assert saved.held.state.consumed == 4 and saved.consumed == 8
+    batch = asyncio.run(restarted(saved))
+    assert batch.step == 2 and batch.lineage == 1
+    assert not {request_of(s.id) for s in batch.samples} & {"p0", "p1", "p2", "p3"}
+
+
+def test_a_newest_checkpoint_that_does_not_fit_the_record_is_refused_and_one_at_the_trainers_step_is_adopted(
+        tmp_path, fakes):
+    """The state (next step 2) is older than the record of step 3. A newest checkpoint state as old (step 2) fits no
+    better: refused naming both, nothing changed. One of step 4 (batches 0..3 formed) already holds the record's
+    step: adopted with no step to catch up, persisted, and counted."""
+    from moe_rl_eks.workloads.orchestrator.state_file import read_state
+
+    servers, path = fakes(1), tmp_path / "orchestrator-state.json"
+    ahead = GroupBuffer(prompts_per_step=2, max_staleness=2, correct_reward=1.0)
+    ahead.set_trainer(VersionRef(0, 0))
+    for i in range(8):
+        complete(ahead, i, 0)
+        if i % 2:
+            ahead.batch(i // 2, 0, 0, GRPO)
+    at_step_4 = dataclasses.replace(ahead.snapshot(), source={"kind": BUILTIN_SOURCE, "cursor": 8})
+
+    def formed(state):  # what a catch-up changes (prompts may be issued meanwhile: the budget is open)
+        return state.consumed, state.first_step, sorted(state.batches), state.trained_ahead
+
+    def newest_checkpoint(orch, state):
+        newest = final_dir(orch.checkpoints, 4)
+        newest.mkdir(parents=True, exist_ok=True)
+        (newest / ORCHESTRATOR_STATE).write_text(json.dumps(state.to_json()))
+        (orch.checkpoints / LATEST).write_text(newest.name)
+
+    async def scenario():
+        orch = orchestrator(tmp_path, servers.urls, state=checkpointed_state(), state_path=path,
+                            orchestrator={"max_staleness": 2})
+        await orch.start()
+        await orch.publish(VersionRef(0, 4))
+        newest_checkpoint(orch, checkpointed_state())
+        before = formed(orch.snapshot())
+        with pytest.raises(StepConflict, match=r"steps 2\.\.2 are known to neither; nor does the trainer's record fit "
+                                               r"the run's newest checkpoint state .*step-00000004.*steps 2\.\.2"):
+            await orch.catch_up({3: ["p6", "p7"]})
+        refused = formed(orch.snapshot()) == before == (4, 0, [0, 1], [])
+        newest_checkpoint(orch, at_step_4)
+        next_step = await orch.catch_up({3: ["p6", "p7"]})
+        metrics = orch.metrics.exposition().decode()
+        await orch.stop()
+        return refused, next_step, metrics
+
+    refused, next_step, metrics = asyncio.run(scenario())
+    assert refused and next_step == 4 and read_state(path).consumed == 8
+    assert 'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"} 1.0' in metrics
+    assert "moerl_orchestrator_caught_up_steps_total 0.0" in metrics

@@ -174,18 +174,24 @@ def test_persisted_state_and_batches_carry_their_format_and_an_older_or_newer_on
     from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer
     from moe_rl_eks.workloads.rl.protocol import STATE_FORMAT, WIRE_FORMAT
 
-    # wire format 3: routing by reference to the routing store; state format 4: the prompts trained ahead
-    assert (WIRE_FORMAT, STATE_FORMAT) == (3, 4)
+    # wire format 3: routing by reference to the routing store; state format 5: the state held from before a
+    # catch-up (format 4: the prompts trained ahead)
+    assert (WIRE_FORMAT, STATE_FORMAT) == (3, 5)
     state = GroupBuffer(prompts_per_step=1, max_staleness=0, correct_reward=1.0).snapshot().to_json()
-    assert state["format"] == STATE_FORMAT and OrchestratorState.from_json(state).format == 4
+    assert state["format"] == STATE_FORMAT and OrchestratorState.from_json(state).format == 5
+    assert OrchestratorState.from_json({**state, "format": 4}).held is None  # a format-4 state held none
+    held = {"state": state, "next_step": 0, "lineage": 0, "until": 1}
+    assert OrchestratorState.from_json({**state, "held": held}).held.until == 1
+    with pytest.raises(ProtocolError, match=r"^orchestrator_state\.held: .*holds none itself"):
+        OrchestratorState.from_json({**state, "held": {**held, "state": {**state, "held": held}}})
     old = {k: v for k, v in state.items() if k != "format"}  # written before formats were recorded: format 1
     with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 1 .*format 1 by an older moe-rl-eks; this "
-                                            r"one reads format 4 \(format 2 records each sample's per-token "
+                                            r"one reads format 5 \(format 2 records each sample's per-token "
                                             r"weight versions; format 3 refers to each sample's routed experts.*; "
-                                            r"format 4 lists the prompts a trainer trained"):
+                                            r"format 4 lists the prompts a trainer trained.*; format 5 keeps"):
         OrchestratorState.from_json(old)
     with pytest.raises(ProtocolError, match=r"orchestrator_state\.format: .*format 9 by a newer moe-rl-eks; this one "
-                                            r"reads formats up to 4"):
+                                            r"reads formats up to 5"):
         OrchestratorState.from_json({**state, "format": 9})
     sample = TrainingSample("p0/0", [1, 2], [3], [-0.5], 1.0, 1.0, True, one_version(VersionRef(0, 0), 1))
     batch = Batch(0, 0, [sample], BatchStats(0.0, 1.0, 0.0, 0, 0, 0, 0, 1), format=WIRE_FORMAT).to_json()
@@ -210,20 +216,21 @@ def test_a_format_2_record_without_routing_is_migrated_and_one_with_inline_routi
     with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 2 .*carries routing arrays inline, which "
                                             r"format 3 keeps in the routing store"):
         OrchestratorState.from_json(state)
-    del group["samples"][0]["routing"]  # without routing: format 2's state layout is format 4's less trained_ahead
+    del group["samples"][0]["routing"]  # without routing: format 2's state layout is format 5's less trained_ahead
     migrated = OrchestratorState.from_json({**state, "buffered": [group]})
-    assert migrated.format == 4 and migrated.trained_ahead == [] and migrated.buffered[0].request_id == "p7"
+    assert migrated.format == 5 and migrated.trained_ahead == [] and migrated.buffered[0].request_id == "p7"
 
 
-def test_a_format_3_state_is_read_as_format_4_with_no_prompt_trained_ahead_and_a_format_4_one_keeps_them():
+def test_a_format_3_state_is_read_with_no_prompt_trained_ahead_and_a_format_4_one_keeps_them():
     from moe_rl_eks.workloads.orchestrator.buffer import GroupBuffer
 
     state = OrchestratorState(5, 4, [], [], {}, {"completed": 4}, first_step=0, trained_ahead=[9, 12]).to_json()
-    assert state["format"] == 4 and state["trained_ahead"] == [9, 12]
+    state["format"] = 4
+    assert state["trained_ahead"] == [9, 12]
     restored = GroupBuffer.restore(OrchestratorState.from_json(state), prompts_per_step=2, max_staleness=0,
                                    correct_reward=1.0)
     assert restored.trained_ahead == {9, 12} and restored.snapshot().trained_ahead == [9, 12]
     format_3 = {k: v for k, v in state.items() if k != "trained_ahead"} | {"format": 3}
     assert OrchestratorState.from_json(format_3).trained_ahead == []
-    with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 5 .*newer moe-rl-eks"):
-        OrchestratorState.from_json({**state, "format": 5})
+    with pytest.raises(ProtocolError, match=r"^orchestrator_state\.format: 6 .*newer moe-rl-eks"):
+        OrchestratorState.from_json({**state, "format": 6})

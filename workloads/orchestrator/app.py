@@ -7,8 +7,9 @@ for Prometheus.
   POST /v1/version {"version", "lineage"}   the trainer published a version: pushed to every rollout server
   POST /v1/trained {"batches": {step: [request ids]}}   the trainer's record of the batches it trained, after a
                                       409 from an orchestrator behind it (restored from an older state): the steps
-                                      it lacks are caught up (200 with the next step to form), or 409 where the
-                                      record does not fit, changing nothing
+                                      it lacks are caught up (200 with the next step to form; a state older than
+                                      the record is first replaced by the run's newest checkpoint's), or 409 where
+                                      the record does not fit, changing nothing
   GET  /v1/state                      the orchestrator's state (what a trainer checkpoint stores)
   GET  /health, /metrics
 """
@@ -34,7 +35,7 @@ from .buffer import MalformedRecord, StepConflict
 from .client import HttpRolloutBackend
 from .driver import Orchestrator, Settings
 from .pool import ServerPool
-from .state_file import STATE_FILE, read_state
+from .state_file import STATE_FILE, checkpoint_state_path, read_state
 
 log = logging.getLogger(__name__)
 BATCH_POLL_S = 10.0
@@ -142,6 +143,7 @@ def build(run: RunConfig, endpoints: list[str], token: str | None, events_path: 
     source = make_prompt_source(run, tokenizer)
     return Orchestrator(Settings.of(run), pool, HttpRolloutBackend(token), source, reward_scorer(run),
                         advantages, events_path=events_path, state=state, fallback=fallback, state_path=state_path,
+                        checkpoints=output_dir(run) / "checkpoints",
                         evaluator=PeriodicEvaluator(run, output_dir(run), tokenizer))
 
 
@@ -149,10 +151,8 @@ def resume_state(resume: str | None, out: Path) -> OrchestratorState | None:
     """`--resume`: a path to orchestrator.json, or 'latest' for the one in the run's newest trainer checkpoint
     (None while there is no checkpoint yet: a fresh start)."""
     if resume == "latest":
-        from ..rl.checkpoint_dirs import latest
-
-        newest = latest(out / "checkpoints")
-        resume = str(newest / "orchestrator.json") if newest else None
+        newest = checkpoint_state_path(out / "checkpoints")
+        resume = str(newest) if newest else None
         log.info("resuming from %s", resume or "nothing: no checkpoint yet")
     if not resume:
         return None
@@ -172,7 +172,8 @@ def main(argv: list[str]) -> int:
                                          f"with {STATE_FILE} in the run's output (written every step), that one "
                                          "is continued and the checkpoint's taken only if the trainer restarts "
                                          "from its checkpoint; without it (lost), the checkpoint's is caught up to "
-                                         "a trainer past it from the trainer's record of its batches")
+                                         "a trainer past it from the trainer's record of its batches (one older "
+                                         "than that record is replaced by the run's newest checkpoint's first)")
     args = parser.parse_args(argv)
     run = load(args.run)
     out = output_dir(run)

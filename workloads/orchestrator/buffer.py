@@ -41,6 +41,11 @@ class StepConflict(ValueError):
     that does not fit this state)."""
 
 
+class RecordGap(StepConflict):
+    """A trainer's record of trained batches begins after this state ends: the steps between are known to neither
+    (a state older than the trainer's record: a newer checkpoint's state can be caught up instead)."""
+
+
 class MalformedRecord(ValueError):
     """A trainer's record of trained batches names something that is no request id of this orchestrator's."""
 
@@ -245,9 +250,8 @@ class GroupBuffer:
         if steps[-1] < expected:
             return CaughtUp(expected)  # nothing this state lacks (a repeated post: idempotent)
         if steps[0] > expected:
-            raise StepConflict(f"the trainer's record begins at step {steps[0]} and this state ends before step "
-                               f"{expected}: steps {expected}..{steps[0] - 1} are known to neither; restart the "
-                               f"orchestrator from the trainer's newest checkpoint (--resume latest)")
+            raise RecordGap(f"the trainer's record begins at step {steps[0]} and this state ends before step "
+                            f"{expected}: steps {expected}..{steps[0] - 1} are known to neither")
         held = set().union(*(request_ids(b) for b in self.batches.values()))
         ahead: list[str] = []
         for step in steps:

@@ -13,14 +13,16 @@ checkpoint: the batches after it are formed again from the same prompts and seed
 prompt is issued and a batch request is answered at once with the version held (none), so the trainer re-posts
 its version within one poll (trainer/orchestrator_link.py HttpBatchSource).
 
-A restart that lost the state file (a fresh volume) and resumed from the checkpoint's older state while the
-trainer trained on is behind the trainer: its next batch to form is older than the step asked for (409). The
-trainer then hands over its record of the batches it trained (`catch_up`: the request ids of each step since its
-second newest checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream
-(buffer.py GroupBuffer.catch_up), so no prompt trains twice. Until the trainer commits a checkpoint at or past the
-step caught up to, the state as it was before is held: a trainer that dies and resumes from the older checkpoint
-(a new lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint
-are formed again.
+A restart that lost the state file (a fresh volume) and resumed from the checkpoint's older state while the trainer
+trained on is behind the trainer: its next batch to form is older than the step asked for (409). The trainer then
+hands over its record of the batches it trained (`catch_up`: the request ids of each step since its second newest
+checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream (buffer.py
+GroupBuffer.catch_up), so no prompt trains twice; a state older than that record (an explicit older `--resume`
+path) is first replaced by the run's newest checkpoint's (`_adopt_checkpoint`). Until the trainer commits a
+checkpoint at or past the step caught up to, the state as it was before is held (in the state file too: an
+orchestrator restarted meanwhile keeps it): a trainer that dies and resumes from the older checkpoint (a new
+lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint are formed
+again.
 
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
@@ -44,14 +46,14 @@ from moe_rl_eks.core.run import RunConfig
 
 from ..rl.data import PromptSource
 from ..rl.openai_api import CompletionRequest
-from ..rl.protocol import (Batch, Choice, Completion, Group, OrchestratorState, PromptRecord, Sample,
+from ..rl.protocol import (Batch, Choice, Completion, Group, HeldState, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
-from .buffer import GroupBuffer, StepConflict, request_ids
+from .buffer import GroupBuffer, MalformedRecord, RecordGap, StepConflict, request_ids
 from .client import DeadlineMissed, RequestFault, RolloutBackend, RolloutFault, ServerFault
 from .pool import ServerPool
-from .state_file import write_state
+from .state_file import checkpoint_state_path, read_state, write_state
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 0.5
@@ -110,26 +112,16 @@ class Settings:
                                 allowance_s=self.straggler_after_s, cap_s=self.request_timeout_s)
 
 
-@dataclass
-class HeldState:
-    """The state before a catch-up (and its next step to form, the trainer's lineage then), held until a checkpoint
-    at or past `until`, the step caught up to, is committed."""
-
-    state: OrchestratorState
-    next_step: int
-    lineage: int
-    until: int
-
-
 class Orchestrator:
     def __init__(self, settings: Settings, pool: ServerPool, backend: RolloutBackend, source: PromptSource,
                  score_many: ScoreMany, advantages: Callable[[list[float]], list[float]], *,
                  events_path: Path | None = None, state: OrchestratorState | None = None,
                  fallback: OrchestratorState | None = None, state_path: Path | None = None,
-                 evaluator: Any = None) -> None:
+                 checkpoints: Path | None = None, evaluator: Any = None) -> None:
         """`state`: where to continue from (this orchestrator's own last state, or a checkpoint's); `fallback`:
         the trainer checkpoint's state, taken instead if the trainer's first post names a new lineage;
-        `state_path`: where the state is written every step."""
+        `state_path`: where the state is written every step; `checkpoints`: the run's trainer checkpoints, whose
+        newest state is caught up instead of one older than the trainer's record (_adopt_checkpoint)."""
         self.s, self.pool, self.backend, self.source = settings, pool, backend, source
         self.evaluator = evaluator  # evaluation.PeriodicEvaluator: evaluates a version on the first server holding it
         self.score_many, self.advantages = score_many, advantages
@@ -137,11 +129,12 @@ class Orchestrator:
         self.routing = RoutingStore(settings.routing_dir, registry=self.metrics) if settings.routing_replay else None
         self._swept = 0.0  # monotonic time of the last orphan sweep
         self.buffer = GroupBuffer(settings.prompts_per_step, settings.max_staleness, settings.correct_reward)
+        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
         if state is not None:
             self._restore(state)
+            self._caught_up = state.held  # persisted with the state file's state (a checkpoint's holds none)
         self._fallback = fallback
-        self._caught_up: HeldState | None = None  # the state before a catch-up, until a checkpoint retires it
-        self.state_path = state_path
+        self.state_path, self.checkpoints = state_path, checkpoints
         self._persisting: asyncio.Lock | None = None
         self.events = open(events_path, "a") if events_path else None
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task driving it
@@ -210,6 +203,7 @@ class Orchestrator:
                 log.info("trainer resumed in lineage %d: continuing from its checkpoint's orchestrator state",
                          ref.lineage)
                 self._restore(self._fallback)
+                self._caught_up = None  # the checkpoint the trainer resumed from is the state to serve it
             self._fallback = None
         if self.buffer.set_trainer(ref):
             log.info("trainer published %s", ref)
@@ -243,21 +237,44 @@ class Orchestrator:
                 and (step in held.state.batches or step == held.next_step)):
             log.info("trainer resumed in lineage %d at step %d, before the catch-up: continuing from the state "
                      "before it", trainer.lineage, step)
-            self._caught_up = None
-            self._restore(held.state, restart=False)
-            self.buffer.set_trainer(trainer)
+            self._replace_state(held.state)
+
+    def _replace_state(self, state: OrchestratorState) -> None:
+        """Continue from `state` in this life, keeping the trainer's version (it posted it to this process) and
+        the count of starts (this one is counted already; `state` may be from before it)."""
+        trainer, restarts = self.buffer.trainer, self.buffer.counts["restarts"]
+        self._caught_up = None
+        self._restore(state, restart=False)
+        self.buffer.counts["restarts"] = max(restarts, self.buffer.counts["restarts"])
+        self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
+        self.buffer.set_trainer(trainer)
 
     async def catch_up(self, trained: dict[int, list[str]]) -> int:
         """The trainer's record of the request ids it trained at each step, for a state behind it (module
-        docstring); returns the next step to form. Raises buffer.StepConflict or MalformedRecord, changing nothing,
-        for a record that does not fit. The state caught up is persisted before this returns."""
+        docstring); returns the next step to form. A record that begins after this state ends (restored from a
+        state older than the trainer's second newest checkpoint) catches up the run's newest checkpoint's state
+        instead (_adopt_checkpoint). Raises buffer.StepConflict or MalformedRecord, changing nothing, for a record
+        that does not fit. The state caught up is persisted before this returns."""
         if self.buffer.trainer is None:
             raise StepConflict("no trainer version is held: a trainer posts its version before its record")
-        before = self.snapshot()
-        done = self.buffer.catch_up(trained)
+        adopted = False
+        try:
+            before = self.snapshot()
+            done = self.buffer.catch_up(trained)
+        except RecordGap as gap:
+            await self._adopt_checkpoint(trained, gap)
+            adopted = True
+            before = self.snapshot()
+            done = self.buffer.catch_up(trained)
         steps = self.buffer.counts["caught_up_steps"] - before.counts["caught_up_steps"]
-        if not steps:
-            return done.next_step  # nothing this state lacked
+        if steps or adopted:
+            self.metrics[M.ORCHESTRATOR_CATCH_UPS].labels(state="newest_checkpoint" if adopted else "own").inc()
+            self.metrics[M.ORCHESTRATOR_CAUGHT_UP_STEPS].inc(steps)
+        if not steps:  # nothing this state lacked (the checkpoint adopted may have reached the trainer's step)
+            if adopted:
+                await self.persist()
+                await self._notify()
+            return done.next_step
         for request_id in done.cancelled:  # those prompts trained already: their answers would be ignored
             task = self._tasks.get(request_id)
             if task is not None:
@@ -277,13 +294,42 @@ class Orchestrator:
         await self._notify()
         return done.next_step
 
+    async def _adopt_checkpoint(self, trained: dict[int, list[str]], gap: RecordGap) -> None:
+        """The trainer's record begins after this state ends (an orchestrator restarted from a state older than
+        the record: an explicit older `--resume` path): the steps between are known to neither, but the run's
+        newest trainer checkpoint holds the orchestrator state at its step. That state is taken instead where the
+        record catches it up (tried on a copy first), so the trainer goes on at its step; else the gap is raised,
+        naming that state too, and nothing changes."""
+        path = None if self.checkpoints is None else checkpoint_state_path(self.checkpoints)
+        try:
+            newer = None if path is None else await asyncio.to_thread(read_state, path)
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or a state this code refuses (ProtocolError)
+            raise RecordGap(f"{gap}; the run's newest checkpoint state {path} is unreadable: {exc}") from None
+        if newer is None:
+            raise RecordGap(f"{gap}, and the run has no checkpoint state to take instead: restart the orchestrator "
+                            f"from the trainer's newest checkpoint (--resume latest)")
+        probe = GroupBuffer.restore(newer, prompts_per_step=self.s.prompts_per_step,
+                                    max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
+        try:
+            probe.catch_up(trained)
+        except (StepConflict, MalformedRecord) as exc:
+            raise type(exc)(f"{gap}; nor does the trainer's record fit the run's newest checkpoint state {path}: "
+                            f"{exc}") from None
+        old = self.buffer.next_step() if self.buffer.first_step is not None else None
+        log.warning("adopted the run's newest checkpoint state %s (next step %d) in place of this state (next step "
+                    "%s), which is older than the trainer's record of steps %d..%d; catching that one up", path,
+                    newer.first_step + newer.consumed // self.s.prompts_per_step, old, min(trained), max(trained))
+        self._event("adopted_checkpoint", path=str(path), consumed=newer.consumed, replaced_next_step=old)
+        self._replace_state(newer)
+
     async def persist(self) -> None:
         """Write the state as it is now to `state_path` (snapshot taken on the loop, written in a thread; one
         write at a time, in order)."""
         if self.state_path is None:
             return
         async with self._persisting:
-            await asyncio.to_thread(write_state, self.state_path, self.snapshot())
+            state = dataclasses.replace(self.snapshot(), held=self._caught_up)
+            await asyncio.to_thread(write_state, self.state_path, state)
 
     async def _wait_batch(self, step: int, committed: int, timeout_s: float) -> tuple[Batch | None, bool]:
         """(the batch or None, whether it was formed by this call)."""

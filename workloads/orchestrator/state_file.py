@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from ..rl.checkpoint_dirs import ORCHESTRATOR_STATE, latest
 from ..rl.protocol import OrchestratorState
 from ..rl.weights import fsync
 
@@ -35,3 +36,10 @@ def read_state(path: Path) -> OrchestratorState | None:
     except FileNotFoundError:
         return None
     return OrchestratorState.from_json(json.loads(text), path=str(path))
+
+
+def checkpoint_state_path(checkpoints: Path) -> Path | None:
+    """The orchestrator state of the run's newest committed trainer checkpoint (`checkpoints`: the run's
+    <output>/checkpoints), None while there is no checkpoint."""
+    newest = latest(checkpoints)
+    return newest / ORCHESTRATOR_STATE if newest else None

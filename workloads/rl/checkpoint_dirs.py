@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 LATEST = "LATEST"  # a file naming the newest committed checkpoint's directory
+ORCHESTRATOR_STATE = "orchestrator.json"  # in a checkpoint's directory: the orchestrator's state at its step
 
 
 def staging_dir(root: Path, step: int) -> Path:

@@ -41,18 +41,21 @@ class ProtocolError(ValueError):
 # (migrated); one with inline routing arrays is refused (MIGRATIONS).
 # State format 4: the state lists the prompts a trainer trained in steps it never recorded (`trained_ahead`, after
 # a catch-up: GroupBuffer.catch_up); a format-3 state has none, and is read as format 4 with an empty list.
+# State format 5: the orchestrator's own state file also holds the state from before a catch-up (`held`, until a
+# checkpoint retires it), so a restart does not forget it; a format-4 state held none, and is read as format 5.
 # Checkpoint format 2: PPO's critic is an MLP under `critic.*` (trainer/critic.py) where format 1 held a linear
 # `value_head`; the policy's keys are unchanged, so a format-1 checkpoint of a run without a critic is read as it is
 # and one with a value head is refused (trainer/checkpoint.py, read_meta).
 WIRE_FORMAT = 3
-STATE_FORMAT = 4
+STATE_FORMAT = 5
 CHECKPOINT_FORMAT = 2
 _SPANS = "format 2 records each sample's per-token weight versions"
 _ROUTING = "format 3 refers to each sample's routed experts in the routing store instead of carrying them inline"
 # what each format changed, by the kind of record it numbers (the text a refusal of an older one shows)
 FORMAT_CHANGES = {"wire": {2: _SPANS, 3: _ROUTING},
                   "state": {2: _SPANS, 3: _ROUTING,
-                            4: "format 4 lists the prompts a trainer trained in steps the state never recorded"},
+                            4: "format 4 lists the prompts a trainer trained in steps the state never recorded",
+                            5: "format 5 keeps the state from before a catch-up until a checkpoint retires it"},
                   "checkpoint": {2: "format 2 holds PPO's critic as an MLP under critic.*"}}
 
 
@@ -89,7 +92,7 @@ def _format_2(data: Any) -> str | None:
 # kind of record -> the older formats read as its current one, each with the check that refuses what cannot be
 # migrated ((record JSON) -> why not, or None)
 MIGRATIONS: dict[str, dict[int, Any]] = {"wire": {2: _format_2},
-                                         "state": {2: _format_2, 3: lambda data: None}}
+                                         "state": {2: _format_2, 3: lambda data: None, 4: lambda data: None}}
 
 
 # ---- decoding -------------------------------------------------------------------------------------------------
@@ -566,5 +569,24 @@ class OrchestratorState(Record):
     # prompts (by index) that a trainer trained in steps this state never recorded, not yet drawn from the source:
     # skipped when drawn (a catch-up: orchestrator/buffer.py GroupBuffer.catch_up)
     trained_ahead: list[int] = field(default_factory=list)
+    # the state file's alone (never a checkpoint's: every checkpoint after a catch-up retires it): the state from
+    # before a catch-up, for a trainer that resumes from the checkpoint older than it (orchestrator/driver.py)
+    held: HeldState | None = None
     format: int = STATE_FORMAT  # read without one: format 1
     FORMAT: ClassVar[tuple[int, str, str]] = (STATE_FORMAT, "orchestrator state", "state")
+
+    def check(self) -> tuple[str, str] | None:
+        if self.held is not None and self.held.state.held is not None:
+            return "held", "one state from before a catch-up, which holds none itself"
+        return None
+
+
+@dataclass(frozen=True)
+class HeldState(Record):
+    """The state before a catch-up (its next step to form, the trainer's lineage then), held until a checkpoint at
+    or past `until`, the step caught up to, is committed."""
+
+    state: OrchestratorState
+    next_step: int
+    lineage: int
+    until: int

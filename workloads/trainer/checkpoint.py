@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..rl.checkpoint_dirs import LATEST, final_dir, staging_dir
+from ..rl.checkpoint_dirs import LATEST, ORCHESTRATOR_STATE, final_dir, staging_dir
 from ..rl.protocol import CHECKPOINT_FORMAT, check_format
 from ..rl.weights import fsync
 
@@ -147,7 +147,7 @@ def commit(root: Path, step: int, meta: dict, orchestrator_state: dict | None, k
     staging, final = staging_dir(root, step), final_dir(root, step)
     (staging / "trainer.json").write_text(json.dumps({**meta, "format": CHECKPOINT_FORMAT}, indent=1))
     if orchestrator_state is not None:
-        (staging / "orchestrator.json").write_text(json.dumps(orchestrator_state))
+        (staging / ORCHESTRATOR_STATE).write_text(json.dumps(orchestrator_state))
     for path in staging.iterdir():
         fsync(path)
     if final.exists():
