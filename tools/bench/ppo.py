@@ -27,19 +27,24 @@ from .onpolicy import train
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "configs" / "runs" / "countdown-cpu.yaml"
 RESULTS = REPO / "workloads" / "results" / "cpu-bench-ppo"
-# The arms' rl.algorithm over the run file's. PPO's critic starts from nothing, at its own rate (critic.py); no
-# warm-up: 10 steps of the critic alone left PPO behind over steps 31-60 on seed 0 (0.846 against GRPO's 0.856;
-# with 4 fitting epochs and no warm-up 0.872).
-ARMS = {"grpo": {"name": "grpo"}, "ppo": {"name": "ppo", "critic_lr": 3e-3, "critic_epochs": 4}}
+ARMS = ("grpo", "ppo")
 
 
-def arm_run(base: dict, arm: str, seed: int, steps: int, out: Path) -> Path:
-    """The run file `base` (a mapping) as `arm` at `seed` for `steps` RL steps, written under `out`."""
+def arms(critic_epochs: int) -> dict[str, dict]:
+    """The arms' rl.algorithm over the run file's. PPO's critic starts from nothing, at its own rate (critic.py),
+    without a warm-up: 10 steps of the critic alone left PPO behind over steps 31-60 on seed 0 (0.846 against
+    GRPO's 0.856; 0.872 without, both with 4 fitting epochs)."""
+    return {"grpo": {"name": "grpo"}, "ppo": {"name": "ppo", "critic_lr": 3e-3, "critic_epochs": critic_epochs}}
+
+
+def arm_run(base: dict, algorithm: dict, name: str, seed: int, steps: int, out: Path) -> Path:
+    """The run file `base` (a mapping) with `algorithm` over its rl.algorithm at `seed` for `steps` RL steps,
+    written under `out` as `name`."""
     data = json.loads(json.dumps(base))
-    data["rl"]["algorithm"].update(ARMS[arm])
+    data["rl"]["algorithm"].update(algorithm)
     data["rl"]["training"].update(steps=steps, seed=seed, checkpoint_every=steps + 1,
-                                  output_dir=str(out / f"{arm}-seed{seed}"))
-    path = out / f"{arm}-seed{seed}.yaml"
+                                  output_dir=str(out / f"{name}-seed{seed}"))
+    path = out / f"{name}-seed{seed}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -84,6 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", type=Path, default=RUN, help="the run file both arms start from")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=60, help="RL steps per run (the second half is compared)")
+    parser.add_argument("--critic-epochs", type=int, default=4, help="PPO's rl.algorithm.critic_epochs")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-ppo", help="the runs' output")
     parser.add_argument("--results", type=Path, default=RESULTS, help="writes RESULTS.json and RESULTS.md")
     args = parser.parse_args(argv)
@@ -91,12 +97,13 @@ def main(argv: list[str]) -> int:
         parser.error(f"--steps {args.steps}: must be >= 2 (the second half of the run is compared)")
     base = yaml.safe_load(args.run.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
+    algorithms = arms(args.critic_epochs)
     rewards: dict[str, dict[int, list[float]]] = {arm: {} for arm in ARMS}
     seconds = {}
     for seed in args.seeds:
         for arm in ARMS:
             started = time.monotonic()
-            rows, _ = train(load_run(arm_run(base, arm, seed, args.steps, args.out)))
+            rows, _ = train(load_run(arm_run(base, algorithms[arm], arm, seed, args.steps, args.out)))
             rewards[arm][seed] = [r["reward_mean"] for r in rows]
             seconds[f"{arm}-seed{seed}"] = time.monotonic() - started
             print(f"{arm} seed {seed}: second-half reward {second_half_mean(rewards[arm][seed]):.3f} "
@@ -107,10 +114,10 @@ def main(argv: list[str]) -> int:
     print(text)
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.with_suffix(".json").write_text(json.dumps(
-        {"machine": "CPU (one thread per run)", "command": command.strip(), "run": args.run.name, "arms": ARMS,
+        {"machine": "CPU (one thread per run)", "command": command.strip(), "run": args.run.name, "arms": algorithms,
          **summary, "rewards": rewards, "seconds": seconds}, indent=1))
     args.results.with_suffix(".md").write_text(
         f"# PPO vs GRPO on the CPU countdown task\n\nCPU, one thread per run. `{command.strip()}`; run file "
-        f"{args.run.name}, arms' rl.algorithm: {json.dumps(ARMS)}. Batch reward: on-policy samples of each step's "
+        f"{args.run.name}, arms' rl.algorithm: {json.dumps(algorithms)}. Batch reward: on-policy samples of each step's "
         f"weights.\n\n{text}\n")
     return 0
