@@ -128,6 +128,13 @@ run-words: $(STAMP)
 bench-rl: $(STAMP)
 	$(PY) -m moe_rl_eks.tools.cli bench-rl $(BENCH_RL_ARGS)
 
+# PPO (its critic fitted 4 more epochs a batch) vs GRPO on the CPU countdown task (configs/runs/countdown-cpu.yaml),
+# 60 steps per seed and arm, ~45 s each; results in workloads/results/cpu-bench-ppo.{json,md}, docs/benchmarks.md.
+# Arguments: make bench-ppo BENCH_PPO_ARGS="--seeds 0 1 2 3 4 5".
+.PHONY: bench-ppo
+bench-ppo: $(STAMP)
+	$(PY) -m moe_rl_eks.tools.cli bench-ppo $(BENCH_PPO_ARGS)
+
 # Rollout decoding with a group's prompt prefilled once vs per row (CPU); results in workloads/BENCHMARKS-rl.md.
 .PHONY: bench-generation
 bench-generation: $(STAMP)

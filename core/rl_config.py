@@ -69,6 +69,11 @@ class AlgorithmConfig:
     # PPO: the run's first RL steps train the critic alone, the policy frozen (its weights, moments and schedule
     # untouched), so the first policy update reads advantages from a critic that has seen the task's returns.
     critic_warmup_steps: int = 0
+    # PPO: after a batch's optimizer steps, this many more passes over its mini-batches fit the critic alone
+    # (workloads/trainer/critic.py fit_on_stored), on the critic's inputs kept from the batch's last pass (the
+    # policy's detached hidden states and prefix features: no forward of the trunk). A critic that fits each
+    # batch's returns more closely gives the next batch less noisy advantages; 0 = none.
+    critic_epochs: int = 0
     routing_replay: bool = False  # train on the experts the rollout chose (R3)
 
     def validate(self) -> None:
@@ -97,6 +102,10 @@ class AlgorithmConfig:
             fail("critic_warmup_steps", self.critic_warmup_steps, "must be >= 0 (RL steps)")
         if self.critic_warmup_steps and self.name != "ppo":
             fail("critic_warmup_steps", self.critic_warmup_steps, f"must be 0 for {self.name}: only ppo has a critic")
+        if self.critic_epochs < 0:
+            fail("critic_epochs", self.critic_epochs, "must be >= 0 (passes over each batch)")
+        if self.critic_epochs and self.name != "ppo":
+            fail("critic_epochs", self.critic_epochs, f"must be 0 for {self.name}: only ppo has a critic")
 
     def ratio_clip(self) -> tuple[float, float]:
         """(clip_low, clip_high): as set, else the algorithm's default (see the fields)."""

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "example-data": ("moe_rl_eks.tools.example_data", "main",
                      "write the local real-data example: a BPE tokenizer directory and word-problem Parquet files"),
     "bench-rl": ("moe_rl_eks.tools.bench.rl", "main", "synchronous vs asynchronous RL, side by side"),
+    "bench-ppo": ("moe_rl_eks.tools.bench.ppo", "main", "PPO (learned critic) vs GRPO on the CPU countdown task, seeds"),
     "bench-generation": ("moe_rl_eks.tools.bench.generation", "main",
                          "rollout decoding with a group's prompt prefilled once vs per row"),
     "bench-rollout": ("moe_rl_eks.tools.bench.rollout", "main",

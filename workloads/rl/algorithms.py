@@ -123,9 +123,12 @@ class PPO(Algorithm):
                                   gamma=self.cfg.gamma, lam=self.cfg.gae_lambda)
         return whiten(advantages, scores.mask, all_reduce), returns
 
-    def critic_loss(self, batch: PolicyBatch, totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
-        """The critic's warm-up objective: the value term of `loss` alone, under the same normalizer."""
-        return value_objective(batch, self.cfg, self.normalizer(batch.mask.to(batch.values.dtype), totals), totals)
+    def critic_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                    totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's objective alone (its warm-up, its extra epochs): the value term of `loss`, under the same
+        normalizer."""
+        return value_objective(values, old_values, returns, mask, self.cfg,
+                               self.normalizer(mask.to(values.dtype), totals), totals)
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (Algorithm, DrGRPO, GSPO, PPO)}

@@ -171,18 +171,21 @@ def policy_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.
         loss = loss - cfg.entropy_coef * (weights * batch.entropy).sum()
         metrics["entropy"] = token_mean(batch.entropy)
     if batch.values is not None:
-        v_loss, v_metrics = value_objective(batch, cfg, weights, totals)
+        v_loss, v_metrics = value_objective(batch.values, batch.old_values, batch.returns, batch.mask, cfg, weights,
+                                            totals)
         loss = loss + v_loss
         metrics.update(v_metrics)
     return loss, metrics
 
 
-def value_objective(batch: PolicyBatch, cfg: "AlgorithmConfig", weights: torch.Tensor,
+def value_objective(values: torch.Tensor | None, old_values: torch.Tensor | None, returns: torch.Tensor | None,
+                    mask: torch.Tensor, cfg: "AlgorithmConfig", weights: torch.Tensor,
                     totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's critic term: value_coef x the clipped value loss, aggregated by `weights`; alone, it is what the
-    critic's warm-up trains. Metric: `value_loss`, a token mean over the global batch."""
-    if batch.values is None or batch.old_values is None or batch.returns is None:
+    critic's warm-up and its extra epochs (critic_epochs) train. Metric: `value_loss`, a token mean over the global
+    batch."""
+    if values is None or old_values is None or returns is None:
         raise ValueError("the value loss needs values, old_values and returns")
-    v_loss = value_loss_per_token(batch.values, batch.old_values, batch.returns, cfg.value_clip)
-    mask = batch.mask.to(v_loss.dtype)
+    v_loss = value_loss_per_token(values, old_values, returns, cfg.value_clip)
+    mask = mask.to(v_loss.dtype)
     return cfg.value_coef * (weights * v_loss).sum(), {"value_loss": float((v_loss.detach() * mask).sum() / totals.tokens)}

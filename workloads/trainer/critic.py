@@ -20,6 +20,9 @@ Replicated on every trainer rank, under FSDP too (at Qwen3-30B's width, 2048, it
 of the replicated weights, so every rank steps it identically."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,3 +57,25 @@ class Critic(nn.Module):
     def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """hidden [N, h] (float32), features [N, 3] (prefix_features, packed) -> values [N]."""
         return self.net(torch.cat([hidden, features.to(hidden.dtype)], dim=-1)).squeeze(-1)
+
+
+@dataclass
+class CriticInputs:
+    """What the critic read in one micro-batch's forward: the policy's detached final hidden states [N, h] (float32)
+    and the prefix features [N, 3] of this rank's tokens (its context-parallel slice), `tokens` long before the
+    slicing. Kept for rl.algorithm.critic_epochs, they cost tokens x (h + 3) x 4 bytes a batch (8 GB for 1 M tokens
+    at Qwen3-30B's width) and spare the trunk's forward: the critic is detached from it, so its inputs stay valid
+    while it alone steps."""
+
+    hidden: torch.Tensor
+    features: torch.Tensor
+    tokens: int
+
+
+def fit_on_stored(step: Callable[[int, list[CriticInputs]], dict], stored: list[tuple[int, list[CriticInputs]]],
+                  epochs: int) -> list[dict]:
+    """rl.algorithm.critic_epochs: `epochs` passes over a batch's mini-batches (`stored`: each one's index and its
+    micro-batches' kept inputs), one optimizer step of the critic alone each (`step`); every step's metrics. The
+    same steps on every rank (each keeps the mini-batches the batch stepped on, by their global token counts), as
+    expert parallelism's gradient all-reduce needs."""
+    return [step(m, inputs) for _ in range(epochs) for m, inputs in stored]

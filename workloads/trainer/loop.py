@@ -50,7 +50,7 @@ from .orchestrator_link import Announcer, BatchSource, HttpBatchSource
 from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
 from .numerics import ExactScorer, MismatchTally
 from .publisher import Publisher
-from .critic import Critic
+from .critic import Critic, fit_on_stored
 from .step import Forward, TrainStep, learning_rate
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,10 @@ class Trainer:
         micro-batches; epochs x mini-batches optimizer steps. The policy, reference and critic are scored once
         before the first update (the proximal policy of every mini-batch is the batch's starting policy, so
         later mini-batches' ratios move and the clip constrains them). During the critic's warm-up (PPO's first
-        rl.algorithm.critic_warmup_steps steps) only the critic is trained, on the value loss."""
+        rl.algorithm.critic_warmup_steps steps) only the critic is trained, on the value loss; after the batch's
+        steps, rl.algorithm.critic_epochs more passes fit the critic alone on its inputs of the last pass."""
         algo, e_count, m_count = self.algorithm, self.algorithm.epochs, self.algorithm.mini_batches
+        critic_epochs, critic_lr = self.run.rl.algorithm.critic_epochs, self.run.rl.algorithm.critic_lr
         warming_critic = self.step < self.run.rl.algorithm.critic_warmup_steps
         temperature, replay = self.run.rl.sampling.temperature, self.run.rl.algorithm.routing_replay
         seqs = Sequences.of(self._share(batch.samples), self._read_routing if replay else None).to(self.device)
@@ -223,7 +225,7 @@ class Trainer:
         def cut(full: torch.Tensor | None, rows: list[int], width: int) -> torch.Tensor | None:
             return None if full is None else full[rows, :width]
 
-        steps, first_load, arrivals = [], None, None
+        steps, first_load, arrivals, kept = [], None, None, []
         mismatch = MismatchTally(self.device)  # behaviour vs the starting policy's logprobs, each token once
         for epoch in range(e_count):
             for m in range(m_count):
@@ -241,7 +243,7 @@ class Trainer:
                     if epoch == 0:
                         mismatch.add(pb.proximal_logprobs, mb.behaviour, mb.mask)
                     if warming_critic:
-                        return algo.critic_loss(pb, part_totals)
+                        return algo.critic_loss(fwd.values, pb.old_values, pb.returns, mb.mask, part_totals)
                     loss, metrics = algo.loss(pb, part_totals)
                     # the balance loss as a token-weighted mean over the step's micro-batches and ranks
                     return loss + fwd.aux_loss * (sum(mb.lengths) / part_real), metrics
@@ -253,12 +255,25 @@ class Trainer:
                                     self.run.rl.policy_optimizer_steps))
                 # the first step's policy is the published one: its current logprobs may be the exact scorer's
                 result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay,
-                                              critic_lr=self.run.rl.algorithm.critic_lr,
-                                              train_policy=not warming_critic, exact_values=not steps)
+                                              critic_lr=critic_lr, train_policy=not warming_critic,
+                                              exact_values=not steps,
+                                              keep_critic_inputs=critic_epochs > 0 and epoch == e_count - 1)
                 if epoch == 0:
                     first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
                     arrivals = arrivals or result["arrivals"]
                 steps.append(result)
+                if "critic_inputs" in result:
+                    kept.append((m, result.pop("critic_inputs")))
+
+        def critic_step(m: int, inputs: list) -> dict:
+            def loss_fn(j: int, mb: Sequences, values: torch.Tensor, rows=plans[m]):
+                r, w = rows[j], mb.mask.shape[1]
+                return algo.critic_loss(values, cut(old_values, r, w), cut(returns, r, w), mb.mask,
+                                        Totals.of(totals[m, :2]))
+            return self.train_step.critic_step([seqs.select(r) for r in plans[m]], inputs, loss_fn,
+                                               critic_lr=critic_lr)
+
+        fits = fit_on_stored(critic_step, kept, critic_epochs)
         metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}
         metrics.update(mismatch.metrics(self._batch_sum, lambda t: self._all_reduce(t, dist.ReduceOp.MAX)))
         metrics["optimizer_steps"] = len(steps)
@@ -267,6 +282,8 @@ class Trainer:
             metrics["critic_explained_variance"] = explained_variance(
                 old_values, returns, seqs.mask, self._batch_sum if self.world > 1 else None)
             metrics["critic_warmup"] = float(warming_critic)
+        if fits:  # the value loss before each step of the last fitting pass (each on its mini-batch)
+            metrics["critic_fit_value_loss"] = statistics.fmean(f["value_loss"] for f in fits[-len(kept):])
         metrics["tokens"] = float(totals[:, 0].sum())
         metrics["straggler_ratio"] = straggler_ratio(arrivals)
         metrics["expert_load_imbalance"] = expert_load_imbalance(first_load)

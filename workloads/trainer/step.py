@@ -24,7 +24,7 @@ from ..model import MoETransformer
 from ..model.logprobs import token_logprobs_and_entropy
 from ..model.parallelize import is_sharded, local
 from ..moe.parallel import ExpertParallel
-from .critic import Critic, prefix_features
+from .critic import Critic, CriticInputs, prefix_features
 from .microbatch import Sequences
 from .numerics import ExactScorer, values_with_gradient
 
@@ -40,11 +40,14 @@ class Forward:
     values: torch.Tensor | None  # the critic's, PPO only
     aux_loss: torch.Tensor
     expert_load: torch.Tensor  # [L, E]
+    critic_inputs: CriticInputs | None = None  # what the critic read, PPO only
 
 
 # (index in the step's micro-batches, the micro-batch, its forward) -> (loss to backpropagate, metrics: sums that
 # add up over micro-batches and ranks)
 LossFn = Callable[[int, Sequences, Forward], tuple[torch.Tensor, dict[str, float]]]
+# the same, of the critic alone: (index, the micro-batch, the critic's values [B, S] with their graph)
+ValueLossFn = Callable[[int, Sequences, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def learning_rate(cfg: TrainingConfig, optimizer_step: int, total_steps: int) -> float:
@@ -118,20 +121,27 @@ class TrainStep:
                                                        temperature=temperature)
         if cp is not None:
             logp, entropy = cp.gather(logp)[:tokens], cp.gather(entropy)[:tokens]
-        value = None
+        value = kept = None
         if values:
             # Of the whole packed row (the prefix sums need every position before), then this rank's slice; in
             # float32 outside autocast, on detached inputs (critic.py says why).
             features = prefix_features(mb.unpack(logp), mb.mask, self.critic.max_tokens)[mb.valid]
             if cp is not None:
                 features = F.pad(features, (0, 0, 0, pad))[lo:hi]
-            value = self.critic(hidden.detach().float(), features)
-            value = value if cp is None else cp.gather(value)[:tokens]
+            kept = CriticInputs(hidden.detach().float(), features, tokens)
+            value = self.critic_values(mb, kept)
         logp, entropy = mb.unpack(logp), mb.unpack(entropy)
         if exact is not None:
             # Two forwards, because the exact kernels have no backward (trainer/numerics.py says what it costs)
             logp, entropy = values_with_gradient(exact[0], logp), values_with_gradient(exact[1], entropy)
-        return Forward(logp, entropy, None if value is None else mb.unpack(value), out.aux_loss, out.expert_load)
+        return Forward(logp, entropy, value, out.aux_loss, out.expert_load, kept)
+
+    def critic_values(self, mb: Sequences, inputs: CriticInputs) -> torch.Tensor:
+        """The critic's values [B, S] of the micro-batch from its inputs (under context parallelism this rank's
+        slice of them, the values gathered from the group)."""
+        value = self.critic(inputs.hidden, inputs.features)
+        cp = self.model.cp
+        return mb.unpack(value if cp is None else cp.gather(value)[:inputs.tokens])
 
     @torch.no_grad()
     def score(self, mb: Sequences, *, temperature: float, replay: bool,
@@ -148,16 +158,18 @@ class TrainStep:
         return fwd.logprobs, fwd.values
 
     def step(self, microbatches: list[Sequences], loss_fn: LossFn, *, lr: float, temperature: float,
-             replay: bool, critic_lr: float = 0.0, train_policy: bool = True, exact_values: bool = False) -> dict:
+             replay: bool, critic_lr: float = 0.0, train_policy: bool = True, exact_values: bool = False,
+             keep_critic_inputs: bool = False) -> dict:
         """Accumulate the micro-batches' gradients, sync, clip, step. `train_policy` false steps the critic alone
         (its warm-up: the model runs without a graph, and neither its weights nor its AdamW state change).
-        `exact_values`: the forwards' values from the exact scorer (a batch's first step).
+        `exact_values`: the forwards' values from the exact scorer (a batch's first step). `keep_critic_inputs`:
+        the result holds `critic_inputs`, each micro-batch's (for `critic_step`).
         Returns the metrics summed over micro-batches and ranks, plus `grad_norm` (the policy's, before
         clipping), `critic_grad_norm` (with a critic), `arrivals` (each rank's seconds to the gradient sync),
         `expert_load` [L, E] (all ranks)."""
         started = time.monotonic()
         sums: dict[str, float] = {}
-        load = None
+        load, kept = None, []
         for j, mb in enumerate(microbatches):
             fwd = self.forward(self.model, mb, temperature=temperature, replay=replay,
                                values=self.critic is not None, policy_grad=train_policy,
@@ -173,6 +185,7 @@ class TrainStep:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             load = fwd.expert_load.double() if load is None else load + fwd.expert_load
+            kept.append(fwd.critic_inputs)
         arrived = time.monotonic() - started
         replicated = [*(self.replicated_params if train_policy else []), *self.critic_params]
         if self.ep is not None:
@@ -195,15 +208,8 @@ class TrainStep:
         if self.critic is not None:
             critic_norm = torch.sqrt(squared_norm(self.critic_params, self.device))
             clipped.append((critic_norm, self.critic_params))
-        # torch's clip_grads_with_norm_ on the local tensors (its foreach kernels take no mix of DTensors and
-        # tensors); the same coefficient and product, so replicated layouts step bitwise as before.
-        with torch.no_grad():
-            for total, params in clipped:
-                coefficient = torch.clamp(self.grad_clip / (total + 1e-6), max=1.0)
-                for p in params:
-                    if p.grad is not None:
-                        grad = local(p.grad)
-                        grad.mul_(coefficient.to(grad.device))
+        for total, params in clipped:
+            clip_to(total, params, self.grad_clip)
         self.optimizer.param_groups[0]["lr"] = lr
         if self.critic is not None:
             self.optimizer.param_groups[1]["lr"] = critic_lr
@@ -214,4 +220,46 @@ class TrainStep:
                       expert_load=packed[n + 1 + self.world:].view_as(load).float().cpu())
         if self.critic is not None:
             result.update(critic_grad_norm=float(critic_norm), critic_lr=critic_lr)
+        if keep_critic_inputs:
+            result["critic_inputs"] = kept
         return result
+
+    def critic_step(self, microbatches: list[Sequences], inputs: list[CriticInputs], loss_fn: ValueLossFn, *,
+                    critic_lr: float) -> dict:
+        """One optimizer step of the critic alone on the inputs a forward kept (`step`'s critic_inputs): no
+        forward of the model, whose weights and AdamW state stay untouched (AdamW skips a parameter without a
+        gradient). Its collectives, the gradient sync and one all-reduce of the metrics, run on every rank the
+        same number of times. Returns the metrics summed over micro-batches and ranks, plus `critic_grad_norm`."""
+        sums: dict[str, float] = {}
+        for j, (mb, kept) in enumerate(zip(microbatches, inputs)):
+            loss, metrics = loss_fn(j, mb, self.critic_values(mb, kept))
+            if self.model.cp is not None:  # as in `step`: every rank of the group computed the whole loss
+                loss = loss / self.model.cp.size
+                metrics = {key: value / self.model.cp.size for key, value in metrics.items()}
+            loss.backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+        if self.ep is not None:
+            self.ep.sum_replicated_grads(self.critic_params)
+        keys = sorted(sums)
+        packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(packed)
+        norm = torch.sqrt(squared_norm(self.critic_params, self.device))
+        clip_to(norm, self.critic_params, self.grad_clip)
+        self.optimizer.param_groups[1]["lr"] = critic_lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**dict(zip(keys, packed.tolist())), "critic_grad_norm": float(norm)}
+
+
+@torch.no_grad()
+def clip_to(norm: torch.Tensor, params: list[torch.Tensor], max_norm: float) -> None:
+    """Scale the gradients of `params`, whose global norm is `norm`, down to `max_norm`: torch's
+    clip_grads_with_norm_ on the local tensors (its foreach kernels take no mix of DTensors and tensors); the same
+    coefficient and product, so replicated layouts step bitwise as before."""
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            grad = local(p.grad)
+            grad.mul_(coefficient.to(grad.device))

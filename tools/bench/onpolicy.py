@@ -1,9 +1,9 @@
-"""A synchronous on-policy RL run in one process, for tests that compare algorithms by what they learn: the real
-Trainer and its loop (warm-up, critic warm-up, checkpoints, metrics.jsonl), fed by `OnPolicyBatches`, which does
-what the orchestrator does in a max_staleness 0 run without HTTP or rollout servers: each step's prompts from the
-run's prompt source, `group_size` completions each sampled from the trainer's current weights by the rollout
-engine's decoder with seeds derived from (run seed, prompt index), scored by the run's reward, sequence advantages
-by the run's algorithm."""
+"""A synchronous on-policy RL run in one process, for the benches and tests that compare algorithms by what they
+learn (bench-ppo, tests/rl/test_critic.py): the real Trainer and its loop (warm-up, critic warm-up, checkpoints,
+metrics.jsonl), fed by `OnPolicyBatches`, which does what the orchestrator does in a max_staleness 0 run without
+HTTP or rollout servers: each step's prompts from the run's prompt source, `group_size` completions each sampled
+from the trainer's current weights by the rollout engine's decoder with seeds derived from (run seed, prompt
+index), scored by the run's reward, sequence advantages by the run's algorithm."""
 from __future__ import annotations
 
 import json
