@@ -151,7 +151,8 @@ def test_the_trainer_state_splits_the_routed_experts_over_its_ranks_and_the_rest
     assert kv.per_token_bytes == 2 * 8 * 4 * 128 * 2 and kv.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == 30 * 2
 
 
-def test_the_local_run_refuses_gpus_the_machine_lacks_then_shows_each_role_only_its_gpus_one_trainer_rank_per_gpu(tmp_path, monkeypatch):
+def test_the_local_run_refuses_gpus_the_machine_lacks_then_shows_each_role_only_its_gpus_one_trainer_rank_per_gpu(
+        tmp_path, monkeypatch):
     from moe_rl_eks.tools import local_run
 
     run = gpu_run(tmp_path, {"trainer": {"gpus": [2, 3], "memory_share": 1.0}, "rollout": {"gpus": [0, 1]}},
@@ -165,7 +166,8 @@ def test_the_local_run_refuses_gpus_the_machine_lacks_then_shows_each_role_only_
 
     monkeypatch.setattr(local_run.subprocess, "Popen", Recorder)
     monkeypatch.setattr(local_run, "gpu_count", lambda: 2)  # a machine of two GPUs: GPUs 2 and 3 are not there
-    with pytest.raises(ConfigError, match=r"local_gpus.trainer.gpus: \[2, 3\].*GPU 2 is not on this machine, which has 2"):
+    refusal = r"local_gpus.trainer.gpus: \[2, 3\].*GPU 2 is not on this machine, which has 2"
+    with pytest.raises(ConfigError, match=refusal):
         local_run.LocalCluster(str(tmp_path / "run.yaml"), run)
     assert started == []  # refused before any role started
     monkeypatch.setattr(local_run, "gpu_count", lambda: 4)
