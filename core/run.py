@@ -583,17 +583,25 @@ def _check_cluster_run(run: RunConfig, env: EnvironmentConfig, src: str) -> None
                           f"a path under {shared} (default: <output_dir>/routing)")
 
 
+def check_local_gpus(run: RunConfig, gpu_count: int, *, source: str = "run") -> None:
+    """Refuse a local GPU run naming a GPU index this machine lacks (`gpu_count`: torch.cuda.device_count(), passed
+    in so that core stays free of torch), before any role starts: a role would otherwise die at its first CUDA call,
+    with CUDA's 'invalid device ordinal' in its log and nothing naming the run file's field."""
+    for role in ("trainer", "rollout"):
+        gpus = getattr(run.local_gpus, role).gpus
+        missing = [g for g in gpus if g >= gpu_count]
+        if missing:
+            have = f"(0..{gpu_count - 1})" if gpu_count else "(no CUDA device visible)"
+            raise ConfigError(f"{source} {run.name!r}", f"local_gpus.{role}.gpus", list(gpus),
+                              f"GPU {missing[0]} is not on this machine, which has {gpu_count} {have}")
+
+
 def check_local_machine(run: RunConfig, gpu_memory_bytes: list[int], *, source: str = "run") -> None:
     """Refuse a local GPU run this machine cannot hold, before any role starts: GPUs it lacks (`gpu_memory_bytes`
     lists the memory of each of its GPUs), or a role whose weights, optimizer state and smallest KV cache do not
     fit its memory share (core/memory.py)."""
     local, src = run.local_gpus, f"{source} {run.name!r}"
-    for role in ("trainer", "rollout"):
-        missing = [g for g in getattr(local, role).gpus if g >= len(gpu_memory_bytes)]
-        if missing:
-            raise ConfigError(src, f"local_gpus.{role}.gpus", list(getattr(local, role).gpus),
-                              f"GPU {missing[0]} is not on this machine, which has {len(gpu_memory_bytes)} "
-                              f"(0..{len(gpu_memory_bytes) - 1})")
+    check_local_gpus(run, len(gpu_memory_bytes), source=source)
     m = run.model
     experts = m.routed_expert_parameter_count()
     replicated = m.parameter_count() - experts

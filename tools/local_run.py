@@ -23,7 +23,7 @@ import yaml
 
 from moe_rl_eks.core.launch import launch
 from moe_rl_eks.core.rl_config import AlgorithmConfig
-from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_machine
+from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_gpus, check_local_machine
 from moe_rl_eks.core.schema import parse
 from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
 
@@ -85,6 +85,8 @@ class LocalCluster:
     """Starts and stops the roles of a local run; tests use it to kill and restart them."""
 
     def __init__(self, run_path: str, run: RunConfig, env: dict | None = None) -> None:
+        if run.local_gpus is not None:  # every starter of roles (local-run, the benchmarks, tests) checks here
+            check_local_gpus(run, gpu_count(), source=run_path)
         self.run_path, self.run = run_path, run
         self.out = output_dir(run)
         self.logs = self.out / "logs"
@@ -254,6 +256,13 @@ def plot(rows: list[dict], evals: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def gpu_count() -> int:
+    """The CUDA devices this process sees (0 without CUDA); NVML's count, so the caller's CUDA stays uninitialised."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def gpu_memory_bytes() -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from moe_rl_eks.core import memory, planner
-from moe_rl_eks.core.run import check_local_machine, load_run, resolve_run
+from moe_rl_eks.core.run import check_local_gpus, check_local_machine, load_run, resolve_run
 from moe_rl_eks.core.schema import ConfigError
 
 LOCAL = Path(__file__).parents[2] / "configs" / "runs" / "local.yaml"
@@ -68,6 +68,22 @@ def test_a_role_given_a_gpu_the_machine_lacks_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"local_gpus.trainer.gpus.*GPU 1 is not on this machine, which has 1"):
         check_local_machine(run, [H200])
     check_local_machine(run, [H200, H200])
+
+
+SPLIT = {"trainer": {"gpus": [0], "memory_share": 1.0}, "rollout": {"gpus": [1], "memory_share": 1.0}}
+
+
+@pytest.mark.parametrize("count, fragment", [(1, "GPU 1 is not on this machine, which has 1 (0..0)"),
+                                             (0, "GPU 0 is not on this machine, which has 0 (no CUDA device visible)")])
+def test_a_split_run_on_a_machine_with_fewer_gpus_is_refused_naming_the_field_value_and_the_count(tmp_path, count,
+                                                                                                  fragment):
+    run = gpu_run(tmp_path, SPLIT)
+    with pytest.raises(ConfigError) as err:
+        check_local_gpus(run, count, source="run.yaml")
+    text = str(err.value)
+    field = "local_gpus.rollout.gpus: [1]" if count else "local_gpus.trainer.gpus: [0]"  # the first role lacking one
+    assert field in text and fragment in text, text
+    check_local_gpus(run, 2, source="run.yaml")  # an H200 x2 holds it
 
 
 def activations(run):
@@ -135,7 +151,8 @@ def test_the_trainer_state_splits_the_routed_experts_over_its_ranks_and_the_rest
     assert kv.per_token_bytes == 2 * 8 * 4 * 128 * 2 and kv.fixed_bytes - memory.CUDA_OVERHEAD_BYTES == 30 * 2
 
 
-def test_the_local_run_shows_each_role_only_its_gpus_and_starts_one_trainer_rank_per_gpu(tmp_path, monkeypatch):
+def test_the_local_run_refuses_gpus_the_machine_lacks_then_shows_each_role_only_its_gpus_one_trainer_rank_per_gpu(
+        tmp_path, monkeypatch):
     from moe_rl_eks.tools import local_run
 
     run = gpu_run(tmp_path, {"trainer": {"gpus": [2, 3], "memory_share": 1.0}, "rollout": {"gpus": [0, 1]}},
@@ -148,6 +165,12 @@ def test_the_local_run_shows_each_role_only_its_gpus_and_starts_one_trainer_rank
             self.pid = 0
 
     monkeypatch.setattr(local_run.subprocess, "Popen", Recorder)
+    monkeypatch.setattr(local_run, "gpu_count", lambda: 2)  # a machine of two GPUs: GPUs 2 and 3 are not there
+    refusal = r"local_gpus.trainer.gpus: \[2, 3\].*GPU 2 is not on this machine, which has 2"
+    with pytest.raises(ConfigError, match=refusal):
+        local_run.LocalCluster(str(tmp_path / "run.yaml"), run)
+    assert started == []  # refused before any role started
+    monkeypatch.setattr(local_run, "gpu_count", lambda: 4)
     cluster = local_run.LocalCluster(str(tmp_path / "run.yaml"), run)
     cluster.start_server(0), cluster.start_server(1)
     cluster.orchestrator = local_run.Role("orchestrator", None, "http://127.0.0.1:1")

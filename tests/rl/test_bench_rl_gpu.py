@@ -47,8 +47,12 @@ def test_the_tiny_benchmark_runs_the_real_loop_with_drawn_lengths_and_its_parts_
     assert alone["generation"]["complete"] and alone["generation"]["generated"] == 4 * sum(drawn[2:])
     assert alone["trainer_tokens_per_s"] > 0 and summary["sync_over_standalone"] > 0
     assert summary["steps_measured"] == [2] and result["layers"] == 2
+    # sync: version 1 was on the server before step 2's batch could be generated (read then or at a newer one)
+    assert result["placement"] == "colocated" and [d["version"] for d in result["deliveries"]] == [1, 2]
+    assert result["deliveries"][0]["delivery_s"] >= 0
     out = capsys.readouterr().out
     assert "target sync step <= 1.15 x its parts alone" in out and "target GPU busy >= 90%" in out
+    assert "placement colocated on the CPU; weights published -> served: v1 " in out
 
 
 def test_a_gpu_too_small_for_the_layers_takes_the_largest_count_that_fits_and_says_why(tmp_path):
@@ -126,3 +130,71 @@ def test_nvml_samples_split_by_what_ran_each_with_its_busy_share_and_mean_utilis
     assert split["neither"] == {"samples": 2, "busy": 0.0, "mean_utilisation": pytest.approx(0.05), "share": 0.25}
     assert phase_split([], generating, training)["neither"] == {"samples": 0, "busy": None, "mean_utilisation": None,
                                                                 "share": None}
+
+
+H200 = 143_771 * 2**20
+
+
+def test_split_placement_puts_the_trainer_on_gpu_0_and_the_server_on_gpu_1_each_with_its_gpu_and_weights_via_store(
+        tmp_path):
+    from moe_rl_eks.core.run import RunConfig
+    from moe_rl_eks.core.schema import parse
+    from moe_rl_eks.tools.bench.rl_gpu import run_data
+
+    def run(*argv):
+        return parse(RunConfig, run_data(parse_args(list(argv)), 8, tmp_path), source="test")
+
+    split, colocated = run("--placement", "split"), run()
+    assert (split.local_gpus.trainer.gpus, split.local_gpus.rollout.gpus) == ((0,), (1,))
+    assert (split.local_gpus.trainer.memory_share, split.local_gpus.rollout.memory_share) == (0.9, 0.9)
+    assert not split.weights_over_device and colocated.weights_over_device  # versions go through the store
+    assert (colocated.local_gpus.trainer.gpus, colocated.local_gpus.rollout.gpus) == ((0,), (0,))
+    assert (colocated.local_gpus.trainer.memory_share, colocated.local_gpus.rollout.memory_share) == (0.76, 0.22)
+    # without the export to a colocated server the trainer's 0.9 of an H200 holds the 8 layers too
+    assert fitting_layers(parse_args(["--placement", "split"]), tmp_path, [H200, H200]) == (8, None)
+    assert run("--placement", "split", "--trainer-share", "1.0").local_gpus.trainer.memory_share == 1.0
+
+
+def test_split_placement_is_refused_on_a_machine_with_one_gpu_naming_the_field_and_the_count(tmp_path, monkeypatch):
+    from moe_rl_eks.tools.bench import rl_gpu
+
+    monkeypatch.setattr(rl_gpu, "gpu_memory_bytes", lambda: [H200])
+    with pytest.raises(SystemExit) as err:
+        main(["--placement", "split", "--out", str(tmp_path)])
+    text = str(err.value)
+    assert "local_gpus.rollout.gpus: [1]" in text and "GPU 1 is not on this machine, which has 1" in text
+    assert "nvidia-h200-x2" in text
+    assert not (tmp_path / "sync" / "run").exists()  # nothing started
+    with pytest.raises(SystemExit):  # --tiny is the CPU: there is nothing to split
+        parse_args(["--tiny", "--placement", "split"])
+
+
+def test_each_version_is_timed_from_its_publication_to_the_server_serving_it_beside_the_trainer_step():
+    from moe_rl_eks.core.metrics import WEIGHT_PUBLISH_SECONDS
+    from moe_rl_eks.tools.bench.rl_gpu import deliveries
+
+    PUBLISH = WEIGHT_PUBLISH_SECONDS.name
+    rows = [{"version": 1, "time": 100.0, PUBLISH: 2.0, "step_compute_seconds": 20.0},
+            {"version": 2, "time": 130.0, PUBLISH: 2.0, "step_compute_seconds": 20.0},
+            {"version": 3, "time": 160.0, PUBLISH: 2.0, "step_compute_seconds": 20.0},
+            {"version": 4, "time": 190.0, PUBLISH: 2.0, "step_compute_seconds": 20.0}]
+    # version 2 served between two readings (or skipped): there by the reading that shows version 3; version 4
+    # not there before the run stopped
+    got = deliveries(rows, {0: 50.0, 1: 103.0, 3: 158.0})
+    assert got == [{"version": 1, "delivery_s": 5.0, "trainer_step_s": 20.0},
+                   {"version": 2, "delivery_s": 30.0, "trainer_step_s": 20.0},
+                   {"version": 3, "delivery_s": 0.0, "trainer_step_s": 20.0},
+                   {"version": 4, "delivery_s": None, "trainer_step_s": 20.0}]
+    steps = [step(1, 60.0, 5.0), step(2, 20.0, 4.0)]
+    alone = {"generation_s": 10.0, "trainer_tokens_per_s": 500.0}  # 10 samples: 1 /s rolled out, 5 /s trained
+    s = summarize(steps, 8, alone, None, got)
+    assert s["parts_alone_samples_per_s"] == 1.0 and s["delivery_s_max"] == 30.0
+    assert s["delivery_over_trainer_step_max"] == 1.5  # version 2 took 1.5 trainer steps
+    assert targets("sync", s, None, "split") == [("every version on the server within the trainer's step time",
+                                                  1.5, False)]
+    # async split: 0.5 samples/s against the slower part's 1 /s alone, read from the sync run's summary
+    fast = summarize([step(1, 60.0, 5.0), step(2, 20.0, 4.0)], 8, None, None, got[:1])
+    assert targets("async", fast, s, "split") == [
+        ("async samples/s >= 0.85 x min(rollout alone, trainer alone)", 0.5, False),
+        ("every version on the server within the trainer's step time", 0.25, True)]
+    assert targets("async", fast, None, "split")[0][1:] == (None, None)

@@ -1,6 +1,7 @@
 """FSDP2 of the dense weights over the trainer's ranks, the experts split by EP (rl.training.fsdp): an RL step on
-2 and 4 gloo ranks against one process on the same batch, and a checkpoint written on that layout resumed on one
-rank. One process has no shards: it is the reference for every layout."""
+2 and 4 gloo ranks (and on 2 ranks one per GPU over NCCL, skipped without 2 GPUs) against one process on the same
+batch, and a checkpoint written on that layout resumed on one rank. One process has no shards: it is the reference
+for every layout."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,11 +42,18 @@ def assert_steps_as_one_process(r: dict, want_metrics: dict, want_grads: dict, w
             assert relative_error(r["state"][name], tensor) < bound, name
 
 
-@pytest.mark.parametrize("world, algorithm", [(2, "grpo"), (4, "grpo"), (4, "dr_grpo"), (4, "gspo"), (4, "ppo"),
-                                              (8, "ppo"), (8, "gspo")])
-def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_path, world, algorithm):
+# One trainer rank per GPU over NCCL (the alltoall dispatch's bytes GPU to GPU), as on an H200 x2
+PER_GPU = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
+    f"one trainer rank per GPU at 2 ranks needs 2 GPUs, this machine has {torch.cuda.device_count()}"))
+
+
+@pytest.mark.parametrize("world, algorithm, per_gpu", [
+    (2, "grpo", False), (4, "grpo", False), (4, "dr_grpo", False), (4, "gspo", False), (4, "ppo", False),
+    (8, "ppo", False), (8, "gspo", False),
+    pytest.param(2, "grpo", True, marks=PER_GPU), pytest.param(2, "ppo", True, marks=PER_GPU)])
+def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_path, world, algorithm, per_gpu):
     # entropy on, several micro-batches, layers recomputed (the default save_attention); PPO adds its critic,
-    # kept replicated beside the sharded policy
+    # kept replicated beside the sharded policy. per_gpu: EP2 and FSDP2 x EP2 over NCCL against one rank.
     algo = {"name": algorithm, "kl_coef": 0.0, "entropy_coef": 0.01}
     model = {"num_experts": max(4, world)}  # one expert a rank at least
     one = Trainer(tiny_run(tmp_path, algorithm=algo, model=model, **SECTIONS), None, rank=0, world=1)
@@ -56,7 +64,7 @@ def test_fsdp_over_ep_ranks_steps_as_one_process_loss_gradients_and_weights(tmp_
         sections = {**SECTIONS, "model": model, "training": {**SECTIONS["training"], "fsdp": fsdp}}
         (tmp_path / f"fsdp-{fsdp}").mkdir()
         path = write_run(tmp_path / f"fsdp-{fsdp}", algorithm=algo, **sections)
-        layouts[fsdp] = run_ranks(world, ep_step_gradients, str(path), varied_batch().to_json())
+        layouts[fsdp] = run_ranks(world, ep_step_gradients, str(path), varied_batch().to_json(), per_gpu=per_gpu)
     for r in layouts[True]:
         assert_steps_as_one_process(r, want_metrics, want_grads, want_state)
     # The weights after the step: AdamW's first step is about lr * sign(gradient), so an entry whose gradient is

@@ -1,4 +1,4 @@
-"""Trainer ranks in gloo processes (imported by module name, so forked or spawned workers find these functions):
+"""Trainer ranks in gloo processes, or one per GPU over NCCL (imported by module name, so forked or spawned workers find these functions):
 one RL step's gradients, and a loop that one rank is asked to stop."""
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ from moe_rl_eks.workloads.rl.protocol import Batch
 from moe_rl_eks.workloads.trainer.loop import Trainer, stop_on_sigterm
 
 
-def _entry(fn, rank, world, init_file, out_dir, args):
+def _entry(fn, rank, world, init_file, out_dir, args, per_gpu):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if per_gpu:  # as torchrun starts the trainer on an H200 x2: rank r on cuda:r, its group as the trainer makes it
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.cuda.set_device(rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -26,15 +32,17 @@ def _entry(fn, rank, world, init_file, out_dir, args):
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
-    """fn(rank, world, *args) on `world` processes of one gloo group; every rank's result."""
+def run_ranks(world: int, fn, *args, timeout: float = 120, per_gpu: bool = False) -> list:
+    """fn(rank, world, *args) on `world` processes of one gloo group (on the CPU, or every rank on cuda:0), or with
+    `per_gpu` one rank per GPU over NCCL (the results then on cuda:0, beside the test's one-process reference); every
+    rank's result."""
     # A process that has touched CUDA cannot fork a child that uses it ("Cannot re-initialize CUDA in forked
     # subprocess"), and the trainer takes the GPU where there is one; spawned children get the parent's sys.path, so
     # they find this module too.
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args, per_gpu)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -46,7 +54,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
         codes = [p.exitcode for p in procs]
         if any(codes):
             raise RuntimeError(f"ranks exited with {codes}")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False,
+                           map_location="cuda:0" if per_gpu else None) for r in range(world)]
 
 
 def step_gradients(trainer: Trainer, batch: Batch) -> tuple[dict, dict]:

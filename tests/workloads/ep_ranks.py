@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -35,7 +36,15 @@ def placement(rank: int, world: int, mode: str, cuda_devices: int) -> tuple[str,
     if cuda_devices < world:
         raise ValueError(f"placement: mode 'per_gpu' needs one GPU per rank ({world} ranks), "
                          f"this machine has {cuda_devices}; use mode 'shared'")
-    return "nccl", torch.device("cuda", rank)
+    # CUDA tensors over NCCL, a CPU tensor's collectives (a decode loop's agreement flags) over gloo
+    return "cpu:gloo,cuda:nccl", torch.device("cuda", rank)
+
+
+def one_rank_per_gpu(world: int):
+    """A `world` parameter for a per_gpu test, skipped with the reason on a machine with fewer GPUs."""
+    have = torch.cuda.device_count()
+    return pytest.param(world, marks=pytest.mark.skipif(have < world, reason=(
+        f"one rank per GPU at {world} ranks needs {world} GPUs, this machine has {have}")))
 
 
 def _entry(fn, rank, world, init_file, out_file, args, mode):
@@ -44,7 +53,7 @@ def _entry(fn, rank, world, init_file, out_file, args, mode):
     if device is not None:
         torch.cuda.set_device(device)  # "cuda" in fn now means this rank's GPU
     dist.init_process_group(transport, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            **({"device_id": device} if transport == "nccl" else {}))
+                            **({"device_id": device} if mode == "per_gpu" else {}))
     try:
         result = fn(rank, world, *args)
         if rank == 0:

@@ -1,7 +1,7 @@
 """The `deepep` backend against `alltoall` and `local` on the same weights (outputs, loss, every gradient; random,
 skewed and empty-rank routing), in bf16 (the rollout model's) and as float32 weights under bf16 autocast (the
 trainer's). Two placements (tests/workloads/ep_ranks.py): 2 and 4 ranks sharing cuda:0 over gloo (what one GPU
-allows), and one rank per GPU over NCCL at 4 and 8 ranks (DeepEP's intranode kernels take 2, 4 or 8 ranks),
+allows), and one rank per GPU over NCCL at 2, 4 and 8 ranks (DeepEP's intranode kernels take 2, 4 or 8 ranks),
 skipped unless the machine has that many GPUs; there also `alltoall` over NCCL against `local` where deep_ep is not
 built. Skipped without CUDA; the deepep tests also without deep_ep."""
 import dataclasses
@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from ep_ranks import CONFIG, compare_backends, run_ranks
+from ep_ranks import CONFIG, compare_backends, one_rank_per_gpu, run_ranks
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -43,11 +43,6 @@ def assert_matches(results, scenario, backend="deepep", references=("alltoall", 
             assert_close_relative(got["grads"][name], w, 5e-2, f"{scenario} {backend} grad {name} vs {reference}")
 
 
-def enough_gpus(world):
-    return pytest.param(world, marks=pytest.mark.skipif(torch.cuda.device_count() < world, reason=(
-        f"one rank per GPU at {world} ranks needs {world} GPUs, this machine has {torch.cuda.device_count()}")))
-
-
 @needs_deep_ep
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("world", [2, 4])
@@ -59,7 +54,7 @@ def test_deepep_equals_alltoall_and_local_on_shared_gpu(world, scenario, precisi
 
 
 @needs_deep_ep
-@pytest.mark.parametrize("world", [enough_gpus(4), enough_gpus(8)])
+@pytest.mark.parametrize("world", [one_rank_per_gpu(2), one_rank_per_gpu(4), one_rank_per_gpu(8)])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_deepep_equals_alltoall_and_local_one_rank_per_gpu(world, precision):
     # NCCL moves alltoall's bytes GPU to GPU here; DeepEP's kernels use NVLink between the processes' GPUs.
@@ -71,7 +66,7 @@ def test_deepep_equals_alltoall_and_local_one_rank_per_gpu(world, precision):
 
 
 @pytest.mark.skipif(HAS_DEEP_EP, reason="the deepep test above compares alltoall with local in the same run")
-@pytest.mark.parametrize("world", [enough_gpus(4), enough_gpus(8)])
+@pytest.mark.parametrize("world", [one_rank_per_gpu(2), one_rank_per_gpu(4), one_rank_per_gpu(8)])
 def test_alltoall_over_nccl_equals_local_one_rank_per_gpu(world):
     results = run_ranks(world, compare_backends, ("local", "alltoall"), "cuda", "bf16-autocast", SCENARIOS,
                         GPU_CONFIG, timeout=300, start_method="spawn", mode="per_gpu")

@@ -1,5 +1,6 @@
-"""An expert-parallel server's decode over DeepEP's low-latency kernels (`deepep_ll`), two ranks sharing cuda:0
-over gloo (what one GPU allows; NVSHMEM reaches the other process's buffer peer to peer): every row's tokens equal
+"""An expert-parallel server's decode over DeepEP's low-latency kernels (`deepep_ll`) on two ranks, sharing cuda:0
+over gloo (what one GPU allows; NVSHMEM reaches the other process's buffer peer to peer) and one rank per GPU over
+NCCL (skipped without 2 GPUs): every row's tokens equal
 the single-GPU engine's and its logprobs agree within bf16 rounding; the all-to-all decode of the same rows and one
 MoE layer are measured alongside. Prefill goes over the all-to-all in both. Skipped without CUDA or deep_ep.
 The differences measured are printed (run with -s) so a GPU run's record can state them."""
@@ -14,7 +15,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("deep_ep") is None:
     pytest.skip("needs the deep_ep package (images/scripts/build_deepep.sh)", allow_module_level=True)
 
-from ep_ranks import run_ranks  # noqa: E402
+from ep_ranks import one_rank_per_gpu, run_ranks  # noqa: E402
 from ll_ranks import serve_both_ways  # noqa: E402
 
 # Measured on one H200 (2026-12-01, workloads/results/h200-deepep-ll-2.log): every logprob bitwise equal to the
@@ -40,12 +41,14 @@ def layer_difference(got: torch.Tensor, want: torch.Tensor) -> dict:
             "bitwise_equal_fraction": (got == want).float().mean().item()}
 
 
+@pytest.mark.parametrize("mode", ["shared", pytest.param("per_gpu", marks=one_rank_per_gpu(2).marks)])
 @pytest.mark.parametrize("compute", ["torch", "triton"])
-def test_low_latency_decode_on_two_ranks_sharing_a_gpu_gives_the_single_gpu_engines_rows(compute):
-    result = run_ranks(2, serve_both_ways, compute, timeout=300, start_method="spawn")
+def test_low_latency_decode_on_two_ranks_gives_the_single_gpu_engines_rows(compute, mode):
+    # shared: both ranks on cuda:0 over gloo; per_gpu: rank r on cuda:r over NCCL, as a sharded server on an H200 x2
+    result = run_ranks(2, serve_both_ways, compute, timeout=300, start_method="spawn", mode=mode)
     assert all(n > 0 for n in result["ll_dispatches"]), result["ll_dispatches"]  # decode went through DeepEP LL
     single = result["single"]
-    report = {"compute": compute, "ll_dispatches_per_rank": result["ll_dispatches"],
+    report = {"compute": compute, "mode": mode, "ll_dispatches_per_rank": result["ll_dispatches"],
               "deepep_ll_vs_single": row_differences(result["deepep_ll"], single),
               "alltoall_vs_single": row_differences(result["alltoall"], single),
               "deepep_ll_vs_alltoall": row_differences(result["deepep_ll"], result["alltoall"]),

@@ -64,8 +64,9 @@ def test_placement_shares_cuda0_over_gloo_or_gives_each_rank_its_own_gpu_over_nc
     # The GPU tests' rank placement (test_deepep_gpu.py), decided the same way on this CPU.
     assert placement(3, 4, "shared", 0) == ("gloo", None)
     assert placement(3, 4, "shared", 1) == ("gloo", torch.device("cuda", 0))
-    assert [placement(r, 8, "per_gpu", 8) for r in (0, 7)] == [("nccl", torch.device("cuda", 0)),
-                                                               ("nccl", torch.device("cuda", 7))]
+    # CUDA tensors over NCCL; a CPU tensor (a decode loop's agreement flag) over gloo, as the trainer's group does
+    assert [placement(r, 8, "per_gpu", 8) for r in (0, 7)] == [("cpu:gloo,cuda:nccl", torch.device("cuda", 0)),
+                                                               ("cpu:gloo,cuda:nccl", torch.device("cuda", 7))]
     with pytest.raises(ValueError, match="mode 'local' is not one of"):
         placement(0, 2, "local", 8)
 

@@ -1,6 +1,7 @@
-"""tools/gpu_runs/ep.sh (issue 17's runs on 4 and 8 H200s) cannot run here; what can be checked is that it is
-valid shell, shellcheck-clean, refuses a GPU count it has no plan for, and that every command, flag, test and file
-it calls exists, so the first call on such a machine is not spent on a typo."""
+"""tools/gpu_runs/ep.sh (issue 17's runs on 4 and 8 H200s) and h200x2.sh (issue 30's on 2) cannot run here; what
+can be checked is that they are valid shell, shellcheck-clean, refuse a GPU count or step they have no plan for,
+and that every command, flag, test and file they call exists, so the first call on such a machine is not spent on a
+typo."""
 import os
 import re
 import shlex
@@ -17,17 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_runs" / "ep.sh"
 
 
-def commands() -> list[list[str]]:
+H200X2 = ROOT / "tools" / "gpu_runs" / "h200x2.sh"
+
+
+def commands(script: Path = SCRIPT) -> list[list[str]]:
     """The script's lines with continuations joined, as words."""
-    text = SCRIPT.read_text().replace("\\\n", " ")
+    text = script.read_text().replace("\\\n", " ")
     return [shlex.split(line, comments=True) for line in text.splitlines() if line.strip() and
             not line.lstrip().startswith("#")]
 
 
-def test_the_script_is_valid_bash_and_shellcheck_clean():
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+@pytest.mark.parametrize("script", [SCRIPT, H200X2], ids=lambda p: p.name)
+def test_the_script_is_valid_bash_and_shellcheck_clean(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
-    result = subprocess.run([shellcheck, "-x", str(SCRIPT)], capture_output=True, text=True)
+    result = subprocess.run([shellcheck, "-x", str(script)], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -65,3 +70,30 @@ def test_the_tests_files_and_steps_the_script_names_exist():
     # Every step STEPS may name is a step the script runs.
     default = re.search(r"steps=\$\{STEPS:-([^}]*)\}", text).group(1).split()
     assert default == re.findall(r"^\s*step ([\w-]+) \d+ ", text, re.M)
+
+
+def test_h200x2_refuses_a_step_it_has_no_plan_for_naming_what_is_allowed(tmp_path):
+    result = subprocess.run(["bash", str(H200X2)], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "OUT": str(tmp_path), "STEPS": "rl-sync rl-colocated"})
+    assert result.returncode == 2
+    assert "STEPS: 'rl-colocated' is not one of: rl-sync rl-async rl-async-1 rl-async-2 deepep" in result.stderr
+    assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_h200x2_calls_only_commands_flags_and_tests_that_exist():
+    words = [w for line in commands(H200X2) for w in line]
+    text = H200X2.read_text()
+    # bench-rl --gpu hands the rest of its flags to tools/bench/rl_gpu.py
+    for sub, module in (("bench-rl", "moe_rl_eks.tools.bench.rl_gpu"), ("bench-train", SUBCOMMANDS["bench-train"][0]),
+                        ("bench-rollout", SUBCOMMANDS["bench-rollout"][0])):
+        help_text = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                                   check=True).stdout
+        line = re.split(r";;|\n}", text[text.index(f"cli {sub}"):])[0]  # to the end of its case or function
+        for flag in set(re.findall(r"\s(--[a-z][\w-]*)", line)) - {"--gpu"}:
+            assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", help_text), f"{sub} has no {flag}"
+    files = {w for w in words if w.startswith("tests/")} | set(re.findall(r"(tests/[\w/]+\.py)", text))
+    assert files and all((ROOT / f.split("::")[0]).is_file() for f in files), files
+    fsdp = re.search(r"FSDP=(\S+)", text).group(1).split("::")[1]
+    assert f"def {fsdp}(" in (ROOT / "tests/rl/test_trainer_fsdp.py").read_text()
+    assert re.findall(r'pytest.param\(2, "(\w+)", True', (ROOT / "tests/rl/test_trainer_fsdp.py").read_text()) == [
+        "grpo", "ppo"]  # the ids [2-grpo-True] and [2-ppo-True] the script selects

@@ -24,6 +24,15 @@ its parts alone (its generation alone + its tokens at the standalone training ra
 load); async samples/s >= 1.1 x the sync
 run's (`--compare` a sync results.json); GPU busy >= 90 %.
 
+`--placement split` (issue 30, an nvidia-h200-x2): the trainer on GPU 0 and the rollout server on GPU 1, each
+with its GPU to itself (memory shares default 0.9 each), the orchestrator on the CPU; versions go through the store
+(over device memory only when colocated). Such a run is refused on a machine with fewer than 2 GPUs, naming the
+field. The parts alone then are each role holding a GPU alone, so the split targets are async samples/s >= 0.85 x
+min(rollout alone, trainer alone) (the sync run's standalone figures, through `--compare`, when the async run has
+none) and every measured version installed on the server (its weight-version gauge, read every 0.5 s) within
+the trainer's step time of its publication starting (`deliveries`, per version, in both placements); NVML samples
+are taken on both GPUs (`nvml_by_gpu`).
+
 Before launching, the run's memory is checked with core/memory.py (check_local_machine): if `--layers` do not fit
 the GPU at the given shares, the largest layer count that does is taken, and the reason printed. `--tiny` runs the
 same code path on the CPU with a small model (the test)."""
@@ -45,7 +54,7 @@ from pathlib import Path
 
 import yaml
 
-from moe_rl_eks.core.run import ConfigError, RunConfig, check_local_machine
+from moe_rl_eks.core.run import ConfigError, RunConfig, check_local_gpus, check_local_machine
 from moe_rl_eks.core.schema import parse
 
 from ..local_run import LocalCluster, gpu_memory_bytes, read_metrics
@@ -54,6 +63,7 @@ QWEN3_LAYERS = 48  # Qwen3-30B-A3B's depth: per-layer figures are scaled by laye
 NEMO_RL_TOKENS_PER_GPU = 1102  # NeMo-RL, Qwen3-30B-A3B on 32 H100s, on-policy (tokens/s per GPU)
 SYNC_OVERHEAD_TARGET = 1.15  # a sync step within this of its parts measured alone
 ASYNC_SPEEDUP_TARGET = 1.1  # async samples/s over sync's
+SPLIT_ASYNC_TARGET = 0.85  # split placement: async samples/s over the slower part's alone
 BUSY_TARGET = 0.9  # share of NVML samples at >= BUSY_UTILISATION
 BUSY_UTILISATION = 90
 POLL_S = 0.1
@@ -62,6 +72,12 @@ POLL_S = 0.1
 PHASE_POLL_S = 0.5
 PHASES = ("generation", "training", "both", "neither")
 TINY_LAYERS = 2  # --tiny: bench-rollout's small model's depth
+# (trainer GPU, rollout GPU) and default (trainer, rollout) memory shares by --placement. Colocated: the trainer's
+# float32 state at 8 layers is ~86 GiB, its activations (full checkpointing, 16k-token micro-batches) ~5.5 GiB, the
+# bf16 export ~10.4 GiB (at 0.70 the trainer ran out of memory at its second step on the H200, 2026-12-02); the
+# rollout's bf16 weights ~10.4 GiB, its in-flight swap's staging and the KV cache the rest. Split: each role alone
+# on its GPU, with vLLM's default 0.9 (the rest for the CUDA context and NCCL's buffers).
+PLACEMENTS = {"colocated": ((0, 0), (0.76, 0.22)), "split": ((0, 1), (0.9, 0.9))}
 
 
 def model_data(layers: int, max_positions: int, tiny: bool) -> dict:
@@ -105,9 +121,20 @@ def run_data(args: argparse.Namespace, layers: int, root: Path) -> dict:
                             "output_dir": str(root / "run")}},
     }
     if not args.tiny:
-        data["local_gpus"] = {"trainer": {"gpus": [0], "memory_share": args.trainer_share},
-                              "rollout": {"gpus": [0], "memory_share": args.rollout_share}}
+        trainer_gpu, rollout_gpu = PLACEMENTS[args.placement][0]
+        data["local_gpus"] = {"trainer": {"gpus": [trainer_gpu], "memory_share": args.trainer_share},
+                              "rollout": {"gpus": [rollout_gpu], "memory_share": args.rollout_share}}
     return data
+
+
+def check_gpus(args: argparse.Namespace, root: Path, gpu_count: int) -> None:
+    """Refuse a placement naming a GPU this machine lacks (split on one GPU) before any memory check: the
+    layer search would take the refusal for layers that do not fit."""
+    run = parse(RunConfig, run_data(args, args.layers, root), source="bench-rl --gpu")
+    try:
+        check_local_gpus(run, gpu_count, source=f"bench-rl --gpu --placement {args.placement}")
+    except ConfigError as error:
+        raise SystemExit(f"{error} (--placement split needs 2 GPUs: device kind nvidia-h200-x2)") from None
 
 
 def fitting_layers(args: argparse.Namespace, root: Path, gpu_bytes: list[int]) -> tuple[int, str | None]:
@@ -125,15 +152,15 @@ def fitting_layers(args: argparse.Namespace, root: Path, gpu_bytes: list[int]) -
 
 
 class GpuSampler:
-    """GPU utilisation every 100 ms from `nvidia-smi -lms 100` (pynvml is not assumed), each sample at the time
-    nvidia-smi stamped it (its output may reach us in blocks); none on a machine without nvidia-smi."""
+    """GPU `gpu`'s utilisation every 100 ms from `nvidia-smi -lms 100` (pynvml is not assumed), each sample at the
+    time nvidia-smi stamped it (its output may reach us in blocks); none on a machine without nvidia-smi."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: int = 0) -> None:
         self.samples: list[tuple[float, int]] = []  # (Unix time, utilisation %)
         self.proc = None
         if shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu",
-                                          "--format=csv,noheader,nounits", "-i", "0", "-lms", "100"],
+                                          "--format=csv,noheader,nounits", "-i", str(gpu), "-lms", "100"],
                                          stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
 
@@ -196,15 +223,15 @@ def phase_split(samples: list[tuple[float, int]], generating: list[tuple[float, 
 
 
 def rollout_counters(url: str) -> dict:
-    """The rollout server's generating seconds (and the device's part of them), engine steps, generated tokens and
-    last weight-load seconds (its /metrics)."""
+    """The rollout server's generating seconds (and the device's part of them), engine steps, generated tokens,
+    last weight-load seconds and the weight version it serves (its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from moe_rl_eks.core import metrics as M
 
     wanted = {M.ROLLOUT_BUSY_SECONDS.name: "busy_seconds", M.ROLLOUT_GENERATION_TOKENS.name: "generated_tokens",
               M.WEIGHT_LOAD_SECONDS.name: "load_seconds", M.ROLLOUT_DEVICE_SECONDS.name: "device_seconds",
-              M.ROLLOUT_STEPS.name: "engine_steps"}
+              M.ROLLOUT_STEPS.name: "engine_steps", M.ROLLOUT_WEIGHT_VERSION.name: "weight_version"}
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     found = {wanted[s.name]: s.value for family in text_string_to_metric_families(text) for s in family.samples
@@ -241,12 +268,30 @@ def breakdown(rows: list[dict], counters: list[dict], prompt_tokens: int) -> lis
     return steps
 
 
+def deliveries(rows: list[dict], served_at: dict[int, float]) -> list[dict]:
+    """Each trained version's way to the server: from the trainer starting to publish it (its metrics row is
+    written after publication) to the rollout server first read serving it or a newer one (`served_at`: version ->
+    Unix time its weight-version gauge was first read at it; a version served between two readings, or skipped
+    for a newer one, counts as there by the reading that shows the newer), beside the trainer's step (scoring and
+    training); delivery_s is None for a version not there before the run stopped."""
+    from moe_rl_eks.core import metrics as M
+
+    out = []
+    for row in rows:
+        published = row["time"] - row[M.WEIGHT_PUBLISH_SECONDS.name]
+        seen = min((t for version, t in served_at.items() if version >= row["version"]), default=None)
+        out.append({"version": row["version"], "delivery_s": None if seen is None else seen - published,
+                    "trainer_step_s": row["step_compute_seconds"]})
+    return out
+
+
 def rate(amount: float, seconds: float) -> float | None:
     """amount / seconds; None for a window with no time in it (a tiny model's steps within one poll)."""
     return amount / seconds if seconds > 0 else None
 
 
-def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: float | None) -> dict:
+def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: float | None,
+              delivered: list[dict] | None = None) -> dict:
     """Throughputs and targets over the steps after the first (the first includes start-up and compilation;
     all of them when there is one); of the rollout's generating time, the engine's host share and its host ms per
     engine step (the time the GPU waits between the device's forwards)."""
@@ -269,11 +314,31 @@ def summarize(steps: list[dict], layers: int, standalone: dict | None, busy: flo
         out["standalone_sum_s"] = (standalone["generation_s"] + first["trained_tokens"] / standalone["trainer_tokens_per_s"]
                                    + first["publish_s"] + first["load_s"])
         out["sync_over_standalone"] = first["step_s"] / out["standalone_sum_s"]
+        # the same step's samples through each part alone: the rate the slower part sets on separate GPUs
+        out["parts_alone_samples_per_s"] = min(first["samples"] / standalone["generation_s"],
+                                               standalone["trainer_tokens_per_s"] * first["samples"]
+                                               / first["trained_tokens"])
+    timed = [d for d in delivered or [] if d["delivery_s"] is not None]
+    if timed:  # the slowest version's delivery in trainer steps (<= 1: every version there within a step)
+        out["delivery_s_max"] = max(d["delivery_s"] for d in timed)
+        out["delivery_over_trainer_step_max"] = max(d["delivery_s"] / d["trainer_step_s"] for d in timed)
     return out
 
 
-def targets(mode: str, summary: dict, sync: dict | None) -> list[tuple[str, float | None, bool | None]]:
-    """(target, measured value, met) for this mode; met is None where the figure is missing."""
+def targets(mode: str, summary: dict, sync: dict | None,
+            placement: str = "colocated") -> list[tuple[str, float | None, bool | None]]:
+    """(target, measured value, met) for this mode and placement; met is None where the figure is missing."""
+    def row(name: str, value: float | None, met) -> tuple[str, float | None, bool | None]:
+        return name, value, None if value is None else met(value)
+
+    if placement == "split":
+        rows = []
+        if mode == "async":
+            alone = summary.get("parts_alone_samples_per_s") or (sync or {}).get("parts_alone_samples_per_s")
+            rows.append(row(f"async samples/s >= {SPLIT_ASYNC_TARGET} x min(rollout alone, trainer alone)",
+                            alone and summary["samples_per_s"] / alone, lambda v: v >= SPLIT_ASYNC_TARGET))
+        return rows + [row("every version on the server within the trainer's step time",
+                           summary.get("delivery_over_trainer_step_max"), lambda v: v <= 1)]
     rows = []
     if mode == "sync":
         ratio = summary.get("sync_over_standalone")
@@ -309,11 +374,22 @@ def table(result: dict) -> str:
                  + ("" if alone is None else f" vs {alone['rollout_tokens_per_s']:.0f} alone") +
                  f"; trainer {shown(s['trainer_tokens_per_s'])} tok/s in the loop"
                  + ("" if alone is None else f" vs {alone['trainer_tokens_per_s']:.0f} alone"))
-    lines += [engine_line(s, alone), gpu_line(s, result.get("nvml_phases") or {})]
+    lines += [engine_line(s, alone), gpu_line(s, result.get("nvml_phases") or {}), delivery_line(result)]
     for name, value, met in result["targets"]:
         shown = "not measured" if value is None else f"{value:.2f}"
         lines.append(f"target {name}: {shown} -> {'met' if met else 'not met' if met is not None else 'unknown'}")
     return "\n".join(lines)
+
+
+def delivery_line(result: dict) -> str:
+    """The placement, and each version's way from publication to the server beside the trainer's step."""
+    trainer_gpu, rollout_gpu = PLACEMENTS[result["placement"]][0]
+    where = "on the CPU" if result["device"] == "cpu" else f"(trainer GPU {trainer_gpu}, rollout GPU {rollout_gpu})"
+    parts = [f"v{d['version']} " + ("not served before the run stopped" if d["delivery_s"] is None else
+                                    f"{d['delivery_s']:.1f} s") + f" (trainer step {d['trainer_step_s']:.1f} s)"
+             for d in result["deliveries"]]
+    return (f"placement {result['placement']} {where}; weights "
+            f"published -> served: {'; '.join(parts)}")
 
 
 def fraction(value: float | None) -> str:
@@ -395,8 +471,10 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
     path.write_text(yaml.safe_dump(run_data(args, layers, root)))
     run = parse(RunConfig, yaml.safe_load(path.read_text()), source=str(path))
     cluster = LocalCluster(str(path), run)
-    sampler = GpuSampler()
+    gpus = sorted(set(PLACEMENTS[args.placement][0])) if run.local_gpus is not None else [0]
+    samplers = {gpu: GpuSampler(gpu) for gpu in gpus}
     counters, times = [], []
+    served_at: dict[int, float] = {}  # weight version -> when the server was first seen serving it
     track: list[tuple[float, float]] = []  # (Unix time, the rollout's busy seconds) every PHASE_POLL_S
     next_track = 0.0
     try:
@@ -415,6 +493,7 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
                         raise
                 else:
                     track.append((now, sample["busy_seconds"]))
+                    served_at.setdefault(int(sample["weight_version"]), now)
                     next_track = time.monotonic() + PHASE_POLL_S
                     if new_row:
                         # records that appeared within one poll (a tiny model's steps) share the reading: the
@@ -437,7 +516,8 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
         if cluster.trainer is not None:  # SIGKILL: a SIGTERMed trainer would first checkpoint (tens of GB)
             cluster.trainer.stop(signal.SIGKILL)
         cluster.stop()
-        sampler.stop()
+        for sampler in samplers.values():
+            sampler.stop()
         # the run's weight versions and caches (11 GB each at 8 layers): the next mode needs the disk
         for child in cluster.out.iterdir():
             if child.is_dir() and child.name not in ("logs", "tensorboard"):
@@ -446,9 +526,13 @@ def run_mode(args: argparse.Namespace, layers: int, root: Path, deadline: float)
     if not rows:
         raise SystemExit(f"bench-rl --gpu: no step finished; see {cluster.logs}")
     start, stop = times[1] if len(times) > 2 else times[0], min(end, times[len(rows)])
-    window = sampler.window(start, stop)
+    # the GPUs' samples together (split: both roles' GPUs), and each GPU's
+    windows = {gpu: sampler.window(start, stop) for gpu, sampler in samplers.items()}
+    window = sorted(sample for w in windows.values() for sample in w)
     gpu = utilisation(window)
     return {"steps": breakdown(rows, counters, args.prompt_tokens), "gpu_busy": gpu["busy"],
+            "deliveries": deliveries(rows, served_at),
+            "nvml_by_gpu": {str(g): utilisation(w) for g, w in windows.items()},
             "gpu_util_mean": gpu["mean_utilisation"], "nvml_samples": gpu["samples"],
             # what ran when each sample was taken, and the samples themselves (seconds from the window's start)
             "nvml_phases": phase_split(window, generating_spans(track), training_spans(rows)),
@@ -473,9 +557,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # the trainer's float32 state at 8 layers is ~86 GiB, its activations (full checkpointing, 16k-token micro-
     # batches) ~5.5 GiB, the bf16 export ~10.4 GiB (at 0.70 the trainer ran out of memory at its second step on the
     # H200, 2026-12-02); the rollout's bf16 weights ~10.4 GiB, its in-flight swap's staging and the KV cache the rest
-    parser.add_argument("--trainer-share", type=float, default=0.76, help="the trainer's memory share of the GPU "
-                        "(its float32 state and the bf16 export of the weights to the colocated server)")
-    parser.add_argument("--rollout-share", type=float, default=0.22, help="the rollout server's memory share")
+    parser.add_argument("--placement", choices=tuple(PLACEMENTS), default="colocated", help="colocated: both roles "
+                        "on GPU 0 by memory shares; split: the trainer on GPU 0, the rollout server on GPU 1")
+    parser.add_argument("--trainer-share", type=float, default=None, help="the trainer's memory share of its GPU "
+                        "(its float32 state, and colocated the bf16 export of the weights to the server; default "
+                        "0.76 colocated, 0.9 split)")
+    parser.add_argument("--rollout-share", type=float, default=None, help="the rollout server's memory share "
+                        "(default 0.22 colocated, 0.9 split)")
     parser.add_argument("--standalone", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the parts alone first (default: with --mode sync)")
     parser.add_argument("--compare", help="async: the sync run's results.json, for the async target")
@@ -493,6 +581,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--samples {args.samples}: must be a multiple of --n ({args.n})")
     if args.mode == "async" and args.staleness < 1:
         parser.error(f"--staleness {args.staleness}: async needs >= 1 (0 is --mode sync)")
+    if args.tiny and args.placement != "colocated":
+        parser.error(f"--placement {args.placement}: --tiny runs every role on the CPU")
+    shares = PLACEMENTS[args.placement][1]
+    args.trainer_share = shares[0] if args.trainer_share is None else args.trainer_share
+    args.rollout_share = shares[1] if args.rollout_share is None else args.rollout_share
     # what the standalone child needs to build the same shapes (all but the mode's own flags)
     args.child_argv = [*(["--tiny"] if args.tiny else []), *(["--async-scheduling"] if args.async_scheduling else []),
                        "--samples", str(args.samples), "--n", str(args.n),
@@ -512,7 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out).resolve() / name
     root.mkdir(parents=True, exist_ok=True)
     # the tiny model keeps its own depth; on a GPU the memory model picks it
-    layers, why = (TINY_LAYERS, None) if args.tiny else fitting_layers(args, root, gpu_memory_bytes())
+    if not args.tiny:
+        gpu_bytes = gpu_memory_bytes()
+        check_gpus(args, root, len(gpu_bytes))
+    layers, why = (TINY_LAYERS, None) if args.tiny else fitting_layers(args, root, gpu_bytes)
     if why:
         print(f"bench-rl --gpu: {args.layers} layers do not fit ({why}); running {layers}", flush=True)
     deadline = time.monotonic() + args.timeout
@@ -520,14 +616,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.standalone if args.standalone is not None else args.mode == "sync":
         alone = standalone(args, layers, root / "standalone.json", args.standalone_share * args.timeout)
     measured = run_mode(args, layers, root, deadline)
-    summary = summarize(measured["steps"], layers, alone, measured["gpu_busy"])
+    summary = summarize(measured["steps"], layers, alone, measured["gpu_busy"], measured["deliveries"])
     summary["gpu_util_mean"] = measured["gpu_util_mean"]
     sync = json.loads(Path(args.compare).read_text())["summary"] if args.compare else None
     command = "moerl bench-rl --gpu " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"mode": name, "layers": layers, "layers_asked": args.layers, "why_fewer": why, "command": command,
+    result = {"mode": name, "placement": args.placement, "device": "cpu" if args.tiny else "cuda", "layers": layers,
+              "layers_asked": args.layers, "why_fewer": why, "command": command,
               "date": time.strftime("%Y-%m-%d"), "standalone": alone, "summary": summary, "steps": measured["steps"],
               "nvml_samples": measured["nvml_samples"], "nvml_phases": measured["nvml_phases"],
-              "targets": targets(args.mode, summary, sync), "nvml_trace": measured["nvml_trace"]}
+              "deliveries": measured["deliveries"], "nvml_by_gpu": measured["nvml_by_gpu"],
+              "targets": targets(args.mode, summary, sync, args.placement), "nvml_trace": measured["nvml_trace"]}
     (root / "results.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     print(text)

@@ -7,7 +7,7 @@
 #    github:deepseek-ai/DeepEP, `git archive` that commit there, and name it in the call's carry); without it the
 #    DeepEP tests and rows are skipped and say so;
 # 3. tests/workloads/test_deepep_gpu.py -k one_rank_per_gpu: deepep == alltoall == local, one rank per GPU over
-#    NCCL at 4 (and 8) ranks; alltoall == local alone where DeepEP is not built;
+#    NCCL at 2, 4 (and 8) ranks; alltoall == local alone where DeepEP is not built;
 # 4. moerl bench-ep at 2, 4 (and 8) ranks, one rank per GPU over NCCL;
 # 5. moerl bench-train --ranks N: the trainer's step at EP N over NCCL, triton compute, Qwen3-30B-A3B's shape at
 #    $TRAIN_LAYERS layers, and one publication through the Publisher (each rank its experts) to local disk;

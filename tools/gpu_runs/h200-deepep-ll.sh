@@ -35,7 +35,7 @@ step build 150 bash -c build >> "$OUT/build.log" 2>&1
 tail -3 "$OUT/build.log"
 
 step ll-torch $(( $(left) - 75 )) python3 -m pytest -q -s -p no:cacheprovider -rs \
-    "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_sharing_a_gpu_gives_the_single_gpu_engines_rows[torch]" \
+    "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_gives_the_single_gpu_engines_rows[torch-shared]" \
     > "$OUT/ll-torch.log" 2>&1
 grep -h "DEEPEP_LL_RESULT\|passed\|failed\|skipped\|Error" "$OUT/ll-torch.log" | tail -6
 
@@ -46,7 +46,7 @@ step sharded $(( $(left) - 40 )) python3 -m pytest -q -p no:cacheprovider -rs -k
 tail -4 "$OUT/sharded.log"
 
 step ll-triton $(( $(left) - 3 )) python3 -m pytest -q -s -p no:cacheprovider -rs \
-    "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_sharing_a_gpu_gives_the_single_gpu_engines_rows[triton]" \
+    "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_gives_the_single_gpu_engines_rows[triton-shared]" \
     > "$OUT/ll-triton.log" 2>&1
 grep -h "DEEPEP_LL_RESULT\|passed\|failed\|skipped\|Error" "$OUT/ll-triton.log" | tail -6
 echo "total $((SECONDS - START)) s"

@@ -37,7 +37,7 @@ wait $BUILD
 tail -n 1 "$OUT/deepep.log"
 for compute in torch triton; do
     step "ll-$compute" $(( $(left) / 2 + 20 )) python3 -m pytest -q -s -p no:cacheprovider -rs \
-        "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_sharing_a_gpu_gives_the_single_gpu_engines_rows[$compute]" \
+        "tests/workloads/test_deepep_ll_gpu.py::test_low_latency_decode_on_two_ranks_gives_the_single_gpu_engines_rows[$compute-shared]" \
         >> "$OUT/deepep.log" 2>&1
 done
 grep -h "DEEPEP_LL_RESULT\|passed\|failed" "$OUT/deepep.log" | tail -n 6
