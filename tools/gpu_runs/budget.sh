@@ -1,6 +1,7 @@
 # Sourced by the one-H200 scripts (h200-*.sh): the whole call's time budget and a step runner. Set BUDGET (seconds
 # for the script, under the device tool's per-call limit) before sourcing; each step's exit status and seconds go to
-# $OUT/steps.txt, so a call that ran out of time still says which steps finished; package_env sets up the package.
+# $OUT/steps.txt, so a call that ran out of time still says which steps finished; package_env sets up the package;
+# build_deepep builds DeepEP from the carried source.
 # shellcheck shell=bash
 START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -18,3 +19,11 @@ package_env() {  # the package from a shim on PYTHONPATH, the carried wheels (.w
     export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's rule (KINDS.md)
 }
+build_deepep() {  # DeepEP V1 stock from the carried .fetched/DeepEP into /tmp/deepep (MAX_JOBS: compile jobs, 16)
+    rm -rf /tmp/deepep-wheel && mkdir -p /tmp/deepep-wheel &&
+    DEEPEP_COMMIT=$(sed -n 's/^DEEPEP_COMMIT=//p' images/versions.env) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} \
+        images/scripts/build_deepep.sh --variant stock-v1 --src .fetched/DeepEP --out /tmp/deepep-wheel &&
+    python3 -m pip install --quiet --no-index --no-deps --target /tmp/deepep /tmp/deepep-wheel/deep_ep-*.whl &&
+    python3 -c 'import deep_ep; print("deep_ep", deep_ep.__file__)'
+}
+export -f build_deepep  # steps run it as `bash -c build_deepep` under timeout

@@ -23,15 +23,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # One node, no NIC use: NVSHMEM reaches the other rank's buffer peer to peer (REFERENCE.md, checked on this GPU).
 export NVSHMEM_REMOTE_TRANSPORT=none
 
-build() {
-    rm -rf /tmp/deepep-wheel && mkdir -p /tmp/deepep-wheel &&
-    DEEPEP_COMMIT=$(sed -n 's/^DEEPEP_COMMIT=//p' images/versions.env) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-        images/scripts/build_deepep.sh --variant stock-v1 --src .fetched/DeepEP --out /tmp/deepep-wheel &&
-    python3 -m pip install --quiet --no-index --no-deps --target /tmp/deepep /tmp/deepep-wheel/deep_ep-*.whl &&
-    python3 -c 'import deep_ep; print("deep_ep", deep_ep.__file__)'
-}
-export -f build
-step build 150 bash -c build >> "$OUT/build.log" 2>&1
+step build 150 bash -c build_deepep >> "$OUT/build.log" 2>&1
 tail -3 "$OUT/build.log"
 
 step ll-torch $(( $(left) - 75 )) python3 -m pytest -q -s -p no:cacheprovider -rs \

@@ -15,11 +15,7 @@ export PYTHONPATH=/tmp/deepep:/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none
 
 # DeepEP builds in the background (CPU) while the GPU runs the rest.
-( rm -rf /tmp/deepep-wheel && mkdir -p /tmp/deepep-wheel &&
-  DEEPEP_COMMIT=$(sed -n 's/^DEEPEP_COMMIT=//p' images/versions.env) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 \
-      images/scripts/build_deepep.sh --variant stock-v1 --src .fetched/DeepEP --out /tmp/deepep-wheel &&
-  python3 -m pip install --quiet --no-index --no-deps --target /tmp/deepep /tmp/deepep-wheel/deep_ep-*.whl &&
-  echo BUILD-OK ) > "$OUT/deepep.log" 2>&1 &
+( MAX_JOBS=12 build_deepep && echo BUILD-OK ) > "$OUT/deepep.log" 2>&1 &
 BUILD=$!
 
 # Compiled kernels: --noconftest keeps tests/kernels/conftest.py from turning the interpreter on.

@@ -53,15 +53,6 @@ async() {  # async STALENESS SECONDS
     [ -f "$compare" ] && flags=(--compare "$compare")
     rl "rl-async-$1" "$2" --mode async --staleness "$1" "${flags[@]}"
 }
-# shellcheck disable=SC2329  # run by `bash -c build` (exported)
-build() {
-    rm -rf /tmp/deepep-wheel && mkdir -p /tmp/deepep-wheel &&
-    DEEPEP_COMMIT=$(sed -n 's/^DEEPEP_COMMIT=//p' images/versions.env) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-        images/scripts/build_deepep.sh --variant stock-v1 --src .fetched/DeepEP --out /tmp/deepep-wheel &&
-    python3 -m pip install --quiet --no-index --no-deps --target /tmp/deepep /tmp/deepep-wheel/deep_ep-*.whl &&
-    python3 -c 'import deep_ep; print("deep_ep", deep_ep.__file__)'
-}
-export -f build
 tests() {  # tests NAME SECONDS PYTEST-ARGS...
     local name=$1 seconds=$2
     shift 2
@@ -76,7 +67,7 @@ for s in "${steps[@]}"; do
         rl-async) async 1 $(($(left) / 2)); async 2 "$(left)" ;;
         rl-async-1|rl-async-2) async "${s#rl-async-}" "$(left)" ;;
         deepep)
-            if [ -d .fetched/DeepEP ]; then step deepep "$(limit 180)" bash -c build > "$OUT/deepep.log" 2>&1
+            if [ -d .fetched/DeepEP ]; then step deepep "$(limit 180)" bash -c build_deepep > "$OUT/deepep.log" 2>&1
             else echo "deepep: .fetched/DeepEP not carried; the DeepEP tests skip" | tee -a "$OUT/steps.txt"; fi
             tail -n 3 "$OUT/deepep.log" 2>/dev/null ;;
         tests)
