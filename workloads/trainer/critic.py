@@ -21,7 +21,7 @@ of the replicated weights, so every rank steps it identically."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -72,10 +72,10 @@ class CriticInputs:
     tokens: int
 
 
-def fit_on_stored(step: Callable[[int, list[CriticInputs]], dict], stored: list[tuple[int, list[CriticInputs]]],
-                  epochs: int) -> list[dict]:
-    """rl.algorithm.critic_epochs: `epochs` passes over a batch's mini-batches (`stored`: each one's index and its
-    micro-batches' kept inputs), one optimizer step of the critic alone each (`step`); every step's metrics. The
+def fit_on_stored(step: Callable[[int, Any], dict], stored: list[tuple[int, Any]], epochs: int) -> list[dict]:
+    """rl.algorithm.critic_epochs: `epochs` passes over a batch's mini-batches (`stored`: each one's index and what
+    its step needs, the trainer's micro-batches and their kept CriticInputs), one optimizer step of the critic alone
+    each (`step`); every step's metrics. The
     same steps on every rank (each keeps the mini-batches the batch stepped on, by their global token counts), as
     expert parallelism's gradient all-reduce needs."""
     return [step(m, inputs) for _ in range(epochs) for m, inputs in stored]

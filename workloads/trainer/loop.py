@@ -263,15 +263,14 @@ class Trainer:
                     arrivals = arrivals or result["arrivals"]
                 steps.append(result)
                 if "critic_inputs" in result:
-                    kept.append((m, result.pop("critic_inputs")))
+                    kept.append((m, (microbatches, result.pop("critic_inputs"))))
 
-        def critic_step(m: int, inputs: list) -> dict:
+        def critic_step(m: int, stored: tuple) -> dict:
             def loss_fn(j: int, mb: Sequences, values: torch.Tensor, rows=plans[m]):
                 r, w = rows[j], mb.mask.shape[1]
                 return algo.critic_loss(values, cut(old_values, r, w), cut(returns, r, w), mb.mask,
                                         Totals.of(totals[m, :2]))
-            return self.train_step.critic_step([seqs.select(r) for r in plans[m]], inputs, loss_fn,
-                                               critic_lr=critic_lr)
+            return self.train_step.critic_step(*stored, loss_fn, critic_lr=critic_lr)
 
         fits = fit_on_stored(critic_step, kept, critic_epochs)
         metrics = {k: statistics.fmean(r[k] for r in steps) for k in steps[0] if k not in ("arrivals", "expert_load")}

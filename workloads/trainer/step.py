@@ -185,7 +185,8 @@ class TrainStep:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             load = fwd.expert_load.double() if load is None else load + fwd.expert_load
-            kept.append(fwd.critic_inputs)
+            if keep_critic_inputs:  # else each micro-batch's float32 hidden states would live to the step's end
+                kept.append(fwd.critic_inputs)
         arrived = time.monotonic() - started
         replicated = [*(self.replicated_params if train_policy else []), *self.critic_params]
         if self.ep is not None:
