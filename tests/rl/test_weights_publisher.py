@@ -171,7 +171,8 @@ def test_expert_parallel_ranks_each_write_their_own_experts_and_rank0_commits(tm
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.start_processes(publishing_rank, args=(port, str(tmp_path / "store"), out), nprocs=2, start_method="fork")
+    mp.start_processes(publishing_rank, args=(port, str(tmp_path / "store"), out), nprocs=2,
+                       start_method="forkserver")
     assert out[0][0] == 0 and all(name.startswith("model-rank000-") for name in out[0][1])
     assert all(name.startswith("model-rank001-") for name in out[1][1])
     store = DirectoryStore(tmp_path / "store")
@@ -235,7 +236,7 @@ def test_a_sharded_server_refuses_on_every_rank_a_version_whose_checksum_fails_o
         port = s.getsockname()[1]
     out = mp.Manager().dict()
     mp.start_processes(serving_rank, args=(port, str(run_path), str(directory), out), nprocs=2,
-                       start_method="fork")
+                       start_method="forkserver")
     assert out[0] is None and out[1] is None  # neither rank swapped
     assert "rank 1: " in out["refused"] and f"experts.{last}.down_proj.weight does not match" in out["refused"]
     assert "rank 0" not in out["refused"]

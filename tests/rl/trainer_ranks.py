@@ -36,10 +36,13 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, per_gpu: bool = False
     """fn(rank, world, *args) on `world` processes of one gloo group (on the CPU, or every rank on cuda:0), or with
     `per_gpu` one rank per GPU over NCCL (the results then on cuda:0, beside the test's one-process reference); every
     rank's result."""
-    # A process that has touched CUDA cannot fork a child that uses it ("Cannot re-initialize CUDA in forked
-    # subprocess"), and the trainer takes the GPU where there is one; spawned children get the parent's sys.path, so
-    # they find this module too.
-    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
+    # Never a fork of the test process: a process that has touched CUDA cannot fork a child that uses it ("Cannot
+    # re-initialize CUDA in forked subprocess"), and on the CPU a child forked from a pytest process that ran earlier
+    # in-process gloo tests inherited their C++ state and once aborted in glibc ("double free or corruption") inside
+    # full_tensor (CI, 2026-12-02). The forkserver forks clean children from one process that has only imported this
+    # module (torch, the trainer); spawned and forkserver children get the parent's sys.path, so they find it too.
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "forkserver")
+    ctx.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args, per_gpu)) for r in range(world)]

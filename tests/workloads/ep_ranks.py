@@ -63,11 +63,13 @@ def _entry(fn, rank, world, init_file, out_file, args, mode):
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "fork", mode: str = "shared"):
+def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "forkserver", mode: str = "shared"):
     """fn(rank, world, *args) on `world` processes of one group placed by `mode` (see `placement`); returns rank
     0's result."""
     placement(0, world, mode, torch.cuda.device_count())  # refuse here, not in every child
+    # forkserver, not fork, on the CPU: see trainer_ranks.run_ranks (a forked rank aborted in glibc once in CI).
     ctx = mp.get_context(start_method)
+    ctx.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, out_file, args, mode))
