@@ -195,12 +195,13 @@ def test_the_orchestrator_alone_sigkilled_and_restarted_serves_again_and_trains_
     assert state["counts"]["restarts"] == 1 and state["counts"]["failed_requests"] == 0
 
 
-@pytest.mark.parametrize("staleness", [0, 2], ids=["sync", "async"])
+@pytest.mark.parametrize("staleness, resume", [(0, True), (2, False)], ids=["sync-resume-latest", "async-no-state"])
 def test_the_orchestrator_sigkilled_with_its_state_file_lost_catches_up_to_the_trainer_ahead_of_the_checkpoint(
-        tmp_path, staleness):
+        tmp_path, staleness, resume):
     """The orchestrator dies and its state file is lost (a fresh volume) while the trainer is steps past its newest
-    checkpoint: the restarted one holds only the checkpoint's state (--resume latest), refuses the trainer's step
-    (409), takes the trainer's record of the batches it trained, and serves on; no prompt trains twice."""
+    checkpoint: the restarted one holds only the checkpoint's state (--resume latest; without --resume, no state at
+    all, it takes the state of the checkpoint the trainer names at its first batch request), refuses the trainer's
+    step (409), takes the trainer's record of the batches it trained, and serves on; no prompt trains twice."""
     steps = 14
     path = write_run(tmp_path, rollout={"min_servers": 1, "max_servers": 1}, orchestrator={"max_staleness": staleness},
                      training={**SHORT, "steps": steps, "checkpoint_every": 4})
@@ -208,9 +209,10 @@ def test_the_orchestrator_sigkilled_with_its_state_file_lost_catches_up_to_the_t
     ahead = lambda: (lambda c: c is not None and len(read_metrics(cluster.out)) >= int(c.name.split("-")[1]) + 2)(
         latest_checkpoint(cluster.out / "checkpoints"))
     state = restart_the_orchestrator_alone(cluster, ahead, "the trainer two steps past a checkpoint", steps,
-                                           resume=True, lose_state=True)
+                                           resume=resume, lose_state=True)
     log = (cluster.logs / "trainer.log").read_text()
     assert "resumed from" not in log and "the orchestrator was behind us" in log  # the same trainer, caught up to
+    assert ("started with no state: caught up" in (cluster.logs / "orchestrator.log").read_text()) is not resume
     assert state["counts"]["caught_up_steps"] >= 2 and state["counts"]["restarts"] == 1
     rows = check_trained(cluster.out, staleness)
     assert [r["step"] for r in rows] == list(range(steps))

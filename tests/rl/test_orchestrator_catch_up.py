@@ -320,3 +320,88 @@ def test_a_newest_checkpoint_that_does_not_fit_the_record_is_refused_and_one_at_
     assert refused and next_step == 4 and read_state(path).consumed == 8
     assert 'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"} 1.0' in metrics
     assert "moerl_orchestrator_caught_up_steps_total 0.0" in metrics
+
+
+def test_an_orchestrator_started_with_no_state_catches_up_a_trainer_that_never_checkpointed(tmp_path, fakes):
+    """Its state file lost and no --resume, the orchestrator would serve the trainer's step 6 from the start of the
+    prompt stream: it refuses step 6 instead, takes the record of steps 0..5 as the state at step 0 (a fresh
+    stream), counts the start as a restart, and serves 6 and 7 with no prompt the trainer trained."""
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=None)
+    try:
+        later = {}
+        for step in (6, 7):
+            later[step] = source.next_batch(step, 0, lambda: False)
+            source.version_published(step + 1, 0)
+        counts = dict(orch.buffer.counts)
+        metrics = catch_up_metrics(second.url)
+    finally:
+        second.stop()
+    assert counts["caught_up_steps"] == 6 and counts["restarts"] == 1 and source.reannounced >= 1
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="own"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 6.0}
+    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
+    seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
+    assert [later[s].step for s in (6, 7)] == [6, 7] and len(set(seen)) == 4 and not set(seen) & prompts_trained
+
+
+def test_an_orchestrator_started_with_no_state_catches_a_trainer_past_its_checkpoint_up_from_that_checkpoint(
+        tmp_path, fakes):
+    """The trainer's newest checkpoint is step 4 (its orchestrator state on disk) and it trained 4 and 5 since; its
+    record covers 2..5: an orchestrator started with no state refuses step 6 (changing nothing), takes the newest
+    checkpoint's state for the record, and serves steps 6 and 7 with no prompt trained twice."""
+    source, trained, (orch, second) = first_life_then_a_lost_state_file(
+        tmp_path, fakes(1), checkpoint_at=None, committed=lambda step: step // 2 * 2, on_disk=4)
+    try:
+        later = {}
+        for step in (6, 7):
+            later[step] = source.next_batch(step, 4, lambda: False)
+            source.version_published(step + 1, 0)
+        counts = dict(orch.buffer.counts)
+        metrics = catch_up_metrics(second.url)
+    finally:
+        second.stop()
+    assert counts["caught_up_steps"] == 2 and counts["restarts"] == 1
+    assert metrics == {'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": 2.0}
+    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
+    seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
+    assert [later[s].step for s in (6, 7)] == [6, 7] and len(set(seen)) == 4 and not set(seen) & prompts_trained
+
+
+def test_an_orchestrator_started_with_no_state_serves_a_trainer_resumed_from_its_checkpoint_from_its_state(
+        tmp_path, fakes, caplog):
+    """Trainer and orchestrator both restarted, the orchestrator with no state: the trainer, resumed from its
+    checkpoint of step 4 in lineage 1, gets step 4 formed from that checkpoint's orchestrator state (as --resume
+    of it would), not from the start of the prompt stream."""
+    from moe_rl_eks.workloads.trainer.orchestrator_link import HttpBatchSource
+
+    _, trained, (orch, second) = first_life_then_a_lost_state_file(
+        tmp_path, fakes(1), checkpoint_at=None, committed=lambda step: step // 2 * 2, on_disk=4)
+    try:
+        resumed = HttpBatchSource(second.url)
+        resumed.version_published(4, 1)
+        with caplog.at_level("WARNING", logger="moe_rl_eks.workloads.orchestrator.driver"):
+            batch = resumed.next_batch(4, 4, lambda: False)
+        restarts = orch.buffer.counts["restarts"]
+    finally:
+        second.stop()
+    assert batch.step == 4 and batch.lineage == 1 and restarts == 1
+    assert any("started with no state: serving the trainer from its checkpoint's orchestrator state" in r.message
+               and "step-00000004" in r.message for r in caplog.records)
+    assert not {request_of(x.id) for x in batch.samples} & {request_of(i) for s in range(4) for i in trained[s]}
+
+
+def test_an_orchestrator_started_with_no_state_refuses_a_trainer_whose_checkpoint_holds_none(tmp_path, fakes):
+    """The trainer resumed from a checkpoint of step 4 that this run's output does not hold (no orchestrator state
+    to take): refused, naming the fix, and the trainer fails naming both refusals rather than train prompts
+    again."""
+    source, _, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=None,
+                                                                  committed=lambda step: step // 2 * 2)
+    try:
+        with pytest.raises(RuntimeError, match=r"409 .*started with no state, and the trainer.{1,2}s checkpoint at "
+                                               r"step 4 has no orchestrator state at .*step-00000004/orchestrator\.json"
+                                               r": restart it with --resume.*our record of steps 2\.\.5 was refused"):
+            source.next_batch(6, 4, lambda: False)
+        assert orch.buffer.first_step is None and orch.buffer.counts["caught_up_steps"] == 0
+    finally:
+        second.stop()

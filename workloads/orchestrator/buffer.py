@@ -212,8 +212,8 @@ class GroupBuffer:
 
     def check_step(self, step: int, committed: int) -> None:
         """Raises StepConflict, changing nothing, unless `step` is batched or the next to form and `committed`
-        (the trainer's newest checkpoint) is not past it. A fresh orchestrator (no batch formed yet) serves
-        whichever step its trainer starts at."""
+        (the trainer's newest checkpoint) is not past it. A buffer that has formed no batch serves whichever step
+        its trainer starts at (the orchestrator first makes sure that is the step its state is at: driver._begin)."""
         if committed > step:
             raise StepConflict(f"step {step}: its batch was forgotten or would be (committed={committed}: a "
                                f"checkpoint past it); a trainer asks for a step at or after its committed one")
@@ -242,8 +242,7 @@ class GroupBuffer:
         StepConflict or MalformedRecord, changing nothing, where the record does not fit this state."""
         steps = sorted(trained)
         if self.first_step is None:
-            raise StepConflict("this orchestrator has formed no batch: it serves the step a trainer asks for, "
-                               "and has nothing to catch up")
+            raise StepConflict("this orchestrator has formed no batch, so it has nothing to catch up")
         expected = self.next_step()
         if not steps or steps[-1] - steps[0] + 1 != len(steps):
             raise MalformedRecord(f"steps {steps[:8]}: a record of consecutive steps, at least one")

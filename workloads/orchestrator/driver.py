@@ -18,11 +18,12 @@ trained on is behind the trainer: its next batch to form is older than the step 
 hands over its record of the batches it trained (`catch_up`: the request ids of each step since its second newest
 checkpoint), and the orchestrator takes those steps as formed and their prompts out of the stream (buffer.py
 GroupBuffer.catch_up), so no prompt trains twice; a state older than that record (an explicit older `--resume`
-path) is first replaced by the run's newest checkpoint's (`_adopt_checkpoint`). Until the trainer commits a
-checkpoint at or past the step caught up to, the state as it was before is held (in the state file too: an
-orchestrator restarted meanwhile keeps it): a trainer that dies and resumes from the older checkpoint (a new
-lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint are formed
-again.
+path) is first replaced by the run's newest checkpoint's (`_adopt_checkpoint`); one started with no state at all
+serves no step past 0 from the stream's start (`_begin`): it is caught up as the state at step 0. Until the trainer
+commits a checkpoint at or past the step caught up to, the state as it was before is held (in the state file too:
+an orchestrator restarted meanwhile keeps it): a trainer that dies and resumes from the older checkpoint (a new
+lineage asking for a step only that state can serve) gets that one, and the batches after the checkpoint are
+formed again.
 
 Routing replay: the servers write each choice's routed experts to the routing store and answer references; the
 orchestrator keeps and serves only those, and deletes the objects no sample will train any more (from a worker
@@ -48,6 +49,7 @@ from ..rl.data import PromptSource
 from ..rl.openai_api import CompletionRequest
 from ..rl.protocol import (Batch, Choice, Completion, Group, HeldState, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
+from ..rl.checkpoint_dirs import ORCHESTRATOR_STATE, final_dir
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
 from .buffer import GroupBuffer, MalformedRecord, RecordGap, StepConflict, request_ids
@@ -133,6 +135,7 @@ class Orchestrator:
         if state is not None:
             self._restore(state)
             self._caught_up = state.held  # persisted with the state file's state (a checkpoint's holds none)
+        self._stateless = state is None  # started with no state at all, until its first batch request (_begin)
         self._fallback = fallback
         self.state_path, self.checkpoints = state_path, checkpoints
         self._persisting: asyncio.Lock | None = None
@@ -217,6 +220,8 @@ class Orchestrator:
         a step that is neither batched nor the next one. A batch formed now is persisted before it is returned."""
         if self.buffer.trainer is None:
             return None
+        if self._stateless:
+            await self._begin(step, committed)
         if self._caught_up is not None:
             self._after_catch_up(step, committed)
         batch, formed = await self._wait_batch(step, committed, timeout_s)
@@ -225,6 +230,44 @@ class Orchestrator:
         # after the persist: a state on disk never refers to routing already deleted, except by a step's lag
         await self.collect_routing(sweep=formed)
         return batch
+
+    async def _begin(self, step: int, committed: int) -> None:
+        """The first batch request to an orchestrator started with no state at all (neither its own file nor
+        `--resume`: a fresh volume, or a first start beside a trainer already under way). A trainer past step 0
+        trained prompts this orchestrator would otherwise draw again from the start of the stream, so none is
+        served from there: a trainer resumed from its checkpoint (`committed` > 0) at that checkpoint's next step
+        is served from its orchestrator state, as `--resume` of it would be; any other is refused (409, changing
+        nothing), and its record then catches this orchestrator up (catch_up: as the state at step 0, which a
+        fresh stream is, or as the run's newest checkpoint's where the record begins later)."""
+        if not step:  # a new run, or a trainer starting over
+            self._stateless = False
+            return
+        if not committed:
+            raise StepConflict(f"step {step}: this orchestrator started with no state, the state at step 0: the "
+                               f"next batch to form is step 0 (a trainer past it posts its record of the batches "
+                               f"it trained to /v1/trained)")
+        path = None if self.checkpoints is None else final_dir(self.checkpoints, committed) / ORCHESTRATOR_STATE
+        try:
+            state = None if path is None else await asyncio.to_thread(read_state, path)
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or a state this code refuses
+            raise StepConflict(f"step {step}: this orchestrator started with no state, and the orchestrator state of "
+                               f"the trainer's checkpoint at step {committed} ({path}) is unreadable: {exc}") from None
+        if state is None:
+            raise StepConflict(f"step {step}: this orchestrator started with no state, and the trainer's checkpoint "
+                               f"at step {committed} has no orchestrator state at {path}: restart it with --resume "
+                               f"naming the orchestrator.json saved with that checkpoint")
+        probe = GroupBuffer.restore(state, prompts_per_step=self.s.prompts_per_step,
+                                    max_staleness=self.s.max_staleness, correct_reward=self.s.correct_reward)
+        try:
+            probe.check_step(step, committed)
+        except StepConflict as exc:
+            raise StepConflict(f"this orchestrator started with no state, and in the state of the trainer's "
+                               f"checkpoint at step {committed} ({path}): {exc}") from None
+        log.warning("started with no state: serving the trainer from its checkpoint's orchestrator state %s", path)
+        trainer = self.buffer.trainer
+        self._restore(state)  # counted as a start, as --resume of it would be
+        self.buffer.set_trainer(trainer)
+        self._stateless = False
 
     def _after_catch_up(self, step: int, committed: int) -> None:
         """After a catch-up: a trainer of a newer lineage asking for a step only the state before the catch-up can
@@ -258,14 +301,28 @@ class Orchestrator:
         if self.buffer.trainer is None:
             raise StepConflict("no trainer version is held: a trainer posts its version before its record")
         adopted = False
+        bare = self._stateless and self.buffer.first_step is None  # started with no state, nothing formed (_begin)
+        if bare:
+            self.buffer.first_step = 0  # a stream drawn from its start is the state at step 0
         try:
-            before = self.snapshot()
-            done = self.buffer.catch_up(trained)
-        except RecordGap as gap:
-            await self._adopt_checkpoint(trained, gap)
-            adopted = True
-            before = self.snapshot()
-            done = self.buffer.catch_up(trained)
+            try:
+                before = self.snapshot()
+                done = self.buffer.catch_up(trained)
+            except RecordGap as gap:
+                await self._adopt_checkpoint(trained, gap)
+                adopted = True
+                before = self.snapshot()
+                done = self.buffer.catch_up(trained)
+        except (StepConflict, MalformedRecord):
+            if bare:  # refused: as it was
+                self.buffer.first_step = None
+            raise
+        if bare:
+            log.warning("started with no state: caught up to the trainer's record %s",
+                        "from the run's newest checkpoint state" if adopted else "as the state at step 0")
+            self._stateless = False
+            self.buffer.counts["restarts"] += 1  # this start, found to be a restart of the run's orchestrator
+            self.metrics[M.ORCHESTRATOR_RESTARTS].set(self.buffer.counts["restarts"])
         steps = self.buffer.counts["caught_up_steps"] - before.counts["caught_up_steps"]
         if steps or adopted:
             self.metrics[M.ORCHESTRATOR_CATCH_UPS].labels(state="newest_checkpoint" if adopted else "own").inc()
