@@ -58,6 +58,7 @@ def test_a_share_that_cannot_hold_the_weights_and_one_full_row_is_refused_with_t
                                         "each GPU's memory"),
     (["--gpu-memory-utilization", "1.2"], "argument --gpu-memory-utilization: 1.2: must be in (0, 1]"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: 0: must be >= 1 (rows decoded at once)"),
+    (["--max-model-len", "1"], "argument --max-model-len: 1: must be >= 2 (positions per row"),
     (["--compute", "cuda"], "argument --compute: invalid choice: 'cuda' (choose from"),
     (["--numerics", "bitwise"], "argument --numerics: invalid choice: 'bitwise' (choose from"),
 ])
@@ -73,8 +74,27 @@ def test_the_model_flags_are_refused_with_a_run_which_sets_its_own(capsys):
     assert "--max-num-seqs applies to --model; a run sets rollout.max_batch_size" in capsys.readouterr().err
 
 
+def test_max_model_len_narrows_the_served_rows_and_a_length_that_does_not_fit_is_refused(checkpoint, capsys):
+    args = argparse.Namespace(model=str(checkpoint), max_new_tokens=None, max_model_len=64, max_num_seqs=None,
+                              gpu_memory_utilization=None, compute=None, numerics=None)
+    run = model_served(args, 1, cuda=False)  # the model's context is 256 positions
+    assert (run.rl.sampling.max_prompt_tokens, run.rollout.max_new_tokens) == (48, 16)  # a row of 64: 16 new
+    assert model_served(argparse.Namespace(**{**vars(args), "max_new_tokens": 60}), 1, cuda=False).rl.sampling \
+        .max_prompt_tokens == 4
+    for flags, message in ((["--max-model-len", "257"], "max_model_len: 257 positions; allowed 2..256 (the model's "
+                                                        "max_position_embeddings in "),
+                           (["--max-model-len", "64", "--max-new-tokens", "64"],
+                            "max_new_tokens: 64; allowed 1..63, leaving a row of 64 positions room for a prompt")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", str(checkpoint), *flags])
+        assert message in str(exit_.value) and f"--model {checkpoint}" in str(exit_.value)
+    with pytest.raises(SystemExit):
+        main(["--run", "configs/runs/local.yaml", "--max-model-len", "64"])
+    assert "--max-model-len applies to --model" in capsys.readouterr().err
+
+
 def test_on_the_cpu_a_served_checkpoint_runs_torch_with_the_smaller_batch_unless_told(checkpoint):
-    args = argparse.Namespace(model=str(checkpoint), max_new_tokens=8, max_num_seqs=None,
+    args = argparse.Namespace(model=str(checkpoint), max_new_tokens=8, max_model_len=None, max_num_seqs=None,
                               gpu_memory_utilization=None, compute=None, numerics=None)
     run = model_served(args, 1, cuda=False)
     assert (run.moe_compute, run.rollout.max_batch_size, run.serving_compute) == ("torch", 64, "torch")

@@ -53,11 +53,12 @@ def kv_cache_positions(model: ModelConfig, *, gpu_bytes: int, utilization: float
 
 
 def model_run_data(directory: str | Path, *, name: str | None = None, max_new_tokens: int | None = None,
-                   gpus_per_server: int = 1, max_batch_size: int = CPU_MAX_NUM_SEQS, moe_compute: str = "torch",
-                   numerics: str = "standard") -> dict:
+                   max_model_len: int | None = None, gpus_per_server: int = 1, max_batch_size: int = CPU_MAX_NUM_SEQS,
+                   moe_compute: str = "torch", numerics: str = "standard") -> dict:
     """A run file's contents (a mapping for core.schema.parse) for serving or evaluating `directory`: the model
-    from its config.json, its tokenizer, lengths up to the model's context (`max_new_tokens` default: a quarter of
-    it, at most 8,192)."""
+    from its config.json, its tokenizer, rows (prompt and completion) up to `max_model_len` positions (default: the
+    model's context; the engine's block tables and KV reservations are that wide), `max_new_tokens` of them at
+    most (default: a quarter of the row, at most 8,192). Raises ValueError naming the limit that does not fit."""
     from ..model.checkpoint import CheckpointError, model_config
 
     directory = Path(directory)
@@ -66,6 +67,14 @@ def model_run_data(directory: str | Path, *, name: str | None = None, max_new_to
         raise CheckpointError(f"{directory}: no config.json; expected a Hugging Face checkpoint directory")
     model = model_config(json.loads(config_path.read_text()), source=str(config_path))
     context = model.max_position_embeddings
+    if max_model_len is not None:
+        if not 2 <= max_model_len <= context:
+            raise ValueError(f"max_model_len: {max_model_len} positions; allowed 2..{context} (the model's "
+                             f"max_position_embeddings in {config_path})")
+        context = max_model_len
+    if max_new_tokens is not None and not 1 <= max_new_tokens < context:
+        raise ValueError(f"max_new_tokens: {max_new_tokens}; allowed 1..{context - 1}, leaving a row of {context} "
+                         f"positions room for a prompt")
     new_tokens = max_new_tokens or min(8192, max(1, context // 4))
     return {"name": name or directory.resolve().name,
             "model": dataclasses.asdict(model), "moe_compute": moe_compute, "numerics": numerics,

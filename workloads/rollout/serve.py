@@ -38,6 +38,10 @@ def main(argv: list[str]) -> int:
                         "files): served as it is, without a run, as version 0 under the directory's name")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="with --model: the completion length limit (default: a quarter of the context)")
+    parser.add_argument("--max-model-len", type=_positions, default=None,
+                        help="with --model: positions per row, prompt and completion (default: the model's "
+                        "max_position_embeddings); the engine's block tables and each row's KV reservation are "
+                        "this wide")
     parser.add_argument("--max-num-seqs", type=_count, default=None,
                         help=f"with --model: rows decoded at once, each admitted as its KV-cache blocks allow "
                         f"(default {MAX_NUM_SEQS} on a GPU, {CPU_MAX_NUM_SEQS} on the CPU)")
@@ -59,7 +63,7 @@ def main(argv: list[str]) -> int:
         logging.basicConfig(level=logging.INFO)
         run = model_served(args, processes, torch.cuda.is_available())
     else:
-        for flag in ("max_num_seqs", "gpu_memory_utilization", "compute", "numerics"):
+        for flag in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "compute", "numerics"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} applies to --model; a run sets rollout.max_batch_size, "
                              "local_gpus.rollout.memory_share, moe_compute and numerics")
@@ -99,6 +103,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _positions(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 2 (positions per row: a prompt token and a new one)")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -116,10 +127,14 @@ def model_served(args: argparse.Namespace, processes: int, cuda: bool):
                                 model_run, serving_compute)
 
     # On the CPU the KV cache is allocated whole for every row (nothing sizes it from memory): the smaller batch.
-    options = {"max_new_tokens": args.max_new_tokens, "gpus_per_server": processes,
+    options = {"max_new_tokens": args.max_new_tokens, "max_model_len": args.max_model_len,
+               "gpus_per_server": processes,
                "max_batch_size": args.max_num_seqs or (MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS),
                "numerics": args.numerics or "standard"}
-    run = model_run(args.model, **options)
+    try:
+        run = model_run(args.model, **options)
+    except ValueError as exc:  # a length that does not fit the model: named, with what is allowed
+        raise SystemExit(f"moerl serve-rollout --model {args.model}: {exc}") from None
     compute, why = (args.compute, "--compute") if args.compute else serving_compute(run.model, cuda)
     run = model_run(args.model, moe_compute=compute, **options)
     log.info("serving %s with moe_compute %s (%s), numerics %s, up to %d rows at once", args.model, compute, why,
