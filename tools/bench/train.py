@@ -7,7 +7,9 @@ over float32 master weights, the chunked token log-probabilities and entropies (
 token-mean loss with an entropy term, backward, gradient clipping and a fused AdamW step. For each MoE compute backend, activation
 checkpointing on and off, and each sequence length: tokens/s (median step), MFU and peak memory above the
 weights and optimizer state (what the step adds: activations, logit chunks, gradients and their transient
-buffers). An out-of-memory step is a row, not a failure.
+buffers). An out-of-memory step is a row, not a failure. `--microbatches N` runs each step over N copies of the
+micro-batch, gradients accumulated: from the second on every gradient is held beside a micro-batch's activations,
+the peak the planner counts (a step of one micro-batch frees activations as its gradients arrive, and peaks lower).
 
 Model FLOPs per token: 6 x the matmul parameters a token passes through (attention projections, router, its
 top-k experts, lm_head; not the embedding lookup) plus causal attention, 6 x n x head_dim x heads per layer for
@@ -143,8 +145,9 @@ class Step:
                    for i, seq in enumerate(ids)]
         return Sequences.of(samples).to(self.device)
 
-    def run(self, batch: Sequences, exact: bool = False) -> None:
-        local = Totals.local(batch.mask)
+    def run(self, batch: Sequences, exact: bool = False, microbatches: int = 1) -> None:
+        """One optimizer step over `microbatches` copies of `batch`, gradients accumulated as the trainer does."""
+        local = Totals.local(batch.mask) * microbatches
         if self.ep is not None:  # the loss is normalised over every rank's tokens, as the trainer does
             dist.all_reduce(local, group=self.ep.group)
         totals = Totals.of(local)
@@ -154,7 +157,8 @@ class Step:
                              mb.mask, entropy=fwd.entropy)
             return self.algorithm.loss(pb, totals)
 
-        self.train_step.step([batch], loss_fn, lr=1e-6, temperature=1.0, replay=False, exact_values=exact)
+        self.train_step.step([batch] * microbatches, loss_fn, lr=1e-6, temperature=1.0, replay=False,
+                             exact_values=exact)
 
     def free(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -164,7 +168,9 @@ class Step:
 
 
 def planned(config: ModelConfig, checkpointing: str, tokens: int) -> dict:
-    """The planner's numbers for this one-GPU model (every parameter on this rank, dense weights replicated)."""
+    """The planner's numbers for this one-GPU model (every parameter on this rank, dense weights replicated): the
+    peak counts every gradient beside a whole micro-batch's activations, which the trainer holds from its second
+    micro-batch of a step on (a step of one micro-batch frees the activations as the gradients arrive)."""
     experts = config.routed_expert_parameter_count()
     state = memory.trainer_state(replicated=config.parameter_count() - experts, experts=experts, ranks=1, fsdp=False)
     activations = planner.activation_bytes(config, config.num_hidden_layers, tokens, checkpointing)
@@ -172,14 +178,17 @@ def planned(config: ModelConfig, checkpointing: str, tokens: int) -> dict:
             "planned_peak_above_gib": (state.gradient_bytes + activations) / 2**30}
 
 
-def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float, exact: bool = False) -> dict:
-    """A row's numbers; `exact`: of the step as a batch's first under numerics: exact."""
+def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float, exact: bool = False,
+            microbatches: int = 1) -> dict:
+    """A row's numbers (tokens and FLOPs of every micro-batch of a step); `exact`: of the step as a batch's first
+    under numerics: exact."""
     c, device = step.config, step.device
     rank = step.ep.rank if step.ep is not None else 0
     batch = step.batch(sequence, sequences, torch.Generator().manual_seed(rank))
-    row: dict = {"sequence": sequence, "sequences": sequences, "tokens": sequence * sequences}
+    row: dict = {"sequence": sequence, "sequences": sequences, "microbatches": microbatches,
+                 "tokens": sequence * sequences * microbatches}
     try:
-        step.run(batch, exact)  # warm-up: kernels compiled and autotuned, optimizer state made
+        step.run(batch, exact, microbatches)  # warm-up: kernels compiled and autotuned, optimizer state made
         step.free()
         sync(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -189,11 +198,11 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float, 
         for _ in range(steps):
             sync(device)
             start = time.perf_counter()
-            step.run(batch, exact)
+            step.run(batch, exact, microbatches)
             sync(device)
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
-        flops = model_flops_per_step(c, sequence, sequences)
+        flops = model_flops_per_step(c, sequence, sequences) * microbatches
         row.update(status="ok", step_seconds=seconds, tokens_per_second=row["tokens"] / seconds,
                    model_tflop_per_step=flops / 1e12, tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / peak)
         if device.type == "cuda":
@@ -243,7 +252,8 @@ def table(result: dict) -> str:
              + (" exact step s | exact MFU | exact peak above GiB | exact / standard |" if exact else ""),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- | --- |" if exact else "")]
     for r in result["rows"]:
-        shape = f"{r['sequences']} x {r['sequence']:,}"
+        shape = f"{r['sequences']} x {r['sequence']:,}" + (f" x {r['microbatches']} micro-batches"
+                                                             if r.get("microbatches", 1) > 1 else "")
         cells = _exact_cells(r) if exact else ""
         if r["status"] != "ok":
             lines.append(f"| {r['compute']} | {r['checkpointing']} | {shape} | {r['status']} | | | | | |{cells}")
@@ -280,6 +290,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpointing", default="full,save_attention,off",
                     help="activation checkpointing modes to measure, comma-separated (full, save_attention, off)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
+    ap.add_argument("--microbatches", type=int, default=1, metavar="N",
+                    help="micro-batches of each shape per optimizer step, gradients accumulated: from the second on "
+                         "every gradient is held beside a micro-batch's activations, as in a trainer's step")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke test of this script)")
     ap.add_argument("--ranks", type=int, default=1,
                     help="expert-parallel ranks: processes over NCCL, one per GPU (gloo on the CPU with --tiny)")
@@ -295,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.ranks < 1:
         ap.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.microbatches < 1:
+        ap.error(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.ep_share < 1 or (args.ep_share > 1 and args.ranks > 1):
         ap.error(f"--ep-share {args.ep_share}: must be >= 1, and 1 with --ranks (it stands in for the other ranks)")
     if args.publish and args.ranks == 1:
@@ -439,11 +454,13 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
         for checkpointing in args.checkpointing.split(","):
             checkpoint_layers(step.model, checkpointing)
             for sequences, sequence in args.shapes:
-                row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"])
+                row = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"],
+                              microbatches=args.microbatches)
                 if args.exact:
-                    exact = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"], exact=True)
-                    row["exact"] = {k: v for k, v in exact.items()
-                                    if k not in ("sequence", "sequences", "tokens", "weights_and_optimizer_gib")}
+                    exact = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"], exact=True,
+                                    microbatches=args.microbatches)
+                    row["exact"] = {k: v for k, v in exact.items() if k not in (
+                        "sequence", "sequences", "microbatches", "tokens", "weights_and_optimizer_gib")}
                 if args.profile and lead and row["status"] == "ok" and ep is None:
                     profile_step(step, sequence, sequences, f"{compute} {checkpointing} {sequences}x{sequence}",
                                  args.profile)
