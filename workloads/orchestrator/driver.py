@@ -45,11 +45,11 @@ from moe_rl_eks.core import metrics as M
 from moe_rl_eks.core.deadlines import Deadline, request_deadline
 from moe_rl_eks.core.run import RunConfig
 
+from ..rl.checkpoint_dirs import ORCHESTRATOR_STATE, final_dir
 from ..rl.data import PromptSource
 from ..rl.openai_api import CompletionRequest
 from ..rl.protocol import (Batch, Choice, Completion, Group, HeldState, OrchestratorState, PromptRecord, Sample,
                         VersionRef, derive_seed)
-from ..rl.checkpoint_dirs import ORCHESTRATOR_STATE, final_dir
 from ..rl.routing_store import RoutingStore
 from ..rl.runtime import Registry, output_dir
 from .buffer import GroupBuffer, MalformedRecord, RecordGap, StepConflict, request_ids
@@ -314,7 +314,7 @@ class Orchestrator:
                 before = self.snapshot()
                 done = self.buffer.catch_up(trained)
         except (StepConflict, MalformedRecord):
-            if bare:  # refused: as it was
+            if bare and not adopted:  # refused: as it was
                 self.buffer.first_step = None
             raise
         if bare:
