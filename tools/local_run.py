@@ -25,7 +25,7 @@ from moe_rl_eks.core.launch import launch
 from moe_rl_eks.core.rl_config import AlgorithmConfig
 from moe_rl_eks.core.run import LOCAL_RANKS, RunConfig, check_local_gpus, check_local_machine
 from moe_rl_eks.core.schema import parse
-from moe_rl_eks.workloads.rl.runtime import load, output_dir, run_argparser, wait_for
+from moe_rl_eks.workloads.rl.runtime import load, output_dir, read_jsonl, run_argparser, wait_for
 
 CLI = [sys.executable, "-m", "moe_rl_eks.tools.cli"]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -160,12 +160,8 @@ class LocalCluster:
 
 def read_metrics(out: Path) -> list[dict]:
     """metrics.jsonl, the last record of each step (a resumed trainer re-runs steps after its checkpoint)."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
     rows = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    for row in read_jsonl(out / "metrics.jsonl"):
         rows[row["step"]] = row
     return [rows[k] for k in sorted(rows)]
 

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from moe_rl_eks.core.run import load_run
+from moe_rl_eks.workloads.rl.runtime import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_RUN = REPO / "configs" / "runs" / "local.yaml"
@@ -150,10 +151,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 def trained_history(out: Path) -> list[dict]:
     """trained.jsonl's rows that the run kept, in order: a trainer resumed from its checkpoint of step k trains
     step k again, and the dead trainer's rows from step k on (its work past the checkpoint) are rolled back."""
-    path = out / "trained.jsonl"
     rows: list[dict] = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
+    for row in read_jsonl(out / "trained.jsonl"):
         rows = [r for r in rows if r["step"] < row["step"]] + [row]
     return rows
 

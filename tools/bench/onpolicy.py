@@ -6,7 +6,6 @@ from the trainer's current weights by the rollout engine's decoder with seeds de
 index), scored by the run's reward, sequence advantages by the run's algorithm."""
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from moe_rl_eks.workloads.rl.data import make_prompt_source
 from moe_rl_eks.workloads.rl.protocol import (Batch, BatchStats, TrainingSample, VersionRef, derive_seed,
                                               one_version)
 from moe_rl_eks.workloads.rl.rewards import RewardScorer
+from moe_rl_eks.workloads.rl.runtime import read_jsonl
 from moe_rl_eks.workloads.rl.tokenizer import load_tokenizer
 from moe_rl_eks.workloads.rollout.decoder import decode_all
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
@@ -70,7 +70,7 @@ def train(run) -> tuple[list[dict], Trainer]:
     trainer.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     assert trainer.run_loop() == 0
-    return [json.loads(line) for line in Path(trainer.out / "metrics.jsonl").read_text().splitlines()], trainer
+    return read_jsonl(Path(trainer.out / "metrics.jsonl")), trainer
 
 
 def mean_reward(rows: list[dict], last: int) -> float:

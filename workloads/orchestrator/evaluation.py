@@ -24,6 +24,7 @@ from typing import Callable
 
 from ..rl.data import Prompt
 from ..rl.rewards import RewardScorer
+from ..rl.runtime import read_jsonl
 
 log = logging.getLogger(__name__)
 PREFIX = "eval/"
@@ -287,5 +288,4 @@ class PeriodicEvaluator:
 
 
 def read_records(out_dir: str | Path) -> list[dict]:
-    path = Path(out_dir) / "eval.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(Path(out_dir) / "eval.jsonl")

@@ -30,6 +30,17 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records a role appends to `path`, one JSON object a line (none before the file exists), up to its last
+    complete line: a reader beside the writer (local-run's progress, a test waiting for a step) may find the last
+    record half-written, since a long line is more than one write."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
 def run_argparser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"moerl {prog}", description=description)
     parser.add_argument("--run", required=True, help="run configuration (configs/runs/<name>.yaml)")
