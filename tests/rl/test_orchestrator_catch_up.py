@@ -322,47 +322,30 @@ def test_a_newest_checkpoint_that_does_not_fit_the_record_is_refused_and_one_at_
     assert "moerl_orchestrator_caught_up_steps_total 0.0" in metrics
 
 
-def test_an_orchestrator_started_with_no_state_catches_up_a_trainer_that_never_checkpointed(tmp_path, fakes):
+@pytest.mark.parametrize("committed, on_disk, caught_up, state", [
+    (lambda step: 0, None, 6, "own"), (lambda step: min(step // 2 * 2, 4), 4, 2, "newest_checkpoint")],
+    ids=["never-checkpointed", "past-its-checkpoint"])
+def test_an_orchestrator_started_with_no_state_refuses_a_trainer_past_step_0_and_catches_up_from_its_record(
+        tmp_path, fakes, committed, on_disk, caught_up, state):
     """Its state file lost and no --resume, the orchestrator would serve the trainer's step 6 from the start of the
-    prompt stream: it refuses step 6 instead, takes the record of steps 0..5 as the state at step 0 (a fresh
-    stream), counts the start as a restart, and serves 6 and 7 with no prompt the trainer trained."""
-    source, trained, (orch, second) = first_life_then_a_lost_state_file(tmp_path, fakes(1), checkpoint_at=None)
-    try:
-        later = {}
-        for step in (6, 7):
-            later[step] = source.next_batch(step, 0, lambda: False)
-            source.version_published(step + 1, 0)
-        counts = dict(orch.buffer.counts)
-        metrics = catch_up_metrics(second.url)
-    finally:
-        second.stop()
-    assert counts["caught_up_steps"] == 6 and counts["restarts"] == 1 and source.reannounced >= 1
-    assert metrics == {'moerl_orchestrator_catch_ups_total{state="own"}': 1.0,
-                       "moerl_orchestrator_caught_up_steps_total": 6.0}
-    prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
-    seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
-    assert [later[s].step for s in (6, 7)] == [6, 7] and len(set(seen)) == 4 and not set(seen) & prompts_trained
-
-
-def test_an_orchestrator_started_with_no_state_catches_a_trainer_past_its_checkpoint_up_from_that_checkpoint(
-        tmp_path, fakes):
-    """The trainer's newest checkpoint is step 4 (its orchestrator state on disk) and it trained 4 and 5 since; its
-    record covers 2..5: an orchestrator started with no state refuses step 6 (changing nothing), takes the newest
-    checkpoint's state for the record, and serves steps 6 and 7 with no prompt trained twice."""
+    prompt stream: it refuses step 6 instead (changing nothing) and catches up from the trainer's record, as the
+    state at step 0 (a fresh stream) for a trainer that never checkpointed (record 0..5), or from the newest
+    checkpoint's state (step 4, on disk) for one past it (record 2..5); it counts the start as a restart and serves
+    6 and 7 with no prompt the trainer trained (`committed`: the trainer's newest checkpoint at each step)."""
     source, trained, (orch, second) = first_life_then_a_lost_state_file(
-        tmp_path, fakes(1), checkpoint_at=None, committed=lambda step: step // 2 * 2, on_disk=4)
+        tmp_path, fakes(1), checkpoint_at=None, committed=committed, on_disk=on_disk)
     try:
         later = {}
         for step in (6, 7):
-            later[step] = source.next_batch(step, 4, lambda: False)
+            later[step] = source.next_batch(step, committed(step), lambda: False)
             source.version_published(step + 1, 0)
         counts = dict(orch.buffer.counts)
         metrics = catch_up_metrics(second.url)
     finally:
         second.stop()
-    assert counts["caught_up_steps"] == 2 and counts["restarts"] == 1
-    assert metrics == {'moerl_orchestrator_catch_ups_total{state="newest_checkpoint"}': 1.0,
-                       "moerl_orchestrator_caught_up_steps_total": 2.0}
+    assert counts["caught_up_steps"] == caught_up and counts["restarts"] == 1 and source.reannounced >= 1
+    assert metrics == {f'moerl_orchestrator_catch_ups_total{{state="{state}"}}': 1.0,
+                       "moerl_orchestrator_caught_up_steps_total": float(caught_up)}
     prompts_trained = {request_of(i) for ids in trained.values() for i in ids}
     seen = [request_of(x.id) for s in (6, 7) for x in later[s].samples]
     assert [later[s].step for s in (6, 7)] == [6, 7] and len(set(seen)) == 4 and not set(seen) & prompts_trained
