@@ -39,10 +39,12 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, per_gpu: bool = False
     # Never a fork of the test process: a process that has touched CUDA cannot fork a child that uses it ("Cannot
     # re-initialize CUDA in forked subprocess"), and on the CPU a child forked from a pytest process that ran earlier
     # in-process gloo tests inherited their C++ state and once aborted in glibc ("double free or corruption") inside
-    # full_tensor (CI, 2026-12-02). The forkserver forks clean children from one process that has only imported this
-    # module (torch, the trainer); spawned and forkserver children get the parent's sys.path, so they find it too.
+    # full_tensor (CI, 2026-12-02). The forkserver forks clean children from one process that has imported only the
+    # trainer (torch with it), so a child starts in a second, not the five a fresh import takes here; it is named
+    # by package, since Python 3.11's forkserver imports its preloads without the tests' sys.path (a failed preload
+    # is silently skipped). Children get the parent's sys.path, so they find this module.
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload(["moe_rl_eks.workloads.trainer.loop"])
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, tmp, args, per_gpu)) for r in range(world)]

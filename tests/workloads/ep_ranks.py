@@ -67,9 +67,10 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, start_method: str = "
     """fn(rank, world, *args) on `world` processes of one group placed by `mode` (see `placement`); returns rank
     0's result."""
     placement(0, world, mode, torch.cuda.device_count())  # refuse here, not in every child
-    # forkserver, not fork, on the CPU: see trainer_ranks.run_ranks (a forked rank aborted in glibc once in CI).
+    # forkserver, not fork, on the CPU: see trainer_ranks.run_ranks (a forked rank aborted in glibc once in CI; the
+    # preload named by package for the reason given there).
     ctx = mp.get_context(start_method)
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload(["moe_rl_eks.workloads.trainer.loop"])
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, out_file, args, mode))
