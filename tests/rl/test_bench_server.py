@@ -12,6 +12,8 @@ def test_engine_http_and_streamed_http_generate_the_same_tokens(tmp_path, capsys
     assert [r["way"] for r in results] == ["engine", "HTTP", "HTTP stream"]
     assert len({r["tokens"] for r in results}) == 1 and 3 <= results[0]["tokens"] <= 3 * 2 * 4
     assert "| 2 | HTTP stream |" in capsys.readouterr().out
+    for r in results:  # the engine's counters over each run: a step per token at least, the device's part of them
+        assert r["engine_steps"] >= 4 and 0 < r["engine_device_seconds"] <= r["engine_busy_seconds"] <= r["seconds"]
 
 
 def test_bench_server_sends_the_same_requests_to_a_running_server_with_url(tmp_path, capsys):
@@ -28,4 +30,7 @@ def test_bench_server_sends_the_same_requests_to_a_running_server_with_url(tmp_p
     results = json.loads((tmp_path / "url.json").read_text())["results"]
     assert [(r["way"], r["concurrency"]) for r in results] == [("HTTP", 2)]
     assert 3 <= results[0]["tokens"] <= 3 * 2 * 4
-    assert f"--url {http.url}`" in capsys.readouterr().out
+    # the served engine's counters, read from its /metrics as for bench-server's own engine
+    assert results[0]["engine_steps"] >= 4 and 0 < results[0]["engine_device_seconds"] <= results[0]["engine_busy_seconds"]
+    out = capsys.readouterr().out
+    assert f"--url {http.url}`" in out and "| 2 | HTTP | " in out and "device ms/step |" in out

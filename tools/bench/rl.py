@@ -23,7 +23,6 @@ import shutil
 import signal
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -31,23 +30,10 @@ import yaml
 from ..local_run import LocalCluster, descendants, read_metrics
 from moe_rl_eks.workloads.rl.runtime import load
 
+from .rollout_counters import rollout_counters
+
 SHARED_CPU, TRAINER_CPU = 0, 1  # rollout server + orchestrator + torchrun's launcher; the trainer's worker
 GOAL_FRACTION = 0.6  # the asynchronous runs should reach the synchronous final reward within this share of its time
-
-
-def busy_seconds(url: str) -> float:
-    """The rollout server's generating time so far (its moerl_rollout_busy_seconds_total counter)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from moe_rl_eks.core import metrics as M
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == M.ROLLOUT_BUSY_SECONDS.name:
-                return sample.value
-    raise RuntimeError(f"{url}/metrics has no {M.ROLLOUT_BUSY_SECONDS.name}")
 
 
 def run_file(base: dict, name: str, root: Path, **changes) -> Path:
@@ -135,7 +121,7 @@ def bench_run(base: dict, mode: str, max_staleness: int, steps: int, eval_every:
         others = [*roles, *(c for pid in roles for c in descendants(pid)), cluster.trainer.proc.pid]
 
         def sample() -> tuple[float, float, float, float]:
-            return (sum(busy_seconds(s.url) for s in cluster.servers), time.monotonic(),
+            return (sum(rollout_counters(s.url)["busy_seconds"] for s in cluster.servers), time.monotonic(),
                     sum(map(cpu_seconds, workers)), sum(map(cpu_seconds, others)))
 
         start = sample()

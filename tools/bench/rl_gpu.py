@@ -47,7 +47,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
@@ -58,6 +57,7 @@ from moe_rl_eks.core.run import ConfigError, RunConfig, check_local_gpus, check_
 from moe_rl_eks.core.schema import parse
 
 from ..local_run import LocalCluster, gpu_memory_bytes, read_metrics
+from .rollout_counters import rollout_counters
 
 QWEN3_LAYERS = 48  # Qwen3-30B-A3B's depth: per-layer figures are scaled by layers / 48 to set beside the whole model
 NEMO_RL_TOKENS_PER_GPU = 1102  # NeMo-RL, Qwen3-30B-A3B on 32 H100s, on-policy (tokens/s per GPU)
@@ -220,23 +220,6 @@ def phase_split(samples: list[tuple[float, int]], generating: list[tuple[float, 
         by_phase["both" if gen and train else "generation" if gen else "training" if train else "neither"].append((t, u))
     return {phase: {**utilisation(part), "share": len(part) / len(samples) if samples else None}
             for phase, part in by_phase.items()}
-
-
-def rollout_counters(url: str) -> dict:
-    """The rollout server's generating seconds (and the device's part of them), engine steps, generated tokens,
-    last weight-load seconds and the weight version it serves (its /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from moe_rl_eks.core import metrics as M
-
-    wanted = {M.ROLLOUT_BUSY_SECONDS.name: "busy_seconds", M.ROLLOUT_GENERATION_TOKENS.name: "generated_tokens",
-              M.WEIGHT_LOAD_SECONDS.name: "load_seconds", M.ROLLOUT_DEVICE_SECONDS.name: "device_seconds",
-              M.ROLLOUT_STEPS.name: "engine_steps", M.ROLLOUT_WEIGHT_VERSION.name: "weight_version"}
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    found = {wanted[s.name]: s.value for family in text_string_to_metric_families(text) for s in family.samples
-             if s.name in wanted}
-    return {name: found.get(name, 0.0) for name in wanted.values()}
 
 
 def breakdown(rows: list[dict], counters: list[dict], prompt_tokens: int) -> list[dict]:

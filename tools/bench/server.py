@@ -39,6 +39,8 @@ from moe_rl_eks.core.run import load_run
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
 from moe_rl_eks.workloads.rl.openai_api import CompletionRequest
 
+from .rollout_counters import rollout_counters
+
 LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.yaml"
 
 
@@ -148,14 +150,18 @@ async def _requests(url: str, bodies: list[dict], concurrency: int, stream: bool
     return sum(t for t, _ in results), [s for _, s in results], wall
 
 
-def measure(name: str, concurrency: int, call, engine) -> dict:
-    """One run of a way. Beside the client's wall time, the engine's own time in steps (busy seconds): a server
-    that starves the engine leaves it idle (busy < wall), one that competes with it for the GIL makes its steps
-    longer (more busy seconds for the same tokens)."""
-    busy = engine.busy_seconds
+def measure(name: str, concurrency: int, call, url: str) -> dict:
+    """One run of a way, with the engine's own counters over it: a server that starves the engine leaves it idle
+    (busy < wall); one that competes with it for the GIL makes its steps longer (more busy seconds for the same
+    device seconds); a slower forward shows as more device seconds per step; a different batching as another step
+    count for the same tokens. Read the same way in-process and from a server at --url, so the two compare."""
+    before = rollout_counters(url)
     tokens, latencies, wall = call()  # wall: first request sent to last answer, inside the sending process
+    after = rollout_counters(url)
     return {"way": name, "concurrency": concurrency, "tokens": tokens, "seconds": wall,
-            "tokens_per_second": tokens / wall, **latency(latencies), "engine_busy_s": engine.busy_seconds - busy}
+            "tokens_per_second": tokens / wall, **latency(latencies),
+            **{f"engine_{key}": after[key] - before[key] for key in ("busy_seconds", "device_seconds")},
+            "engine_steps": after["engine_steps"] - before["engine_steps"]}
 
 
 def latency(seconds: list[float]) -> dict:
@@ -166,12 +172,13 @@ def latency(seconds: list[float]) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = ["| concurrency | way | tokens | tokens/s | vs engine | p50 latency (s) | p95 latency (s) | wall (s) | "
-             "engine busy (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "engine busy (s) | steps | device ms/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["concurrency"]: r["tokens_per_second"] for r in results if r["way"] == "engine"}
     for r in results:
-        lines.append(f"| {r['concurrency']} | {r['way']} | {r['tokens']} | {r['tokens_per_second']:.0f} | "
-                     f"{r['tokens_per_second'] / base[r['concurrency']]:.2f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
-                     f"{r['seconds']:.2f} | {r['engine_busy_s']:.2f} |")
+        vs = f"{r['tokens_per_second'] / base[r['concurrency']]:.2f}" if r["concurrency"] in base else "-"
+        lines.append(f"| {r['concurrency']} | {r['way']} | {r['tokens']} | {r['tokens_per_second']:.0f} | {vs} | "
+                     f"{r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['seconds']:.2f} | {r['engine_busy_seconds']:.2f} | "
+                     f"{r['engine_steps']:.0f} | {1e3 * r['engine_device_seconds'] / max(r['engine_steps'], 1):.2f} |")
     return "\n".join(lines)
 
 
@@ -256,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {name: [] for name in ways}
                 for _ in range(args.repeats):
                     for name, call in ways.items():
-                        runs[name].append(measure(name, c, call, engine))
+                        runs[name].append(measure(name, c, call, http.url))
                         measured.append(runs[name][-1])
                         save()
                         log(f"concurrency {c}, {name}: {runs[name][-1]['tokens_per_second']:.0f} tokens/s, "
-                            f"{runs[name][-1]['seconds']:.2f} s, engine busy {runs[name][-1]['engine_busy_s']:.2f} s")
+                            f"{runs[name][-1]['seconds']:.2f} s, engine busy {runs[name][-1]['engine_busy_seconds']:.2f} s")
                 for name in ways:
                     results.append(sorted(runs[name], key=lambda r: r["tokens_per_second"])[args.repeats // 2])
                 save()
@@ -281,22 +288,17 @@ def against(args, command: str) -> int:
     bodies = requests(args, vocab, max(args.requests or c for c in args.concurrency))
     over_http(args.url, [{**b, "max_tokens": 2} for b in bodies[:max(args.concurrency)]], max(args.concurrency), False)
     results = []
-    lines = ["| concurrency | tokens | tokens/s | p50 latency (s) | p95 latency (s) | wall (s) |", "|---|---|---|---|---|---|"]
     for c in args.concurrency:
         runs = []
         for _ in range(args.repeats):
-            tokens, latencies, wall = over_http(args.url, bodies[:args.requests or c], c, False)
-            runs.append({"way": "HTTP", "url": args.url, "concurrency": c, "tokens": tokens, "seconds": wall,
-                         "tokens_per_second": tokens / wall, **latency(latencies)})
+            runs.append({**measure("HTTP", c, lambda: over_http(args.url, bodies[:args.requests or c], c, False),
+                                   args.url), "url": args.url})
             log(f"concurrency {c}, HTTP to {args.url}: {runs[-1]['tokens_per_second']:.0f} tokens/s")
-        r = sorted(runs, key=lambda r: r["tokens_per_second"])[args.repeats // 2]
-        results.append(r)
-        lines.append(f"| {c} | {r['tokens']} | {r['tokens_per_second']:.0f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
-                     f"{r['seconds']:.2f} |")
+        results.append(sorted(runs, key=lambda r: r["tokens_per_second"])[args.repeats // 2])
         if args.json:
             Path(args.json).write_text(json.dumps({"command": command, "machine": machine(), "results": results},
                                                   indent=1))
-    print("\n".join(lines))
+    print(table(results))
     print(f"\n`{command}`")
     return 0
 
