@@ -114,3 +114,22 @@ def test_bench_load_times_dd_and_the_replicas_read_of_the_same_files(checkpoint,
     assert results["files"] == len(list(checkpoint.glob("*.safetensors")))
     assert results["bytes"] == pytest.approx(sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")), abs=1)
     assert results["seconds"]["dd_direct"] > 0 and results["seconds"]["staging_read"] > 0
+
+
+def test_bench_loads_random_checkpoint_holds_bitwise_the_weights_bench_server_serves(tmp_path):
+    # h200-serve-model.sh sets the served checkpoint beside bench-server's own engine: the same weights (so the
+    # same routing, whose spread over the experts sets an MoE decode step's cost) leave only the serving path
+    import torch
+
+    from moe_rl_eks.tools.bench.load import random_checkpoint
+    from moe_rl_eks.tools.bench.rollout import build_model
+    from moe_rl_eks.workloads.model.checkpoint import load_hf
+
+    config = dataclasses.replace(TINY, dtype="bfloat16")
+    _, served = load_hf(random_checkpoint(tmp_path / "random", config))
+    torch.manual_seed(0)
+    engine = build_model(config, torch.device("cpu")).state_dict()
+    assert served.keys() == engine.keys()
+    for name, tensor in engine.items():
+        assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
+    assert engine["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # drawn, not left at zero

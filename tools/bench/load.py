@@ -20,25 +20,26 @@ from pathlib import Path
 
 import torch
 
+from moe_rl_eks.core.run import ModelConfig
 from moe_rl_eks.workloads.model.checkpoint import save_hf
 from moe_rl_eks.workloads.rollout.replica import Replica
 from moe_rl_eks.workloads.rollout.weight_staging import HostStaging
 
 from ..example_data import write_tokenizer_dir
-from .weights import QWEN3_30B_A3B, drop_page_cache, serving_run, shapes, sync
+from .rollout import build_model
+from .weights import QWEN3_30B_A3B, drop_page_cache, serving_run, sync
 
 TARGET = 0.7
 
 
-def random_checkpoint(directory: Path, layers: int) -> Path:
-    """`layers` layers of the Qwen3-30B-A3B shape, random bf16 weights, as a Hugging Face checkpoint a server can
-    serve (a small generated tokenizer beside them: the benchmarks send token ids). Drawn on the GPU where there is
-    one: bf16 randn on the host runs at well under 1 GB/s, which kept 24 layers (30 GB) from being written within
-    the H200 script's 200 s."""
-    config = dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=layers)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    state = {k: (torch.randn(s, dtype=torch.bfloat16, device=device) * 0.02).cpu() for k, s in shapes(config).items()}
-    save_hf(state, config, directory)
+def random_checkpoint(directory: Path, config: ModelConfig) -> Path:
+    """A Hugging Face checkpoint of `config` a server can serve, holding bitwise the random weights bench-server's
+    own engine serves at that shape (the same seed and init, drawn on the same device), so a served checkpoint's
+    speed compares with bench-server's on the same routing; a small generated tokenizer beside them (the
+    benchmarks send token ids). Drawn on the GPU where there is one: a host init of 30 GB takes minutes."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    save_hf(build_model(config, device), config, directory)
     write_tokenizer_dir(directory, ["a served checkpoint of random weights"] * 8)
     return directory
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if written:
         shutil.rmtree(args.dir, ignore_errors=True)
         start = time.perf_counter()
-        directory = random_checkpoint(args.dir, args.layers)
+        directory = random_checkpoint(args.dir, dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=args.layers))
         os.sync()
         print(f"wrote {args.layers} layers of the Qwen3-30B-A3B shape to {directory} in "
               f"{time.perf_counter() - start:.1f} s", flush=True)

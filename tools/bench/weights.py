@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from moe_rl_eks.core.models import known_model
 from moe_rl_eks.core.run import ModelConfig, RunConfig
 from moe_rl_eks.core.schema import parse
 
@@ -43,9 +44,7 @@ from moe_rl_eks.workloads.trainer.publisher import Publisher
 from moe_rl_eks.workloads.rollout.replica import Replica
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
-QWEN3_30B_A3B = ModelConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                            num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
-                            num_experts_per_tok=8, max_position_embeddings=40960, dtype="bfloat16")
+QWEN3_30B_A3B = known_model("qwen3-30b-a3b")
 CHUNK = 64 << 20
 
 
