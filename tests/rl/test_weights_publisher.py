@@ -4,6 +4,7 @@ the sigmoid router's correction bias stays float32 from the trainer to the serve
 import dataclasses
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -309,3 +310,21 @@ def test_a_synchronous_run_announces_a_version_offered_over_device_memory_before
     publisher.close()
     announcer.close()
     assert heard.posts == [(0, 0), (1, 0)] and store.latest() == VersionRef(0, 1)
+
+
+def test_an_asynchronous_run_announces_an_offered_version_at_once_and_never_one_older_after_it(tmp_path):
+    store, heard = GatedStore(tmp_path / "store"), Heard()
+    publisher = Publisher(store, CONFIG, lineage=0)
+    announcer = Announcer(publisher, heard, 0, background=True)
+    publisher.publish(0, trainer_state())
+    assert store.committing.wait(60)
+    announcer.published(0)  # not offered: the announcing thread posts it once the store has it
+    time.sleep(0.3)
+    assert heard.posts == []
+    publisher.publish(1, trainer_state(1))  # version 0's write still held at the gate
+    announcer.published(1, offered=True)  # the server on this GPU can take it now: the orchestrator hears at once
+    assert heard.posts == [(1, 0)] and publisher.published is None
+    store.gate.set()  # versions 0 and then 1 land in the store: neither is announced again, 0 not after 1
+    publisher.close()
+    announcer.close()
+    assert heard.posts == [(1, 0)] and store.latest() == VersionRef(0, 1)

@@ -156,19 +156,23 @@ class HttpBatchSource:
 
 class Announcer:
     """Rank 0: tells the batch source each weight version once rollout servers can load it: once the publisher
-    has put it in the store, or (synchronous runs) once it is offered over device memory to the server on the
-    trainer's GPU.
+    has put it in the store, or sooner, once it is offered over device memory to the server on the trainer's GPU.
 
     Asynchronous runs (max_staleness >= 1): a thread announces versions as they land in the store, while the
-    trainer goes on. Synchronous runs (max_staleness 0): the next batch needs samples of the new version;
-    `published(version)` announces it at once when offered over device memory, else waits for the store write, and
-    returns before the trainer asks for that batch.
-    Locking rule: the source is called by the thread alone when there is one, else by the trainer's thread."""
+    trainer goes on; an offered version is announced at once, since the orchestrator draws the next batch's
+    prompts only after the version it waits for is announced (on the H200 at 8 layers of the 30B shape, waiting
+    for the store write left the GPU idle 6 s a step). Synchronous runs (max_staleness 0): the next batch needs
+    samples of the new version; `published(version)` announces it at once when offered, else waits for the store
+    write, and returns before the trainer asks for that batch. A server that cannot take an announced version yet
+    (not on this GPU, the store write still running) is told again by the orchestrator's health loop.
+    Locking rule: `_lock` serialises the announcements (the trainer's thread and the announcing thread), so a
+    version is announced once and never after a newer one."""
 
     def __init__(self, publisher: Publisher, source: BatchSource, lineage: int, *, background: bool) -> None:
         self.publisher, self.source, self.lineage = publisher, source, lineage
         self.announced: int | None = None
         self._closing = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="weights-announcer", daemon=True) if background else None
         if self._thread is not None:
             self._thread.start()
@@ -178,10 +182,10 @@ class Announcer:
         trainer's GPU memory already, so a synchronous run announces it now rather than after the store write (on
         the H200 at 8 layers of the 30B shape that write was 15.5 s of a 103 s step); the store still gets it, as
         the path for other machines and restarts and the record of versions."""
-        if self._thread is not None:
-            return
         if offered:
             self._announce(version)
+            return
+        if self._thread is not None:
             return
         failures = self.publisher.failures
         seen = self.publisher.published
@@ -205,10 +209,11 @@ class Announcer:
             self._announce(seen)
 
     def _announce(self, version: int | None) -> None:
-        if version is None or version == self.announced:
-            return
-        try:
-            self.source.version_published(version, self.lineage)
-            self.announced = version
-        except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
-            log.exception("announcing weight version %d failed", version)
+        with self._lock:
+            if version is None or (self.announced is not None and version <= self.announced):
+                return
+            try:
+                self.source.version_published(version, self.lineage)
+                self.announced = version
+            except Exception:  # noqa: BLE001 -- the announcing thread must survive: the next version tries again
+                log.exception("announcing weight version %d failed", version)
