@@ -292,12 +292,18 @@ class Heard:
         self.posts.append((version, lineage))
 
 
-def test_a_synchronous_run_announces_a_version_offered_over_device_memory_before_its_store_write(tmp_path):
+def announcing(tmp_path, *, background):
+    """A publisher on a store whose commits wait at its gate, its announcer, and version 0 held at that gate."""
     store, heard = GatedStore(tmp_path / "store"), Heard()
     publisher = Publisher(store, CONFIG, lineage=0)
-    announcer = Announcer(publisher, heard, 0, background=False)
+    announcer = Announcer(publisher, heard, 0, background=background)
     publisher.publish(0, trainer_state())
     assert store.committing.wait(60)
+    return store, heard, publisher, announcer
+
+
+def test_a_synchronous_run_announces_a_version_offered_over_device_memory_before_its_store_write(tmp_path):
+    store, heard, publisher, announcer = announcing(tmp_path, background=False)
     announcer.published(0, offered=True)  # the colocated server can take it from the trainer's memory now
     assert heard.posts == [(0, 0)] and publisher.published is None
     publisher.publish(1, trainer_state(1))
@@ -313,11 +319,7 @@ def test_a_synchronous_run_announces_a_version_offered_over_device_memory_before
 
 
 def test_an_asynchronous_run_announces_an_offered_version_at_once_and_never_one_older_after_it(tmp_path):
-    store, heard = GatedStore(tmp_path / "store"), Heard()
-    publisher = Publisher(store, CONFIG, lineage=0)
-    announcer = Announcer(publisher, heard, 0, background=True)
-    publisher.publish(0, trainer_state())
-    assert store.committing.wait(60)
+    store, heard, publisher, announcer = announcing(tmp_path, background=True)
     announcer.published(0)  # not offered: the announcing thread posts it once the store has it
     time.sleep(0.3)
     assert heard.posts == []
