@@ -127,3 +127,12 @@ def test_the_engine_serves_with_async_scheduling_and_a_sharded_server_refuses_it
     with pytest.raises(ConfigError, match=r"rollout.async_scheduling: True is not allowed; must be false with "
                                           r"gpus_per_server 2"):
         load_run(write_run(tmp_path / "sharded", rollout={"gpus_per_server": 2, "async_scheduling": True}))
+
+
+def test_async_scheduling_is_on_by_default_for_a_server_of_one_gpu_and_off_for_a_sharded_one(tmp_path):
+    def look_ahead(name, **rollout):
+        (tmp_path / name).mkdir()
+        return load_run(write_run(tmp_path / name, rollout=rollout)).rollout.look_ahead
+    assert look_ahead("default") is True
+    assert look_ahead("off", async_scheduling=False) is False
+    assert look_ahead("sharded", gpus_per_server=2) is False

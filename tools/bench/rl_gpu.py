@@ -554,8 +554,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "reports the steps it finished")
     parser.add_argument("--standalone-share", type=float, default=0.45,
                         help="of --timeout, the most the standalone parts may take")
-    parser.add_argument("--async-scheduling", action="store_true", help="rollout.async_scheduling: the rollout "
-                        "engine queues each decode step before booking the previous one's tokens (also alone)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="rollout.async_scheduling (default on, as in a run): the rollout engine queues each "
+                        "decode step before booking the previous one's tokens (also alone)")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (the test of this script)")
     parser.add_argument("--out", default="runs/bench-rl-gpu")
     parser.add_argument("--standalone-child", help=argparse.SUPPRESS)
@@ -570,7 +571,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.trainer_share = shares[0] if args.trainer_share is None else args.trainer_share
     args.rollout_share = shares[1] if args.rollout_share is None else args.rollout_share
     # what the standalone child needs to build the same shapes (all but the mode's own flags)
-    args.child_argv = [*(["--tiny"] if args.tiny else []), *(["--async-scheduling"] if args.async_scheduling else []),
+    args.child_argv = [*(["--tiny"] if args.tiny else []),
+                       "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
                        "--samples", str(args.samples), "--n", str(args.n),
                        "--prompt-tokens", str(args.prompt_tokens), "--mean-tokens", str(args.mean_tokens),
                        "--max-tokens", str(args.max_tokens), "--batch-size", str(args.batch_size),

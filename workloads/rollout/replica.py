@@ -169,7 +169,7 @@ class Replica:
         if self.decoder is None or self.decoder.model is not self.model:
             self.decoder = Decoder.in_free_memory(self.model, slots=plan.slots, max_len=plan.max_len,
                                                   eos_ids=plan.eos_ids, kernels=engine_kernels(self.run),
-                                                  look_ahead=self.run.rollout.async_scheduling)
+                                                  look_ahead=self.run.rollout.look_ahead)
             self._rows = {}
         report = RankReport([], [])
         for request in plan.admit[self.rank]:
