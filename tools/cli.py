@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-kernels": ("moe_rl_eks.kernels.bench", "main", "MoE layer torch vs triton backend on one GPU, fwd and fwd+bwd"),
     "bench-train": ("moe_rl_eks.tools.bench.train", "main",
                     "trainer micro-batch tokens/s, MFU and memory on one GPU (Qwen3-30B-A3B layers)"),
+    "bench-train-attention": ("moe_rl_eks.tools.bench.train_attention", "main",
+                              "the trainer's causal attention, flash vs cuDNN, per sequence length on one GPU"),
     "serve-rollout": ("moe_rl_eks.workloads.rollout.serve", "main", "serve completions (rollout server role)"),
     "orchestrate": ("moe_rl_eks.workloads.orchestrator.app", "main", "drive rollouts, score, batch (orchestrator role)"),
     "train": ("moe_rl_eks.workloads.trainer.loop", "main", "train with EP inside (trainer role; run under torchrun)"),

@@ -25,8 +25,15 @@ from .backends import get_compute
 from .rotary import apply_rotary, rotary
 
 
-# Attention backends for packed sequences (one SDPA call per sequence): all of torch's but cuDNN's (Attention.forward).
+# Attention backends for packed sequences (one SDPA call per sequence, packed_attention): torch's flash kernel first.
+# cuDNN's fused attention runs a long causal sequence's forward + backward ~1.9x faster on an H200 (552 against 297
+# TFLOP/s at 8,192 tokens; torchtitan prefers it too), but its first call at a new shape builds a plan (90-115 ms),
+# and packed sequences each have a length of their own. It goes first from CUDNN_MIN_TOKENS, where one pass through
+# 48 layers saves more than a new plan costs (3.2 ms a layer at 8,192 tokens with Qwen3-30B-A3B's heads; 0.9 ms at
+# 4,096 does not pay); `moerl bench-train-attention`, workloads/results/h200-bench-train-attention.json.
 PACKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+LONG_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *PACKED_SDPA_BACKENDS]
+CUDNN_MIN_TOKENS = 8192
 
 
 @dataclass
@@ -110,13 +117,18 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     """Variable-length attention as one causal SDPA per sequence (flash/memory-efficient kernels on GPUs): no
     [S, S] mask over the packed row, and no token attends across a sequence boundary. q [1, H, S, D], k and v
     [1, H_kv, S, D] -> [1, S, H, D]: each output is concatenated as [1, S_i, H, D], so the packed row is built in
-    the o_proj's layout (no copy after). cuDNN's backend is left out: it builds a plan per new shape (about 11 ms
-    per call on an H200, measured in a warm-up step of configs/runs/gpu.yaml), and every packed sequence has a
-    length of its own."""
+    the o_proj's layout (no copy after). A sequence of CUDNN_MIN_TOKENS or more runs cuDNN's kernel where it
+    takes the shape, any other the flash kernel."""
     parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
-    with sdpa_kernel(PACKED_SDPA_BACKENDS):
-        return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2)
-                          for qs, ks, vs in parts], 1)
+    return torch.cat([sequence_attention(qs, ks, vs, gqa).transpose(1, 2) for qs, ks, vs in parts], 1)
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """Causal SDPA over one packed sequence, q [1, H, n, D], k and v [1, H_kv, n, D] -> [1, H, n, D], on the
+    backend its length calls for (PACKED_SDPA_BACKENDS)."""
+    long = q.shape[2] >= CUDNN_MIN_TOKENS
+    with sdpa_kernel(LONG_SDPA_BACKENDS if long else PACKED_SDPA_BACKENDS, set_priority=long):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class DecoderLayer(nn.Module):
