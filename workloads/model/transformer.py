@@ -120,14 +120,18 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     the o_proj's layout (no copy after). A sequence of CUDNN_MIN_TOKENS or more runs cuDNN's kernel where it
     takes the shape, any other the flash kernel."""
     parts = zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))
-    return torch.cat([sequence_attention(qs, ks, vs, gqa).transpose(1, 2) for qs, ks, vs in parts], 1)
+    # one backend context for the row (entering one costs ~16 us of host time, and a row packs dozens of sequences
+    # in every layer); a long sequence sets its own inside it
+    with sdpa_kernel(PACKED_SDPA_BACKENDS):
+        return torch.cat([sequence_attention(qs, ks, vs, gqa).transpose(1, 2) for qs, ks, vs in parts], 1)
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """Causal SDPA over one packed sequence, q [1, H, n, D], k and v [1, H_kv, n, D] -> [1, H, n, D], on the
-    backend its length calls for (PACKED_SDPA_BACKENDS)."""
-    long = q.shape[2] >= CUDNN_MIN_TOKENS
-    with sdpa_kernel(LONG_SDPA_BACKENDS if long else PACKED_SDPA_BACKENDS, set_priority=long):
+    """Causal SDPA over one packed sequence, q [1, H, n, D], k and v [1, H_kv, n, D] -> [1, H, n, D]: on the
+    backends set around it, or with cuDNN's first from CUDNN_MIN_TOKENS (PACKED_SDPA_BACKENDS)."""
+    if q.shape[2] < CUDNN_MIN_TOKENS:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    with sdpa_kernel(LONG_SDPA_BACKENDS, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
