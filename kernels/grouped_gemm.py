@@ -189,9 +189,9 @@ _gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY,
 EXACT_TILES = {2: (128, 128, 64, 8, 3), 4: FALLBACK}
 
 
-def _fixed(tile: tuple[int, int, int, int, int]):
+def _fixed(tile: tuple[int, int, int, int, int], flatten: bool = False):
     bm, bn, bk, warps, stages = (16, 16, 16, 4, 1) if INTERPRET else tile
-    config = triton.Config({"BM": bm, "BN": bn, "BK": bk, "FLATTEN": False}, num_warps=warps, num_stages=stages,
+    config = triton.Config({"BM": bm, "BN": bn, "BK": bk, "FLATTEN": flatten}, num_warps=warps, num_stages=stages,
                            pre_hook=_row_grouped_blocks)
     return triton.autotune([config], key=_KEY)(_grouped_gemm_kernel)
 

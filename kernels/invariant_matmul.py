@@ -69,9 +69,15 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w = w if w.stride(-1) == 1 else w.contiguous()
     M, N = flat.shape[0], w.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    bm, bn, bk, warps, stages = INTERPRET_TILE if INTERPRET else TILES[x.element_size()]
     if M and N:
-        _invariant_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            flat, w, out, M, N, K, flat.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        launch(flat, w, out, INTERPRET_TILE if INTERPRET else TILES[x.element_size()])
     return out.view(*x.shape[:-1], N)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int, int, int]) -> None:
+    """out [M, N] = x [M, K] @ w [N, K].T on the tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    (M, K), N = x.shape, w.shape[0]
+    bm, bn, bk, warps, stages = tile
+    _invariant_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
