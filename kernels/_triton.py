@@ -36,6 +36,11 @@ def check_device(name: str, t: torch.Tensor) -> None:
                          "(or TRITON_INTERPRET=1 to run its kernels on the CPU)")
 
 
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 

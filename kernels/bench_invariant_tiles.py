@@ -1,8 +1,9 @@
-"""Tiles for the exact mode's product (invariant_matmul.py) on one GPU, at Qwen3-30B-A3B's dense shapes: each
-candidate tile's median milliseconds against cuBLAS at a decode step's rows and a packed forward's, and whether it
-gives the bits the reference tile gives (the whole product, bitwise); the same for the experts' grouped GEMMs
-(grouped_gemm.py's exact tile against its tuned ones and narrower ones), "cublas" there being the tuned kernel. A tile that does may be chosen by the number of
-rows without a row's bits depending on the batch; one that does not may not be used at all.
+"""Tiles for the exact mode's products on one GPU, at Qwen3-30B-A3B's shapes. The dense ones (invariant_matmul.py):
+each candidate tile's median milliseconds against cuBLAS at a decode step's rows and a packed forward's, whether it
+gives the reference tile's bits (the whole product, bitwise), and the tile invariant_matmul chooses. The experts'
+(grouped_gemm.py): the exact tiles and others against the standard mode's tuned kernels ("cublas" there), and
+whether the tuned kernels give the exact mode's bits too. A tile that gives the same bits may be chosen by the size
+of the batch without a row's bits depending on it; one that does not may not be used at all.
 
     python3 -m moe_rl_eks.kernels.bench_invariant_tiles --json out.json
 """
@@ -19,15 +20,15 @@ import triton.testing
 from .bench import SHAPES
 from .bench_exact import HEADS, HEAD_DIM, KV_HEADS, VOCAB
 from . import grouped_gemm
-from .invariant_matmul import TILES, launch
+from .invariant_matmul import TILES, launch, tile
 
-REFERENCE = TILES[2]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): narrower columns for more programs at a few rows, wider tiles for
-# fewer re-reads at many; BLOCK_M 16 and 32 are below a Hopper warpgroup's 64-row instruction (another instruction)
-CANDIDATES = [(64, 16, 64, 4, 4), (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (64, 64, 128, 4, 3),
-              (16, 32, 64, 4, 4), (32, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-              (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
-              (256, 128, 64, 8, 3)]
+# the one tile exact mode used for every size before TILES (the bits the others are held to)
+REFERENCE = (64, 64, 64, 4, 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) beside TILES: narrower columns for more programs at a few rows, wider
+# tiles for fewer re-reads at many; BLOCK_M 16 and 32 are below a Hopper warpgroup's 64-row instruction
+CANDIDATES = list(dict.fromkeys([*TILES, (64, 16, 64, 4, 4), (64, 32, 64, 4, 4), (16, 32, 64, 4, 4),
+                                 (32, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+                                 (128, 128, 64, 8, 4)]))
 
 
 def _ms(fn) -> float:
@@ -44,20 +45,22 @@ def cases(rows: list[int]):
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             launch(x, w, want, REFERENCE)
-            row = {"case": f"{name} [{n}x{k}]", "rows": m, "cublas_ms": _ms(lambda: F.linear(x, w))}
-            for tile in [REFERENCE, *CANDIDATES]:
+            row = {"case": f"{name} [{n}x{k}]", "rows": m, "cublas_ms": _ms(lambda: F.linear(x, w)),
+                   "chosen": str(tile(m, n, 2, x.device))}
+            for t in [REFERENCE, *CANDIDATES]:
                 out = torch.empty_like(want)
                 try:
-                    launch(x, w, out, tile)
-                    row[str(tile)] = {"ms": _ms(lambda: launch(x, w, out, tile)), "same_bits": torch.equal(out, want)}
+                    launch(x, w, out, t)
+                    row[str(t)] = {"ms": _ms(lambda: launch(x, w, out, t)), "same_bits": torch.equal(out, want)}
                 except Exception as e:  # a tile over the GPU's shared memory: recorded, not fatal
-                    row[str(tile)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                    row[str(t)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
             yield row
 
 
 # the experts' GEMMs (gate/up with SwiGLU, then down): the grouped GEMM's tuned tiles and narrower ones
-EXPERT_CANDIDATES = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                     (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 32, 64, 4, 4)]
+EXPERT_CANDIDATES = list(dict.fromkeys([*grouped_gemm.EXACT_TILES[2], (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                                        (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
+                                        (64, 32, 64, 4, 4), (64, 64, 32, 4, 2)]))
 
 
 def expert_cases(tokens: list[int]):
@@ -66,33 +69,34 @@ def expert_cases(tokens: list[int]):
     g = torch.Generator(device="cuda").manual_seed(1)
     w13 = (torch.randn(e, 2 * width, h, generator=g, device="cuda") * h ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, width, generator=g, device="cuda") * width ** -0.5).to(torch.bfloat16)
-    reference = grouped_gemm._gemm_exact[2]
+    exact = grouped_gemm._gemm_exact[2]
     kernels = {str(t) + (" flat" if f else ""): grouped_gemm._fixed(t, f) for t in EXPERT_CANDIDATES
                for f in ((False, True) if t[0] == 128 and t[3] == 8 else (False,))}
+
+    def run(x, counts, exact_mode=True):
+        return grouped_gemm.swiglu_experts(x, counts, w13, w2, exact=exact_mode)
+
     with torch.no_grad():
         for t in tokens:
             ids = torch.randint(0, e, (t * k,), generator=g, device="cuda").sort().values
             counts = torch.bincount(ids, minlength=e)
             x = torch.randn(t * k, h, generator=g, device="cuda").to(torch.bfloat16)
-            want = grouped_gemm.swiglu_experts(x, counts, w13, w2, exact=True)
+            want = run(x, counts)
+            # "cublas" here: the tuned kernels of the standard mode
             row = {"case": f"experts [{e}x{2 * width}x{h}] top-{k}", "rows": t * k,
-                   "cublas_ms": _ms(lambda: grouped_gemm.swiglu_experts(x, counts, w13, w2)),
-                   str(EXACT_TILE): {"ms": _ms(lambda: grouped_gemm.swiglu_experts(x, counts, w13, w2, exact=True)),
-                                     "same_bits": True}}
+                   "cublas_ms": _ms(lambda: run(x, counts, False)),
+                   "tuned_same_bits": torch.equal(run(x, counts, False), want),
+                   "exact": {"ms": _ms(lambda: run(x, counts)), "same_bits": True}}
             for name, kernel in kernels.items():
-                grouped_gemm._gemm_exact[2] = kernel
+                grouped_gemm._gemm_exact[2] = (kernel,)
                 try:
-                    out = grouped_gemm.swiglu_experts(x, counts, w13, w2, exact=True)
-                    row[name] = {"ms": _ms(lambda: grouped_gemm.swiglu_experts(x, counts, w13, w2, exact=True)),
-                                 "same_bits": torch.equal(out, want)}
-                except Exception as err:
+                    out = run(x, counts)
+                    row[name] = {"ms": _ms(lambda: run(x, counts)), "same_bits": torch.equal(out, want)}
+                except Exception as err:  # a tile over the GPU's shared memory: recorded, not fatal
                     row[name] = {"error": f"{type(err).__name__}: {str(err)[:120]}"}
                 finally:
-                    grouped_gemm._gemm_exact[2] = reference
+                    grouped_gemm._gemm_exact[2] = exact
             yield row
-
-
-EXACT_TILE = grouped_gemm.EXACT_TILES[2]
 
 
 def main() -> None:
@@ -106,10 +110,14 @@ def main() -> None:
     results = []
     for row in itertools.chain(cases(args.rows), expert_cases(args.tokens)):
         results.append(row)
+        tiles = {t: v for t, v in row.items() if isinstance(v, dict)}
         cells = [f"{t} {v['ms']:.4f} {'=' if v['same_bits'] else 'DIFF'}" if "ms" in v else f"{t} {v['error']}"
-                 for t, v in row.items() if t.startswith("(")]
-        best = min((v["ms"], t) for t, v in row.items() if t.startswith("(") and "ms" in v and v["same_bits"])
-        print(f"{row['case']} {row['rows']} cublas {row['cublas_ms']:.4f} best-equal {best[1]} {best[0]:.4f} "
+                 for t, v in tiles.items()]
+        best = min((v["ms"], t) for t, v in tiles.items() if "ms" in v and v["same_bits"])
+        chosen = row.get("chosen", "exact")
+        tuned = "" if "tuned_same_bits" not in row else f"tuned bits {'=' if row['tuned_same_bits'] else 'DIFF'} | "
+        chosen = f"{tuned}chosen {chosen} {tiles[chosen]['ms'] / row['cublas_ms']:.2f}x cublas | "
+        print(f"{row['case']} {row['rows']} cublas {row['cublas_ms']:.4f} {chosen}best-equal {best[1]} {best[0]:.4f} "
               f"({best[0] / row['cublas_ms']:.2f}x cublas) | " + " | ".join(cells), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_rl_eks.core.hardware import TMA_ROW_BYTES
 
-from ._triton import INTERPRET, check_device, dot_acc, next_pow2
+from ._triton import INTERPRET, check_device, dot_acc, multiprocessors, next_pow2
 
 # Row tiles of one expert that sweep its columns together; smaller under the interpreter so that CPU tests, whose
 # experts have a handful of 16-row tiles, cover full and partial groups.
@@ -182,21 +182,31 @@ _gemm_swiglu = triton.autotune(_configs(wide_ok=False, persistent=True), key=_KE
 _gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY, prune_configs_by=_PRUNE)(
     _grouped_gemm_kernel)
 
-# The exact numerics mode's tile (BM, BN, BK, warps, stages) per operand size, never tuned: the tuned choice may
-# differ between the engine's process and the trainer's, and with it the K order of every row. A row's products
-# are then a function of the row and its expert's weights alone: its tile's other rows (however many the expert
-# received, or another expert's past its end) are other rows of the same tensor-core products.
-EXACT_TILES = {2: (128, 128, 64, 8, 3), 4: FALLBACK}
+# The exact numerics mode's tiles (BM, BN, BK, warps, stages) per operand size, never tuned: the tuned choice may
+# differ between the engine's process and the trainer's. A row's products are a function of the row and its
+# expert's weights alone: its tile's other rows (however many the expert received, or another expert's past its
+# end) are other rows of the same tensor-core products, and on the H200 every tile measured, these two included,
+# gives the same bits (kernels/bench_invariant_tiles.py), so the tile follows the batch's size: 64 rows while the
+# experts average fewer than 64 rows each (a decode step's or a short prefill's; a 128-row tile would be mostly
+# padding), 128 above. float32 operands keep one tile.
+EXACT_TILES = {2: ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4)), 4: (FALLBACK,)}
 
 
 def _fixed(tile: tuple[int, int, int, int, int], flatten: bool = False):
+    """A kernel of one config (autotune's wrapper only for its pre-hook: the TMA descriptors' block shapes)."""
     bm, bn, bk, warps, stages = (16, 16, 16, 4, 1) if INTERPRET else tile
     config = triton.Config({"BM": bm, "BN": bn, "BK": bk, "FLATTEN": flatten}, num_warps=warps, num_stages=stages,
                            pre_hook=_row_grouped_blocks)
     return triton.autotune([config], key=_KEY)(_grouped_gemm_kernel)
 
 
-_gemm_exact = {size: _fixed(tile) for size, tile in EXACT_TILES.items()}
+_gemm_exact = {size: tuple(_fixed(tile) for tile in tiles) for size, tiles in EXACT_TILES.items()}
+
+
+def _exact_kernel(rows: int, experts: int, element_size: int):
+    """EXACT_TILES' kernel for `rows` rows over `experts` experts."""
+    small, *large = _gemm_exact[element_size]
+    return large[0] if large and rows >= 64 * experts else small
 
 
 @triton.jit
@@ -268,7 +278,7 @@ def _descriptor(t: torch.Tensor) -> TensorDescriptor:
 @functools.cache
 def _programs(device_index: int) -> int:
     # one program per multiprocessor; a few under the interpreter, so the tile loop's stride is exercised
-    return 3 if INTERPRET else torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 3 if INTERPRET else multiprocessors(device_index)
 
 
 def _grouped_gemm(kernel, a, b, counts, n_out, out, *, b_nk, swiglu=False, aux=None):
@@ -311,7 +321,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         width = w2.shape[2]
         act = torch.empty(n, width, device=x.device, dtype=x.dtype)
         gate_up = torch.empty(n, 2 * width, device=x.device, dtype=x.dtype) if training else None
-        up_kernel, down_kernel = ((_gemm_exact[x.element_size()],) * 2 if exact else (_gemm_swiglu, _gemm_plain))
+        up_kernel, down_kernel = ((_exact_kernel(n, w13.shape[0], x.element_size()),) * 2 if exact
+                                  else (_gemm_swiglu, _gemm_plain))
         # w13[e] is [2I, h] = [N, K]: gate rows first, up rows `width` further down
         _grouped_gemm(up_kernel, x, w13, counts, width, act, b_nk=True, swiglu=True, aux=gate_up)
         y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)

@@ -4,15 +4,18 @@ kernel at a decode step's few rows and a packed forward's thousands, so the roll
 bitwise.
 
 What a fast GEMM varies with the batch, this fixes:
-- one tile shape for every M (cuBLAS and autotuned kernels pick tiles, and so tensor-core instructions and
-  reduction orders, by the problem's size): a row is computed by the same instructions wherever it sits, and a
-  tensor-core product's row depends on its own operand row only;
-- the reduction over K in one program, in BLOCK_K steps from 0 (no split-K, whose partial sums a small batch
-  would otherwise be given to fill the GPU);
-- fp32 accumulation, the result rounded once to x's dtype (bf16 operands on the tensor cores; fp32 operands as
-  full-precision products, never TF32).
-The price is the parallelism of split-K and of tiles fitted to small M at a decode step (kernels/bench_exact.py
-measures it).
+- the reduction over K in one program, in 16-wide tensor-core steps from 0 (no split-K, whose partial sums a small
+  batch would otherwise be given to fill the GPU);
+- the instructions: bf16/fp16 operands on the tensor cores with fp32 accumulation, fp32 operands as
+  full-precision products (never TF32), the result rounded once to x's dtype.
+What it lets vary is the tile (rows, columns and K per program, warps, pipeline depth), chosen by the problem's size
+like any GEMM's: on the H200 every tile of TILES, and every other one measured from 16 to 256 rows and columns and
+64 or 128 deep, gives a 16-bit product's every element the same bits (kernels/bench_invariant_tiles.py;
+tests/kernels/test_invariant_matmul.py holds TILES to it on the GPU). A row's result is a chain of the same
+tensor-core products over K whatever tile it sits in. fp32 operands keep one tile (their products are not the
+tensor cores', and nothing measured them across tiles). Under the interpreter the tests' dot accumulates each
+element's products in order as the tensor cores do (tests/kernels/conftest.py), so its tiles differ in rows and
+columns but not in depth: a step of BLOCK_K products is added to the accumulator at once there.
 """
 from __future__ import annotations
 
@@ -20,12 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, dot_acc
+from ._triton import INTERPRET, check_device, dot_acc, multiprocessors, next_pow2
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per operand size: one each, never chosen by M. Small under the
-# interpreter so CPU tests cover partial and several tiles in every direction.
-TILES = {2: (64, 64, 64, 4, 4), 4: (32, 64, 32, 4, 3)}
-INTERPRET_TILE = (16, 16, 16, 4, 1)
+# 16-bit operands' tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), largest first: `tile` takes the first that fills
+# the GPU's multiprocessors. At Qwen3-30B-A3B's products on the H200 that choice came within 3 % of each case's
+# fastest tile on average (21 % at worst) from 1 to 16,384 rows (kernels/results/h200-invariant-tiles.json).
+TILES = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3))
+FP32_TILE = (32, 64, 32, 4, 3)
+# Small under the interpreter, so CPU tests cover partial and several tiles in every direction, and the choice
+# between two of them (over its 3 "multiprocessors").
+INTERPRET_TILES = ((32, 32, 16, 4, 1), (16, 16, 16, 4, 1))
 
 
 # M changes with every batch: not specialised (Triton builds another binary for an integer argument equal to 1 or a
@@ -60,7 +67,7 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     check_device("x", x)
     check_device("w", w)
     K = x.shape[-1]
-    if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or x.element_size() not in TILES:
+    if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or x.element_size() not in (2, 4):
         raise ValueError(f"invariant_matmul needs x [..., K] and w [N, K={K}] of one dtype among bfloat16, float16 "
                          f"and float32; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
     flat = x.reshape(-1, K)
@@ -70,8 +77,19 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, N = flat.shape[0], w.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M and N:
-        launch(flat, w, out, INTERPRET_TILE if INTERPRET else TILES[x.element_size()])
+        launch(flat, w, out, tile(M, N, x.element_size(), x.device))
     return out.view(*x.shape[:-1], N)
+
+
+def tile(M: int, N: int, element_size: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """The largest tile no taller than M needs (the smallest's height at least: on the GPU 64 rows, a Hopper
+    warpgroup's instruction) whose programs fill the multiprocessors, else the smallest: large tiles re-read less of
+    x and w, small ones spread a decode step's few rows over the GPU."""
+    if element_size == 4 and not INTERPRET:
+        return FP32_TILE
+    tiles, sms = (INTERPRET_TILES, 3) if INTERPRET else (TILES, multiprocessors(device.index or 0))
+    fitting = [t for t in tiles if t[0] <= max(tiles[-1][0], next_pow2(M))]
+    return next((t for t in fitting if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= sms), fitting[-1])
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int, int, int]) -> None:

@@ -1,6 +1,6 @@
 """`moerl bench-train --exact`: each row's step measured again as a batch's first optimizer step under numerics:
-exact (the exact scorer's forward on the batch-invariant kernels, then the fast forward and backward), reported in
-the same table beside the standard step. On a tiny model through Triton's interpreter (the H200 run:
+exact (the exact scorer's forward on the batch-invariant kernels, then the fast forward and backward), and the
+scoring forward standard and exact, reported in the same table beside the standard step. On a tiny model through Triton's interpreter (the H200 run:
 tools/gpu_runs/h200-exact.sh); no timing is asserted, only that both columns are measured and reported."""
 import json
 
@@ -9,7 +9,8 @@ import pytest
 from moe_rl_eks.tools.bench.train import main
 
 
-def test_the_exact_column_measures_the_first_step_with_the_exact_scorer_beside_the_standard_one(tmp_path, capsys):
+def test_the_exact_column_measures_the_first_step_and_the_scoring_both_ways_beside_the_standard_step(tmp_path,
+                                                                                                       capsys):
     out = tmp_path / "bench.json"
     assert main(["--tiny", "--exact", "--compute", "torch", "--checkpointing", "off", "--shapes", "2x24",
                  "--steps", "1", "--json", str(out)]) == 0
@@ -23,9 +24,11 @@ def test_the_exact_column_measures_the_first_step_with_the_exact_scorer_beside_t
     assert exact["mfu"] == pytest.approx(row["mfu"] * row["step_seconds"] / exact["step_seconds"])
     assert "exact_scorer_gib" in result
     table = capsys.readouterr().out
-    assert "| exact step s | exact MFU | exact peak above GiB | exact / standard |" in table
+    assert "| exact step s | exact MFU | exact peak above GiB | exact / standard | score s standard / exact |" in table
     ratio = exact["step_seconds"] / row["step_seconds"]
-    assert f"| {exact['step_seconds']:.2f} | {100 * exact['mfu']:.1f} % | - | {ratio:.2f}x |" in table
+    assert exact["standard_score_seconds"] > 0 and exact["exact_score_seconds"] > 0
+    assert (f"| {exact['step_seconds']:.2f} | {100 * exact['mfu']:.1f} % | - | {ratio:.2f}x | "
+            f"{exact['standard_score_seconds']:.3f} / {exact['exact_score_seconds']:.3f} |") in table
 
 
 @pytest.mark.parametrize("argv, unset, message", [

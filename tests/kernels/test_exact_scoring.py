@@ -12,6 +12,7 @@ import yaml
 from moe_rl_eks.core.run import RunConfig
 from moe_rl_eks.core.schema import parse
 from moe_rl_eks.workloads.rl.protocol import Batch, BatchStats, TrainingSample, VersionRef, one_version
+from moe_rl_eks.workloads.trainer import loop
 from moe_rl_eks.workloads.trainer.loop import Trainer
 
 LOCAL_RUN = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local.yaml"
@@ -82,3 +83,32 @@ def test_exact_scoring_keeps_the_fast_forward_for_ppos_critic(tmp_path, epochs):
     metrics = trainer.rl_step(off_policy_batch())
     # the critic's values before any update (its advantages) come from the fast forward's hidden states
     assert len(forwards) == 1 + metrics["optimizer_steps"] == 1 + epochs
+
+
+def test_a_scored_batchs_first_step_takes_the_scorers_logprobs_from_the_scoring_and_trains_as_a_rescoring(
+        tmp_path, monkeypatch):
+    # two epochs: scored before the first update, so that step's current logprobs (the published policy's, the
+    # scorer's bits) are already in hand; the twin has its first step run the scorer again, as before
+    algorithm = {"name": "grpo", "epochs_per_batch": 2}
+    trainer, twin = exact_trainer(tmp_path / "a", algorithm), exact_trainer(tmp_path / "b", algorithm)
+    scorings = []
+    scorer_logprobs = trainer.train_step.exact.logprobs
+    monkeypatch.setattr(trainer.train_step.exact, "logprobs", lambda *a, **k: scorings.append(1) or
+                        scorer_logprobs(*a, **k))
+    metrics = trainer.rl_step(off_policy_batch())
+    assert len(scorings) == 1, "the first optimizer step ran the exact scorer again"
+
+    twin_step, twin_steps = twin.train_step.step, []
+
+    def rescoring_step(*args, exact_values, **kwargs):
+        first = not twin_steps
+        twin_steps.append(1)
+        return twin_step(*args, exact_values=exact_values or first, **kwargs)
+
+    monkeypatch.setattr(twin.train_step, "step", rescoring_step)
+    monkeypatch.setattr(loop, "values_with_gradient", lambda values, differentiable: differentiable)
+    twin_metrics = twin.rl_step(off_policy_batch())
+    assert {k: v for k, v in metrics.items() if k not in TIMINGS} == \
+        {k: v for k, v in twin_metrics.items() if k not in TIMINGS}
+    for name, param in trainer.model.state_dict().items():
+        assert torch.equal(param.view(torch.int32), twin.model.state_dict()[name].view(torch.int32)), name

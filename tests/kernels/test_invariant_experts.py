@@ -6,6 +6,7 @@ import torch
 
 import moe_reference as ref
 from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.kernels import grouped_gemm
 from moe_rl_eks.kernels.grouped_gemm import swiglu_experts
 
 from invariance import ROWS, assert_rows_invariant
@@ -37,3 +38,21 @@ def test_a_rows_expert_output_does_not_depend_on_how_many_rows_its_expert_receiv
     if dtype == torch.float32 and not INTERPRET:
         tol = 5e-3  # compiled, Triton's float32 dot runs on TF32 tensor cores (10-bit mantissa): 2.3e-3 on the H200
     assert ((got.float() - want).norm() / want.norm()).item() < tol
+
+
+@pytest.mark.skipif(INTERPRET, reason="the tensor cores' property; the interpreter runs one tile")
+def test_each_exact_tile_gives_the_experts_the_same_bits_on_the_gpu(monkeypatch):
+    # the exact forward picks its tile by the batch's size (grouped_gemm.EXACT_TILES): each must give every row the
+    # same bits, at a decode step's few rows per expert and a prefill's many
+    torch.manual_seed(4)
+    experts, hidden, width = 8, 256, 128
+    w13 = (torch.randn(experts, 2 * width, hidden, device=DEVICE) / hidden ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, width, device=DEVICE) / width ** 0.5).to(torch.bfloat16)
+    for rows in (24, 1000):
+        counts = torch.bincount(torch.randint(0, experts, (rows,), device=DEVICE), minlength=experts)
+        x = torch.randn(rows, hidden, device=DEVICE).to(torch.bfloat16)
+        outs = []
+        for kernel in grouped_gemm._gemm_exact[2]:
+            monkeypatch.setitem(grouped_gemm._gemm_exact, 2, (kernel,))
+            outs.append(swiglu_experts(x, counts, w13, w2, exact=True))
+        assert len(outs) > 1 and all(torch.equal(o, outs[0]) for o in outs), f"{rows} rows"

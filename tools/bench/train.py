@@ -22,7 +22,9 @@ of the policy on the batch-invariant kernels, its log-probabilities chunked) for
 and backward for the gradient. Its MFU counts the same model FLOPs, so the second forward shows as lost MFU; the
 scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. One GPU only (a run
 refuses exact mode with more than one trainer rank); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the
-exact kernels on the CPU).
+exact kernels on the CPU). A batch that takes several optimizer steps instead pays the exact scorer's forward in
+place of the standard scoring's fast one, once (its first step takes the scoring's logprobs): the column's last
+cell, each scoring's median seconds.
 
 `--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
 per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given
@@ -160,6 +162,15 @@ class Step:
         self.train_step.step([batch] * microbatches, loss_fn, lr=1e-6, temperature=1.0, replay=False,
                              exact_values=exact)
 
+    @torch.no_grad()
+    def score(self, batch: Sequences, exact: bool) -> None:
+        """A batch's scoring before its first update, as the trainer runs it when the batch takes several
+        optimizer steps: the exact scorer's forward alone (TrainStep.score), or the standard mode's fast forward."""
+        if exact:
+            self.train_step.score(batch, temperature=1.0, replay=False)
+        else:
+            self.train_step.forward(self.model, batch, temperature=1.0, replay=False)
+
     def free(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
@@ -214,6 +225,24 @@ def measure(step: Step, sequence: int, sequences: int, steps: int, peak: float, 
     return row
 
 
+def score_seconds(step: Step, sequence: int, sequences: int, steps: int) -> dict:
+    """The median scoring forward of a micro-batch, standard and exact (a batch of several optimizer steps pays
+    the exact one in place of the standard one, once)."""
+    batch = step.batch(sequence, sequences, torch.Generator().manual_seed(0))
+    row = {}
+    for name, exact in (("standard_score_seconds", False), ("exact_score_seconds", True)):
+        step.score(batch, exact)  # warm-up
+        times = []
+        for _ in range(steps):
+            sync(step.device)
+            start = time.perf_counter()
+            step.score(batch, exact)
+            sync(step.device)
+            times.append(time.perf_counter() - start)
+        row[name] = statistics.median(times)
+    return row
+
+
 def profile_step(step: Step, sequence: int, sequences: int, title: str, path: str) -> None:
     """One step under torch.profiler, its operators by total GPU time appended to `path`: where the MFU goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -233,10 +262,12 @@ def _exact_cells(r: dict) -> str:
     """The exact column's cells of a row: its step, MFU and peak, and its step time over the standard one's."""
     e = r["exact"]
     if e["status"] != "ok":
-        return f" {e['status']} | | | |"
+        return f" {e['status']} | | | | |"
     ratio = f"{e['step_seconds'] / r['step_seconds']:.2f}x" if r["status"] == "ok" else "-"
     mem = f"{e['peak_above_gib']:.1f}" if "peak_above_gib" in e else "-"
-    return f" {e['step_seconds']:.2f} | {100 * e['mfu']:.1f} % | {mem} | {ratio} |"
+    score = (f"{e['standard_score_seconds']:.3f} / {e['exact_score_seconds']:.3f}" if "exact_score_seconds" in e
+             else "-")
+    return f" {e['step_seconds']:.2f} | {100 * e['mfu']:.1f} % | {mem} | {ratio} | {score} |"
 
 
 def table(result: dict) -> str:
@@ -249,8 +280,9 @@ def table(result: dict) -> str:
              + (f"; numerics: exact = a batch's first optimizer step with the exact scorer's forward (its served "
                 f"copy {result.get('exact_scorer_gib', 0):.1f} GiB), MFU of the same model FLOPs" if exact else ""),
              "| compute | checkpointing | sequences x tokens | tokens/s | step s | TFLOP/s | MFU | peak above weights+optimizer GiB | planned GiB |"
-             + (" exact step s | exact MFU | exact peak above GiB | exact / standard |" if exact else ""),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- | --- |" if exact else "")]
+             + (" exact step s | exact MFU | exact peak above GiB | exact / standard | score s standard / exact |"
+                if exact else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- | --- | --- |" if exact else "")]
     for r in result["rows"]:
         shape = f"{r['sequences']} x {r['sequence']:,}" + (f" x {r['microbatches']} micro-batches"
                                                              if r.get("microbatches", 1) > 1 else "")
@@ -461,6 +493,8 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
                                     microbatches=args.microbatches)
                     row["exact"] = {k: v for k, v in exact.items() if k not in (
                         "sequence", "sequences", "microbatches", "tokens", "weights_and_optimizer_gib")}
+                    if row["exact"]["status"] == "ok":
+                        row["exact"].update(score_seconds(step, sequence, sequences, args.steps))
                 if args.profile and lead and row["status"] == "ok" and ep is None:
                     profile_step(step, sequence, sequences, f"{compute} {checkpointing} {sequences}x{sequence}",
                                  args.profile)

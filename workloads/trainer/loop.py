@@ -48,7 +48,7 @@ from ..rl.weights import open_store
 from . import checkpoint as ckpt
 from .orchestrator_link import Announcer, BatchSource, HttpBatchSource
 from .microbatch import Sequences, plan_microbatches, rank_shares, sequence_tokens
-from .numerics import ExactScorer, MismatchTally
+from .numerics import ExactScorer, MismatchTally, values_with_gradient
 from .publisher import Publisher
 from .critic import Critic, fit_on_stored
 from .step import Forward, TrainStep, learning_rate
@@ -235,9 +235,16 @@ class Trainer:
                 part_totals = Totals.of(totals[m, :2])
                 microbatches = [seqs.select(r) for r in plans[m]]
 
-                def loss_fn(j: int, mb: Sequences, fwd: Forward, rows=plans[m]):
+                # the first step's policy is the published one: its current logprobs may be the exact scorer's,
+                # which the proximal scoring has already made (then the step takes them from there, with its own
+                # forward's gradient) or the step's own forward makes
+                rescore = not steps and self.train_step.exact is not None and proximal is None
+                reuse = not steps and self.train_step.exact is not None and proximal is not None
+
+                def loss_fn(j: int, mb: Sequences, fwd: Forward, rows=plans[m], reuse=reuse):
                     r, w = rows[j], mb.mask.shape[1]
-                    pb = PolicyBatch(fwd.logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
+                    logprobs = values_with_gradient(cut(proximal, r, w), fwd.logprobs) if reuse else fwd.logprobs
+                    pb = PolicyBatch(logprobs, cut(proximal, r, w) if proximal is not None else fwd.logprobs.detach(),
                                      mb.behaviour, cut(advantages, r, w), mb.mask, cut(reference, r, w), fwd.entropy,
                                      fwd.values, cut(old_values, r, w), cut(returns, r, w))
                     if epoch == 0:
@@ -253,10 +260,9 @@ class Trainer:
                 lr = (0.0 if warming_critic else
                       learning_rate(self.cfg, (policy_step * e_count + epoch) * m_count + m,
                                     self.run.rl.policy_optimizer_steps))
-                # the first step's policy is the published one: its current logprobs may be the exact scorer's
                 result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay,
                                               critic_lr=critic_lr, train_policy=not warming_critic,
-                                              exact_values=not steps,
+                                              exact_values=rescore,
                                               keep_critic_inputs=critic_epochs > 0 and epoch == e_count - 1)
                 if epoch == 0:
                     first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]

@@ -13,13 +13,16 @@ log-softmax are row-wise, so a token's bits do not depend on the chunking, and t
 The copy is right only until the first optimizer step of a batch changes the policy; the behaviour/proximal scoring
 and that first step's current logprobs take their values from it, while their gradient comes from the fast forward
 (`exact_values`). The scoring needs no gradient, so it runs the exact forward alone (TrainStep.score), and the fast
-one only for PPO's critic, which reads its hidden states. That first step runs two forwards. One would do only if
+one only for PPO's critic, which reads its hidden states. A batch that takes several optimizer steps is scored
+before the first, and that step takes its current logprobs from the scoring (the same policy, the same bits: the
+trainer loop's `reuse`), so exact mode costs it the exact forward in place of the standard scoring's fast one. A
+batch of one optimizer step is not scored, and its step runs two forwards. One would do only if
 the exact forward could be differentiated: its expert GEMM can (swiglu_experts(exact=True) has the tuned backward),
 but the invariant matmul, the one-pass attention, the row-wise norms and the paged forward's KV writes are
 forward-only Triton programs; and it runs on this bf16 copy, not on the float32 masters the optimizer steps, without
 activation checkpointing. The extra forward is about a third of a standard step's model FLOPs (a quarter under full
 activation checkpointing, which recomputes the forward anyway), at the exact kernels' own speed, and on the first
-optimizer step of each batch only (`moerl bench-train --exact` measures it).
+optimizer step of each batch only (`moerl bench-train --exact` measures it, and the scoring both ways).
 """
 from __future__ import annotations
 
