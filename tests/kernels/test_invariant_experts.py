@@ -48,11 +48,12 @@ def test_each_exact_tile_gives_the_experts_the_same_bits_on_the_gpu(monkeypatch)
     experts, hidden, width = 8, 256, 128
     w13 = (torch.randn(experts, 2 * width, hidden, device=DEVICE) / hidden ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(experts, hidden, width, device=DEVICE) / width ** 0.5).to(torch.bfloat16)
+    kernels = grouped_gemm._gemm_exact[2]
     for rows in (24, 1000):
         counts = torch.bincount(torch.randint(0, experts, (rows,), device=DEVICE), minlength=experts)
         x = torch.randn(rows, hidden, device=DEVICE).to(torch.bfloat16)
         outs = []
-        for kernel in grouped_gemm._gemm_exact[2]:
+        for kernel in kernels:
             monkeypatch.setitem(grouped_gemm._gemm_exact, 2, (kernel,))
             outs.append(swiglu_experts(x, counts, w13, w2, exact=True))
         assert len(outs) > 1 and all(torch.equal(o, outs[0]) for o in outs), f"{rows} rows"

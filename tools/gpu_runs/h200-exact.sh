@@ -9,7 +9,7 @@
 # bitwise, where the standard mode does not (test_exact_rollout_trainer.py). 2. kernels/bench_exact.py: each exact
 # kernel against the fast one at that shape (qkv, o_proj and lm_head at 1 / 64 / 256 / 4096 rows, decode attention at
 # batch 1 / 64 over 2048 positions, the experts' forward at 64 / 2048 tokens), then kernels/bench_invariant_tiles.py (every
-candidate tile's bits and speed, the chosen one's). 3. bench-train's exact column from the
+# candidate tile's bits and speed, the chosen one's). 3. bench-train's exact column from the
 # same run: the trainer's step (8 layers, triton, save_attention, 2 x 8,192 tokens) standard and as a batch's first
 # optimizer step under numerics: exact (the exact scorer's chunked forward + the fast forward/backward): step s, MFU,
 # peak memory, the ratio. 4. bench-rollout's exact column from the same run: decode tok/s at batch 1 / 64 / 256 with
@@ -17,7 +17,7 @@ candidate tile's bits and speed, the chosen one's). 3. bench-train's exact colum
 # From the repository root with the machine's python3; carry .whl/ (as h200-engine-split.sh does).
 # Expected: ~530 s (limit 540; bench-train ~60-100 s of it, not yet measured; every benchmark records each row as it
 # is measured, so a cut keeps the rows before it: bench-rollout goes last and takes what is left).
-# Results in $OUT: steps.txt, tests.log, bench.log, bench-exact.json, tiles.log, tiles.json, bench-train.log, bench-train-exact.json,
+# Results in $OUT (the .log files in logs.tgz): steps.txt, tests.log, bench.log, bench-exact.json, tiles.log, tiles.json, bench-train.log, bench-train-exact.json,
 # bench-rollout.log, bench-rollout-exact.json.
 set -u
 BUDGET=${BUDGET:-540}
@@ -36,7 +36,7 @@ grep -E "standard mode at the 30B" "$OUT/tests.log"
 step bench 90 python3 -m moe_rl_eks.kernels.bench_exact --json "$OUT/bench-exact.json" > "$OUT/bench.log" 2>&1
 cat "$OUT/bench.log"
 step tiles 100 python3 -m moe_rl_eks.kernels.bench_invariant_tiles --json "$OUT/tiles.json" > "$OUT/tiles.log" 2>&1
-grep -c DIFF "$OUT/tiles.log"
+echo "tiles whose bits differ: $(grep -c DIFF "$OUT/tiles.log")"
 step bench-train 110 python3 -m moe_rl_eks.tools.bench.train --exact --layers 8 --compute triton \
     --checkpointing save_attention --shapes 2x8192 --steps 2 --json "$OUT/bench-train-exact.json" \
     > "$OUT/bench-train.log" 2>&1
@@ -45,3 +45,6 @@ step bench-rollout "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.rollou
     --batches 1 64 256 --prompt-tokens 128 --new-tokens 64 --max-seconds 15 --transformers-batches \
     --mismatch-layers 0 --json "$OUT/bench-rollout-exact.json" > "$OUT/bench-rollout.log" 2>&1
 grep -E "^\{" "$OUT/bench-rollout.log" | cut -c1-240
+# the device tool returns at most 8 files: the logs travel as one archive (logs.tgz)
+tar -C "$OUT" -czf "$OUT/logs.tgz" tests.log bench.log tiles.log bench-train.log bench-rollout.log 2>/dev/null &&
+    rm -f "$OUT"/*.log
