@@ -226,11 +226,14 @@ def logprob_mismatch(config: ModelConfig, device: torch.device, layers: int, row
             "mean_k3": k3.mean().item()}
 
 
-def profile_steps(model: MoETransformer, batch: int, prompt_tokens: int, steps: int, path: str | None) -> dict:
-    """GPU time of `steps` decode steps by kernel, from torch.profiler (a Chrome trace at `path`)."""
+def profile_steps(model: MoETransformer, batch: int, prompt_tokens: int, steps: int, path: str | None,
+                  kernels: str | None = None) -> dict:
+    """GPU time of `steps` decode steps by kernel, from torch.profiler (a Chrome trace at `path`); `kernels`: the
+    forward's backend, as run_engine's."""
     from torch.profiler import ProfilerActivity, profile
 
-    decoder = Decoder(model, slots=batch, max_len=prompt_tokens + steps + 8, eos_ids=(), buckets=[batch])
+    decoder = Decoder(model, slots=batch, max_len=prompt_tokens + steps + 8, eos_ids=(), buckets=[batch],
+                      kernels=kernels)
     for i, p in enumerate(prompts(batch, prompt_tokens, model.config.vocab_size, 3)):
         decoder.add(RowRequest(p, SamplingParams(steps + 4, seed=i), "profile", i))
     while decoder.scheduler.prefilling or decoder.waiting:
@@ -245,15 +248,15 @@ def profile_steps(model: MoETransformer, batch: int, prompt_tokens: int, steps: 
         wall = time.perf_counter() - start
     if path:
         prof.export_chrome_trace(path)
-    kernels: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     count = 0
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + e.device_time_total / 1000 / steps
+            by_kernel[e.name[:60]] = by_kernel.get(e.name[:60], 0.0) + e.device_time_total / 1000 / steps
             count += 1
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
     del decoder
-    return {"batch": batch, "wall_ms_per_step": 1000 * wall / steps, "gpu_ms_per_step": sum(kernels.values()),
+    return {"batch": batch, "wall_ms_per_step": 1000 * wall / steps, "gpu_ms_per_step": sum(by_kernel.values()),
             "kernels_per_step": count / steps, "top_kernels_ms": top}
 
 
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         2 if config.dtype == "bfloat16" else 4)
     for compute in args.compute:
         use_compute(model, compute)
+        kernels = "exact" if compute == "exact" else None  # the forward's backend beside the MoE compute
         for prompt_tokens in args.prompt_tokens:
             for batch in args.batches:
                 kv_gib = batch * (prompt_tokens + args.new_tokens) * kv_per_position / 2 ** 30
@@ -323,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         row.update(run_engine(model, batch, prompt_tokens, args.new_tokens,
                                               graphs=not args.no_graphs, max_seconds=args.max_seconds,
-                                              kernels="exact" if compute == "exact" else None))
+                                              kernels=kernels))
                         roofline = batch * bandwidth / step_bytes(config, batch)
                         row["roofline_tokens_per_s"] = roofline
                         row["roofline_fraction"] = row["decode_tokens_per_s"] / roofline
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
         for batch in args.profile:
             path = f"{args.trace_dir}/trace-{compute}-{batch}.json" if args.trace_dir else None
-            prof = profile_steps(model, batch, 128, 8, path)
+            prof = profile_steps(model, batch, 128, 8, path, kernels)
             report.setdefault("profile", []).append({"compute": compute, **prof})
             print(json.dumps({"compute": compute, **{k: v for k, v in prof.items() if k != "top_kernels_ms"}}))
             for name, ms in prof["top_kernels_ms"][:12]:
