@@ -1,14 +1,12 @@
 """The exact mode's expert products: a row's SwiGLU expert output is the same bits whether its expert received it
 alone, among 3 rows or among 17, at any position of the expert's rows and beside any other rows; and it is the
-float32 computation. A decode step's few tokens through the decode kernels' exact form get the same bits."""
+float32 computation."""
 import pytest
 import torch
 
 import moe_reference as ref
 from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.kernels import grouped_gemm
-from moe_rl_eks.kernels.backend import ExactCompute
-from moe_rl_eks.kernels.invariant_matmul import invariant_matmul
 from moe_rl_eks.kernels.grouped_gemm import swiglu_experts
 
 from invariance import ROWS, assert_rows_invariant
@@ -59,24 +57,3 @@ def test_each_exact_tile_gives_the_experts_the_same_bits_on_the_gpu(monkeypatch)
             monkeypatch.setitem(grouped_gemm._gemm_exact, 2, (kernel,))
             outs.append(swiglu_experts(x, counts, w13, w2, exact=True))
         assert len(outs) > 1 and all(torch.equal(o, outs[0]) for o in outs), f"{rows} rows"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_a_decode_steps_exact_moe_layer_gives_the_grouped_paths_bits(dtype, tokens):
-    # the decode kernels' exact form (two launches) against routing, permutation, the grouped GEMM and the combine,
-    # which a prefill and the trainer's forward run: the same routing, the same output bits per token
-    compute = ExactCompute()
-    torch.manual_seed(5)
-    spec = ref.Spec(top_k=3, scoring="softmax", renormalize=True, scaling=1.0)
-    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
-    router = (torch.randn(EXPERTS + 2, HIDDEN, device=DEVICE) / HIDDEN ** 0.5).to(dtype)
-    w13 = (torch.randn(EXPERTS + 2, 2 * WIDTH, HIDDEN, device=DEVICE) / HIDDEN ** 0.5).to(dtype)
-    w2 = (torch.randn(EXPERTS + 2, HIDDEN, WIDTH, device=DEVICE) / WIDTH ** 0.5).to(dtype)
-    logits = invariant_matmul(x, router)
-    out, ids, got_logits = compute.decode(x, router, spec, None, w13, w2, logits)
-    weights, want_ids = compute.route(logits, spec, None)
-    x_sorted, counts, handle = compute.permute(x, want_ids, EXPERTS + 2)
-    want = compute.unpermute(compute.experts(x_sorted, counts, w13, w2), weights, handle)
-    assert got_logits is logits and torch.equal(ids, want_ids)
-    assert out.dtype == dtype and torch.equal(out, want)
