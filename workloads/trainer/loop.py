@@ -238,8 +238,8 @@ class Trainer:
                 # the first step's policy is the published one: its current logprobs may be the exact scorer's,
                 # which the proximal scoring has already made (then the step takes them from there, with its own
                 # forward's gradient) or the step's own forward makes
-                rescore = not steps and self.train_step.exact is not None and proximal is None
-                reuse = not steps and self.train_step.exact is not None and proximal is not None
+                exact_first = not steps and self.train_step.exact is not None
+                reuse = exact_first and proximal is not None
 
                 def loss_fn(j: int, mb: Sequences, fwd: Forward, rows=plans[m], reuse=reuse):
                     r, w = rows[j], mb.mask.shape[1]
@@ -262,7 +262,7 @@ class Trainer:
                                     self.run.rl.policy_optimizer_steps))
                 result = self.train_step.step(microbatches, loss_fn, lr=lr, temperature=temperature, replay=replay,
                                               critic_lr=critic_lr, train_policy=not warming_critic,
-                                              exact_values=rescore,
+                                              exact_values=exact_first and not reuse,
                                               keep_critic_inputs=critic_epochs > 0 and epoch == e_count - 1)
                 if epoch == 0:
                     first_load = result["expert_load"] if first_load is None else first_load + result["expert_load"]
