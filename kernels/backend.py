@@ -38,6 +38,8 @@ class TritonCompute:
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2)
 
+    exact = False  # the decode kernels' products: row sums (or the exact mode's tensor-core tiles)
+
     def decode(self, x: torch.Tensor, router: torch.Tensor, spec, bias: torch.Tensor | None, w13: torch.Tensor,
                w2: torch.Tensor, logits: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -46,8 +48,9 @@ class TritonCompute:
         (more than DECODE_MAX_TOKENS tokens) or the routing is not supported."""
         if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias):
             return None
-        logits = decode_linear(x, router) if logits is None else logits
-        out, _, ids = decode_experts(x, logits, spec, bias, w13, w2)
+        if logits is None:
+            logits = invariant_matmul(x, router) if self.exact else decode_linear(x, router)
+        out, _, ids = decode_experts(x, logits, spec, bias, w13, w2, exact=self.exact)
         return out, ids, logits
 
     # Beyond the MoE contract (the model uses it when a backend has it): RMSNorm, or q/k RMSNorm followed by the
@@ -107,15 +110,14 @@ class TritonForwardKernels:
 
 
 class ExactCompute(TritonCompute):
-    """The exact numerics mode's MoE compute: the experts' forward on the grouped GEMM's fixed tile, and a decode
-    step through the same routing, permutation, experts and combine as a prefill or a trainer's forward (the
-    decode kernels' products are row sums, not the grouped GEMM's tensor-core products)."""
+    """The exact numerics mode's MoE compute: the experts' forward on the grouped GEMM's exact tiles, and a decode
+    step's few tokens through the decode kernels' exact form, whose tensor-core products give a token the grouped
+    GEMM's bits (expert_decode.py), so a decoded token's layer output is a prefill's or a trainer's forward's."""
+
+    exact = True
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2, exact=True)
-
-    def decode(self, x, router, spec, bias, w13, w2, logits=None) -> None:
-        return None
 
 
 class ExactForwardKernels(TritonForwardKernels):

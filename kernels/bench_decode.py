@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .backend import TritonCompute
 from .bench import SHAPES, rel_err
-from .expert_decode import DECODE_MAX_TOKENS, _down, _up, decode_experts
+from .expert_decode import _KERNELS, DECODE_MAX_TOKENS, decode_experts
 from .gemv import _gemv_kernel, gemv
 
 
@@ -81,7 +81,7 @@ def run(tokens: list[int], layers: int) -> list[dict]:
         row = {"tokens": t, "experts_touched": touched, "grouped_us": ms_grouped * 1e3, "decode_us": ms_decode * 1e3,
                "grouped_GBps": bytes_per_layer / ms_grouped / 1e6, "decode_GBps": bytes_per_layer / ms_decode / 1e6,
                "rel_err_vs_grouped": rel_err(got, want), "ids_equal": bool(torch.equal(got_ids, ids)),
-               "up_config": str(_up.best_config), "down_config": str(_down.best_config)}
+               "up_config": str(_KERNELS[False][0].best_config), "down_config": str(_KERNELS[False][1].best_config)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

@@ -15,6 +15,12 @@ weights they read. Here:
 No atomics and nothing shared between tokens: a token's output does not depend on which other tokens shared the
 step, bitwise. The cost is that an expert chosen by several tokens is read once per token (from L2 when it is
 hot), which is why the engine uses this path only up to `DECODE_MAX_TOKENS` tokens per step.
+
+`exact=True` (the exact numerics mode) takes the products on the tensor cores instead, the token's row alone in a
+16-row tile, each reduction a chain of the same tensor-core products over K as the grouped GEMM's (grouped_gemm.py):
+on the H200 every tile measured gives a row those bits (kernels/bench_invariant_tiles.py), so a decoded token's
+expert outputs are the bits a prefill or the trainer's forward gives it through routing, permutation and the
+grouped GEMM, in three launches (the route kernel's, whose weights a prefill has, then the two products).
 """
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, next_pow2, quick_bench, within
-from .routing import _first_argmax_free, _scores
+from ._triton import INTERPRET, check_device, dot_acc, next_pow2, quick_bench, within
+from .routing import _first_argmax_free, _scores, route
 
 # Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine; beyond it the engine uses
 # the grouped path. H200, Qwen3-30B-A3B's layer (`python3 -m moe_rl_eks.kernels.bench_decode`, 2026-12-01): 37 vs 74
@@ -39,6 +45,16 @@ def _configs(block_n: str, block_k: str) -> list[triton.Config]:
     # won (8 for gate/up, 4 for down, of the first six shapes), hence the smaller ones too.
     shapes = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (8, 1024, 4), (4, 1024, 4), (4, 512, 2), (2, 1024, 2),
               (2, 1024, 4), (1, 1024, 2), (4, 2048, 4), (2, 2048, 4)]
+    return [triton.Config({block_n: n, block_k: k}, num_warps=w) for n, k, w in shapes]
+
+
+def _exact_configs(block_n: str, block_k: str) -> list[triton.Config]:
+    """The exact form's blocks: at least 16 columns and 16 deep (a tensor-core product's least), and under the
+    interpreter the grouped GEMM's 16-deep steps (its emulated dot adds a step's products to the sum at once)."""
+    if INTERPRET:
+        return [triton.Config({block_n: 16, block_k: 16}, num_warps=4)]
+    shapes = [(16, 128, 4), (32, 128, 4), (16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 2), (16, 256, 2),
+              (16, 256, 4)]
     return [triton.Config({block_n: n, block_k: k}, num_warps=w) for n, k, w in shapes]
 
 
@@ -72,67 +88,114 @@ def _route_token(logits_ptr, bias_ptr, t, scaling, E: tl.constexpr, SIGMOID: tl.
 def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr, ids_ptr, scaling,
                       E: tl.constexpr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                      EXACT: tl.constexpr):
     pair = tl.program_id(0)  # token * TOP_K + slot
     pid_n = tl.program_id(1)
     t = pair // TOP_K
-    top_w, top_id = _route_token(logits_ptr, bias_ptr, t, scaling, E, SIGMOID, HAS_BIAS, TOP_K, RENORMALIZE,
-                                 BLOCK_E, BLOCK_K)
-    kcols = tl.arange(0, BLOCK_K)
-    e = tl.sum(tl.where(kcols[None, :] == pair % TOP_K, top_id, 0)).to(tl.int64)
-    if (pair % TOP_K == 0) & (pid_n == 0):  # one program per token records its routing
-        out = t * TOP_K + kcols[None, :]
-        tl.store(weights_ptr + out, top_w, mask=kcols[None, :] < TOP_K)
-        tl.store(ids_ptr + out, top_id.to(tl.int64), mask=kcols[None, :] < TOP_K)
+    if EXACT:  # routed by the route kernel already: its weights' sums are taken in a prefill's order
+        e = tl.load(ids_ptr + pair)
+    else:
+        top_w, top_id = _route_token(logits_ptr, bias_ptr, t, scaling, E, SIGMOID, HAS_BIAS, TOP_K, RENORMALIZE,
+                                     BLOCK_E, BLOCK_K)
+        kcols = tl.arange(0, BLOCK_K)
+        e = tl.sum(tl.where(kcols[None, :] == pair % TOP_K, top_id, 0)).to(tl.int64)
+        if (pair % TOP_K == 0) & (pid_n == 0):  # one program per token records its routing
+            out = t * TOP_K + kcols[None, :]
+            tl.store(weights_ptr + out, top_w, mask=kcols[None, :] < TOP_K)
+            tl.store(ids_ptr + out, top_id.to(tl.int64), mask=kcols[None, :] < TOP_K)
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < WIDTH
     gate_rows = w13_ptr + e * (2 * WIDTH * HIDDEN) + cols.to(tl.int64)[:, None] * HIDDEN
-    acc_gate = tl.zeros((BLOCK_N,), tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in tl.range(0, HIDDEN, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_ok = ks < HIDDEN
-        x = tl.load(x_ptr + t * HIDDEN + ks, mask=k_ok, other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        gate = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_rows + WIDTH * HIDDEN + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(gate * x[None, :], axis=1)
-        acc_up += tl.sum(up * x[None, :], axis=1)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(act_ptr + pair * WIDTH + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    if EXACT:
+        # the token's row and 15 zero rows: [16, BLOCK_N] tensor-core products, row 0 stored
+        tile_rows = tl.arange(0, 16)[:, None]
+        acc_gate = tl.zeros((16, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_ok = ks < HIDDEN
+            x = tl.load(x_ptr + t * HIDDEN + ks[None, :] + tile_rows * 0, mask=(tile_rows == 0) & k_ok[None, :],
+                        other=0.0)
+            mask = col_ok[:, None] & k_ok[None, :]
+            gate = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0)
+            up = tl.load(gate_rows + WIDTH * HIDDEN + ks[None, :], mask=mask, other=0.0)
+            acc_gate = dot_acc(x, tl.trans(gate), acc_gate)
+            acc_up = dot_acc(x, tl.trans(up), acc_up)
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        tl.store(act_ptr + pair * WIDTH + cols[None, :] + tile_rows * 0, act.to(act_ptr.dtype.element_ty),
+                 mask=(tile_rows == 0) & col_ok[None, :])
+    else:
+        acc_gate = tl.zeros((BLOCK_N,), tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_ok = ks < HIDDEN
+            x = tl.load(x_ptr + t * HIDDEN + ks, mask=k_ok, other=0.0).to(tl.float32)
+            mask = col_ok[:, None] & k_ok[None, :]
+            gate = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_rows + WIDTH * HIDDEN + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc_gate += tl.sum(gate * x[None, :], axis=1)
+            acc_up += tl.sum(up * x[None, :], axis=1)
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        tl.store(act_ptr + pair * WIDTH + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, HIDDEN: tl.constexpr,
-                        WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+                        WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                        EXACT: tl.constexpr):
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < HIDDEN
-    total = tl.zeros((BLOCK_N,), tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + j)
-        weight = tl.load(weights_ptr + t * TOP_K + j)
-        w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for i0 in tl.range(0, WIDTH, BLOCK_I):
-            i = i0 + tl.arange(0, BLOCK_I)
-            i_ok = i < WIDTH
-            a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i, mask=i_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-        total += acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
-    tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if EXACT:  # as _decode_up_kernel's exact form: the pair's act row alone in a 16-row tile
+        tile_rows = tl.arange(0, 16)[:, None]
+        total = tl.zeros((16, BLOCK_N), tl.float32)
+        for j in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + t * TOP_K + j)
+            weight = tl.load(weights_ptr + t * TOP_K + j)
+            w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
+            acc = tl.zeros((16, BLOCK_N), tl.float32)
+            for i0 in tl.range(0, WIDTH, BLOCK_I):
+                i = i0 + tl.arange(0, BLOCK_I)
+                i_ok = i < WIDTH
+                a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i[None, :] + tile_rows * 0,
+                            mask=(tile_rows == 0) & i_ok[None, :], other=0.0)
+                w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0)
+                acc = dot_acc(a, tl.trans(w), acc)
+            total += acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
+        tl.store(out_ptr + t * HIDDEN + rows[None, :] + tile_rows * 0, total.to(out_ptr.dtype.element_ty),
+                 mask=(tile_rows == 0) & row_ok[None, :])
+    else:
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for j in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + t * TOP_K + j)
+            weight = tl.load(weights_ptr + t * TOP_K + j)
+            w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
+            acc = tl.zeros((BLOCK_N,), tl.float32)
+            for i0 in tl.range(0, WIDTH, BLOCK_I):
+                i = i0 + tl.arange(0, BLOCK_I)
+                i_ok = i < WIDTH
+                a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i, mask=i_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+            total += acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
+        tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # One block shape per layer shape, whatever the token count: a token's sums are then taken in the same order in
 # every step (the bitwise independence above). It is tuned at one token, the latency-bound case (decode_experts).
-_up = triton.autotune(_configs("BLOCK_N", "BLOCK_H"), key=["E", "HIDDEN", "WIDTH", "TOP_K"], do_bench=quick_bench,
-                      prune_configs_by={"early_config_prune": lambda configs, named, **kw: within(
-                          configs, "BLOCK_H", kw["HIDDEN"])})(_decode_up_kernel)
-_down = triton.autotune(_configs("BLOCK_N", "BLOCK_I"), key=["HIDDEN", "WIDTH", "TOP_K"], do_bench=quick_bench,
-                        prune_configs_by={"early_config_prune": lambda configs, named, **kw: within(
-                            configs, "BLOCK_I", kw["WIDTH"])})(_decode_down_kernel)
+def _tuned(kernel, configs: list[triton.Config], key: list[str], block: str, size: str):
+    return triton.autotune(configs, key=key, do_bench=quick_bench, prune_configs_by={
+        "early_config_prune": lambda configs, named, **kw: within(configs, block, kw[size])})(kernel)
+
+
+_UP_KEY, _DOWN_KEY = ["E", "HIDDEN", "WIDTH", "TOP_K"], ["HIDDEN", "WIDTH", "TOP_K"]
+# per form (exact or not): the two kernels
+_KERNELS = {exact: (_tuned(_decode_up_kernel, configs("BLOCK_N", "BLOCK_H"), _UP_KEY, "BLOCK_H", "HIDDEN"),
+                    _tuned(_decode_down_kernel, configs("BLOCK_N", "BLOCK_I"), _DOWN_KEY, "BLOCK_I", "WIDTH"))
+            for exact, configs in ((False, _configs), (True, _exact_configs))}
 _TUNED: set[tuple] = set()  # layer shapes whose block shapes were tuned (at one token)
 
 
@@ -142,10 +205,11 @@ def supports(spec, bias: torch.Tensor | None) -> bool:
 
 
 def decode_experts(x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tensor | None, w13: torch.Tensor,
-                   w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   w2: torch.Tensor, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, h], router logits [T, E], w13 [E, 2I, h], w2 [E, h, I] -> (out [T, h] in x's dtype, routing weights
     [T, k] float32, expert ids [T, k] int64): route each token, then sum_j weight_j * down_j(silu(gate_j(x)) *
-    up_j(x)) over its k experts. No autograd (decoding only); `supports(spec, bias)` must hold."""
+    up_j(x)) over its k experts. No autograd (decoding only); `supports(spec, bias)` must hold. `exact`: the
+    products the grouped GEMM's (the module's docstring says how)."""
     for name, t in (("x", x), ("logits", logits), ("w13", w13), ("w2", w2)):
         check_device(name, t)
     if not supports(spec, bias):
@@ -161,21 +225,27 @@ def decode_experts(x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tens
                          f"[E, h, I]")
     top_k = spec.top_k
     x, logits, w13, w2 = x.contiguous(), logits.contiguous(), w13.contiguous(), w2.contiguous()
-    weights = torch.empty(T, top_k, device=x.device, dtype=torch.float32)
-    ids = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
+    if exact:
+        # the routing of a prefill or a trainer's forward: the fused routing's sums reduce a [1, E] tile, whose
+        # order differs from the route kernel's [rows, E] tiles in the last bit of some weights
+        weights, ids = route(logits, spec, bias)
+    else:
+        weights = torch.empty(T, top_k, device=x.device, dtype=torch.float32)
+        ids = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
     act = torch.empty(T * top_k, width, device=x.device, dtype=w13.dtype)
     out = torch.empty(T, hidden, device=x.device, dtype=x.dtype)
     if T == 0:
         return out, weights, ids
-    shape = (num_experts, hidden, width, top_k, x.dtype, w13.dtype, x.device)
+    shape = (num_experts, hidden, width, top_k, x.dtype, w13.dtype, x.device, exact)
     if T > 1 and shape not in _TUNED:
-        decode_experts(x[:1], logits[:1], spec, bias, w13, w2)
+        decode_experts(x[:1], logits[:1], spec, bias, w13, w2, exact=exact)
     _TUNED.add(shape)
-    _up[lambda meta: (T * top_k, triton.cdiv(width, meta["BLOCK_N"]))](
+    up, down = _KERNELS[exact]
+    up[lambda meta: (T * top_k, triton.cdiv(width, meta["BLOCK_N"]))](
         x, logits, bias if bias is not None else logits, w13, act, weights, ids, float(spec.scaling),
         E=num_experts, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, SIGMOID=spec.scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORMALIZE=bool(spec.renormalize), BLOCK_E=next_pow2(num_experts),
-        BLOCK_K=next_pow2(top_k))
-    _down[lambda meta: (T, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        act, w2, weights, ids, out, HIDDEN=hidden, WIDTH=width, TOP_K=top_k)
+        BLOCK_K=next_pow2(top_k), EXACT=exact)
+    down[lambda meta: (T, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        act, w2, weights, ids, out, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, EXACT=exact)
     return out, weights, ids
