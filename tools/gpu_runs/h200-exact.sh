@@ -12,8 +12,8 @@
 # candidate tile's bits and speed, the chosen one's). 3. bench-train's exact column from the
 # same run: the trainer's step (8 layers, triton, save_attention, 2 x 8,192 tokens) standard and as a batch's first
 # optimizer step under numerics: exact (the exact scorer's chunked forward + the fast forward/backward): step s, MFU,
-# peak memory, the ratio. 4. bench-rollout's exact column from the same run: decode tok/s at batch 1 / 64 / 256 with
-# triton and with numerics: exact (12 of the 48 layers, 128 prompt tokens + 64 new ones), and the prefill rate of each.
+# peak memory, the ratio. 4. bench-rollout's exact column from the same run: decode tok/s at batch 1 / 8 / 64 / 256 with
+# triton and with numerics: exact, and a profile of batch 1's step by kernel (12 of the 48 layers, 128 prompt tokens + 64 new ones), and the prefill rate of each.
 # From the repository root with the machine's python3; carry .whl/ (as h200-engine-split.sh does).
 # Expected: ~530 s (limit 540; bench-train ~60-100 s of it, not yet measured; every benchmark records each row as it
 # is measured, so a cut keeps the rows before it: bench-rollout goes last and takes what is left).
@@ -42,8 +42,8 @@ step bench-train 110 python3 -m moe_rl_eks.tools.bench.train --exact --layers 8 
     > "$OUT/bench-train.log" 2>&1
 grep -E "^\|" "$OUT/bench-train.log"
 step bench-rollout "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.rollout --compute triton exact --layers 12 \
-    --batches 1 64 256 --prompt-tokens 128 --new-tokens 64 --max-seconds 15 --transformers-batches \
-    --mismatch-layers 0 --json "$OUT/bench-rollout-exact.json" > "$OUT/bench-rollout.log" 2>&1
+    --batches 1 8 64 256 --prompt-tokens 128 --new-tokens 64 --max-seconds 15 --transformers-batches \
+    --mismatch-layers 0 --profile 1 --json "$OUT/bench-rollout-exact.json" > "$OUT/bench-rollout.log" 2>&1
 grep -E "^\{" "$OUT/bench-rollout.log" | cut -c1-240
 # the device tool returns at most 8 files: the logs travel as one archive (logs.tgz)
 tar -C "$OUT" -czf "$OUT/logs.tgz" tests.log bench.log tiles.log bench-train.log bench-rollout.log 2>/dev/null &&
