@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import decode_attention
-from .expert_decode import DECODE_MAX_TOKENS, decode_experts, supports
+from .expert_decode import DECODE_MAX_TOKENS, decode_experts, layout_free, supports
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
 from .invariant_attention import invariant_decode_attention
@@ -46,7 +46,7 @@ class TritonCompute:
         """A decode step's whole MoE layer on one rank, without autograd: router weight [E, h] -> (out [T, h],
         expert ids [T, k], router logits [T, E] (`logits` when given)), or None where the grouped path is faster
         (more than DECODE_MAX_TOKENS tokens) or the routing is not supported."""
-        if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias):
+        if x.shape[0] > DECODE_MAX_TOKENS or not supports(spec, bias) or (self.exact and not layout_free(spec, bias)):
             return None
         if logits is None:
             logits = invariant_matmul(x, router) if self.exact else decode_linear(x, router)
@@ -112,7 +112,8 @@ class TritonForwardKernels:
 class ExactCompute(TritonCompute):
     """The exact numerics mode's MoE compute: the experts' forward on the grouped GEMM's exact tiles, and a decode
     step's few tokens through the decode kernels' exact form, whose tensor-core products give a token the grouped
-    GEMM's bits (expert_decode.py), so a decoded token's layer output is a prefill's or a trainer's forward's."""
+    GEMM's bits (expert_decode.py), so a decoded token's layer output is a prefill's or a trainer's forward's; a
+    routing whose fused form is not the route kernel's bits (not `layout_free`) decodes through the grouped path."""
 
     exact = True
 

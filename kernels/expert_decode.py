@@ -20,7 +20,10 @@ hot), which is why the engine uses this path only up to `DECODE_MAX_TOKENS` toke
 16-row tile, each reduction a chain of the same tensor-core products over K as the grouped GEMM's (grouped_gemm.py):
 on the H200 every tile measured gives a row those bits (kernels/bench_invariant_tiles.py), so a decoded token's
 expert outputs are the bits a prefill or the trainer's forward gives it through routing, permutation and the
-grouped GEMM, in three launches (the route kernel's, whose weights a prefill has, then the two products).
+grouped GEMM, in the row sums' two launches. Its routing is the route kernel's bits where `layout_free` holds
+(sigmoid, or renormalised softmax without a bias: on the H200 a probability's division by its row sum, reduced in
+the fused kernel's one-row block, gave about one output element in 100 tokens another last bit); elsewhere the exact
+mode decodes through the grouped path.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._triton import INTERPRET, check_device, dot_acc, next_pow2, quick_bench, within
-from .routing import _first_argmax_free, _scores, route
+from .routing import _scores, _top_k
 
 # Up to this many tokens per step the decode kernels beat sort + grouped GEMM + combine; beyond it the engine uses
 # the grouped path. H200, Qwen3-30B-A3B's layer (`python3 -m moe_rl_eks.kernels.bench_decode`, 2026-12-01): 37 vs 74
@@ -61,26 +64,16 @@ def _exact_configs(block_n: str, block_k: str) -> list[triton.Config]:
 @triton.jit
 def _route_token(logits_ptr, bias_ptr, t, scaling, E: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Token t's routing as routing.py's kernel computes it: ([1, BLOCK_K] weights, [1, BLOCK_K] expert ids)."""
+    """Token t's routing as routing.py's kernel computes it: ([1, BLOCK_K] weights, [1, BLOCK_K] expert ids),
+    the same bits where `layout_free` holds."""
     rows = t + tl.arange(0, 1)
     cols = tl.arange(0, BLOCK_E)
-    scores = _scores(logits_ptr, rows, cols, t + 1, E, E, SIGMOID)
-    select = scores
+    scores, num = _scores(logits_ptr, rows, cols, t + 1, E, E, SIGMOID)
+    select = scores if SIGMOID or HAS_BIAS else num  # as routing.py's kernel selects
     if HAS_BIAS:
         select = select + tl.load(bias_ptr + cols[None, :], mask=cols[None, :] < E, other=0.0).to(tl.float32)
     select = tl.where(cols[None, :] < E, select, float("-inf"))
-    kcols = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((1, BLOCK_K), tl.float32)
-    top_id = tl.zeros((1, BLOCK_K), tl.int32)
-    taken = tl.zeros((1, BLOCK_E), tl.int32)
-    for j in tl.static_range(TOP_K):
-        idx = _first_argmax_free(select, taken, cols, E, BLOCK_E)
-        hit = cols[None, :] == idx[:, None]
-        top_w = tl.where(kcols[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], top_w)
-        top_id = tl.where(kcols[None, :] == j, idx[:, None], top_id)
-        taken = tl.where(hit, 1, taken)
-    if RENORMALIZE:
-        top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
+    top_w, top_id = _top_k(select, num if RENORMALIZE else scores, cols, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     return top_w * scaling, top_id
 
 
@@ -93,17 +86,14 @@ def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr
     pair = tl.program_id(0)  # token * TOP_K + slot
     pid_n = tl.program_id(1)
     t = pair // TOP_K
-    if EXACT:  # routed by the route kernel already: its weights' sums are taken in a prefill's order
-        e = tl.load(ids_ptr + pair)
-    else:
-        top_w, top_id = _route_token(logits_ptr, bias_ptr, t, scaling, E, SIGMOID, HAS_BIAS, TOP_K, RENORMALIZE,
-                                     BLOCK_E, BLOCK_K)
-        kcols = tl.arange(0, BLOCK_K)
-        e = tl.sum(tl.where(kcols[None, :] == pair % TOP_K, top_id, 0)).to(tl.int64)
-        if (pair % TOP_K == 0) & (pid_n == 0):  # one program per token records its routing
-            out = t * TOP_K + kcols[None, :]
-            tl.store(weights_ptr + out, top_w, mask=kcols[None, :] < TOP_K)
-            tl.store(ids_ptr + out, top_id.to(tl.int64), mask=kcols[None, :] < TOP_K)
+    top_w, top_id = _route_token(logits_ptr, bias_ptr, t, scaling, E, SIGMOID, HAS_BIAS, TOP_K, RENORMALIZE,
+                                 BLOCK_E, BLOCK_K)
+    kcols = tl.arange(0, BLOCK_K)
+    e = tl.sum(tl.where(kcols[None, :] == pair % TOP_K, top_id, 0)).to(tl.int64)
+    if (pair % TOP_K == 0) & (pid_n == 0):  # one program per token records its routing
+        out = t * TOP_K + kcols[None, :]
+        tl.store(weights_ptr + out, top_w, mask=kcols[None, :] < TOP_K)
+        tl.store(ids_ptr + out, top_id.to(tl.int64), mask=kcols[None, :] < TOP_K)
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < WIDTH
@@ -199,6 +189,14 @@ _KERNELS = {exact: (_tuned(_decode_up_kernel, configs("BLOCK_N", "BLOCK_H"), _UP
 _TUNED: set[tuple] = set()  # layer shapes whose block shapes were tuned (at one token)
 
 
+def layout_free(spec, bias: torch.Tensor | None) -> bool:
+    """Whether the fused routing gives routing.py's kernel's weights and ids bitwise (the exact mode's decode):
+    sigmoid scores, or renormalised softmax without a bias (from exp(logit - max), routing._top_k). Softmax
+    weights that are not renormalised divide by the row's sum, and softmax with a bias selects on the
+    probabilities; that sum's bits follow the block of rows it is reduced in."""
+    return spec.scoring == "sigmoid" or (bool(spec.renormalize) and bias is None)
+
+
 def supports(spec, bias: torch.Tensor | None) -> bool:
     """Whether the decode kernels route like `spec`: one expert group, and no bias or one [E] bias."""
     return spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid") and (bias is None or bias.dim() == 1)
@@ -225,13 +223,12 @@ def decode_experts(x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tens
                          f"[E, h, I]")
     top_k = spec.top_k
     x, logits, w13, w2 = x.contiguous(), logits.contiguous(), w13.contiguous(), w2.contiguous()
-    if exact:
-        # the routing of a prefill or a trainer's forward: the fused routing's sums reduce a [1, E] tile, whose
-        # order differs from the route kernel's [rows, E] tiles in the last bit of some weights
-        weights, ids = route(logits, spec, bias)
-    else:
-        weights = torch.empty(T, top_k, device=x.device, dtype=torch.float32)
-        ids = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
+    if exact and not layout_free(spec, bias):
+        raise ValueError(f"decode_experts(exact=True) routes as routing.py only where the weights' bits do not "
+                         f"depend on the block of rows (layout_free): scoring={spec.scoring!r}, renormalize="
+                         f"{spec.renormalize}, bias {'given' if bias is not None else 'none'}")
+    weights = torch.empty(T, top_k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
     act = torch.empty(T * top_k, width, device=x.device, dtype=w13.dtype)
     out = torch.empty(T, hidden, device=x.device, dtype=x.dtype)
     if T == 0:

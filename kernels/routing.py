@@ -16,19 +16,48 @@ from ._triton import check_device, next_pow2
 
 @triton.jit
 def _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID: tl.constexpr):
-    """Row block of logits -> fp32 scores (softmax over the row, or sigmoid); padded columns score 0."""
+    """Row block of logits -> fp32 (scores, num): softmax over the row and its unnormalised exponentials
+    exp(logit - row max), or sigmoid twice; padded columns score 0. num's bits do not depend on the block's shape
+    (a max and elementwise operations); the softmax's row sum's do (its reduction's order follows the layout)."""
     mask = (rows[:, None] < T) & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf"))
     logits = logits.to(tl.float32)
     if SIGMOID:
-        scores = tl.sigmoid(logits)
+        scores = tl.where(mask, tl.sigmoid(logits), 0.0)
+        num = scores
     else:
         row_max = tl.max(logits, axis=1)
         # rows past T are all -inf: shift them by 0 so they give exp(-inf) = 0, never NaN
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        num = tl.exp(logits - row_max[:, None])
+        num = tl.where(mask, tl.exp(logits - row_max[:, None]), 0.0)
         scores = num / tl.maximum(tl.sum(num, axis=1), 1e-30)[:, None]
-    return tl.where(mask, scores, 0.0)
+    return scores, num
+
+
+@triton.jit
+def _top_k(select, values, cols, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per row of `select` [R, BLOCK_E], the TOP_K best real columns (distinct, ties to the lower id) in
+    descending order -> (their `values`, renormalised to sum 1 if RENORMALIZE; ids), [R, BLOCK_K] each. The sum
+    is taken slot by slot, so with `values` of shape-independent bits (_scores' num) a row's weights are the same
+    bits in a block of one row (the decode kernels) or many (route)."""
+    kcols = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((select.shape[0], BLOCK_K), tl.float32)
+    top_id = tl.zeros((select.shape[0], BLOCK_K), tl.int32)
+    taken = tl.zeros((select.shape[0], BLOCK_E), tl.int32)
+    total = tl.zeros((select.shape[0],), tl.float32)
+    for j in tl.static_range(TOP_K):
+        idx = _first_argmax_free(select, taken, cols, E, BLOCK_E)
+        hit = cols[None, :] == idx[:, None]
+        w = tl.sum(tl.where(hit, values, 0.0), axis=1)  # one term and zeros: exact in any order
+        total += w
+        top_w = tl.where(kcols[None, :] == j, w[:, None], top_w)
+        top_id = tl.where(kcols[None, :] == j, idx[:, None], top_id)
+        taken = tl.where(hit, 1, taken)
+    if RENORMALIZE:
+        # DeepSeek-V3's guard on the sum; far below fp32 resolution of any real sum of scores
+        top_w = top_w / (total[:, None] + 1e-20)
+    return top_w, top_id
 
 
 @triton.jit
@@ -55,8 +84,10 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, s
                       BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID)
-    select = scores
+    scores, num = _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID)
+    # unbiased softmax selects on the exponentials: the probabilities' order, without the ties that dividing by the
+    # row sum can round two of them into (and that sum's bits follow the block's shape)
+    select = scores if SIGMOID or HAS_BIAS else num
     if HAS_BIAS:  # [E] (stride_bias_t = 0) or per token [T, E]
         bias_mask = (rows[:, None] < T) & (cols[None, :] < E)
         select = select + tl.load(bias_ptr + rows[:, None] * stride_bias_t + cols[None, :], mask=bias_mask,
@@ -81,22 +112,11 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, s
             group_score = tl.where(gcols[None, :] == g_best[:, None], float("-inf"), group_score)
         select = tl.where(keep != 0, select, float("-inf"))
 
-    kcols = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    top_id = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    taken = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
-    for j in tl.static_range(TOP_K):
-        idx = _first_argmax_free(select, taken, cols, E, BLOCK_E)
-        hit = cols[None, :] == idx[:, None]
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-        top_w = tl.where(kcols[None, :] == j, w[:, None], top_w)
-        top_id = tl.where(kcols[None, :] == j, idx[:, None], top_id)
-        taken = tl.where(hit, 1, taken)
-    if RENORMALIZE:
-        # DeepSeek-V3's guard on the sum; far below fp32 resolution of any real sum of scores
-        top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
+    # renormalised weights from the exponentials: the division by the row sum cancels, and with it its bits
+    top_w, top_id = _top_k(select, num if RENORMALIZE else scores, cols, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     top_w = top_w * scaling
 
+    kcols = tl.arange(0, BLOCK_K)
     out = rows[:, None] * TOP_K + kcols[None, :]
     mask = (rows[:, None] < T) & (kcols[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=mask)
@@ -113,7 +133,7 @@ def _route_bwd_kernel(logits_ptr, ids_ptr, weights_ptr, dweights_ptr, dlogits_pt
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, BLOCK_K)
-    scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID)
+    scores, _ = _scores(logits_ptr, rows, cols, T, E, stride_t, SIGMOID)
     kmask = (rows[:, None] < T) & (kcols[None, :] < TOP_K)
     slot = rows[:, None] * TOP_K + kcols[None, :]
     ids = tl.load(ids_ptr + slot, mask=kmask, other=-1).to(tl.int32)

@@ -7,7 +7,8 @@ import torch
 import moe_reference as ref
 from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.kernels import grouped_gemm
-from moe_rl_eks.kernels.backend import ExactCompute
+from moe_rl_eks.kernels.backend import ExactCompute, TritonCompute
+from moe_rl_eks.kernels.expert_decode import decode_experts
 from moe_rl_eks.kernels.invariant_matmul import invariant_matmul
 from moe_rl_eks.kernels.grouped_gemm import swiglu_experts
 
@@ -61,13 +62,15 @@ def test_each_exact_tile_gives_the_experts_the_same_bits_on_the_gpu(monkeypatch)
         assert len(outs) > 1 and all(torch.equal(o, outs[0]) for o in outs), f"{rows} rows"
 
 
-def exact_decode_against_grouped(experts, hidden, width, top_k, tokens, dtype, steps=1):
+def exact_decode_against_grouped(experts, hidden, width, top_k, tokens, dtype, steps=1, scoring="softmax",
+                                 bias=False):
     """Decode steps of `tokens` tokens through the decode kernels' exact form (route, then two launches) and
     through routing, permutation, the grouped GEMM and the combine, which a prefill and the trainer's forward run:
     the ids, and the output elements, that differ."""
     compute = ExactCompute()
     torch.manual_seed(5)
-    spec = ref.Spec(top_k=top_k, scoring="softmax", renormalize=True, scaling=1.0)
+    spec = ref.Spec(top_k=top_k, scoring=scoring, renormalize=True, scaling=2.5 if bias else 1.0)
+    bias = torch.randn(experts, device=DEVICE) * 0.1 if bias else None
     router = (torch.randn(experts, hidden, device=DEVICE) / hidden ** 0.5).to(dtype)
     w13 = (torch.randn(experts, 2 * width, hidden, device=DEVICE) / hidden ** 0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, width, device=DEVICE) / width ** 0.5).to(dtype)
@@ -75,9 +78,9 @@ def exact_decode_against_grouped(experts, hidden, width, top_k, tokens, dtype, s
     for _ in range(steps):
         x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
         logits = invariant_matmul(x, router)
-        out, ids, got_logits = compute.decode(x, router, spec, None, w13, w2, logits)
+        out, ids, got_logits = compute.decode(x, router, spec, bias, w13, w2, logits)
         assert got_logits is logits and out.dtype == dtype
-        weights, want_ids = compute.route(logits, spec, None)
+        weights, want_ids = compute.route(logits, spec, bias)
         x_sorted, counts, handle = compute.permute(x, want_ids, experts)
         want = compute.unpermute(compute.experts(x_sorted, counts, w13, w2), weights, handle)
         ids_differ += int((ids != want_ids).sum())
@@ -89,10 +92,25 @@ def exact_decode_against_grouped(experts, hidden, width, top_k, tokens, dtype, s
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_a_decode_steps_exact_moe_layer_gives_the_grouped_paths_bits(dtype, tokens):
     assert exact_decode_against_grouped(EXPERTS + 2, HIDDEN, WIDTH, 3, tokens, dtype) == (0, 0)
+    # DeepSeek-V3's routing: sigmoid scores, a selection bias, renormalised and scaled
+    assert exact_decode_against_grouped(EXPERTS + 2, HIDDEN, WIDTH, 3, tokens, dtype, scoring="sigmoid",
+                                        bias=True) == (0, 0)
+
+
+def test_a_routing_whose_fused_weights_are_not_the_route_kernels_bits_decodes_through_the_grouped_path():
+    # softmax weights not renormalised divide by the row's sum, whose bits follow the block of rows it is reduced in
+    spec = ref.Spec(top_k=2, scoring="softmax", renormalize=False, scaling=1.0)
+    x = torch.randn(2, HIDDEN, device=DEVICE)
+    router, w13, w2 = (torch.randn(*s, device=DEVICE) for s in ((EXPERTS, HIDDEN), (EXPERTS, 2 * WIDTH, HIDDEN),
+                                                                (EXPERTS, HIDDEN, WIDTH)))
+    assert ExactCompute().decode(x, router, spec, None, w13, w2) is None
+    assert TritonCompute().decode(x, router, spec, None, w13, w2) is not None
+    with pytest.raises(ValueError, match=r"layout_free.*scoring='softmax', renormalize=False"):
+        decode_experts(x, x @ router.t(), spec, None, w13, w2, exact=True)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the 30B layer's experts compiled on a GPU")
 def test_a_decode_steps_exact_moe_layer_gives_the_grouped_paths_bits_at_the_30b_shape():
-    # 512 tokens of Qwen3-30B-A3B's experts (128, top 8, 2048 x 768), 8 a step: the routing weights' sums, taken
-    # in the fused kernel's own order, differed from the route kernel's in one output element of about 100 tokens
+    # 512 tokens of Qwen3-30B-A3B's experts (128, top 8, 2048 x 768), 8 a step: when the fused routing divided by
+    # the softmax's row sum (reduced in a one-row block), one output element in about 100 tokens had another last bit
     assert exact_decode_against_grouped(128, 2048, 768, 8, 8, torch.bfloat16, steps=64) == (0, 0)
