@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, dot_acc, next_pow2
+from ._triton import INTERPRET, check_device, dot_acc, multiprocessors, next_pow2
 
 
 @triton.jit
@@ -103,8 +103,8 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) 
     context or a large batch gets one split: no merge work where it does not pay)."""
     if INTERPRET:
         return 2
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, rows * kv_heads), triton.cdiv(max_len, 64)))
+    # plain integer arithmetic and the cached count: host time on every eager decode step (triton.cdiv ~3 us)
+    return max(1, min(-(-2 * multiprocessors(device.index or 0) // (rows * kv_heads)), -(-max_len // 64)))
 
 
 def check_paged(kernel: str, q_layout: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, check_device, next_pow2
+from ._triton import INTERPRET, check_device, multiprocessors, next_pow2
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _rows_per_program(n: int) -> int:
 @functools.cache
 def _programs(device_index: int) -> int:
     # a few per multiprocessor; a few under the interpreter, so the row-block loop's stride is exercised
-    return 3 if INTERPRET else 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 3 if INTERPRET else 4 * multiprocessors(device_index)
 
 
 class _NormRope(torch.autograd.Function):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.kernels import decode_attention as kernel_module
 from moe_rl_eks.kernels.decode_attention import decode_attention
 from moe_rl_eks.kernels.prefill_attention import prefill_attention, prefill_tiles
 
@@ -162,3 +163,15 @@ def test_write_kv_puts_each_tokens_keys_and_values_at_its_block_and_offset_and_n
     want_k[blocks, offsets], want_v[blocks, offsets] = k, v
     write_kv(keys, values, k, v, blocks, offsets)
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+
+
+def test_decode_splits_cover_the_multiprocessors_twice_with_at_least_64_positions_a_split(monkeypatch):
+    # the GPU's choice, with an H200's 132 multiprocessors: programs = rows x kv heads x splits
+    monkeypatch.setattr(kernel_module, "INTERPRET", False)
+    monkeypatch.setattr(kernel_module, "multiprocessors", lambda index: 132)
+    cpu = torch.device("cpu")
+    assert kernel_module.decode_splits(1, 4, 2048, cpu) == 32  # 2048 / 64 positions bound it
+    assert kernel_module.decode_splits(1, 4, 8192, cpu) == 66  # 2 x 132 / 4 programs bound it
+    assert kernel_module.decode_splits(64, 4, 2048, cpu) == 2
+    assert kernel_module.decode_splits(256, 4, 2048, cpu) == 1
+    assert kernel_module.decode_splits(1, 4, 100, cpu) == 2
