@@ -2,6 +2,7 @@
 can be checked is that they are valid shell, shellcheck-clean, refuse a GPU count or step they have no plan for,
 and that every command, flag, test and file they call exists, so the first call on such a machine is not spent on a
 typo."""
+import functools
 import os
 import re
 import shlex
@@ -19,6 +20,26 @@ SCRIPT = ROOT / "tools" / "gpu_runs" / "ep.sh"
 
 
 H200X2 = ROOT / "tools" / "gpu_runs" / "h200x2.sh"
+
+
+@functools.cache
+def _help_procs() -> dict[str, subprocess.Popen]:
+    """`python -m MODULE --help` of every benchmark module the two scripts call, started at once (each imports
+    torch: ~2.5 s, on both cores at a time) and read by help_text."""
+    modules = {SUBCOMMANDS[sub][0] for sub in ("bench-ep", "bench-train", "bench-rollout")} | {
+        "moe_rl_eks.tools.bench.rl_gpu"}
+    return {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for m in sorted(modules)}
+
+
+@functools.cache
+def help_text(module: str) -> str:
+    """`python -m MODULE --help`'s output (exit 0 asserted): the same text for every test that asks."""
+    proc = _help_procs().get(module) or subprocess.Popen([sys.executable, "-m", module, "--help"],
+                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"{module} --help exited {proc.returncode}: {err}"
+    return out
 
 
 def commands(script: Path = SCRIPT) -> list[list[str]]:
@@ -49,11 +70,9 @@ def test_every_moerl_command_and_flag_the_script_calls_exists():
     called = [words[words.index("moe_rl_eks.tools.cli") + 1:] for words in commands() if "moe_rl_eks.tools.cli" in words]
     assert {c[0] for c in called} == {"bench-ep", "bench-train", "bench-rollout"}
     for sub, *rest in called:
-        module = SUBCOMMANDS[sub][0]
-        help_text = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-                                   check=True).stdout
+        text = help_text(SUBCOMMANDS[sub][0])
         for flag in (w for w in rest if w.startswith("--")):
-            assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", help_text), f"{sub} has no {flag}"
+            assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", text), f"{sub} has no {flag}"
 
 
 def test_the_tests_files_and_steps_the_script_names_exist():
@@ -86,11 +105,10 @@ def test_h200x2_calls_only_commands_flags_and_tests_that_exist():
     # bench-rl --gpu hands the rest of its flags to tools/bench/rl_gpu.py
     for sub, module in (("bench-rl", "moe_rl_eks.tools.bench.rl_gpu"), ("bench-train", SUBCOMMANDS["bench-train"][0]),
                         ("bench-rollout", SUBCOMMANDS["bench-rollout"][0])):
-        help_text = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-                                   check=True).stdout
+        module_help = help_text(module)
         line = re.split(r";;|\n}", text[text.index(f"cli {sub}"):])[0]  # to the end of its case or function
         for flag in set(re.findall(r"\s(--[a-z][\w-]*)", line)) - {"--gpu"}:
-            assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", help_text), f"{sub} has no {flag}"
+            assert re.search(rf"(^|\s|\[){re.escape(flag)}\b", module_help), f"{sub} has no {flag}"
     files = {w for w in words if w.startswith("tests/")} | set(re.findall(r"(tests/[\w/]+\.py)", text))
     assert files and all((ROOT / f.split("::")[0]).is_file() for f in files), files
     fsdp = re.search(r"FSDP=(\S+)", text).group(1).split("::")[1]
