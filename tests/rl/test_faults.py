@@ -100,19 +100,20 @@ def test_trainer_and_orchestrator_killed_and_resumed_train_the_same_batches_to_t
     steps = 10
     sections = dict(rollout={"min_servers": 1, "max_servers": 1, "max_batch_size": 8},
                     orchestrator={"max_staleness": 0}, training={**SHORT, "steps": steps, "checkpoint_every": 2})
+    # The two runs share nothing (each its own directory, ports, store and lineage): they run side by side.
     (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     straight = start(write_run(tmp_path / "a", **sections))
     try:
+        resumed = start(write_run(tmp_path / "b", **sections))
+        try:
+            at = kill_trainer_and_orchestrator_after_first_checkpoint(resumed, steps)
+            finish(resumed)
+        finally:
+            resumed.stop()
         finish(straight)
     finally:
         straight.stop()
-    (tmp_path / "b").mkdir()
-    resumed = start(write_run(tmp_path / "b", **sections))
-    try:
-        at = kill_trainer_and_orchestrator_after_first_checkpoint(resumed, steps)
-        finish(resumed)
-    finally:
-        resumed.stop()
     assert f"at step {at}" in (resumed.logs / "trainer.log").read_text()
     check_trained(resumed.out, max_staleness=0)
     assert trained_steps(resumed.out) == trained_steps(straight.out)  # the same samples at every step
