@@ -115,3 +115,42 @@ def test_h200x2_calls_only_commands_flags_and_tests_that_exist():
     assert f"def {fsdp}(" in (ROOT / "tests/rl/test_trainer_fsdp.py").read_text()
     assert re.findall(r'pytest.param\(2, "(\w+)", True', (ROOT / "tests/rl/test_trainer_fsdp.py").read_text()) == [
         "grpo", "ppo"]  # the ids [2-grpo-True] and [2-ppo-True] the script selects
+
+
+BUDGET_SH = ROOT / "tools" / "gpu_runs" / "budget.sh"
+
+
+def _budget_sh(command: str, cwd: Path, cache: Path, out: Path) -> str:
+    result = subprocess.run(["bash", "-c", f"source {BUDGET_SH}; {command}"], cwd=cwd, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "TRITON_CACHE_DIR": str(cache), "OUT": str(out)})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_calls_kernel_cache_comes_back_and_a_later_call_that_carries_it_starts_from_it(tmp_path):
+    # one call's compiled kernels (a Triton cache: folders of binaries and autotuning choices) saved under $OUT ...
+    first, out = tmp_path / "first" / "triton", tmp_path / "out"
+    (first / "ab12").mkdir(parents=True)
+    (first / "ab12" / "_kernel.cubin").write_bytes(os.urandom(3000))
+    (first / "ab12" / "_kernel.autotune.json").write_text('{"BLOCK_N": 16}')
+    out.mkdir()
+    said = _budget_sh("save_kernel_cache", tmp_path, first, out)
+    assert "KiB in triton-cache.tgz" in said and (out / "triton-cache.tgz").is_file()
+    # ... copied into the repository's carried folder, unpacked by the next call's package setup
+    repo, second = tmp_path / "repo", tmp_path / "second" / "triton"
+    (repo / ".kernel-cache").mkdir(parents=True)
+    shutil.copy(out / "triton-cache.tgz", repo / ".kernel-cache" / "triton.tgz")
+    assert "2 files from .kernel-cache/triton.tgz" in _budget_sh("restore_kernel_cache", repo, second, out)
+    for name in ("_kernel.cubin", "_kernel.autotune.json"):
+        assert (second / "ab12" / name).read_bytes() == (first / "ab12" / name).read_bytes()
+    # without a carried cache the setup starts empty and says nothing
+    assert _budget_sh("restore_kernel_cache", tmp_path, tmp_path / "third", out) == ""
+
+
+def test_a_kernel_cache_over_what_a_returned_file_may_hold_is_not_returned(tmp_path):
+    cache, out = tmp_path / "triton", tmp_path / "out"
+    cache.mkdir()
+    out.mkdir()
+    (cache / "big.cubin").write_bytes(os.urandom(17 << 20))  # random bytes: compression keeps 17 MiB
+    said = _budget_sh("save_kernel_cache", tmp_path, cache, out)
+    assert "17 MiB compressed, over the 16 MiB" in said and not (out / "triton-cache.tgz").exists()

@@ -16,8 +16,29 @@ package_env() {  # the package from a shim on PYTHONPATH, the carried wheels (.w
     mkdir -p /tmp/shim/moe_rl_eks
     for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
     if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
-    export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
+    # autotuning's choices on disk too: the call's later processes (a role's restart, the next arm) reuse them
+    export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton TRITON_CACHE_AUTOTUNING=1
+    restore_kernel_cache
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's rule (KINDS.md)
+}
+# A previous call's compiled kernels and autotuning choices (its $OUT/triton-cache.tgz, copied here and carried:
+# carry [".whl", ".kernel-cache"]): a process's first steps then skip 45-75 s of compilation and tuning.
+KERNEL_CACHE=.kernel-cache/triton.tgz
+restore_kernel_cache() {
+    [ -f "$KERNEL_CACHE" ] || return 0
+    mkdir -p "$TRITON_CACHE_DIR" && tar -xzf "$KERNEL_CACHE" -C "$TRITON_CACHE_DIR" &&
+        echo "kernel cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files from $KERNEL_CACHE"
+}
+save_kernel_cache() {  # $OUT/triton-cache.tgz, unless over the 16 MiB a file coming back may have
+    tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return 0
+    local size
+    size=$(stat -c %s "$OUT/triton-cache.tgz")
+    if [ "$size" -gt $((16 << 20)) ]; then
+        rm -f "$OUT/triton-cache.tgz"
+        echo "kernel cache: $((size >> 20)) MiB compressed, over the 16 MiB a returned file may have; not returned"
+    else
+        echo "kernel cache: $((size >> 10)) KiB in triton-cache.tgz (copy it to $KERNEL_CACHE and carry .kernel-cache)"
+    fi
 }
 build_deepep() {  # DeepEP V1 stock from the carried .fetched/DeepEP into /tmp/deepep (MAX_JOBS: compile jobs, 16)
     rm -rf /tmp/deepep-wheel && mkdir -p /tmp/deepep-wheel &&

@@ -3,7 +3,8 @@
 # a shim on PYTHONPATH, fastapi/uvicorn/pydantic from .whl/ (git-ignored cp312 wheels, carried). From the repository
 # root: bash tools/gpu_runs/h200-run-gpu.sh [local-run flags] [extra pytest files to run first]; logs and results in
 # $OUT. The flags are local-run's (--quick; --numerics, --importance-correction, --max-staleness: the numerics A/B,
-# one arm per call, docs/benchmarks.md), each --flag with its value except --quick.
+# one arm per call, docs/benchmarks.md), each --flag with its value except --quick. A previous call's kernel cache
+# is used when carried (budget.sh: restore_kernel_cache), and this call's comes back in triton-cache.tgz.
 set -u
 BUDGET=${BUDGET:-570}
 # shellcheck source=tools/gpu_runs/budget.sh
@@ -38,4 +39,9 @@ tail -n 40 "$run/logs/rollout-0.log" > "$OUT/rollout-tail.log" 2>/dev/null
 # how each version reached the colocated server: device memory (rl/device_weights.py) or the store
 grep -o "installed from the [a-z]*" "$run/logs/rollout-0.log" 2>/dev/null | sort | uniq -c | tee "$OUT/weight-paths.txt"
 tail -n 40 "$run/logs/orchestrator.log" > "$OUT/orchestrator-tail.log" 2>/dev/null
+# the device tool returns at most 8 files: the small logs travel as one archive
+tar -C "$OUT" -czf "$OUT/logs.tgz" machine.txt nvml.csv trainer-tail.log rollout-tail.log orchestrator-tail.log \
+    weight-paths.txt 2>/dev/null && rm -f "$OUT"/{machine.txt,nvml.csv,trainer-tail.log,rollout-tail.log} \
+    "$OUT"/{orchestrator-tail.log,weight-paths.txt}
+save_kernel_cache
 exit 0
