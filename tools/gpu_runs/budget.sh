@@ -16,13 +16,13 @@ package_env() {  # the package from a shim on PYTHONPATH, the carried wheels (.w
     mkdir -p /tmp/shim/moe_rl_eks
     for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
     if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1; fi
-    # autotuning's choices on disk too: the call's later processes (a role's restart, the next arm) reuse them
-    export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton TRITON_CACHE_AUTOTUNING=1
+    export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
     restore_kernel_cache
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's rule (KINDS.md)
 }
-# A previous call's compiled kernels and autotuning choices (its $OUT/triton-cache.tgz, copied here and carried:
-# carry [".whl", ".kernel-cache"]): a process's first steps then skip 45-75 s of compilation and tuning.
+# A previous call's compiled kernels, and its autotuning choices where it set TRITON_CACHE_AUTOTUNING=1 (its
+# $OUT/triton-cache.tgz, copied here and carried: carry [".whl", ".kernel-cache"]): a process's first steps then
+# skip 45-75 s of compilation and tuning.
 KERNEL_CACHE=.kernel-cache/triton.tgz
 restore_kernel_cache() {
     [ -f "$KERNEL_CACHE" ] || return 0

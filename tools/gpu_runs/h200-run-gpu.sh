@@ -9,6 +9,8 @@ set -u
 BUDGET=${BUDGET:-570}
 # shellcheck source=tools/gpu_runs/budget.sh
 source "$(dirname "$0")/budget.sh"
+# autotuning's choices on disk too: the roles' processes, and a later call carrying the cache, reuse them
+export TRITON_CACHE_AUTOTUNING=1
 package_env
 mode=()
 while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do
