@@ -9,7 +9,7 @@ from .decode_attention import decode_attention
 from .expert_decode import DECODE_MAX_TOKENS, decode_experts, layout_free, supports
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
-from .invariant_attention import invariant_decode_attention
+from .invariant_attention import invariant_decode_attention, invariant_prefill_attention
 from .invariant_matmul import invariant_matmul
 from .kv_write import write_kv
 from .norm_training import rms_norm_training
@@ -100,12 +100,14 @@ class TritonForwardKernels:
 
     # A decode step's attention (one token per row): split over positions, flash-decoding
     decode_attention = staticmethod(decode_attention)
+    # A prefill's: a program per tile of a row's tokens, one walk over its keys
+    prefill_attention = staticmethod(prefill_attention)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                   slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
                   seen: torch.Tensor) -> torch.Tensor:
         if tiles is not None:
-            return prefill_attention(q, keys, values, tables, slot, positions, tiles)
+            return self.prefill_attention(q, keys, values, tables, slot, positions, tiles)
         return self.decode_attention(q, keys, values, tables, slot, seen)
 
 
@@ -123,17 +125,18 @@ class ExactCompute(TritonCompute):
 
 class ExactForwardKernels(TritonForwardKernels):
     """The paged forward of the exact numerics mode: every product (q/k/v, o, the router, the LM head) through
-    invariant_matmul and decode attention through the prefill kernel, so a token's logits are the same bits
-    whether it was prefilled or decoded, and whatever rows shared its step. The norms are the triton backend's
-    (batch-invariant already), without the router product fused into the norm at a few rows."""
+    invariant_matmul and attention through the prefill kernel in fixed chunks of positions, so a token's logits
+    are the same bits whether it was prefilled or decoded, and whatever rows shared its step. The norms are the
+    triton backend's (batch-invariant already), without the router product fused into the norm at a few rows."""
 
     def add_norm_router(self, norm, router: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, h = self.add_norm(norm, h, delta)
         return x, h, invariant_matmul(x, router)
 
-    # decode rows as one-token tiles of the prefill kernel: a query's keys in the order a prefill takes them
+    # decode rows as one-token tiles of the prefill kernel, their keys in the chunks and order a prefill takes
     decode_attention = staticmethod(invariant_decode_attention)
+    prefill_attention = staticmethod(invariant_prefill_attention)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return invariant_matmul(x, weight)

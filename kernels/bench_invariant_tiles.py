@@ -29,6 +29,12 @@ REFERENCE = (64, 64, 64, 4, 4)
 CANDIDATES = list(dict.fromkeys([*TILES, (64, 16, 64, 4, 4), (64, 32, 64, 4, 4), (16, 32, 64, 4, 4),
                                  (32, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
                                  (128, 128, 64, 8, 4)]))
+# At a decode step's few rows only: narrow, deep tiles, more bytes of w in flight per program (a program's K loop is
+# the row's whole reduction, without split-K), and 16-row tiles (mma.sync rather than a warpgroup's 64 rows)
+FEW_ROWS = 64
+FEW_ROW_CANDIDATES = [(16, 16, 256, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 32, 512, 4, 3),
+                      (32, 16, 256, 4, 4), (64, 16, 256, 4, 3), (64, 32, 256, 4, 3), (16, 16, 256, 2, 6),
+                      (16, 64, 256, 4, 3), (16, 16, 128, 4, 6)]
 
 
 def _ms(fn) -> float:
@@ -47,7 +53,7 @@ def cases(rows: list[int]):
             launch(x, w, want, REFERENCE)
             row = {"case": f"{name} [{n}x{k}]", "rows": m, "cublas_ms": _ms(lambda: F.linear(x, w)),
                    "chosen": str(tile(m, n, 2, x.device))}
-            for t in [REFERENCE, *CANDIDATES]:
+            for t in [REFERENCE, *CANDIDATES, *(FEW_ROW_CANDIDATES if m <= FEW_ROWS else [])]:
                 out = torch.empty_like(want)
                 try:
                     launch(x, w, out, t)

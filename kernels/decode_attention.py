@@ -29,10 +29,12 @@ def paged_offsets(table, n, valid, PAGE: tl.constexpr):
 @triton.jit
 def online_softmax_step(scores, v, m, s_sum, acc, EXACT: tl.constexpr):
     """One key/value tile of flash attention's running softmax (masked scores are -inf): the new running max, the
-    rescaled sum and the rescaled accumulator plus this tile's softmax-weighted values."""
+    rescaled sum and the rescaled accumulator plus this tile's softmax-weighted values. A row that has seen no
+    position yet (all -inf: the exact mode's chunk past a row's own position) stays at -inf, 0, 0, not NaN."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # m_new wherever the row has seen a position
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(scores - m_use[:, None])
     s_sum = s_sum * alpha + tl.sum(p, axis=1)
     if EXACT:
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")

@@ -1,21 +1,22 @@
 """The exact mode's attention: a query's output is the same bits when it is decoded over the paged KV cache (alone,
-among 3 or among 17 rows, any position, any neighbours), prefilled over it in chunks, and computed as the trainer's
-packed causal forward does (the sequences back to back, read as blocks of one position); and it is softmax
-attention."""
+among 3 or among 17 rows, any position, any neighbours; a row's chunks of positions walked by one program or each
+given its own and merged by a second launch), prefilled over it in chunks, and computed as the trainer's packed
+causal forward does (the sequences back to back, read as blocks of one position); and it is softmax attention."""
 import math
 
 import pytest
 import torch
 
 from moe_rl_eks.kernels._triton import INTERPRET
-from moe_rl_eks.kernels.invariant_attention import invariant_decode_attention
-from moe_rl_eks.kernels.prefill_attention import prefill_attention, prefill_tiles
+from moe_rl_eks.kernels.invariant_attention import CHUNK, chunk_programs, invariant_decode_attention, \
+    invariant_prefill_attention
+from moe_rl_eks.kernels.prefill_attention import prefill_tiles
 
 from invariance import ROWS, assert_rows_invariant
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
 PAGE = 8
-LENGTHS = [37, 5, 20]  # several key tiles and a partial one; one short sequence; a tile boundary inside
+LENGTHS = [37, 5, 20]  # several key tiles and chunks, a partial one; one short sequence; a tile boundary inside
 TABLES = [[4, 9, 0, 7, 2], [10, 11, 11, 11, 11], [3, 8, 6, 11, 11]]  # scattered, out of order; block 11: nobody's
 
 
@@ -48,8 +49,8 @@ def packed_causal_attention(q, k, v):
     slots = torch.repeat_interleave(torch.arange(len(LENGTHS)), lengths)
     positions = torch.arange(sum(LENGTHS)) - starts[slots]
     tiles = prefill_tiles([(int(s), n) for s, n in zip(starts, LENGTHS)], DEVICE)
-    return prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), tables.to(DEVICE), slots.to(DEVICE),
-                             positions.to(DEVICE), tiles)
+    return invariant_prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), tables.to(DEVICE), slots.to(DEVICE),
+                                       positions.to(DEVICE), tiles)
 
 
 def reference(q, k, v):
@@ -65,19 +66,29 @@ def reference(q, k, v):
     return torch.cat(out)
 
 
+def test_the_sequences_span_several_chunks_and_decode_chooses_chunk_programs_only_at_a_few_rows():
+    assert max(LENGTHS) > CHUNK > min(LENGTHS)
+    wide = len(TABLES[0]) * PAGE  # the tables' width: the positions a decode step's programs cover
+    assert chunk_programs(1, 4, 2, 32, wide, torch.device(DEVICE))  # 2 programs walking: under the 3 "multiprocessors"
+    assert not chunk_programs(3, 4, 2, 32, wide, torch.device(DEVICE))  # 6 programs fill them
+    assert not chunk_programs(1, 4, 2, 32, CHUNK, torch.device(DEVICE))  # one chunk: nothing to spread
+
+
+@pytest.mark.parametrize("split", [None, True, False], ids=["chosen", "chunk-programs", "walk"])
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in_any_batch(dtype, tol):
+def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in_any_batch(dtype, tol, split):
     q, k, v = sequences(dtype)
     packed = packed_causal_attention(q, k, v)
     want = reference(q, k, v)
     assert packed.dtype == dtype and not packed.isnan().any()
     assert ((packed.double() - want).norm() / want.norm()).item() < tol
     keys, values, tables, slots, positions = cached(k, v)
-    # the queries under test: 17 tokens over all three sequences (first, last, tile edges); the rest are neighbours
+    # the queries under test: 17 tokens over all three sequences (first, last, tile and chunk edges); the rest are
+    # neighbours
     tested = [0, 1, 15, 16, 17, 31, 32, 36, 37, 39, 41, 42, 50, 57, 58, 60, 61]
     pool = torch.tensor(tested + [t for t in range(sum(LENGTHS)) if t not in tested][:ROWS], device=DEVICE)
     decoded = assert_rows_invariant(lambda batch: invariant_decode_attention(
-        q[pool[batch]], keys, values, tables, slots[pool[batch]], positions[pool[batch]] + 1))
+        q[pool[batch]], keys, values, tables, slots[pool[batch]], positions[pool[batch]] + 1, split=split))
     assert torch.equal(decoded, packed[pool[:ROWS]])
 
 
@@ -90,5 +101,6 @@ def test_a_chunked_prefill_over_the_paged_cache_equals_the_packed_causal_forward
     for runs in ([(0, 21), (37, 5)], [(21, 16), (42, 20)]):
         at = torch.cat([torch.arange(first, first + count) for first, count in runs]).to(DEVICE)
         local = [(0, runs[0][1]), (runs[0][1], runs[1][1])]
-        got = prefill_attention(q[at], keys, values, tables, slots[at], positions[at], prefill_tiles(local, DEVICE))
+        got = invariant_prefill_attention(q[at], keys, values, tables, slots[at], positions[at],
+                                          prefill_tiles(local, DEVICE))
         assert torch.equal(got, packed[at])

@@ -13,12 +13,13 @@
 # same run: the trainer's step (8 layers, triton, save_attention, 2 x 8,192 tokens) standard and as a batch's first
 # optimizer step under numerics: exact (the exact scorer's chunked forward + the fast forward/backward): step s, MFU,
 # peak memory, the ratio. 4. bench-rollout's exact column from the same run: decode tok/s at batch 1 / 8 / 64 / 256 with
-# triton and with numerics: exact, and a profile of batch 1's step by kernel (12 of the 48 layers, 128 prompt tokens + 64 new ones), and the prefill rate of each.
+# triton and with numerics: exact, and a profile of batch 1's step by kernel (12 of the 48 layers, 128 prompt tokens + 64 new ones), and the prefill rate of each;
+# then decode at batch 1 / 64 over 2,048-token prompts (a real length: the exact attention's chunk programs).
 # From the repository root with the machine's python3; carry .whl/ (as h200-engine-split.sh does).
 # Expected: ~530 s (limit 540; bench-train ~60-100 s of it, not yet measured; every benchmark records each row as it
 # is measured, so a cut keeps the rows before it: bench-rollout goes last and takes what is left).
 # Results in $OUT (the .log files in logs.tgz): steps.txt, tests.log, bench.log, bench-exact.json, tiles.log, tiles.json, bench-train.log, bench-train-exact.json,
-# bench-rollout.log, bench-rollout-exact.json.
+# bench-rollout.log, bench-rollout-exact.json, bench-rollout-long.log, bench-rollout-long.json.
 set -u
 BUDGET=${BUDGET:-540}
 # shellcheck source=tools/gpu_runs/budget.sh
@@ -30,7 +31,8 @@ export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
 step tests 170 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/kernels/test_invariant_matmul.py \
     tests/kernels/test_invariant_rows.py tests/kernels/test_invariant_experts.py \
     tests/kernels/test_invariant_attention.py tests/kernels/test_exact_forward.py \
-    tests/kernels/test_exact_rollout_trainer.py tests/kernels/test_exact_scorer_chunks.py > "$OUT/tests.log" 2>&1
+    tests/kernels/test_exact_rollout_trainer.py tests/kernels/test_exact_scorer_chunks.py \
+    tests/kernels/test_decode_attention.py > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/tests.log" | tail -n 4
 grep -E "standard mode at the 30B" "$OUT/tests.log"
 step bench 90 python3 -m moe_rl_eks.kernels.bench_exact --json "$OUT/bench-exact.json" > "$OUT/bench.log" 2>&1
@@ -41,10 +43,16 @@ step bench-train 110 python3 -m moe_rl_eks.tools.bench.train --exact --layers 8 
     --checkpointing save_attention --shapes 2x8192 --steps 2 --json "$OUT/bench-train-exact.json" \
     > "$OUT/bench-train.log" 2>&1
 grep -E "^\|" "$OUT/bench-train.log"
-step bench-rollout "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.rollout --compute triton exact --layers 12 \
+step bench-rollout "$(( $(left) - 65 ))" python3 -m moe_rl_eks.tools.bench.rollout --compute triton exact --layers 12 \
     --batches 1 8 64 256 --prompt-tokens 128 --new-tokens 64 --max-seconds 15 --transformers-batches \
     --mismatch-layers 0 --profile 1 --json "$OUT/bench-rollout-exact.json" > "$OUT/bench-rollout.log" 2>&1
 grep -E "^\{" "$OUT/bench-rollout.log" | cut -c1-240
+# at a real length: decode over 2,048-token prompts, where a row's positions span 8 of the exact attention's chunks
+step bench-rollout-long "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.rollout --compute triton exact \
+    --layers 12 --batches 1 64 --prompt-tokens 2048 --new-tokens 64 --max-seconds 15 --transformers-batches \
+    --mismatch-layers 0 --json "$OUT/bench-rollout-long.json" > "$OUT/bench-rollout-long.log" 2>&1
+grep -E "^\|" "$OUT/bench-rollout-long.log"
 # the device tool returns at most 8 files: the logs travel as one archive (logs.tgz)
-tar -C "$OUT" -czf "$OUT/logs.tgz" tests.log bench.log tiles.log bench-train.log bench-rollout.log 2>/dev/null &&
+tar -C "$OUT" -czf "$OUT/logs.tgz" tests.log bench.log tiles.log bench-train.log bench-rollout.log \
+    bench-rollout-long.log 2>/dev/null &&
     rm -f "$OUT"/*.log
