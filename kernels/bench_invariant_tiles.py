@@ -53,7 +53,7 @@ def cases(rows: list[int]):
             launch(x, w, want, REFERENCE)
             row = {"case": f"{name} [{n}x{k}]", "rows": m, "cublas_ms": _ms(lambda: F.linear(x, w)),
                    "chosen": str(tile(m, n, 2, x.device))}
-            for t in [REFERENCE, *CANDIDATES, *(FEW_ROW_CANDIDATES if m <= FEW_ROWS else [])]:
+            for t in dict.fromkeys([REFERENCE, *CANDIDATES, *(FEW_ROW_CANDIDATES if m <= FEW_ROWS else [])]):
                 out = torch.empty_like(want)
                 try:
                     launch(x, w, out, t)

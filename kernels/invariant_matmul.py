@@ -27,8 +27,13 @@ from ._triton import INTERPRET, check_device, dot_acc, multiprocessors
 
 # 16-bit operands' tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), largest first: `tile` takes the first that fills
 # the GPU's multiprocessors. At Qwen3-30B-A3B's products on the H200 that choice came within 3 % of each case's
-# fastest tile on average (21 % at worst) from 1 to 16,384 rows (kernels/results/h200-invariant-tiles.json).
-TILES = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3))
+# fastest tile on average (21 % at worst) from 1 to 16,384 rows (kernels/results/h200-invariant-tiles.json). The last
+# three, 16 rows tall (mma.sync, not a warpgroup's 64-row instruction) and 256 deep, serve a decode step's few rows:
+# a program's K loop is a row's whole reduction, so narrow columns spread it over more programs and deep steps keep
+# more of w in flight (on an H100 they took o_proj at one row from 1.32x cuBLAS to 0.89x, the router from 1.24x to
+# 0.84x, with every element's bits unchanged: kernels/results/h100-invariant-tiles-few-rows.json).
+TILES = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3),
+         (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 16, 256, 2, 6))
 FP32_TILE = (32, 64, 32, 4, 3)
 # Small under the interpreter, so CPU tests cover partial and several tiles in every direction, and the choice
 # between two of them (over its 3 "multiprocessors").
@@ -82,9 +87,9 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def tile(M: int, N: int, element_size: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """The largest tile no taller than M needs (the smallest's height at least: on the GPU 64 rows, a Hopper
-    warpgroup's instruction) whose programs fill the multiprocessors, else the smallest: large tiles re-read less of
-    x and w, small ones spread a decode step's few rows over the GPU."""
+    """The largest tile no taller than M needs (the smallest's height at least: 16 rows on the GPU) whose programs
+    fill the multiprocessors, else the smallest: large tiles re-read less of x and w, small ones spread a decode
+    step's few rows over the GPU."""
     if element_size == 4 and not INTERPRET:
         return FP32_TILE
     # plain integer arithmetic: triton.cdiv and next_power_of_2 cost ~3 us of host time a call, a decode step's

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_rl_eks.kernels._triton import INTERPRET
+from moe_rl_eks.kernels._triton import INTERPRET, multiprocessors
 from moe_rl_eks.kernels.invariant_attention import CHUNK, chunk_programs, invariant_decode_attention, \
     invariant_prefill_attention
 from moe_rl_eks.kernels.prefill_attention import prefill_tiles
@@ -15,8 +15,10 @@ from moe_rl_eks.kernels.prefill_attention import prefill_tiles
 from invariance import ROWS, assert_rows_invariant
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
-PAGE = 8
-LENGTHS = [37, 5, 20]  # several key tiles and chunks, a partial one; one short sequence; a tile boundary inside
+SCALE = CHUNK // 32  # 1 under the interpreter, 8 compiled (its chunks of 256 positions)
+PAGE = 8 * SCALE
+# several key tiles and chunks, a partial one; one short sequence; a tile boundary inside
+LENGTHS = [37 * SCALE, 5, 20 * SCALE]
 TABLES = [[4, 9, 0, 7, 2], [10, 11, 11, 11, 11], [3, 8, 6, 11, 11]]  # scattered, out of order; block 11: nobody's
 
 
@@ -68,10 +70,13 @@ def reference(q, k, v):
 
 def test_the_sequences_span_several_chunks_and_decode_chooses_chunk_programs_only_at_a_few_rows():
     assert max(LENGTHS) > CHUNK > min(LENGTHS)
+    device = torch.device(DEVICE)
+    sms = 3 if INTERPRET else multiprocessors(0)  # the interpreter's stand-in count
     wide = len(TABLES[0]) * PAGE  # the tables' width: the positions a decode step's programs cover
-    assert chunk_programs(1, 4, 2, 32, wide, torch.device(DEVICE))  # 2 programs walking: under the 3 "multiprocessors"
-    assert not chunk_programs(3, 4, 2, 32, wide, torch.device(DEVICE))  # 6 programs fill them
-    assert not chunk_programs(1, 4, 2, 32, CHUNK, torch.device(DEVICE))  # one chunk: nothing to spread
+    assert chunk_programs(1, 4, 2, 32, wide, device)  # 2 programs walking would leave multiprocessors idle
+    assert not chunk_programs(-(-sms // 2), 4, 2, 32, wide, device)  # a walk's programs fill them
+    assert not chunk_programs(1, 4, 2, 32, CHUNK, device)  # one chunk: nothing to spread
+    assert not chunk_programs(1, 4, 2, 32, CHUNK << 17, device)  # partial softmaxes over PARTIALS_MAX_BYTES
 
 
 @pytest.mark.parametrize("split", [None, True, False], ids=["chosen", "chunk-programs", "walk"])
@@ -85,8 +90,9 @@ def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in
     keys, values, tables, slots, positions = cached(k, v)
     # the queries under test: 17 tokens over all three sequences (first, last, tile and chunk edges); the rest are
     # neighbours
-    tested = [0, 1, 15, 16, 17, 31, 32, 36, 37, 39, 41, 42, 50, 57, 58, 60, 61]
-    pool = torch.tensor(tested + [t for t in range(sum(LENGTHS)) if t not in tested][:ROWS], device=DEVICE)
+    edges, starts = (0, 1, 15, 16, 17, CHUNK - 1, CHUNK, CHUNK + 1), [0, LENGTHS[0], LENGTHS[0] + LENGTHS[1]]
+    tested = [s + p for s, n in zip(starts, LENGTHS) for p in dict.fromkeys([*edges, n - 1]) if p < n]
+    pool = torch.tensor((tested + [t for t in range(sum(LENGTHS)) if t not in tested])[:2 * ROWS], device=DEVICE)
     decoded = assert_rows_invariant(lambda batch: invariant_decode_attention(
         q[pool[batch]], keys, values, tables, slots[pool[batch]], positions[pool[batch]] + 1, split=split))
     assert torch.equal(decoded, packed[pool[:ROWS]])
@@ -96,9 +102,10 @@ def test_a_chunked_prefill_over_the_paged_cache_equals_the_packed_causal_forward
     q, k, v = sequences(torch.bfloat16)
     packed = packed_causal_attention(q, k, v)
     keys, values, tables, slots, positions = cached(k, v)
-    # two prefill chunks of (first token, count) runs: sequence 0's positions 0-20 with all of sequence 1, then
-    # sequence 0's positions 21-36 (over the keys the first chunk cached) with all of sequence 2
-    for runs in ([(0, 21), (37, 5)], [(21, 16), (42, 20)]):
+    # two prefill chunks of (first token, count) runs: sequence 0's first `cut` positions with all of sequence 1,
+    # then sequence 0's others (over the keys the first chunk cached) with all of sequence 2
+    cut, (n0, n1, n2) = 21 * SCALE, LENGTHS
+    for runs in ([(0, cut), (n0, n1)], [(cut, n0 - cut), (n0 + n1, n2)]):
         at = torch.cat([torch.arange(first, first + count) for first, count in runs]).to(DEVICE)
         local = [(0, runs[0][1]), (runs[0][1], runs[1][1])]
         got = invariant_prefill_attention(q[at], keys, values, tables, slots[at], positions[at],
