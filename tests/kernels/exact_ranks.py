@@ -1,6 +1,6 @@
-"""The exact numerics mode's expert-parallel ranks: gloo processes on the CPU under Triton's interpreter, each
-holding its slice of the experts. Imported by the tests by module name, so worker processes can unpickle these
-functions."""
+"""The exact numerics mode's expert-parallel ranks: gloo processes on the CPU, each holding its slice of the experts,
+running the exact kernels under Triton's interpreter (inherited through the environment) with the test process's
+row-invariant tl.dot. Imported by the tests by module name, so worker processes can unpickle these functions."""
 from __future__ import annotations
 
 import dataclasses
