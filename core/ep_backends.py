@@ -97,8 +97,10 @@ def check_backend(backend: EpBackend, topo: Topology) -> None:
                 f"not {topo.nodes} nodes x {topo.ranks_per_node}")
 
 
-def resolve_backend(choice: EpBackendChoice, topo: Topology) -> tuple[EpBackend, str]:
-    """The backend to run and why; `auto` follows AUTO_RULES (gloo/CPU always uses all-to-all)."""
+def resolve_backend(choice: EpBackendChoice, topo: Topology, *, exact: bool = False) -> tuple[EpBackend, str]:
+    """The backend to run and why; `auto` follows AUTO_RULES (gloo/CPU always uses all-to-all). `exact` (the exact
+    numerics mode, which refuses `deepep` set by hand: core.run.exact_refusal): `auto` takes the all-to-all, whose
+    combine adds a token's expert outputs on its own rank in slot order, as one rank does."""
     if choice != "auto":
         check_backend(choice, topo)
         return choice, "set in the run configuration"
@@ -106,6 +108,9 @@ def resolve_backend(choice: EpBackendChoice, topo: Topology) -> tuple[EpBackend,
         backend, why = "local", "one rank: no expert parallelism"
     elif topo.device == "cpu":
         backend, why = "alltoall", "CPU (gloo): all_to_all_single"
+    elif exact:
+        backend, why = "alltoall", ("exact numerics: the all-to-all's combine adds a token's expert outputs in slot "
+                                    "order on its own rank, as one rank does; DeepEP's adds them in its own order")
     else:
         rule = next(r for r in AUTO_RULES if r.min_nodes <= topo.nodes <= r.max_nodes)
         backend, why = rule.backend, rule.why
@@ -127,9 +132,10 @@ def ll_tokens_per_rank(rows: int, ranks: int) -> int:
 
 
 def resolve_decode_backend(topo: Topology, *, hidden_size: int, top_k: int, rows_per_rank: int,
-                           deepep_importable: bool) -> tuple[DecodeBackend, str]:
+                           deepep_importable: bool, exact: bool = False) -> tuple[DecodeBackend, str]:
     """The dispatcher of an expert-parallel server's decode forwards and why: DeepEP's low-latency kernels where
-    this topology and model allow them, else the all-to-all (the reason names the first limit that fails)."""
+    this topology and model allow them, else the all-to-all (the reason names the first limit that fails).
+    `exact` (the exact numerics mode): the all-to-all always, as resolve_backend's `auto` takes it."""
     if topo.ep_size == 1:
         return "local", "one rank: no expert parallelism"
     check_backend("alltoall", topo)
@@ -137,6 +143,9 @@ def resolve_decode_backend(topo: Topology, *, hidden_size: int, top_k: int, rows
     def refused(why: str) -> tuple[DecodeBackend, str]:
         return "alltoall", f"DeepEP low-latency refused: {why}; decode uses the all-to-all"
 
+    if exact:
+        return refused("exact numerics: its combine adds a token's expert outputs in an order of its own, the "
+                       "all-to-all's in slot order on the token's own rank, as one rank does")
     if topo.device != "cuda":
         return refused("needs CUDA GPUs (this is a CPU run over gloo)")
     if not deepep_importable:

@@ -369,12 +369,11 @@ def exact_refusal(run: RunConfig) -> str | None:
                 "splits a query's keys over ranks and merges the parts, a reduction order the engine's attention "
                 "does not take; use context_parallel: 1")
     if run.parallelism.ep_backend == "deepep":
-        return ("refuses parallelism.ep_backend: deepep: DeepEP's combine does not add a token's expert outputs in "
-                "the fixed order of the engine's")
-    if run.rollout.gpus_per_server > 1:
-        return (f"refuses rollout.gpus_per_server {run.rollout.gpus_per_server}: a sharded server combines its "
-                "experts' outputs across GPUs (DeepEP's low-latency kernels or the all-to-all), not in the order of "
-                "the trainer's one-rank forward; serve on one GPU per server")
+        # the all-to-all's combine is one rank's unpermute on the token's own rank (moe/dispatch.py); DeepEP's
+        # kernels reduce a token's expert outputs across ranks in an order of their own
+        return ("refuses parallelism.ep_backend: deepep: DeepEP's combine adds a token's expert outputs in an order "
+                "of its own, not in the slot order of every other path (one rank's combine, or the all-to-all's on "
+                "the token's own rank); use alltoall (auto takes it in exact mode)")
     return None
 
 
@@ -452,14 +451,10 @@ def resolve_run(run: RunConfig, env: EnvironmentConfig | None, *, source: str = 
     if ep is not None and env is not None and ranks_total % ep:
         raise ConfigError(src, "rl.training.expert_parallel", ep, f"must divide the {ranks_total} trainer ranks")
     try:
-        backend, why = resolve_backend(run.parallelism.ep_backend, expert_topology(topo, ep))
+        backend, why = resolve_backend(run.parallelism.ep_backend, expert_topology(topo, ep),
+                                       exact=run.numerics == "exact")
     except UnsupportedBackend as exc:
         raise ConfigError(src, "parallelism.ep_backend", run.parallelism.ep_backend, str(exc)) from None
-    if run.numerics == "exact" and topo.ep_size > 1:
-        raise ConfigError(src, "numerics", run.numerics,
-                          f"refuses {topo.ep_size} trainer ranks: the trainer's exact logprob forward runs on one "
-                          "rank (the all-to-all's combine has no bitwise test against the engine's yet); use one "
-                          "trainer rank (parallelism.ranks_per_node: 1, or one GPU in local_gpus.trainer.gpus)")
     if env is not None:
         _check_trainer_plan(run, env, src)
         _check_cluster_run(run, env, src)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe_rl_eks.core.ep_backends import Topology, resolve_backend, resolve_decode_backend
 from moe_rl_eks.core.run import RunConfig, resolve_run
 from moe_rl_eks.core.schema import ConfigError, parse
 
@@ -23,8 +24,8 @@ def exact(**sections) -> dict:
 @pytest.mark.parametrize("data, fragment", [
     (exact(rl={"training": {"context_parallel": 2}}), "refuses rl.training.context_parallel 2: context parallelism "
      "splits a query's keys over ranks"),
-    (exact(parallelism={"ep_backend": "deepep"}), "refuses parallelism.ep_backend: deepep: DeepEP's combine"),
-    (exact(rollout={"gpus_per_server": 2}), "refuses rollout.gpus_per_server 2: a sharded server combines"),
+    (exact(parallelism={"ep_backend": "deepep"}), "refuses parallelism.ep_backend: deepep: DeepEP's combine adds "
+     "a token's expert outputs in an order of its own"),
 ])
 def test_exact_numerics_refuses_configurations_where_the_engine_and_trainer_cannot_share_kernels(data, fragment):
     with pytest.raises(ConfigError) as err:
@@ -38,10 +39,23 @@ def test_exact_numerics_refuses_expert_rows_the_exact_expert_kernels_cannot_read
     assert err.value.field == "model.hidden_size" and "multiple of 8 with numerics: exact" in str(err.value)
 
 
-def test_exact_numerics_refuses_several_trainer_ranks_and_a_cpu_run_without_the_interpreter(monkeypatch):
+def test_exact_numerics_takes_expert_parallelism_over_the_all_to_all_and_never_deepep():
+    # the trainer's ranks and a sharded server's: the all-to-all's combine is one rank's (the bitwise tests are
+    # tests/kernels/test_exact_rollout_trainer.py's)
+    assert parse(RunConfig, exact(rollout={"gpus_per_server": 2}), source="run.yaml").rollout.gpus_per_server == 2
+    node = Topology(nodes=1, ranks_per_node=8, device="cuda", num_experts=128)
+    assert resolve_backend("auto", node)[0] == "deepep"
+    backend, why = resolve_backend("auto", node, exact=True)
+    assert backend == "alltoall" and why.startswith("exact numerics: the all-to-all's combine adds")
+    decode, why = resolve_decode_backend(node, hidden_size=2048, top_k=8, rows_per_rank=64, deepep_importable=True,
+                                         exact=True)
+    assert decode == "alltoall" and "DeepEP low-latency refused: exact numerics" in why
+
+
+def test_exact_numerics_resolves_several_cpu_trainer_ranks_and_refuses_a_cpu_run_without_the_interpreter(
+        monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ConfigError, match="refuses 2 trainer ranks: the trainer's exact logprob forward runs on one"):
-        resolve_run(parse(RunConfig, exact(), source="run.yaml"), None)
+    assert resolve_run(parse(RunConfig, exact(), source="run.yaml"), None).ep_backend == "alltoall"
     one_rank = parse(RunConfig, exact(parallelism={"ranks_per_node": 1}), source="run.yaml")
     assert resolve_run(one_rank, None).ep_backend == "local"
     monkeypatch.delenv("TRITON_INTERPRET")

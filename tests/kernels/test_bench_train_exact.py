@@ -32,7 +32,8 @@ def test_the_exact_column_measures_the_first_step_and_the_scoring_both_ways_besi
 
 
 @pytest.mark.parametrize("argv, unset, message", [
-    (["--tiny", "--exact", "--ranks", "2"], False, "--exact with --ranks 2: the exact scorer runs on one trainer rank"),
+    (["--tiny", "--exact", "--ranks", "2", "--ep-backend", "deepep"], False,
+     "--exact with --ep-backend deepep: a run refuses numerics: exact with DeepEP"),
     (["--tiny", "--exact"], True, "--exact --tiny runs the exact kernels on the CPU through Triton's interpreter: "
                                   "set TRITON_INTERPRET=1"),
 ])

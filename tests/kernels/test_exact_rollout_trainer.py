@@ -2,16 +2,20 @@
 (its decoder: continuous batching, mixed prompt lengths, chunked prefills, rows joining and leaving, preemption
 and recomputation) equal the trainer's bitwise for every token, through the trainer's own step (its exact scorer
 loaded from the published state, the first optimizer step's forward, the mismatch it reports); the standard
-mode's engine and trainer disagree, and the same report says by how much."""
+mode's engine and trainer disagree, and the same report says by how much. With expert parallelism over the
+all-to-all (2 gloo ranks, each holding half the experts) the trainer's exact scorer and a sharded rollout server
+give the same bits as one process."""
 import dataclasses
 
 import pytest
 import torch
 
+from moe_rl_eks.core.run import RunConfig
+from moe_rl_eks.core.schema import parse
 from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.tools.bench.rollout import QWEN3_30B_A3B, TINY
 from moe_rl_eks.workloads.model import MoETransformer
-from moe_rl_eks.workloads.model.checkpoint import empty_model
+from moe_rl_eks.workloads.model.checkpoint import empty_model, save_hf
 from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef, one_version
 from moe_rl_eks.workloads.rollout.decoder import Decoder
 from moe_rl_eks.workloads.rollout.engine_api import RowRequest, SamplingParams
@@ -19,9 +23,17 @@ from moe_rl_eks.workloads.trainer.microbatch import Sequences
 from moe_rl_eks.workloads.trainer.numerics import ExactScorer, MismatchTally
 from moe_rl_eks.workloads.trainer.step import TrainStep
 
-# one layer and a small vocabulary: the interpreter runs every program of every kernel on the CPU
-CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96)
+from exact_ranks import exact_scores, exact_server, run_ep_ranks
+
+# one layer and a small vocabulary: the interpreter runs every program of every kernel on the CPU; top-3, since two
+# expert outputs add to the same bits in either order and a combine's order would go unseen
+CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96, num_experts_per_tok=3)
 TEMPERATURE = 0.8
+MAX_LEN = 16
+ROWS = [RowRequest(tuple(prompt), SamplingParams(new, seed=i, temperature=TEMPERATURE), "r", i)
+        for i, (prompt, new) in enumerate(zip(
+            [[1, 5, 9, 2, 7, 3, 8, 4, 6], [3, 4], [7, 1, 2, 5, 6], [2, 8, 9, 1], [4, 4, 4, 4, 4, 4, 4]],
+            [5, 6, 3, 4, 5]))]
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +57,24 @@ def served(policy, numerics):
 def rollout(policy, numerics, cuda_graphs=False):
     """Rows through a crowded decoder: 3 slots for 5 rows of prompts of 2 to 9 tokens, prefills of at most 4
     tokens per step beside decode steps, two rows joining mid-decode, too few KV blocks (preemption)."""
-    decoder = Decoder(served(policy, numerics), slots=3, max_len=16, eos_ids=[], prefill_tokens=4, block_size=2,
-                      blocks=11, kernels="exact" if numerics == "exact" else None, cuda_graphs=cuda_graphs)
-    prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6], [3, 4], [7, 1, 2, 5, 6], [2, 8, 9, 1], [4, 4, 4, 4, 4, 4, 4]]
-    new = [5, 6, 3, 4, 5]
-    rows = [RowRequest(tuple(p), SamplingParams(n, seed=i, temperature=TEMPERATURE), "r", i)
-            for i, (p, n) in enumerate(zip(prompts, new))]
-    seqs, step = [decoder.add(r) for r in rows[:3]], 0
-    while decoder.busy or len(seqs) < len(rows):
-        if step in (2, 4) and len(seqs) < len(rows):
-            seqs.append(decoder.add(rows[len(seqs)]))
+    decoder = Decoder(served(policy, numerics), slots=3, max_len=MAX_LEN, eos_ids=[], prefill_tokens=4,
+                      block_size=2, blocks=11, kernels="exact" if numerics == "exact" else None,
+                      cuda_graphs=cuda_graphs)
+    seqs, step = [decoder.add(r) for r in ROWS[:3]], 0
+    while decoder.busy or len(seqs) < len(ROWS):
+        if step in (2, 4) and len(seqs) < len(ROWS):
+            seqs.append(decoder.add(ROWS[len(seqs)]))
         decoder.step()
         step += 1
     assert decoder.stats()["preemptions"] >= 1, "the test lost its preemption"
-    assert all(len(s.tokens) == n for s, n in zip(seqs, new))
+    assert all(len(s.tokens) == r.params.max_tokens for s, r in zip(seqs, ROWS))
     return [TrainingSample(f"s{i}", list(s.prompt), s.tokens, s.logprobs, 0.0, 1.0, True,
                            one_version(VersionRef(0, 0), len(s.tokens))) for i, s in enumerate(seqs)]
+
+
+@pytest.fixture(scope="module")
+def exact_samples(policy):
+    return rollout(policy, "exact")
 
 
 def trainer_logprobs(policy, samples, numerics):
@@ -82,8 +96,8 @@ def trainer_logprobs(policy, samples, numerics):
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's form (the exact kernels on CPU tensors); compiled on a "
                     "GPU, the 30B-layer-shape test below proves the same with CUDA graphs")
-def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(policy):
-    samples = rollout(policy, "exact")
+def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(policy, exact_samples):
+    samples = exact_samples  # the rollout of the exact engine in one process
     fwd, mb, report = trainer_logprobs(policy, samples, "exact")
     on = mb.mask > 0
     assert int(on.sum()) == sum(len(s.completion_ids) for s in samples)
@@ -94,6 +108,41 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(
     (fwd.logprobs * mb.mask).sum().backward()
     assert policy.lm_head.weight.grad is not None and policy.lm_head.weight.grad.abs().sum() > 0
     policy.zero_grad(set_to_none=True)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU, the exact kernels under the interpreter")
+def test_exact_scorer_over_two_expert_parallel_ranks_gives_the_one_rank_scorers_and_the_rollouts_logprobs(
+        policy, exact_samples):
+    # Each rank holds half the experts and scores its own micro-batches, rank 1's second one empty (it still joins
+    # every all-to-all); the one-rank scorer scores all the samples in one micro-batch.
+    state = {name: t.detach() for name, t in policy.state_dict().items()}
+    shares = [[[0, 2], [4]], [[1, 3], []]]  # sample indices per micro-batch, per rank
+    ranks = run_ep_ranks(2, exact_scores, CONFIG, state,
+                         [[[exact_samples[i] for i in mb] for mb in share] for share in shares], TEMPERATURE)
+    one_rank = ExactScorer(policy, torch.device("cpu"))
+    one_rank.load(state)
+    everything = Sequences.of(exact_samples)
+    want = one_rank.logprobs(everything, TEMPERATURE)[0]
+    on = everything.mask > 0
+    assert torch.equal(want[on], everything.behaviour[on])  # the rollout's logprobs
+    for share, got in zip(shares, ranks):
+        assert [t.numel() > 0 for t in got] == [bool(mb) for mb in share]
+        for mb, logprobs in zip(share, got):
+            for row, i in enumerate(mb):
+                width = logprobs.shape[1]
+                assert torch.equal(logprobs[row], want[i, :width]) and not want[i, width:].any(), f"sample {i}"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU, the exact kernels under the interpreter")
+def test_exact_server_sharded_over_two_ranks_samples_the_one_process_engines_tokens_and_logprobs(
+        policy, exact_samples, tmp_path):
+    # The sharded server's ranks decode their own rows (3 and 2, two at a time: rank 1 runs out first and feeds
+    # scratch tokens), their MoE layers exchanging tokens at every prefill and decode step over the all-to-all
+    run = parse(RunConfig, {"name": "x", "model": dataclasses.asdict(CONFIG), "numerics": "exact",
+                            "rollout": {"gpus_per_server": 2}}, source="test")
+    save_hf(policy.state_dict(), CONFIG, tmp_path)
+    served = run_ep_ranks(2, exact_server, run, str(tmp_path), [ROWS[0::2], ROWS[1::2]], 2, MAX_LEN)[0]
+    assert served == {i: (s.completion_ids, s.logprobs) for i, s in enumerate(exact_samples)}
 
 
 def test_standard_mode_reports_the_rollout_trainer_mismatch(policy):

@@ -20,9 +20,9 @@ against the dense bf16 matmul rate measured in the same run (8192^3).
 optimizer step runs it under `numerics: exact` (trainer/numerics.py): the ExactScorer's forward (a served-dtype copy
 of the policy on the batch-invariant kernels, its log-probabilities chunked) for the values, then the fast forward
 and backward for the gradient. Its MFU counts the same model FLOPs, so the second forward shows as lost MFU; the
-scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. One GPU only (a run
-refuses exact mode with more than one trainer rank); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the
-exact kernels on the CPU). A batch that takes several optimizer steps instead pays the exact scorer's forward in
+scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. Under --ranks the
+scorer holds each rank's experts and dispatches over the all-to-all, as the trainer's does (a run refuses exact mode
+with DeepEP); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch that takes several optimizer steps instead pays the exact scorer's forward in
 place of the standard scoring's fast one, once (its first step takes the scoring's logprobs): the column's last
 cell, each scoring's median seconds.
 
@@ -346,9 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--ep-share {args.ep_share}: must be >= 1, and 1 with --ranks (it stands in for the other ranks)")
     if args.publish and args.ranks == 1:
         ap.error("--publish measures expert-parallel publication: it needs --ranks >= 2")
-    if args.exact and args.ranks > 1:
-        ap.error(f"--exact with --ranks {args.ranks}: the exact scorer runs on one trainer rank (a run refuses "
-                 "numerics: exact with more); use --ranks 1")
+    if args.exact and args.ranks > 1 and args.ep_backend == "deepep":
+        ap.error("--exact with --ep-backend deepep: a run refuses numerics: exact with DeepEP (its combine adds a "
+                 "token's expert outputs in an order of its own); use --ep-backend alltoall")
     if args.exact and args.tiny and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--exact --tiny runs the exact kernels on the CPU through Triton's interpreter: set "
                  "TRITON_INTERPRET=1")
@@ -491,6 +491,8 @@ def bench(args: argparse.Namespace, config: ModelConfig, device: torch.device,
                 if args.exact:
                     exact = measure(step, sequence, sequences, args.steps, result["dense_peak_tflops"], exact=True,
                                     microbatches=args.microbatches)
+                    if ep is not None:
+                        exact = _across_ranks(exact, ep)
                     row["exact"] = {k: v for k, v in exact.items() if k not in (
                         "sequence", "sequences", "microbatches", "tokens", "weights_and_optimizer_gib")}
                     if row["exact"]["status"] == "ok":

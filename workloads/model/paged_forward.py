@@ -94,7 +94,8 @@ def paged_hidden(model: MoETransformer, packed: PackedAttention, kernels: Forwar
         moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
         delta = moe.out.view(n, c.hidden_size)
         routed.append(moe.ids)
-    pool.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), -1).to(pool.routing.dtype)
+    pool.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), c.num_experts_per_tok).to(
+        pool.routing.dtype)
     return kernels.add_norm(model.model.norm, h[last], delta[last])[0]
 
 
@@ -115,14 +116,14 @@ class SequencePool:
     feeds its tokens through `paged_forward` into one, as the engine's prefill feeds its KV cache."""
 
     def __init__(self, config, sequence_lengths: list[int], device: torch.device, dtype: torch.dtype) -> None:
-        lengths = torch.tensor(sequence_lengths, device=device)
+        lengths = torch.tensor(sequence_lengths, device=device, dtype=torch.long)  # long also when empty
         tokens = int(lengths.sum())
         self.starts = torch.cumsum(lengths, 0) - lengths
         shape = (config.num_hidden_layers, tokens, 1, config.num_key_value_heads, config.head_dim)
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)
         # entries past a sequence's end are never read (no token sees past its own sequence)
-        self.tables = (self.starts[:, None] + torch.arange(int(lengths.max()), device=device)).clamp(
+        self.tables = (self.starts[:, None] + torch.arange(max(sequence_lengths, default=0), device=device)).clamp(
             max=tokens - 1).to(torch.int32)
         self.routing = torch.empty(tokens, 1, config.num_hidden_layers, config.num_experts_per_tok,
                                    dtype=torch.int64, device=device)
@@ -137,17 +138,18 @@ def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: For
     [N, hidden] after every token, routed expert ids [N, L, k]): each token attends causally within its own
     sequence, its positions from 0, through the engine's paged forward. Their logits are
     kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any chunk of rows on the `exact` backend
-    (so a caller need never hold [N, vocabulary] at once)."""
+    (so a caller need never hold [N, vocabulary] at once). No sequences (N = 0) is a forward too: under expert
+    parallelism a rank without tokens still joins every MoE layer's exchange with the ranks that have some."""
     lengths = [int(n) for n in sequence_lengths]
-    if not lengths or min(lengths) < 1 or sum(lengths) != tokens.shape[0]:
+    if min(lengths, default=1) < 1 or sum(lengths) != tokens.shape[0]:
         raise ValueError(f"sequence_lengths {lengths} must be >= 1 each and sum to the {tokens.shape[0]} tokens")
     device = tokens.device
     pool = SequencePool(model.config, lengths, device, model.model.embed_tokens.weight.dtype)
-    counts = torch.tensor(lengths, device=device)
+    counts = torch.tensor(lengths, device=device, dtype=torch.long)
     slot = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
     positions = torch.arange(tokens.shape[0], device=device) - pool.starts[slot]
     segments = [(int(s), n) for s, n in zip(pool.starts.tolist(), lengths)]
     hidden = paged_hidden(model, packed, kernels, pool, slot, tokens, positions,
-                          torch.arange(tokens.shape[0], device=device), max(lengths),
+                          torch.arange(tokens.shape[0], device=device), max(lengths, default=1),
                           kernels.prefill_tiles(segments, device))
     return hidden, pool.routing[:, 0]

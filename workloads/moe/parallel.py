@@ -60,16 +60,18 @@ class ExpertParallel:
                      self.decode_tokens_per_rank)
 
     @classmethod
-    def for_serving(cls, group: dist.ProcessGroup, config, *, device: str, rows_per_rank: int) -> "ExpertParallel":
+    def for_serving(cls, group: dist.ProcessGroup, config, *, device: str, rows_per_rank: int,
+                    exact: bool = False) -> "ExpertParallel":
         """A sharded rollout server's EP: prefill over the all-to-all, decode over DeepEP's low-latency kernels
-        where resolve_decode_backend allows them (logged with the reason either way). `config` is the ModelConfig;
-        the server's GPUs are one node's."""
+        where resolve_decode_backend allows them (logged with the reason either way; never in the `exact` numerics
+        mode). `config` is the ModelConfig; the server's GPUs are one node's."""
         size = dist.get_world_size(group)
         topo = Topology(nodes=1, ranks_per_node=size, device="cuda" if device.startswith("cuda") else "cpu",
                         num_experts=config.num_experts, dtype=config.dtype)
         decode, why = resolve_decode_backend(topo, hidden_size=config.hidden_size, top_k=config.num_experts_per_tok,
                                              rows_per_rank=rows_per_rank,
-                                             deepep_importable=importlib.util.find_spec("deep_ep") is not None)
+                                             deepep_importable=importlib.util.find_spec("deep_ep") is not None,
+                                             exact=exact)
         log.info("ep decode backend %s: %s", decode, why)
         return cls(group, "alltoall", device=device, decode=decode, decode_rows_per_rank=rows_per_rank)
 

@@ -103,9 +103,11 @@ class Replica:
             torch.cuda.set_device(device)
         dist.init_process_group(transport)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        # Prefill over the all-to-all; decode over DeepEP's low-latency kernels where the topology allows them.
+        # Prefill over the all-to-all; decode over DeepEP's low-latency kernels where the topology allows them
+        # (the all-to-all too in the exact numerics mode).
         ep = ExpertParallel.for_serving(dist.group.WORLD, run.model, device=str(device),
-                                        rows_per_rank=rows_per_rank(run, dist.get_world_size()))
+                                        rows_per_rank=rows_per_rank(run, dist.get_world_size()),
+                                        exact=run.numerics == "exact")
         return cls(run, ep=ep, control=control, device=device)
 
     # ---- operations, run on every rank in the same order -------------------------------------------------

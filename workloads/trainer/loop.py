@@ -357,8 +357,9 @@ class Trainer:
     def publish(self, version: int) -> None:
         """Snapshot the weights as `version` (returns once they are in host memory; written in the background)
         and announce it to the batch source (Announcer: when the store has it, or sooner over device memory)."""
-        # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there)
-        state = unsharded_state(self.model, keep_dense=self.rank == 0)
+        # FSDP: all-gathered on every rank, kept by rank 0 (the publisher writes the dense weights from there) and,
+        # in the exact numerics mode, by every rank: each one's exact scorer holds the dense weights whole
+        state = unsharded_state(self.model, keep_dense=self.rank == 0 or self.train_step.exact is not None)
         self.publisher.publish(version, state)
         if self.train_step.exact is not None:  # the next batch is scored with exactly these weights
             self.train_step.exact.load(state)

@@ -44,19 +44,24 @@ CHUNK_LOGITS = 2**28
 
 
 class ExactScorer:
-    """A copy of the policy in its served dtype on the `exact` backend (one rank: the run refuses exact mode with
-    expert parallelism in the trainer). It costs the served weights' memory once more."""
+    """A copy of the policy in its served dtype on the `exact` backend. It costs the served weights' memory once
+    more. Under expert parallelism it holds this rank's experts and its MoE layers dispatch over the policy's EP
+    group (the all-to-all: core/run.py refuses DeepEP in exact mode), so every rank of the group calls `logprobs`
+    for each micro-batch, an empty one too. A token's logprob is still one rank's bits: the exact expert GEMM
+    gives a row the same bits whatever other rows its expert got, and the combine adds a token's expert outputs
+    on its own rank in slot order, as on one rank (permute.py's unpermute)."""
 
     def __init__(self, policy: MoETransformer, device: torch.device) -> None:
-        self.model = empty_model(policy.config, None, "exact", device).eval()
+        self.model = empty_model(policy.config, policy.ep, "exact", device).eval()
         self.chunk_tokens = max(1, CHUNK_LOGITS // policy.config.vocab_size)  # tokens per chunk of logits
         self.kernels = get_forward_kernels("exact")
         self.packed: PackedAttention | None = None  # built at the first load (from real weights)
 
     @torch.no_grad()
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Take the weights of a version as it is published (`state`: every tensor whole, the trainer's dtype),
-        cast to the served dtype as the publisher casts them (round to nearest even)."""
+        """Take the weights of a version as it is published (`state`: every tensor whole but the experts, which
+        are this rank's slice; the trainer's dtype), cast to the served dtype as the publisher casts them (round to
+        nearest even)."""
         mine = self.model.state_dict()
         for name, tensor in state.items():
             mine[name].copy_(tensor)

@@ -150,8 +150,8 @@ class TrainStep:
         if asked for (else None): a batch's scoring before its first update. In the exact numerics mode the
         logprobs are the exact scorer's alone, and the fast forward runs only for the critic, which reads its
         hidden states: without one nothing of that forward would be read (its values would be the scorer's bits,
-        and no gradient follows). Skipping it on one rank holds no other rank back: exact mode trains on one
-        (core/run.py refuses more), so this forward is no expert-parallel collective."""
+        and no gradient follows). Every rank skips it alike (`values` is the run's, not the micro-batch's), so
+        under expert parallelism the ranks still meet in the same forwards: the exact scorer's."""
         if self.exact is not None and not values:
             return self.exact.logprobs(mb, temperature)[0], None
         fwd = self.forward(self.model, mb, temperature=temperature, replay=replay, values=values, exact_values=True)
