@@ -21,8 +21,7 @@ from .bench import SHAPES
 from .decode_attention import decode_attention
 from .gemv import decode_linear
 from .grouped_gemm import swiglu_experts
-from . import prefill_attention
-from .invariant_attention import CHUNK, invariant_decode_attention
+from .invariant_attention import invariant_decode_attention
 from .invariant_matmul import invariant_matmul
 
 HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 128, 151936  # Qwen3-30B-A3B's attention and vocabulary
@@ -61,19 +60,10 @@ def attention(g, batches: list[int], context: int):
         q = _randn(g, b, HEADS, HEAD_DIM)
         same = torch.equal(invariant_decode_attention(q, keys, values, tables, slots, lengths)[:1],
                            invariant_decode_attention(q[:1], keys, values, tables, slots[:1], lengths[:1]))
-        # a probe: the walk on a tile of 2 tokens (16 query rows: mma.sync) instead of the prefill's 16 (a
-        # warpgroup's 128 rows, one of them used): does every element keep its bits, and at what speed?
-        walk, narrow = (torch.empty_like(q) for _ in range(2))
-        prefill_attention.launch(q, keys, values, tables, slots, lengths, None, walk, chunk=CHUNK)
-        prefill_attention.launch(q, keys, values, tables, slots, lengths, None, narrow, chunk=CHUNK, block_m=2)
         yield {"case": f"decode attention, {context} positions", "rows": b,
                "fast_ms": _ms(lambda: decode_attention(q, keys, values, tables, slots, lengths)),
                "exact_ms": _ms(lambda: invariant_decode_attention(q, keys, values, tables, slots, lengths)),
-               "row_bits_equal": same, "walk_ms": _ms(lambda: prefill_attention.launch(
-                   q, keys, values, tables, slots, lengths, None, walk, chunk=CHUNK)),
-               "narrow_walk_ms": _ms(lambda: prefill_attention.launch(
-                   q, keys, values, tables, slots, lengths, None, narrow, chunk=CHUNK, block_m=2)),
-               "narrow_walk_bits_equal": torch.equal(narrow, walk)}
+               "row_bits_equal": same}
 
 
 def experts(g, tokens: list[int]):
@@ -110,10 +100,8 @@ def main() -> None:
     for r in itertools.chain(projections(g, args.rows), attention(g, args.batches, args.context),
                              experts(g, args.tokens)):
         rows.append(r)
-        probe = "" if "walk_ms" not in r else (f"  (walk {r['walk_ms']:.4f} ms; 2-token tiles {r['narrow_walk_ms']:.4f}"
-                                               f" ms, bits {'equal' if r['narrow_walk_bits_equal'] else 'DIFFER'})")
         print(f"{r['case']:<44} {r['rows']:>6} {r['fast_ms']:>9.4f} {r['exact_ms']:>9.4f} "
-              f"{r['exact_ms'] / r['fast_ms']:>10.2f}  {'yes' if r['row_bits_equal'] else 'NO'}{probe}", flush=True)
+              f"{r['exact_ms'] / r['fast_ms']:>10.2f}  {'yes' if r['row_bits_equal'] else 'NO'}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -140,11 +140,10 @@ def prefill_tiles(segments: Iterable[tuple[int, int]], device) -> torch.Tensor:
 
 def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, tiles: torch.Tensor | None, out: torch.Tensor | None, *, chunk: int = 0,
-           partials: tuple[torch.Tensor, torch.Tensor] | None = None, block_m: int = BLOCK_M) -> None:
+           partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The kernel over q [N, H, D] (checked by check_paged): tiles [T, 2] of a prefill, or None for one token per
     row, `positions` then holding each row's length (its token at length - 1). With `partials` (part
-    [N, H, chunks, D], ml [N, H, chunks, 2], float32) a program per chunk fills them instead of `out`. `block_m`:
-    the tile's tokens (bench_exact measures whether a decode step's narrower tile gives the same bits)."""
+    [N, H, chunks, D], ml [N, H, chunks, 2], float32) a program per chunk fills them instead of `out`."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = keys.shape[2]
     if chunk % BLOCK_N:
@@ -157,7 +156,7 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: to
         out if out is not None else q, part, ml, 1.0 / math.sqrt(dim),
         q.stride(0), q.stride(1), stride_on, out.stride(1) if out is not None else dim, tables.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        G=heads // kv_heads, D=dim, PAGE=keys.shape[1], BLOCK_M=block_m, BLOCK_G=next_pow2(heads // kv_heads),
+        G=heads // kv_heads, D=dim, PAGE=keys.shape[1], BLOCK_M=BLOCK_M, BLOCK_G=next_pow2(heads // kv_heads),
         BLOCK_N=BLOCK_N, EXACT=q.dtype == torch.float32, CHUNK=chunk, DECODE=tiles is None,
         CHUNK_PROGRAMS=partials is not None, num_warps=8 if dim * (heads // kv_heads) >= 512 else 4, num_stages=2)
 

@@ -56,6 +56,6 @@ step bench-rollout-long "$(( $(left) - 5 ))" python3 -m moe_rl_eks.tools.bench.r
     --mismatch-layers 0 --json "$OUT/bench-rollout-long.json" > "$OUT/bench-rollout-long.log" 2>&1
 grep -E "^\|" "$OUT/bench-rollout-long.log"
 # the device tool returns at most 8 files: the logs travel as one archive (logs.tgz)
-tar -C "$OUT" -czf "$OUT/logs.tgz" tests.log bench.log tiles.log bench-train.log bench-rollout.log \
-    bench-rollout-long.log 2>/dev/null &&
-    rm -f "$OUT"/*.log
+# (whichever logs the steps run wrote: SWEEP=0 writes no tiles.log)
+mapfile -t logs < <(cd "$OUT" && ls -- *.log)
+tar -C "$OUT" -czf "$OUT/logs.tgz" "${logs[@]}" && rm -f "$OUT"/*.log
