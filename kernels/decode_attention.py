@@ -44,6 +44,31 @@ def online_softmax_step(scores, v, m, s_sum, acc, EXACT: tl.constexpr):
 
 
 @triton.jit
+def walk_keys(q, k_ptr, v_ptr, table, pos, kvh, lo, hi, sm_scale, mx, s_sum, acc,
+              stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+    """The running softmax (mx, s_sum, acc) of query rows at positions `pos` carried over key positions [lo, hi)
+    of one kv head in BLOCK_N steps from lo, each row seeing the positions <= its own: a decode split's program and
+    a prefill tile's alike."""
+    d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        block, offset = paged_offsets(table, n, valid, PAGE)
+        k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if EXACT:  # float32 caches: full-precision products, not TF32
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = dot_acc(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), tl.float32))
+        scores = tl.where(valid[None, :] & (n[None, :] <= pos[:, None]), scores * sm_scale, float("-inf"))
+        v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        mx, s_sum, acc = online_softmax_step(scores, v, mx, s_sum, acc, EXACT)
+    return mx, s_sum, acc
+
+
+@triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml_ptr, sm_scale, split_len,
                     stride_qb, stride_qh, stride_t, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                     G: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -62,22 +87,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, o_ptr, ml
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     s_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
-    table = table_ptr + slot * stride_t
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < hi
-        block, offset = paged_offsets(table, n, valid, PAGE)
-        k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        if EXACT:  # float32 caches: full-precision products, not TF32 (the engine's logprobs must match the trainer's)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), tl.float32))
-        scores = scores * sm_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        m, s_sum, acc = online_softmax_step(scores, v, m, s_sum, acc, EXACT)
+    pos = length - 1 + tl.zeros((BLOCK_G,), tl.int32)  # one token: every query row at the row's last position
+    m, s_sum, acc = walk_keys(q, k_ptr, v_ptr, table_ptr + slot * stride_t, pos, kvh, lo, hi, sm_scale, m, s_sum, acc,
+                              stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, D, PAGE, BLOCK_N, EXACT)
     out = (b * tl.num_programs(1) * G + heads) * SPLITS + split  # [B, H, SPLITS] index
     tl.store(o_ptr + out[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(ml_ptr + out * 2, m, mask=g < G)

@@ -24,34 +24,10 @@ import triton
 import triton.language as tl
 
 from ._triton import INTERPRET, dot_acc, next_pow2
-from .decode_attention import check_paged, online_softmax_step, paged_offsets
+from .decode_attention import check_paged, walk_keys
 
 BLOCK_M = 16  # tokens of one row per program
 BLOCK_N = 16 if INTERPRET else 64  # key positions per step of the walk
-
-
-@triton.jit
-def _walk(q, k_ptr, v_ptr, table, pos, kvh, lo, hi, sm_scale, mx, s_sum, acc,
-          stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-          D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
-    """The running softmax (mx, s_sum, acc) of query rows at positions `pos` carried over key positions [lo, hi)
-    in BLOCK_N steps from lo, each row seeing the positions <= its own."""
-    d = tl.arange(0, D)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < hi
-        block, offset = paged_offsets(table, n, valid, PAGE)
-        k = tl.load(k_ptr + (block * stride_kb + offset * stride_kn + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        if EXACT:  # float32 caches: full-precision products, not TF32
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = dot_acc(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), tl.float32))
-        scores = tl.where(valid[None, :] & (n[None, :] <= pos[:, None]), scores * sm_scale, float("-inf"))
-        v = tl.load(v_ptr + (block * stride_vb + offset * stride_vn + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        mx, s_sum, acc = online_softmax_step(scores, v, mx, s_sum, acc, EXACT)
-    return mx, s_sum, acc
 
 
 @triton.jit
@@ -104,14 +80,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, tile_ptr,
     acc = tl.zeros((BLOCK_M * BLOCK_G, D), tl.float32)
     if CHUNK == 0:
         # every query row sees position 0, so each row's running max is finite after the first tile
-        mx, s_sum, acc = _walk(q, k_ptr, v_ptr, table, pos, kvh, 0, hi, sm_scale, mx, s_sum, acc,
-                               stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, D, PAGE, BLOCK_N, EXACT)
+        mx, s_sum, acc = walk_keys(q, k_ptr, v_ptr, table, pos, kvh, 0, hi, sm_scale, mx, s_sum, acc, stride_kb,
+                                   stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, D, PAGE, BLOCK_N, EXACT)
     elif CHUNK_PROGRAMS:
         lo = tl.program_id(2) * CHUNK
         if lo < hi:  # a chunk past the row's length is never read by the merge
-            mx, s_sum, acc = _walk(q, k_ptr, v_ptr, table, pos, kvh, lo, tl.minimum(lo + CHUNK, hi), sm_scale,
-                                   mx, s_sum, acc, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                   D, PAGE, BLOCK_N, EXACT)
+            mx, s_sum, acc = walk_keys(q, k_ptr, v_ptr, table, pos, kvh, lo, tl.minimum(lo + CHUNK, hi), sm_scale,
+                                       mx, s_sum, acc, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                                       stride_vh, D, PAGE, BLOCK_N, EXACT)
             at = (tok * G * tl.num_programs(1) + heads) * tl.num_programs(2) + tl.program_id(2)  # [N, H, chunks]
             tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
             tl.store(ml_ptr + at * 2, mx, mask=row_ok)
@@ -121,9 +97,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, tile_ptr,
             cm = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), tl.float32)
             cs = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
             cacc = tl.zeros((BLOCK_M * BLOCK_G, D), tl.float32)
-            cm, cs, cacc = _walk(q, k_ptr, v_ptr, table, pos, kvh, lo, tl.minimum(lo + CHUNK, hi), sm_scale,
-                                 cm, cs, cacc, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                 D, PAGE, BLOCK_N, EXACT)
+            cm, cs, cacc = walk_keys(q, k_ptr, v_ptr, table, pos, kvh, lo, tl.minimum(lo + CHUNK, hi), sm_scale,
+                                     cm, cs, cacc, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                                     D, PAGE, BLOCK_N, EXACT)
             mx, s_sum, acc = merge_partials(mx, s_sum, acc, cm, cs, cacc)
     if not CHUNK_PROGRAMS:
         out = acc / s_sum[:, None]
