@@ -20,7 +20,9 @@ hot), which is why the engine uses this path only up to `DECODE_MAX_TOKENS` toke
 16-row tile, each reduction a chain of the same tensor-core products over K as the grouped GEMM's (grouped_gemm.py):
 on the H200 every tile measured gives a row those bits (kernels/bench_invariant_tiles.py), so a decoded token's
 expert outputs are the bits a prefill or the trainer's forward gives it through routing, permutation and the
-grouped GEMM, in the row sums' two launches. Its routing is the route kernel's bits where `layout_free` holds
+grouped GEMM. Its down products take a program per (token, slot) and a third launch combines the slots in order
+(the same combine_step), since a 16-row tile's least of 16 columns would leave a token only HIDDEN / 16 programs
+walking its k experts one after another. Its routing is the route kernel's bits where `layout_free` holds
 (sigmoid, or renormalised softmax without a bias: on the H200 a probability's division by its row sum, reduced in
 the fused kernel's one-row block, gave about one output element in 100 tokens another last bit); elsewhere the exact
 mode decodes through the grouped path.
@@ -57,7 +59,7 @@ def _exact_configs(block_n: str, block_k: str) -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({block_n: 16, block_k: 16}, num_warps=4)]
     shapes = [(16, 128, 4), (32, 128, 4), (16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 2), (16, 256, 2),
-              (16, 256, 4)]
+              (16, 256, 4), (16, 512, 4), (16, 1024, 4)]
     return [triton.Config({block_n: n, block_k: k}, num_warps=w) for n, k, w in shapes]
 
 
@@ -134,44 +136,70 @@ def _decode_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, act_ptr, weights_ptr
 
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, ids_ptr, out_ptr, HIDDEN: tl.constexpr,
-                        WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                        EXACT: tl.constexpr):
+                        WIDTH: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < HIDDEN
-    if EXACT:  # as _decode_up_kernel's exact form: the pair's act row alone in a 16-row tile
-        tile_rows = tl.arange(0, 16)[:, None]
-        total = tl.zeros((16, BLOCK_N), tl.float32)
-        for j in tl.static_range(TOP_K):
-            e = tl.load(ids_ptr + t * TOP_K + j)
-            weight = tl.load(weights_ptr + t * TOP_K + j)
-            w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
-            acc = tl.zeros((16, BLOCK_N), tl.float32)
-            for i0 in tl.range(0, WIDTH, BLOCK_I):
-                i = i0 + tl.arange(0, BLOCK_I)
-                i_ok = i < WIDTH
-                a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i[None, :] + tile_rows * 0,
-                            mask=(tile_rows == 0) & i_ok[None, :], other=0.0)
-                w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0)
-                acc = dot_acc(a, tl.trans(w), acc)
-            total += acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
-        tl.store(out_ptr + t * HIDDEN + rows[None, :] + tile_rows * 0, total.to(out_ptr.dtype.element_ty),
-                 mask=(tile_rows == 0) & row_ok[None, :])
-    else:
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        for j in tl.static_range(TOP_K):
-            e = tl.load(ids_ptr + t * TOP_K + j)
-            weight = tl.load(weights_ptr + t * TOP_K + j)
-            w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
-            acc = tl.zeros((BLOCK_N,), tl.float32)
-            for i0 in tl.range(0, WIDTH, BLOCK_I):
-                i = i0 + tl.arange(0, BLOCK_I)
-                i_ok = i < WIDTH
-                a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i, mask=i_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], axis=1)
-            total += acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
-        tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        weight = tl.load(weights_ptr + t * TOP_K + j)
+        w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for i0 in tl.range(0, WIDTH, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = i < WIDTH
+            a = tl.load(act_ptr + (t * TOP_K + j) * WIDTH + i, mask=i_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        total = combine_step(total, acc.to(out_ptr.dtype.element_ty), weight)
+    tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def combine_step(total, y, weight):
+    """A token's combine after one more of its experts: its output y, rounded to the layer's dtype as the grouped
+    GEMM stores it, times the routing weight, added in fp32 (permute.py's combine), in slot order."""
+    return total + y.to(tl.float32) * weight
+
+
+@triton.jit
+def _decode_down_exact_kernel(act_ptr, w2_ptr, ids_ptr, y_ptr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The exact form's down product, a program per (token, slot, block of hidden rows), as _decode_up_kernel's:
+    the pair's act row alone in a 16-row tile, y [pairs, HIDDEN] rounded to y's dtype. A program per slot rather
+    than a loop over the token's k experts spreads a token over k times the programs (the 16-row tiles' least of
+    16 columns leaves HIDDEN / 16 of them per slot); _combine_kernel adds the slots in order."""
+    pair = tl.program_id(0)  # token * TOP_K + slot
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < HIDDEN
+    tile_rows = tl.arange(0, 16)[:, None]
+    e = tl.load(ids_ptr + pair)
+    w_rows = w2_ptr + e * (HIDDEN * WIDTH) + rows.to(tl.int64)[:, None] * WIDTH
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for i0 in tl.range(0, WIDTH, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = i < WIDTH
+        a = tl.load(act_ptr + pair * WIDTH + i[None, :] + tile_rows * 0, mask=(tile_rows == 0) & i_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_rows + i[None, :], mask=row_ok[:, None] & i_ok[None, :], other=0.0)
+        acc = dot_acc(a, tl.trans(w), acc)
+    tl.store(y_ptr + pair * HIDDEN + rows[None, :] + tile_rows * 0, acc.to(y_ptr.dtype.element_ty),
+             mask=(tile_rows == 0) & row_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (token, block of hidden rows): the token's k expert outputs y [T * k, HIDDEN] combined in slot
+    order, as _decode_down_kernel combines them."""
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < HIDDEN
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        y = tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + rows, mask=row_ok, other=0.0)
+        total = combine_step(total, y, tl.load(weights_ptr + t * TOP_K + j))
+    tl.store(out_ptr + t * HIDDEN + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # One block shape per layer shape, whatever the token count: a token's sums are then taken in the same order in
@@ -181,11 +209,13 @@ def _tuned(kernel, configs: list[triton.Config], key: list[str], block: str, siz
         "early_config_prune": lambda configs, named, **kw: within(configs, block, kw[size])})(kernel)
 
 
-_UP_KEY, _DOWN_KEY = ["E", "HIDDEN", "WIDTH", "TOP_K"], ["HIDDEN", "WIDTH", "TOP_K"]
-# per form (exact or not): the two kernels
-_KERNELS = {exact: (_tuned(_decode_up_kernel, configs("BLOCK_N", "BLOCK_H"), _UP_KEY, "BLOCK_H", "HIDDEN"),
-                    _tuned(_decode_down_kernel, configs("BLOCK_N", "BLOCK_I"), _DOWN_KEY, "BLOCK_I", "WIDTH"))
-            for exact, configs in ((False, _configs), (True, _exact_configs))}
+# per form (exact or not): the gate/up kernel
+_UP = {exact: _tuned(_decode_up_kernel, configs("BLOCK_N", "BLOCK_H"), ["E", "HIDDEN", "WIDTH", "TOP_K"], "BLOCK_H",
+                     "HIDDEN") for exact, configs in ((False, _configs), (True, _exact_configs))}
+_DOWN = _tuned(_decode_down_kernel, _configs("BLOCK_N", "BLOCK_I"), ["HIDDEN", "WIDTH", "TOP_K"], "BLOCK_I", "WIDTH")
+_DOWN_EXACT = _tuned(_decode_down_exact_kernel, _exact_configs("BLOCK_N", "BLOCK_I"), ["HIDDEN", "WIDTH"], "BLOCK_I",
+                     "WIDTH")
+COMBINE_BLOCK = 16 if INTERPRET else 128
 _TUNED: set[tuple] = set()  # layer shapes whose block shapes were tuned (at one token)
 
 
@@ -237,12 +267,18 @@ def decode_experts(x: torch.Tensor, logits: torch.Tensor, spec, bias: torch.Tens
     if T > 1 and shape not in _TUNED:
         decode_experts(x[:1], logits[:1], spec, bias, w13, w2, exact=exact)
     _TUNED.add(shape)
-    up, down = _KERNELS[exact]
-    up[lambda meta: (T * top_k, triton.cdiv(width, meta["BLOCK_N"]))](
+    _UP[exact][lambda meta: (T * top_k, triton.cdiv(width, meta["BLOCK_N"]))](
         x, logits, bias if bias is not None else logits, w13, act, weights, ids, float(spec.scaling),
         E=num_experts, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, SIGMOID=spec.scoring == "sigmoid",
         HAS_BIAS=bias is not None, RENORMALIZE=bool(spec.renormalize), BLOCK_E=next_pow2(num_experts),
         BLOCK_K=next_pow2(top_k), EXACT=exact)
-    down[lambda meta: (T, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        act, w2, weights, ids, out, HIDDEN=hidden, WIDTH=width, TOP_K=top_k, EXACT=exact)
+    if not exact:
+        _DOWN[lambda meta: (T, triton.cdiv(hidden, meta["BLOCK_N"]))](
+            act, w2, weights, ids, out, HIDDEN=hidden, WIDTH=width, TOP_K=top_k)
+        return out, weights, ids
+    y = torch.empty(T * top_k, hidden, device=x.device, dtype=x.dtype)
+    _DOWN_EXACT[lambda meta: (T * top_k, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        act, w2, ids, y, HIDDEN=hidden, WIDTH=width)
+    _combine_kernel[(T, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights, out, HIDDEN=hidden, TOP_K=top_k,
+                                                             BLOCK_N=COMBINE_BLOCK)
     return out, weights, ids
