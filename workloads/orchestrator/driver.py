@@ -612,16 +612,20 @@ class Orchestrator:
         self.buffer.release([c for c, score in zip(completion.choices, scores) if score is None])  # masked
         group = Group(request_id, prompt.index, list(prompt.prompt_ids), completion.version, samples)
         outcome = self.buffer.complete(group, rewards_failed=failed, dynamic_sampling=self.s.dynamic_sampling)
+        if outcome.kind != "duplicate":
+            # in the event loop's step that changed the buffer: a state snapshot (GET /v1/state, a checkpoint)
+            # holds the group's outcome and its events both or neither (its counts say how many completed)
+            self._event("completed", request_id=request_id, version=completion.version.to_json())
+            if outcome.kind == "filtered":
+                self._event("filtered", request_id=request_id)
+            elif outcome.kind == "too_few":
+                self._event("dropped_failed", request_id=request_id, rewards_failed=failed)
         await self.collect_routing()
         if outcome.kind == "duplicate":
             return
         self.metrics[M.REWARD_FAILURES].inc(failed)
-        self._event("completed", request_id=request_id, version=completion.version.to_json())
         if outcome.kind == "filtered":
             self.metrics[M.SAMPLES_FILTERED].inc(len(samples))
-            self._event("filtered", request_id=request_id)
-        elif outcome.kind == "too_few":
-            self._event("dropped_failed", request_id=request_id, rewards_failed=failed)
         await self._notify()
 
     # ---- servers --------------------------------------------------------------------------------------------
