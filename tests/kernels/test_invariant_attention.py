@@ -79,8 +79,9 @@ def test_the_sequences_span_several_chunks_and_decode_chooses_chunk_programs_onl
     assert not chunk_programs(1, 4, 2, 32, CHUNK << 17, device)  # partial softmaxes over PARTIALS_MAX_BYTES
 
 
-@pytest.mark.parametrize("split", [None, True, False], ids=["chosen", "chunk-programs", "walk"])
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype, tol, split", [(torch.bfloat16, 2e-2, None), (torch.bfloat16, 2e-2, True),
+                                               (torch.bfloat16, 2e-2, False), (torch.float32, 1e-5, None)],
+                         ids=["bf16-chosen", "bf16-chunk-programs", "bf16-walk", "fp32-chosen"])
 def test_decode_over_the_paged_cache_equals_the_packed_causal_forward_bitwise_in_any_batch(dtype, tol, split):
     q, k, v = sequences(dtype)
     packed = packed_causal_attention(q, k, v)
