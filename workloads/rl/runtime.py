@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import http.client
 import json
 import logging
 import socket
@@ -272,8 +273,15 @@ def serve(app: Any, host: str, port: int) -> None:
     uvicorn.Server(uvicorn_config(app, host=host, port=port)).run()
 
 
+# What a request raises when its peer is unreachable, or dies or restarts while it answers (a body cut short:
+# http.client.IncompleteRead): callers that wait a peer out retry these. An HTTP error status (urllib.error.HTTPError,
+# a URLError too) is an answer: callers look at it first.
+TRANSIENT_HTTP_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException)
+
+
 def http_json(method: str, url: str, body: Any = None, *, timeout: float, token: str | None = None) -> Any:
-    """One JSON request; raises urllib.error.URLError/HTTPError or TimeoutError on failure."""
+    """One JSON request; raises urllib.error.HTTPError on an error status, else one of TRANSIENT_HTTP_ERRORS on
+    failure."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if token:
@@ -289,7 +297,7 @@ def wait_for(url: str, *, timeout: float, interval: float = 0.2) -> Any:
     while True:
         try:
             return http_json("GET", url, timeout=2)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        except (*TRANSIENT_HTTP_ERRORS, json.JSONDecodeError):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer within {timeout:.0f} s") from None
             time.sleep(interval)

@@ -11,7 +11,7 @@ import urllib.error
 from typing import Protocol
 
 from ..rl.protocol import Batch, VersionRef, request_of
-from ..rl.runtime import http_json
+from ..rl.runtime import TRANSIENT_HTTP_ERRORS, http_json
 from .publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class HttpBatchSource:
                 log.warning("orchestrator error (%s); retrying", exc)
                 time.sleep(1)
                 continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            except TRANSIENT_HTTP_ERRORS as exc:
                 log.warning("orchestrator unreachable (%s); retrying", exc)
                 time.sleep(1)
                 continue
@@ -108,7 +108,7 @@ class HttpBatchSource:
                 return False
             raise RuntimeError(f"{refusal}; our record of steps {min(record)}..{max(record)} was refused too: "
                                f"{exc.code} {exc.read()!r}") from exc
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        except TRANSIENT_HTTP_ERRORS as exc:
             log.warning("orchestrator unreachable with our record (%s); asking again", exc)
             time.sleep(1)
             return False
@@ -125,7 +125,7 @@ class HttpBatchSource:
         try:
             self.version_published(newest.version, newest.lineage)
             self.reannounced += 1
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        except TRANSIENT_HTTP_ERRORS as exc:
             log.warning("re-posting version %s failed (%s); asking again", newest, exc)
             time.sleep(1)
 
@@ -145,7 +145,7 @@ class HttpBatchSource:
                 if exc.code < 500:
                     raise
                 error = exc
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            except TRANSIENT_HTTP_ERRORS as exc:
                 error = exc
             if attempt + 1 < self.STATE_ATTEMPTS:
                 log.warning("orchestrator state unavailable (%s); retrying", error)
