@@ -18,6 +18,8 @@ import triton.language as tl
 
 from ._triton import INTERPRET, check_device, dot_acc, multiprocessors, next_pow2
 
+BLOCK_N = 16 if INTERPRET else 64  # key positions per step of walk_keys (the decode splits' and the prefill tiles')
+
 
 @triton.jit
 def paged_offsets(table, n, valid, PAGE: tl.constexpr):
@@ -157,7 +159,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q.stride(0), q.stride(1), tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         G=group, SPLITS=splits, D=dim, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_N=16 if INTERPRET else 64, EXACT=q.dtype == torch.float32,
+        BLOCK_N=BLOCK_N, EXACT=q.dtype == torch.float32,
         num_warps=4, num_stages=2)
     out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
     _merge_kernel[(rows * heads,)](partial, ml, out, SPLITS=splits, BLOCK_S=next_pow2(splits), D=dim)

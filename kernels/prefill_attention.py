@@ -23,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, dot_acc, next_pow2
-from .decode_attention import check_paged, walk_keys
+from ._triton import next_pow2
+from .decode_attention import BLOCK_N, check_paged, walk_keys
 
 BLOCK_M = 16  # tokens of one row per program
-BLOCK_N = 16 if INTERPRET else 64  # key positions per step of the walk
 
 
 @triton.jit

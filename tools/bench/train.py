@@ -22,9 +22,9 @@ of the policy on the batch-invariant kernels, its log-probabilities chunked) for
 and backward for the gradient. Its MFU counts the same model FLOPs, so the second forward shows as lost MFU; the
 scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. Under --ranks the
 scorer holds each rank's experts and dispatches over the all-to-all, as the trainer's does (a run refuses exact mode
-with DeepEP); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch that takes several optimizer steps instead pays the exact scorer's forward in
-place of the standard scoring's fast one, once (its first step takes the scoring's logprobs): the column's last
-cell, each scoring's median seconds.
+with DeepEP); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch
+that takes several optimizer steps instead pays the exact scorer's forward in place of the standard scoring's fast
+one, once (its first step takes the scoring's logprobs): the column's last cell, each scoring's median seconds.
 
 `--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
 per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given

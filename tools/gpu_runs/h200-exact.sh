@@ -16,7 +16,8 @@
 # triton and with numerics: exact, and a profile of batch 1's step by kernel (12 of the 48 layers, 128 prompt tokens + 64 new ones), and the prefill rate of each;
 # then decode at batch 1 / 64 over 2,048-token prompts (a real length: the exact attention's chunk programs).
 # From the repository root with the machine's python3; carry .whl/ (as h200-engine-split.sh does). SWEEP=0 skips the
-# tile sweep (2.); TRAIN_SHAPES sets bench-train's shapes (an H100's 80 GB holds 1x8192, not the default 2x8192).
+# tile sweep (2.); TRAIN_LAYERS and TRAIN_SHAPES set bench-train's (default 8 layers, 2x8192: they need an H200; an
+# H100's 80 GB ran out of memory at 8 layers even at 1x8192 and held 4 layers at 2x8192).
 # Expected: ~530 s (limit 540; bench-train ~60-100 s of it, not yet measured; every benchmark records each row as it
 # is measured, so a cut keeps the rows before it: bench-rollout goes last and takes what is left).
 # Results in $OUT (the .log files in logs.tgz): steps.txt, tests.log, bench.log, bench-exact.json, tiles.log, tiles.json, bench-train.log, bench-train-exact.json,
@@ -42,7 +43,7 @@ if [ "${SWEEP:-1}" = 1 ]; then
     step tiles 100 python3 -m moe_rl_eks.kernels.bench_invariant_tiles --json "$OUT/tiles.json" > "$OUT/tiles.log" 2>&1
     echo "tiles whose bits differ: $(grep -c DIFF "$OUT/tiles.log")"
 fi
-step bench-train 110 python3 -m moe_rl_eks.tools.bench.train --exact --layers 8 --compute triton \
+step bench-train 110 python3 -m moe_rl_eks.tools.bench.train --exact --layers "${TRAIN_LAYERS:-8}" --compute triton \
     --checkpointing save_attention --shapes "${TRAIN_SHAPES:-2x8192}" --steps 2 --json "$OUT/bench-train-exact.json" \
     > "$OUT/bench-train.log" 2>&1
 grep -E "^\|" "$OUT/bench-train.log"
