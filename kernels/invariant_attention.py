@@ -4,7 +4,8 @@ causal forward alike, so the three give a query the same output bitwise.
 
 All three run prefill_attention.py's kernel. A program takes a tile of up to BLOCK_M tokens of one row (a decode
 step: one token per tile), and walks the row's keys from position 0 in BLOCK_N steps with tiles of one shape (BLOCK_M
-tokens x the kv head's G query heads, against BLOCK_N keys): a query's scores and running softmax are the same
+tokens x the kv head's G query heads, against BLOCK_N keys; a decode step's tile at most halved onto half the warps,
+each warp's rows the same: prefill_attention.decode_tile): a query's scores and running softmax are the same
 instructions over the same key tiles in every case. The key tiles past its own position that a longer tile-mate
 reads are masked out for it entirely, and change nothing (its running max stays, its weights there are 0).
 

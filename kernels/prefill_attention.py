@@ -106,6 +106,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, tile_ptr,
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def tile_warps(block_g: int, dim: int) -> int:
+    """Warps of a prefill tile (BLOCK_M tokens x BLOCK_G heads, against D-wide keys)."""
+    return 8 if dim * block_g >= 512 else 4
+
+
+def decode_tile(block_g: int, dim: int) -> tuple[int, int]:
+    """(BLOCK_M, warps) of a decode step's one-token tiles. Its query rows beyond the token's G heads are idle; a
+    tile of 128 or more rows on 8 warps is halved onto 4, each warp keeping its 16 (or more) query rows of the same
+    tensor-core instructions over the same key tiles, so a query's bits stay a prefill's (on Hopper both are
+    wgmma m64 tiles: the second warp group held only idle rows). Any other tile stays the prefill's: a narrower
+    one can take other instructions and layouts (a 2-token tile, 16 rows on mma.sync with the key columns split
+    over warps, gave other bits on an H100)."""
+    warps = tile_warps(block_g, dim)
+    if warps == 8 and BLOCK_M * block_g >= 128:
+        return BLOCK_M // 2, 4
+    return BLOCK_M, warps
+
+
 def prefill_tiles(segments: Iterable[tuple[int, int]], device) -> torch.Tensor:
     """segments (first token, count): runs of consecutive positions of one row in the packed batch -> the kernel's
     tiles [T, 2] (first token, count <= BLOCK_M), built once per forward and shared by its layers."""
@@ -126,14 +144,16 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: to
     part, ml = partials if partials is not None else (q, q)  # unused pointers without chunk programs
     grid = (q.shape[0] if tiles is None else tiles.shape[0], kv_heads) + (() if partials is None else (part.shape[2],))
     stride_on = out.stride(0) if out is not None else heads * dim
+    block_g = next_pow2(heads // kv_heads)
+    block_m, warps = decode_tile(block_g, dim) if tiles is None else (BLOCK_M, tile_warps(block_g, dim))
     _prefill_kernel[grid](
         q, keys, values, tables, slots, positions, tiles if tiles is not None else slots,
         out if out is not None else q, part, ml, 1.0 / math.sqrt(dim),
         q.stride(0), q.stride(1), stride_on, out.stride(1) if out is not None else dim, tables.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        G=heads // kv_heads, D=dim, PAGE=keys.shape[1], BLOCK_M=BLOCK_M, BLOCK_G=next_pow2(heads // kv_heads),
+        G=heads // kv_heads, D=dim, PAGE=keys.shape[1], BLOCK_M=block_m, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, EXACT=q.dtype == torch.float32, CHUNK=chunk, DECODE=tiles is None,
-        CHUNK_PROGRAMS=partials is not None, num_warps=8 if dim * (heads // kv_heads) >= 512 else 4, num_stages=2)
+        CHUNK_PROGRAMS=partials is not None, num_warps=warps, num_stages=2)
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
