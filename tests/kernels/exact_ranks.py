@@ -1,6 +1,7 @@
-"""The exact numerics mode's expert-parallel ranks: gloo processes on the CPU, each holding its slice of the experts,
+"""The exact numerics mode's expert-parallel ranks: gloo processes, each holding its slice of the experts, on the CPU
 running the exact kernels under Triton's interpreter (inherited through the environment) with the test process's
-row-invariant tl.dot. Imported by the tests by module name, so worker processes can unpickle these functions."""
+row-invariant tl.dot, or compiled, every rank sharing cuda:0 (gloo moves the all-to-all's CUDA tensors; NCCL takes
+one GPU per rank). Imported by the tests by module name, so worker processes can unpickle these functions."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ from moe_rl_eks.workloads.trainer.numerics import ExactScorer
 
 
 def run_ep_ranks(world: int, fn, *args) -> list:
-    """fn(rank, world, *args) on `world` gloo processes; every rank's result."""
+    """fn(rank, world, *args) on `world` gloo processes; every rank's result (CUDA tensors come back on cuda:0)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_rank, args=(world, tmp, fn, args), nprocs=world, start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
@@ -33,7 +34,9 @@ def run_ep_ranks(world: int, fn, *args) -> list:
 
 def _rank(rank: int, world: int, tmp: str, fn, args) -> None:
     torch.set_num_threads(1)
-    row_invariant_dot.install()  # the test process's tl.dot (conftest.py), in this one too
+    row_invariant_dot.install()  # the test process's tl.dot under the interpreter (conftest.py), in this one too
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, *args), os.path.join(tmp, f"rank{rank}.pt"))
@@ -42,26 +45,26 @@ def _rank(rank: int, world: int, tmp: str, fn, args) -> None:
 
 
 def exact_scores(rank: int, world: int, config: ModelConfig, state: dict[str, torch.Tensor],
-                 microbatches: list[list[list]], temperature: float) -> list[torch.Tensor]:
+                 microbatches: list[list[list]], temperature: float, device: str) -> list[torch.Tensor]:
     """The trainer's exact scorer on this EP rank (its experts of `state`, loaded as Trainer.publish hands it a
     version) over this rank's micro-batches `microbatches[rank]` (lists of samples; every rank runs as many, an
-    empty one where it has nothing): each one's logprobs [B, S]."""
+    empty one where it has nothing) on `device`: each one's logprobs [B, S]."""
     ep = ExpertParallel(dist.group.WORLD, "alltoall")
     with torch.device("meta"):  # the trainer's policy, laid out over the EP ranks (its weights are not read)
         policy = MoETransformer(config, ep=ep)
-    scorer = ExactScorer(policy, torch.device("cpu"))
+    scorer = ExactScorer(policy, torch.device(device))
     scorer.load(expert_slice(state, local_experts(ep, config.num_experts)))
-    return [scorer.logprobs(Sequences.of(samples), temperature)[0] for samples in microbatches[rank]]
+    return [scorer.logprobs(Sequences.of(samples).to(device), temperature)[0] for samples in microbatches[rank]]
 
 
 def exact_server(rank: int, world: int, run: RunConfig, checkpoint: str, shares: list[list[RowRequest]],
-                 slots: int, max_len: int) -> dict[int, tuple[list[int], list[float]]] | None:
+                 slots: int, max_len: int, device: str) -> dict[int, tuple[list[int], list[float]]] | None:
     """A rollout server sharded over the ranks (each its Replica, rank 0 driving, the others following) serving
     the version in `checkpoint`: rank r decodes the rows `shares[r]`, `slots` at a time, every rank stepping until
     all of them have finished. Rank 0 returns each row's (tokens, logprobs) by its `row`; the others None."""
-    ep = ExpertParallel.for_serving(dist.group.WORLD, run.model, device="cpu", rows_per_rank=slots,
+    ep = ExpertParallel.for_serving(dist.group.WORLD, run.model, device=device, rows_per_rank=slots,
                                     exact=run.numerics == "exact")
-    replica = Replica(run, ep=ep, control=dist.new_group(backend="gloo"), device=torch.device("cpu"))
+    replica = Replica(run, ep=ep, control=dist.new_group(backend="gloo"), device=torch.device(device))
     if rank > 0:
         follow(replica)
         return None

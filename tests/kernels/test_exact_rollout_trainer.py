@@ -4,8 +4,9 @@ and recomputation) equal the trainer's bitwise for every token, through the trai
 loaded from the published state, the first optimizer step's forward, the mismatch it reports); the standard
 mode's engine and trainer disagree, and the same report says by how much. Greedy decoding in exact mode gives a
 row the same tokens and logprobs alone, among other rows and in a second run. With expert parallelism over the
-all-to-all (2 gloo ranks, each holding half the experts) the trainer's exact scorer and a sharded rollout server
-give the same bits as one process."""
+all-to-all (2 gloo ranks, each holding half the experts; compiled, both sharing cuda:0) the trainer's exact scorer
+and a sharded rollout server give the same bits as one process."""
+import copy
 import dataclasses
 
 import pytest
@@ -31,6 +32,7 @@ from exact_ranks import exact_scores, exact_server, run_ep_ranks
 CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96, num_experts_per_tok=3)
 TEMPERATURE = 0.8
 MAX_LEN = 16
+DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
 ROWS = [RowRequest(tuple(prompt), SamplingParams(new, seed=i, temperature=TEMPERATURE), "r", i)
         for i, (prompt, new) in enumerate(zip(
             [[1, 5, 9, 2, 7, 3, 8, 4, 6], [3, 4], [7, 1, 2, 5, 6], [2, 8, 9, 1], [4, 4, 4, 4, 4, 4, 4]],
@@ -43,7 +45,7 @@ def policy():
     model = MoETransformer(CONFIG)
     with torch.no_grad():  # logits with a spread (a random init's are nearly uniform)
         model.lm_head.weight.mul_(8)
-    return model
+    return model.to(DEVICE)
 
 
 def served(policy, numerics):
@@ -111,18 +113,17 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(
     policy.zero_grad(set_to_none=True)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU, the exact kernels under the interpreter")
 def test_exact_scorer_over_two_expert_parallel_ranks_gives_the_one_rank_scorers_and_the_rollouts_logprobs(
         policy, exact_samples):
     # Each rank holds half the experts and scores its own micro-batches, rank 1's second one empty (it still joins
     # every all-to-all); the one-rank scorer scores all the samples in one micro-batch.
     state = {name: t.detach() for name, t in policy.state_dict().items()}
     shares = [[[0, 2], [4]], [[1, 3], []]]  # sample indices per micro-batch, per rank
-    ranks = run_ep_ranks(2, exact_scores, CONFIG, state,
-                         [[[exact_samples[i] for i in mb] for mb in share] for share in shares], TEMPERATURE)
-    one_rank = ExactScorer(policy, torch.device("cpu"))
+    ranks = run_ep_ranks(2, exact_scores, CONFIG, {name: t.cpu() for name, t in state.items()},
+                         [[[exact_samples[i] for i in mb] for mb in share] for share in shares], TEMPERATURE, DEVICE)
+    one_rank = ExactScorer(policy, torch.device(DEVICE))
     one_rank.load(state)
-    everything = Sequences.of(exact_samples)
+    everything = Sequences.of(exact_samples).to(DEVICE)
     want = one_rank.logprobs(everything, TEMPERATURE)[0]
     on = everything.mask > 0
     assert torch.equal(want[on], everything.behaviour[on])  # the rollout's logprobs
@@ -134,7 +135,6 @@ def test_exact_scorer_over_two_expert_parallel_ranks_gives_the_one_rank_scorers_
                 assert torch.equal(logprobs[row], want[i, :width]) and not want[i, width:].any(), f"sample {i}"
 
 
-@pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU, the exact kernels under the interpreter")
 def test_exact_server_sharded_over_two_ranks_samples_the_one_process_engines_tokens_and_logprobs(
         policy, exact_samples, tmp_path):
     # The sharded server's ranks decode their own rows (3 and 2, two at a time: rank 1 runs out first and feeds
@@ -142,7 +142,7 @@ def test_exact_server_sharded_over_two_ranks_samples_the_one_process_engines_tok
     run = parse(RunConfig, {"name": "x", "model": dataclasses.asdict(CONFIG), "numerics": "exact",
                             "rollout": {"gpus_per_server": 2}}, source="test")
     save_hf(policy.state_dict(), CONFIG, tmp_path)
-    served = run_ep_ranks(2, exact_server, run, str(tmp_path), [ROWS[0::2], ROWS[1::2]], 2, MAX_LEN)[0]
+    served = run_ep_ranks(2, exact_server, run, str(tmp_path), [ROWS[0::2], ROWS[1::2]], 2, MAX_LEN, DEVICE)[0]
     assert served == {i: (s.completion_ids, s.logprobs) for i, s in enumerate(exact_samples)}
 
 
@@ -167,6 +167,9 @@ def test_exact_mode_greedy_output_is_identical_across_runs_and_batch_composition
 
 
 def test_standard_mode_reports_the_rollout_trainer_mismatch(policy):
+    # on the CPU's torch backend, float32 both sides (the bounds below are its; the 30B-layer-shape test reports
+    # a GPU's, the trainer under bf16 autocast)
+    policy = copy.deepcopy(policy).cpu()
     samples = rollout(policy, "standard")
     _, _, report = trainer_logprobs(policy, samples, "standard")
     assert report["logprob_bitwise_equal"] < 1.0
