@@ -4,6 +4,7 @@ workloads; `spec` is any object with RoutingSpec's attributes, a norm any object
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .decode_attention import decode_attention
 from .expert_decode import DECODE_MAX_TOKENS, decode_experts, layout_free, supports
@@ -37,6 +38,9 @@ class TritonCompute:
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)  # cuBLAS (the shared experts' products: their rows are many)
 
     exact = False  # the decode kernels' products: row sums (or the exact mode's tensor-core tiles)
 
@@ -121,6 +125,9 @@ class ExactCompute(TritonCompute):
 
     def experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return swiglu_experts(x_sorted, counts, w13, w2, exact=True)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return invariant_matmul(x, weight)  # a shared expert's row: the same bits in a decode step and a prefill
 
 
 class ExactForwardKernels(TritonForwardKernels):

@@ -4,6 +4,7 @@ forward, whether the engine prefilled the sequence in one packed forward with an
 part and then decoded it token by token, alone or in a batch with another row that joins, changes places and
 leaves."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,15 +23,24 @@ from moe_rl_eks.workloads.rollout.model_runner import ModelRunner
 DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest
 
 
+# a shared expert (DeepSeek's, every token through it beside its routed ones): one layer, to keep the test short
+SHARED = dataclasses.replace(TINY, num_hidden_layers=1, n_shared_experts=1)
+
+
 # bf16 through the interpreter takes about twice fp32's 20 s here: compiled only (tools/gpu_runs/h200-exact.sh); the
 # kernel tests cover bf16 rows under the interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    INTERPRET, reason="bf16 end to end runs compiled (tools/gpu_runs/h200-exact.sh)"))])
-def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_token_the_same_bits(dtype):
+@pytest.mark.parametrize("dtype, config", [
+    pytest.param(torch.float32, TINY, id="float32"),
+    pytest.param(torch.bfloat16, TINY, id="bfloat16", marks=pytest.mark.skipif(
+        INTERPRET, reason="bf16 end to end runs compiled (tools/gpu_runs/h200-exact.sh)")),
+    pytest.param(torch.bfloat16, SHARED, id="bfloat16-shared-expert", marks=pytest.mark.skipif(
+        INTERPRET, reason="bf16 end to end runs compiled (tools/gpu_runs/h200-exact.sh)")),
+    pytest.param(torch.float32, SHARED, id="float32-shared-expert")])
+def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_token_the_same_bits(dtype, config):
     torch.manual_seed(0)
-    model = MoETransformer(TINY, compute="exact").eval().to(DEVICE, dtype)
-    a, b = torch.randint(0, TINY.vocab_size, (9,)).tolist(), torch.randint(0, TINY.vocab_size, (5,)).tolist()
-    empty = PagedCache.allocate(TINY, 2, 12, 8, 4, DEVICE, dtype)
+    model = MoETransformer(config, compute="exact").eval().to(DEVICE, dtype)
+    a, b = torch.randint(0, config.vocab_size, (9,)).tolist(), torch.randint(0, config.vocab_size, (5,)).tolist()
+    empty = PagedCache.allocate(config, 2, 12, 8, 4, DEVICE, dtype)
     for slot in (0, 1):
         empty.grow(slot, 12)
 
@@ -84,7 +94,7 @@ def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_to
         assert torch.equal(logits, want[key]), f"{key}: the engine's logits differ from the trainer's"
     # log p of a token at temperature 0.7: the engine's rows one at a time, the trainer's all at once
     keys = sorted(got)
-    targets = torch.randint(0, TINY.vocab_size, (len(keys),)).to(DEVICE)
+    targets = torch.randint(0, config.vocab_size, (len(keys),)).to(DEVICE)
     engine = torch.cat([torch.stack(softmax_stats(got[key][None], targets[i:i + 1], inverse_temperatures(0.7, 1, DEVICE)))
                         for i, key in enumerate(keys)], 1)
     trainer = softmax_stats(torch.stack([want[k] for k in keys]), targets, inverse_temperatures(0.7, len(keys), DEVICE))

@@ -42,6 +42,10 @@ class MoECompute(Protocol):
         w13 [E, 2I, h] (rows 0..I-1 gate_proj, I..2I-1 up_proj, nn.Linear layout); w2 [E, h, I] (down_proj).
         Returns [N, h]: row r of expert e is down_e(silu(gate_e(x_r)) * up_e(x_r))."""
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> x @ weight.T [..., out] (weight [out, in], nn.Linear's layout): the shared experts'
+        dense products, row-invariant where the backend's numerics need them to be."""
+
     # The backend's fused training RMSNorm (forward and backward one kernel each, the model's numerics; optionally
     # followed by the rotary embedding), or None where the model's own ops compute it:
     # norm(x, weight, eps, out_dtype, rope=(cos, sin) | None) -> x normed, in out_dtype.

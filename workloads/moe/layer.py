@@ -3,6 +3,7 @@ Parameter names follow Hugging Face (Qwen3-MoE `mlp.gate.weight`, fused `mlp.exp
 `down_proj` as transformers 5 holds them; DeepSeek-V3 `e_score_correction_bias` and `shared_experts`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,10 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                ) -> torch.Tensor:
+        """`linear`: the products' kernel (the compute backend's: the exact mode's are row-invariant)."""
+        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class Experts(nn.Module):
@@ -117,7 +120,7 @@ class MoEBlock(nn.Module):
     def _finish(self, out, ids, x, logits, statistics) -> MoEOutput:
         spec = self.gate.spec
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, self.compute.linear)
         if not statistics:  # zeros on the host: no kernel launch per layer of a decode step
             zero = torch.zeros((), dtype=torch.float32)
             return MoEOutput(out, ids, zero, zero.expand(self.num_experts))

@@ -51,6 +51,9 @@ class TorchCompute:
             outs.append((F.silu(h13[:, :width]) * h13[:, width:]) @ w2[e].t())
         return torch.cat(outs) if outs else x_sorted[:0]
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
     def decode(self, x: torch.Tensor, router: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None,
                w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         return None  # no whole-layer path: the grouped GEMM is this backend's decode too
