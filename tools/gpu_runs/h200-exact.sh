@@ -28,9 +28,7 @@ set -u
 BUDGET=${BUDGET:-540}
 # shellcheck source=tools/gpu_runs/budget.sh
 source "$(dirname "$0")/budget.sh"
-python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1
-mkdir -p /tmp/shim/moe_rl_eks && for p in core infra k8s workloads kernels tools; do ln -sfn "$PWD/$p" /tmp/shim/moe_rl_eks/$p; done
-export PYTHONPATH=/tmp/site:/tmp/shim PYTHONUNBUFFERED=1
+package_env
 
 step tests 270 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/kernels/test_invariant_matmul.py \
     tests/kernels/test_invariant_rows.py tests/kernels/test_invariant_experts.py \
