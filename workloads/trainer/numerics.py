@@ -75,7 +75,7 @@ class ExactScorer:
         """(log p(target), entropy) [B, S] of the micro-batch's tokens at `temperature`, zero on padding."""
         if self.packed is None:
             raise RuntimeError("ExactScorer.logprobs before load: no version's weights yet")
-        hidden, _ = sequence_hidden(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
+        hidden, _, _ = sequence_hidden(self.model, self.packed, self.kernels, mb.packed_inputs()[0], mb.lengths)
         head = self.model.lm_head.weight
         logp, entropy, _ = chunked_softmax_stats(hidden, lambda rows: self.kernels.linear(rows, head),
                                                  mb.packed_targets(), temperature, self.chunk_tokens)
