@@ -49,7 +49,7 @@ def microbatch(shape: list[tuple[int, int]], seed: int, vocab: int = CONFIG.voca
 
 
 def scorer_of(policy: MoETransformer) -> ExactScorer:
-    scorer = ExactScorer(policy, torch.device("cpu"))
+    scorer = ExactScorer(policy, next(policy.parameters()).device)
     scorer.load(policy.state_dict())  # what Trainer.publish hands it with each version
     return scorer
 
@@ -120,12 +120,16 @@ def test_a_batchs_first_step_runs_one_forward_per_microbatch_and_steps_as_the_tw
         assert (update - twin_update).norm() <= GRAD_RTOL * twin_update.norm(), name
 
 
-@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="compiled on a GPU "
-                    "(tools/gpu_runs/h200-exact.sh runs tests/kernels with --noconftest)")
+# the compiled kernels: tools/gpu_runs/h200-exact.sh runs tests/kernels with --noconftest
+ON_A_GPU = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="compiled on a GPU")
+
+
+@ON_A_GPU
 def test_at_the_30b_layer_shape_the_exact_forwards_gradients_are_the_autocast_forwards():
-    # Qwen3-30B-A3B's layers (2 of 48) and vocabulary: float32 masters under bf16 autocast against the exact forward
-    # of their bf16 copy. The two differ by bf16 rounding of different activations (the copy's residual stream is
-    # bf16, autocast's float32): each gradient within 10 % of the other's norm, where a wrong term would be ~100 %.
+    """Qwen3-30B-A3B's layers (2 of 48) and vocabulary: float32 masters under bf16 autocast against the exact
+    forward of their bf16 copy. The two differ by bf16 rounding of different activations (the copy's residual
+    stream is bf16, autocast's float32): each gradient within 10 % of the other's norm, where a wrong term would be
+    ~100 %."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         policy = MoETransformer(dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=2), compute="triton")

@@ -4,9 +4,9 @@ ForwardKernels whose every op is an autograd Function. Its forward is the wrappe
 the forward's inputs, in PyTorch:
 - products (`linear`): gx = gy @ W and gW = gy^T @ x, torch matmuls in the operands' dtype (as nn.Linear's under
   autocast);
-- norms, the q/k norms with the rotary embedding, the norm with the router product: the torch backend's ops
-  (forward_kernels.TorchForwardKernels) recomputed in float32 at the saved inputs and differentiated; they are cheap
-  beside the products;
+- norms, the q/k norms with the rotary embedding, the norm with the router product: recomputed at the saved inputs
+  through the trainer's fused training norm (kernels/norm_training.py, one kernel each way, float32 inside: what
+  the fast forward's norms run under autocast) and differentiated;
 - attention (`attend`, which also writes the new keys and values into the pool, so that they are its inputs):
   causal attention recomputed per sequence with PyTorch's SDPA (transformer.packed_attention, flash kernels on
   GPUs) and differentiated: one attention forward per layer more than the fast path, whose backward reads the
@@ -19,12 +19,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from .forward_kernels import ForwardKernels, TorchForwardKernels
+from moe_rl_eks.kernels.norm_training import rms_norm_training
+
+from .forward_kernels import ForwardKernels
 from .transformer import packed_attention
-
-TORCH = TorchForwardKernels()
 
 
 class _Recomputed(torch.autograd.Function):
@@ -68,15 +67,17 @@ class _Linear(torch.autograd.Function):
         return None, gx, gw
 
 
-class Float32Norm:
-    """An RMSNorm over `weight` in float32 (what the torch backend's ops call a norm), for the backward's
-    recomputation: the norm's arithmetic without the exact kernel's intermediate roundings."""
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """weight * RMSNorm(x) in x's dtype (then rotary(., cos, sin) with `rope`), with the fused training backward."""
+    return rms_norm_training(x, weight, eps, x.dtype, rope)
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight, self.eps = weight, eps
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+def reference_add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + delta), h + delta): the residual's gradient is the sum of both outputs'."""
+    h = h + delta
+    return reference_norm(h, weight, eps), h
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -97,29 +98,28 @@ class DifferentiableKernels:
     def add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
             return _Recomputed.apply(lambda h, w: self.exact.add_norm(norm, h, None)[0],
-                                     lambda h, w: Float32Norm(w, norm.eps)(h), h, norm.weight), h
+                                     lambda h, w: reference_norm(h, w, norm.eps), h, norm.weight), h
         return _Recomputed.apply(lambda h, d, w: self.exact.add_norm(norm, h, d),
-                                 lambda h, d, w: TORCH.add_norm(Float32Norm(w, norm.eps), h.float(), d.float()),
-                                 h, delta, norm.weight)
+                                 lambda h, d, w: reference_add_norm(h, d, w, norm.eps), h, delta, norm.weight)
 
     def add_norm_router(self, norm, router: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         def reference(h, d, w, r):
-            x, h = TORCH.add_norm(Float32Norm(w, norm.eps), h.float(), d.float())
-            return x, h, x @ r.float().t()
+            x, h = reference_add_norm(h, d, w, norm.eps)
+            return x, h, x @ r.t()
 
         return _Recomputed.apply(lambda h, d, w, r: self.exact.add_norm_router(norm, r, h, d), reference,
                                  h, delta, norm.weight, router)
 
     def norm_rope(self, norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return _Recomputed.apply(lambda x, w: self.exact.norm_rope(norm, x, cos, sin),
-                                 lambda x, w: TORCH.norm_rope(Float32Norm(w, norm.eps), x, cos, sin), x, norm.weight)
+                                 lambda x, w: reference_norm(x, w, norm.eps, (cos, sin)), x, norm.weight)
 
     def qk_norm_rope(self, q_norm, k_norm, weights: torch.Tensor, qk: torch.Tensor, heads: int,
                      cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         def reference(qk, w):
-            return TORCH.qk_norm_rope(Float32Norm(w[0], q_norm.eps), Float32Norm(w[1], k_norm.eps), w, qk, heads,
-                                      cos, sin)
+            return (reference_norm(qk[..., :heads, :], w[0], q_norm.eps, (cos, sin)),
+                    reference_norm(qk[..., heads:, :], w[1], k_norm.eps, (cos, sin)))
 
         return _Recomputed.apply(lambda qk, w: self.exact.qk_norm_rope(q_norm, k_norm, w, qk, heads, cos, sin),
                                  reference, qk, weights)

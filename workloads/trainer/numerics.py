@@ -20,7 +20,7 @@ costs it the exact forward in place of the standard scoring's fast one.
 A batch of one optimizer step is not scored: its step's one forward per micro-batch is the exact one, made
 differentiable (`ExactScorer.forward`): the same kernels called alike, so the same bits as `logprobs`, each op an
 autograd Function whose backward is the standard formula (model/exact_autograd.py: torch matmuls for the products,
-float32 recomputation for the norms, SDPA recomputed per sequence for the attention; the MoE layers' route, permute,
+the fast forward's fused training norms recomputed, SDPA recomputed per sequence for the attention; the MoE layers' route, permute,
 exact expert GEMM and combine have their own backward; the LM head's values from the invariant product, its
 gradient from model/logprobs.py's chunked backward). The gradient is the copy's, in its served dtype, as autocast's
 bf16 products give the fast forward's: each of the copy's parameters hands it, as it is accumulated, to the
