@@ -29,6 +29,8 @@ GRAD_RTOL = 1e-4
 # (prompt, completion) lengths: 26 tokens (the MoE layers' grouped path), and 8 (at most 16 tokens, where the
 # no-grad scorer's MoE layers take the decode kernels and the differentiable forward still the grouped path)
 SHAPES = {"grouped": [(9, 5), (3, 6), (1, 2)], "few_tokens": [(3, 2), (2, 1)]}
+# the exact kernels on CPU tensors; compiled on a GPU, the 30B-layer-shape test below
+ON_THE_INTERPRETER = pytest.mark.skipif(not INTERPRET, reason="the interpreter's form")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,7 @@ def objective(logprobs: torch.Tensor, entropy: torch.Tensor, aux_loss: torch.Ten
     return -((logprobs * mb.advantages[:, None] + ENTROPY_COEF * entropy) * mb.mask).sum() + aux_loss
 
 
+@ON_THE_INTERPRETER
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_the_differentiable_exact_forward_gives_the_scorers_bits_and_the_float32_models_gradients(policy, shape):
     mb = microbatch(shape, seed=len(shape))
@@ -108,6 +111,7 @@ def step_twice(policy: MoETransformer, differentiable: bool, monkeypatch) -> tup
     return {name: p.detach().clone() for name, p in model.named_parameters()}, result, len(forwards)
 
 
+@ON_THE_INTERPRETER
 def test_a_batchs_first_step_runs_one_forward_per_microbatch_and_steps_as_the_two_forward_path(policy, monkeypatch):
     one, result, fast_forwards = step_twice(policy, True, monkeypatch)
     two, twin_result, twin_fast_forwards = step_twice(policy, False, monkeypatch)

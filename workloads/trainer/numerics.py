@@ -89,8 +89,10 @@ def hand_gradients_to(copy: nn.Module, policy: nn.Module) -> None:
 
 
 def _hand_over(master: torch.Tensor, param: torch.Tensor) -> None:
-    grad = param.grad.to(master.dtype)
-    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    if master.grad is None:
+        master.grad = param.grad.to(master.dtype)
+    else:
+        master.grad.add_(param.grad)  # promoted to the master's dtype element by element: no float32 copy
     param.grad = None
 
 
