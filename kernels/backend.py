@@ -95,10 +95,6 @@ class TritonForwardKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return decode_linear(x, weight)
 
-    def write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 block: torch.Tensor, offset: torch.Tensor) -> None:
-        write_kv(keys, values, k, v, block, offset)
-
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
         return prefill_tiles(segments, device)
 
@@ -107,9 +103,10 @@ class TritonForwardKernels:
     # A prefill's: a program per tile of a row's tokens, one walk over its keys
     prefill_attention = staticmethod(prefill_attention)
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                  slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
-                  seen: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               block: torch.Tensor, offset: torch.Tensor, tables: torch.Tensor, slot: torch.Tensor,
+               positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None, seen: torch.Tensor) -> torch.Tensor:
+        write_kv(keys, values, k, v, block, offset)
         if tiles is not None:
             return self.prefill_attention(q, keys, values, tables, slot, positions, tiles)
         return self.decode_attention(q, keys, values, tables, slot, seen)

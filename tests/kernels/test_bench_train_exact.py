@@ -1,5 +1,5 @@
 """`moerl bench-train --exact`: each row's step measured again as a batch's first optimizer step under numerics:
-exact (the exact scorer's forward on the batch-invariant kernels, then the fast forward and backward), and the
+exact (the exact scorer's differentiable forward on the batch-invariant kernels and its backward), and the
 scoring forward standard and exact, reported in the same table beside the standard step. On a tiny model through Triton's interpreter (the H200 run:
 tools/gpu_runs/h200-exact.sh); no timing is asserted, only that both columns are measured and reported."""
 import json

@@ -1,6 +1,8 @@
 """The trainer in the exact numerics mode with expert parallelism (2 gloo ranks, each holding half the experts)
 against one rank, under Triton's interpreter: each rank's exact scorer, loaded from the version it publishes,
-gives its samples the one-rank scorer's logprobs bitwise, and an RL step runs through the same scorer."""
+gives its samples the one-rank scorer's logprobs bitwise, and an RL step (a batch of one optimizer step, through the
+scorer's differentiable forward, its gradient handed to each rank's policy) gives the one rank's loss and gradient
+norm."""
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,6 @@ def test_two_expert_parallel_trainer_ranks_score_each_sample_with_the_one_rank_t
     # the step's first forward takes its values from the same scorer: the reported mismatch is the one rank's
     for name in ("loss", "logprob_abs_diff_mean", "logprob_abs_diff_max"):
         assert ranks[0]["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-6), name
+    # the gradient summed over the ranks' experts and micro-batches: float32 sums in another order
+    assert one["metrics"]["optimizer_steps"] == 1 and one["metrics"]["grad_norm"] > 0
+    assert ranks[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)

@@ -58,7 +58,7 @@ def test_the_trainers_exact_forward_and_the_engines_prefill_and_decode_give_a_to
                                   tensor(list(range(14))), 9, prefill_tiles([(0, 9), (9, 5)], DEVICE))
         # the trainer's forward over the same two sequences packed back to back
         kernels = get_forward_kernels("exact")
-        hidden, trainer_routing = sequence_hidden(model, PackedAttention(model), kernels, tensor(a + b), [9, 5])
+        hidden, trainer_routing, _ = sequence_hidden(model, PackedAttention(model), kernels, tensor(a + b), [9, 5])
         trainer = kernels.linear(hidden, model.lm_head.weight)
         assert torch.equal(trainer, reference)
         engine_routing = torch.cat([whole.cache.routing_of(0, 9), whole.cache.routing_of(1, 5)])

@@ -107,7 +107,7 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_bitwise_for_every_token(
     assert torch.equal(fwd.logprobs[on], mb.behaviour[on])
     assert report == {"logprob_bitwise_equal": 1.0, "logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0,
                       "logprob_kl_rollout_trainer": 0.0, "logprob_kl_trainer_rollout": 0.0}
-    # the values are the scorer's, the gradient the fast forward's: the loss can be trained through them
+    # the forward is the scorer's, differentiable: the loss trains the policy through it
     (fwd.logprobs * mb.mask).sum().backward()
     assert policy.lm_head.weight.grad is not None and policy.lm_head.weight.grad.abs().sum() > 0
     policy.zero_grad(set_to_none=True)

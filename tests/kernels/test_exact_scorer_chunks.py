@@ -39,7 +39,7 @@ def test_the_exact_scorers_logprobs_and_entropies_are_the_same_bits_in_any_chunk
     assert scorer.chunk_tokens >= tokens  # the default takes this micro-batch in one chunk
 
     # the reference: the whole micro-batch's logits in one piece, reduced at once
-    hidden, _ = sequence_hidden(scorer.model, scorer.packed, scorer.kernels, mb.packed_inputs()[0], mb.lengths)
+    hidden, _, _ = sequence_hidden(scorer.model, scorer.packed, scorer.kernels, mb.packed_inputs()[0], mb.lengths)
     logits = scorer.kernels.linear(hidden, scorer.model.lm_head.weight)
     assert logits.shape == (tokens, CONFIG.vocab_size)
     logp, entropy, _ = softmax_stats(logits, mb.packed_targets(), 0.7)

@@ -6,12 +6,13 @@
 # prefill and decode against the trainer's exact forward; and the wired mode end to end at Qwen3-30B-A3B's layer shape
 # (2 layers, its vocabulary, bf16 served from float32 masters): the real decoder with CUDA graphs, chunked prefills,
 # rows joining and leaving and a preemption gives every token the logprob the trainer's first-step forward gives it,
-# bitwise, where the standard mode does not (test_exact_rollout_trainer.py). 2. kernels/bench_exact.py: each exact
+# bitwise, where the standard mode does not (test_exact_rollout_trainer.py), and the first step's differentiable exact
+# forward's gradients within 10 % of the autocast forward's (test_exact_grad.py). 2. kernels/bench_exact.py: each exact
 # kernel against the fast one at that shape (qkv, o_proj and lm_head at 1 / 64 / 256 / 4096 rows, decode attention at
 # batch 1 / 64 over 2048 positions, the experts' forward at 64 / 2048 tokens), then kernels/bench_invariant_tiles.py (every
 # candidate tile's bits and speed, the chosen one's). 3. bench-train's exact column from the
 # same run: the trainer's step (8 layers, triton, save_attention, 2 x 8,192 tokens) standard and as a batch's first
-# optimizer step under numerics: exact (the exact scorer's chunked forward + the fast forward/backward): step s, MFU,
+# optimizer step under numerics: exact (the exact scorer's differentiable forward + its backward): step s, MFU,
 # peak memory, the ratio. 4. bench-rollout's exact column from the same run (12 of the 48 layers): decode tok/s at
 # batch 1 / 64 over 2,048-token prompts (a real length: the exact attention's chunk programs), then at batch 1 / 8 /
 # 64 / 256 over 128-token prompts (64 new tokens) with triton and with numerics: exact, a profile of batch 1's step by
@@ -34,9 +35,9 @@ step tests 270 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/ke
     tests/kernels/test_invariant_rows.py tests/kernels/test_invariant_experts.py \
     tests/kernels/test_invariant_attention.py tests/kernels/test_exact_forward.py \
     tests/kernels/test_exact_rollout_trainer.py tests/kernels/test_exact_scorer_chunks.py \
-    tests/kernels/test_decode_attention.py > "$OUT/tests.log" 2>&1
+    tests/kernels/test_decode_attention.py tests/kernels/test_exact_grad.py > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|Error" "$OUT/tests.log" | tail -n 4
-grep -E "standard mode at the 30B" "$OUT/tests.log"
+grep -E "standard mode at the 30B|exact - autocast" "$OUT/tests.log"
 step bench 90 python3 -m moe_rl_eks.kernels.bench_exact --json "$OUT/bench-exact.json" > "$OUT/bench.log" 2>&1
 cat "$OUT/bench.log"
 if [ "${SWEEP:-1}" = 1 ]; then

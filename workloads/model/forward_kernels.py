@@ -32,19 +32,17 @@ class ForwardKernels(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T at a step's few rows."""
 
-    def write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 block: torch.Tensor, offset: torch.Tensor) -> None:
-        """Store each token's k, v [N, H_kv, D] at its (block, offset) of one layer's pool."""
-
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor | None:
-        """What `attention` needs to know of a prefill's packed prompts, (start, length) each; None if nothing."""
+        """What `attend` needs to know of a prefill's packed prompts, (start, length) each; None if nothing."""
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                  slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
-                  seen: torch.Tensor) -> torch.Tensor:
-        """q [N, H, D] of tokens at `positions` [N] of slots `slot` [N] -> [N, H, D], causal over each slot's
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               block: torch.Tensor, offset: torch.Tensor, tables: torch.Tensor, slot: torch.Tensor,
+               positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None, seen: torch.Tensor) -> torch.Tensor:
+        """Store each token's k, v [N, H_kv, D] at its (block, offset) of one layer's pool `keys`, `values`, then
+        attend: q [N, H, D] of tokens at `positions` [N] of slots `slot` [N] -> [N, H, D], causal over each slot's
         cached positions. tiles: a prefill's (prefill_tiles), None for a decode step (one token per row);
-        seen = positions + 1; key_len > every position."""
+        seen = positions + 1; key_len > every position. One op, so that a differentiable form (the exact mode's
+        trainer forward, model/exact_autograd.py) sees the new keys and values as its inputs."""
 
 
 class TorchForwardKernels:
@@ -69,17 +67,14 @@ class TorchForwardKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
-    def write_kv(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 block: torch.Tensor, offset: torch.Tensor) -> None:
-        keys[block, offset] = k
-        values[block, offset] = v
-
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> None:
         return None
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                  slot: torch.Tensor, positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None,
-                  seen: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               block: torch.Tensor, offset: torch.Tensor, tables: torch.Tensor, slot: torch.Tensor,
+               positions: torch.Tensor, key_len: int, tiles: torch.Tensor | None, seen: torch.Tensor) -> torch.Tensor:
+        keys[block, offset] = k
+        values[block, offset] = v
         # The first `key_len` positions of each token's slot, gathered, with a causal mask.
         n = q.shape[0]
         blocks = tables[slot, :-(-key_len // keys.shape[1])].long()  # [N, blocks]

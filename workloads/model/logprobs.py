@@ -86,10 +86,10 @@ def chunked_softmax_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, compute_dtype):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, compute_dtype, head):
         w = weight.to(compute_dtype)
-        logp, entropy, lse = chunked_softmax_stats(hidden, lambda rows: rows.to(compute_dtype) @ w.t(), targets,
-                                                   temperature, chunk)
+        logp, entropy, lse = chunked_softmax_stats(hidden, head or (lambda rows: rows.to(compute_dtype) @ w.t()),
+                                                   targets, temperature, chunk)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         return logp, entropy
@@ -117,16 +117,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del dlogits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
 
 def token_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                               temperature: float = 1.0, chunk_tokens: int | None = None
+                               temperature: float = 1.0, chunk_tokens: int | None = None,
+                               head: Callable[[torch.Tensor], torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [..., h] (the final normed hidden states), weight [V, h] (the lm_head), targets [...] ->
     (log p(target) [...], entropy [...]) in float32, of softmax(hidden @ weight.T / temperature).
 
     The products run in the autocast dtype when autocast is on (as `nn.Linear` would), else in the weight's dtype;
-    the softmax and everything after it in float32. Gradients flow to `hidden` and `weight`."""
+    the softmax and everything after it in float32. Gradients flow to `hidden` and `weight`. `head`: the forward's
+    logits of a chunk of rows of hidden instead (a row-wise product with weight: the exact backend's, so that the
+    values are the rollout engine's bits); the backward recomputes them with the torch product above, the standard
+    formula (the exact mode's differentiable trainer forward, trainer/numerics.py)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, not {temperature}")
     shape = targets.shape
@@ -137,5 +142,5 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], device)
     with torch.autocast(device, enabled=False):
         logp, entropy = _ChunkedLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                               targets.reshape(-1), float(temperature), chunk, compute)
+                                               targets.reshape(-1), float(temperature), chunk, compute, head)
     return logp.view(shape), entropy.view(shape)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ..moe.layer import MoEOutput
 from .forward_kernels import ForwardKernels
 from .rotary import rotary
 from .transformer import MoETransformer
@@ -44,18 +45,32 @@ class PackedAttention:
 
     @torch.no_grad()
     def __init__(self, model: MoETransformer) -> None:
-        self.qkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in self._attention(model)]
-        self.qk_norm = [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in self._attention(model)]
+        self.qkv, self.qk_norm = packed_weights(model)
 
-    @staticmethod
-    def _attention(model: MoETransformer):
-        return [layer.self_attn for layer in model.model.layers]
+    @classmethod
+    def differentiable(cls, model: MoETransformer) -> PackedAttention:
+        """The buffers made afresh with autograd from the model's parameters (the same values, so the same bits):
+        the exact mode's trainer forward, whose gradient reaches the q/k/v and q/k-norm weights through them."""
+        packed = cls.__new__(cls)
+        packed.qkv, packed.qk_norm = packed_weights(model)
+        return packed
 
     @torch.no_grad()
     def load(self, model: MoETransformer) -> None:
-        for qkv, qk_norm, a in zip(self.qkv, self.qk_norm, self._attention(model)):
+        for qkv, qk_norm, a in zip(self.qkv, self.qk_norm, attention_modules(model)):
             torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=qkv)
             torch.stack([a.q_norm.weight, a.k_norm.weight], out=qk_norm)
+
+
+def attention_modules(model: MoETransformer) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def packed_weights(model: MoETransformer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's [q; k; v] projection weights and [q_norm; k_norm] weights, one tensor each."""
+    attention = attention_modules(model)
+    return ([torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attention],
+            [torch.stack([a.q_norm.weight, a.k_norm.weight]) for a in attention])
 
 
 def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, pool: KVPool,
@@ -66,48 +81,52 @@ def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: Forwa
     experts go into the pool through the block tables, and each token attends causally to its slot's positions up
     to its own. Returns the logits [R, V] after tokens `last` [R]. `key_len` (> every position) bounds the
     attention."""
-    return kernels.linear(paged_hidden(model, packed, kernels, pool, slot, tokens, positions, last, key_len, tiles),
-                          model.lm_head.weight)
+    hidden, _ = paged_hidden(model, packed, kernels, pool, slot, tokens, positions, last, key_len, tiles)
+    return kernels.linear(hidden, model.lm_head.weight)
 
 
 def paged_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, pool: KVPool,
                  slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 key_len: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_forward` up to the LM head: the final normed hidden states [R, hidden] after tokens `last` [R], whose
-    product with `lm_head.weight` (kernels.linear, row by row) is the logits."""
+                 key_len: int, tiles: torch.Tensor | None = None, training: bool = False
+                 ) -> tuple[torch.Tensor, list[MoEOutput]]:
+    """`paged_forward` up to the LM head: (the final normed hidden states [R, hidden] after tokens `last` [R],
+    whose product with `lm_head.weight` (kernels.linear, row by row) is the logits; each MoE layer's output).
+    `training` (the exact mode's differentiable trainer forward): the MoE layers compute their balance loss and
+    expert load, and never take the decode kernels, which have no backward (the grouped path they would replace
+    gives a token the same bits on the exact backend: kernels/backend.py's ExactCompute)."""
     c = model.config
     n = tokens.shape[0]
     block, offset = pool.locate(slot, positions)
     h = model.model.embed_tokens(tokens)
     cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
     seen = positions + 1  # what decode attention reads, once for all layers
-    routed, delta = [], None
+    layers, delta = [], None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, h = kernels.add_norm(layer.input_layernorm, h, delta)
         q, k, v = attention_inputs(kernels, packed, i, attn, x, cos, sin)  # [N, heads, D]
-        kernels.write_kv(pool.keys[i], pool.values[i], k, v, block, offset)
-        out = kernels.attention(q, pool.keys[i], pool.values[i], pool.tables, slot, positions, key_len, tiles, seen)
+        out = kernels.attend(q, k, v, pool.keys[i], pool.values[i], block, offset, pool.tables, slot, positions,
+                             key_len, tiles, seen)
         x, h, logits = kernels.add_norm_router(layer.post_attention_layernorm, layer.mlp.gate.weight, h,
                                                kernels.linear(out.reshape(n, attn.heads * attn.head_dim),
                                                               attn.o_proj.weight))
-        moe = layer.mlp(x, statistics=False, decode=True, router_logits=logits)
+        moe = layer.mlp(x, statistics=training, decode=not training, router_logits=logits)
         delta = moe.out.view(n, c.hidden_size)
-        routed.append(moe.ids)
-    pool.routing[block, offset] = torch.stack(routed, 1).view(n, len(routed), c.num_experts_per_tok).to(
-        pool.routing.dtype)
-    return kernels.add_norm(model.model.norm, h[last], delta[last])[0]
+        layers.append(moe)
+    pool.routing[block, offset] = torch.stack([moe.ids for moe in layers], 1).view(
+        n, len(layers), c.num_experts_per_tok).to(pool.routing.dtype)
+    return kernels.add_norm(model.model.norm, h[last], delta[last])[0], layers
 
 
 def attention_inputs(kernels: ForwardKernels, packed: PackedAttention, layer: int, attn, x: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., hidden] -> (rotary(q_norm(q)) [..., H, D], rotary(k_norm(k)) [..., H_kv, D], v [..., H_kv, D])
     with each token's cos, sin [..., D]: one product over the packed weights, one call for queries and keys."""
-    lead, heads, kv_heads, dim = x.shape[:-1], attn.heads, attn.kv_heads, attn.head_dim
-    q, _, v = kernels.linear(x, packed.qkv[layer]).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-    qk = q.as_strided((*lead, heads + kv_heads, dim), (*q.stride()[:-1], dim, 1))  # q and k side by side
-    q, k = kernels.qk_norm_rope(attn.q_norm, attn.k_norm, packed.qk_norm[layer], qk, heads, cos, sin)
-    return q, k, v.view(*lead, kv_heads, dim)
+    heads, kv_heads, dim = attn.heads, attn.kv_heads, attn.head_dim
+    qk, v = kernels.linear(x, packed.qkv[layer]).split([(heads + kv_heads) * dim, kv_heads * dim], -1)
+    q, k = kernels.qk_norm_rope(attn.q_norm, attn.k_norm, packed.qk_norm[layer],
+                                qk.unflatten(-1, (heads + kv_heads, dim)), heads, cos, sin)  # q and k side by side
+    return q, k, v.unflatten(-1, (kv_heads, dim))
 
 
 class SequencePool:
@@ -133,13 +152,15 @@ class SequencePool:
 
 
 def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
-                    sequence_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    sequence_lengths: list[int], training: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[MoEOutput]]:
     """tokens [N] of sequences packed back to back (their lengths sum to N) -> (the final normed hidden states
-    [N, hidden] after every token, routed expert ids [N, L, k]): each token attends causally within its own
-    sequence, its positions from 0, through the engine's paged forward. Their logits are
-    kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any chunk of rows on the `exact` backend
-    (so a caller need never hold [N, vocabulary] at once). No sequences (N = 0) is a forward too: under expert
-    parallelism a rank without tokens still joins every MoE layer's exchange with the ranks that have some."""
+    [N, hidden] after every token, routed expert ids [N, L, k], each MoE layer's output (paged_hidden's
+    `training`)): each token attends causally within its own sequence, its positions from 0, through the engine's
+    paged forward. Their logits are kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any
+    chunk of rows on the `exact` backend (so a caller need never hold [N, vocabulary] at once). No sequences
+    (N = 0) is a forward too: under expert parallelism a rank without tokens still joins every MoE layer's
+    exchange with the ranks that have some."""
     lengths = [int(n) for n in sequence_lengths]
     if min(lengths, default=1) < 1 or sum(lengths) != tokens.shape[0]:
         raise ValueError(f"sequence_lengths {lengths} must be >= 1 each and sum to the {tokens.shape[0]} tokens")
@@ -149,7 +170,7 @@ def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: For
     slot = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
     positions = torch.arange(tokens.shape[0], device=device) - pool.starts[slot]
     segments = [(int(s), n) for s, n in zip(pool.starts.tolist(), lengths)]
-    hidden = paged_hidden(model, packed, kernels, pool, slot, tokens, positions,
-                          torch.arange(tokens.shape[0], device=device), max(lengths, default=1),
-                          kernels.prefill_tiles(segments, device))
-    return hidden, pool.routing[:, 0]
+    hidden, layers = paged_hidden(model, packed, kernels, pool, slot, tokens, positions,
+                                  torch.arange(tokens.shape[0], device=device), max(lengths, default=1),
+                                  kernels.prefill_tiles(segments, device), training)
+    return hidden, pool.routing[:, 0], layers

@@ -239,9 +239,8 @@ class MoETransformer(nn.Module):
             aux.append(layer_aux)
             loads.append(load)
         hidden = self.model.norm(h)
-        aux_loss = c.router_aux_loss_coef * torch.stack(aux).mean()
         return ModelOutput(self.lm_head(hidden) if logits else None, hidden, routing if return_routing else None,
-                           aux_loss, torch.stack(loads))
+                           aux_loss(c, aux), torch.stack(loads))
 
     @torch.no_grad()
     def update_routing_bias(self, expert_load: torch.Tensor, rate: float = 1e-3) -> None:
@@ -256,6 +255,11 @@ class MoETransformer(nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; under EP each rank keeps its own contiguous expert slice."""
         self.load_state_dict(expert_slice(state, local_experts(self.ep, self.config.num_experts)), strict=True)
+
+
+def aux_loss(config: ModelConfig, balance_losses: list[torch.Tensor]) -> torch.Tensor:
+    """The forward's auxiliary loss from its MoE layers' balance losses: their mean times router_aux_loss_coef."""
+    return config.router_aux_loss_coef * torch.stack(balance_losses).mean()
 
 
 def weights_dtype(config: ModelConfig) -> torch.dtype:

@@ -98,7 +98,10 @@ class TrainStep:
         per-token outputs are gathered from the group, so every rank of it sees the whole micro-batch's.
         `values`: the critic's too; `policy_grad` false runs the model without a graph (the critic's warm-up).
         `exact_values` (the policy at the weights last published, in the exact numerics mode): the logprobs and
-        entropies are the exact scorer's bits, with this forward's gradient."""
+        entropies are the exact scorer's bits; where the scorer is `differentiable` its forward is the only one,
+        else they come with this forward's gradient."""
+        if exact_values and self.exact is not None and self.exact.differentiable:
+            return self.exact_forward(mb, temperature=temperature, values=values, policy_grad=policy_grad)
         # The exact scorer's forward first: its transient buffers (its sequences' keys and values, a chunk of
         # logits) are freed before the fast forward's activations, kept for the backward, are made.
         exact = self.exact.logprobs(mb, temperature) if exact_values and self.exact is not None else None
@@ -132,9 +135,22 @@ class TrainStep:
             value = self.critic_values(mb, kept)
         logp, entropy = mb.unpack(logp), mb.unpack(entropy)
         if exact is not None:
-            # Two forwards, because the exact kernels have no backward (trainer/numerics.py says what it costs)
+            # Two forwards, where the exact one's gradient cannot reach the policy (numerics.trains_on_the_copy)
             logp, entropy = values_with_gradient(exact[0], logp), values_with_gradient(exact[1], entropy)
         return Forward(logp, entropy, value, out.aux_loss, out.expert_load, kept)
+
+    def exact_forward(self, mb: Sequences, *, temperature: float, values: bool, policy_grad: bool) -> Forward:
+        """`forward`'s outputs from the exact scorer's differentiable forward alone (trainer/numerics.py): the
+        values are its bits, its gradient is handed to the policy's parameters by its copy's, and the critic reads
+        its hidden states."""
+        with torch.set_grad_enabled(policy_grad and torch.is_grad_enabled()):
+            out = self.exact.forward(mb, temperature)
+        value = kept = None
+        if values:
+            features = prefix_features(out.logprobs, mb.mask, self.critic.max_tokens)[mb.valid]
+            kept = CriticInputs(out.hidden.detach().float(), features, out.hidden.shape[0])
+            value = self.critic_values(mb, kept)
+        return Forward(out.logprobs, out.entropy, value, out.aux_loss, out.expert_load, kept)
 
     def critic_values(self, mb: Sequences, inputs: CriticInputs) -> torch.Tensor:
         """The critic's values [B, S] of the micro-batch from its inputs (under context parallelism this rank's
@@ -148,10 +164,11 @@ class TrainStep:
               values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's logprobs [B, S] of the micro-batch at the weights last published, and the critic's values
         if asked for (else None): a batch's scoring before its first update. In the exact numerics mode the
-        logprobs are the exact scorer's alone, and the fast forward runs only for the critic, which reads its
-        hidden states: without one nothing of that forward would be read (its values would be the scorer's bits,
-        and no gradient follows). Every rank skips it alike (`values` is the run's, not the micro-batch's), so
-        under expert parallelism the ranks still meet in the same forwards: the exact scorer's."""
+        logprobs are the exact scorer's alone; the critic reads the hidden states of its forward (`forward`'s
+        exact path), or of the fast forward where the scorer is not `differentiable`: without a critic nothing of
+        that forward would be read (its values would be the scorer's bits, and no gradient follows). Every rank
+        takes the same path (`values` is the run's, not the micro-batch's), so under expert parallelism the ranks
+        still meet in the same forwards."""
         if self.exact is not None and not values:
             return self.exact.logprobs(mb, temperature)[0], None
         fwd = self.forward(self.model, mb, temperature=temperature, replay=replay, values=values, exact_values=True)
