@@ -76,9 +76,33 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_w
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+class _InvariantMatmul(torch.autograd.Function):
+    """The forward's bits are the invariant product's; the backward is the standard one (two torch matmuls in the
+    operands' dtype, as nn.Linear's under autocast): the exact mode's first optimizer step differentiates its
+    forward (workloads/model/exact_autograd.py), and no row of a gradient needs the forward's invariance."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return _product(x, w)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gx = gy @ w if ctx.needs_input_grad[0] else None
+        gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
 def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K], w [N, K] of x's dtype (bf16, fp16 or fp32) -> x @ w.T [..., N] in x's dtype, each row's bits
-    a function of that row and w alone."""
+    a function of that row and w alone; differentiable (the standard gradient) where x or w requires grad."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _InvariantMatmul.apply(x, w)
+    return _product(x, w)
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     check_device("x", x)
     check_device("w", w)
     K = x.shape[-1]

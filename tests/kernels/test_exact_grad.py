@@ -1,7 +1,7 @@
 """The exact numerics mode's differentiable forward (trainer/numerics.py's ExactScorer.forward over
 model/exact_autograd.py's kernels): its logprobs and entropies are the no-grad scorer's bits (and so the rollout
 engine's: test_exact_rollout_trainer.py), its gradients of every parameter (experts and router included) the float32
-model's, and a batch's first optimizer step runs it as its only forward per micro-batch, stepping the policy as
+model's (a shared expert's too), and a batch's first optimizer step runs it as its only forward per micro-batch, stepping the policy as
 the two-forward path did. A tiny model under Triton's interpreter; its dtype float32 (TINY's), so the standard
 formulas' gradients differ from float32 autograd's by float32 rounding alone."""
 import dataclasses
@@ -18,8 +18,9 @@ from moe_rl_eks.workloads.trainer.microbatch import Sequences
 from moe_rl_eks.workloads.trainer.numerics import ExactScorer
 from moe_rl_eks.workloads.trainer.step import TrainStep
 
-# two layers (the second one's norm adds the first one's output), top-3 of 8 experts, a balance loss
-CONFIG = dataclasses.replace(TINY, num_hidden_layers=2, vocab_size=96, num_experts_per_tok=3,
+# two layers (the second one's norm adds the first one's output), top-3 of 8 experts and a shared one, a balance
+# loss
+CONFIG = dataclasses.replace(TINY, num_hidden_layers=2, vocab_size=96, num_experts_per_tok=3, n_shared_experts=1,
                              router_aux_loss_coef=0.01)
 TEMPERATURE = 0.8
 ENTROPY_COEF = 0.1

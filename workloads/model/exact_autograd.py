@@ -2,8 +2,9 @@
 ForwardKernels whose every op is an autograd Function. Its forward is the wrapped backend's own call (on the
 `exact` backend the engine's kernels, so the engine's bits); its backward is the standard gradient of that op at
 the forward's inputs, in PyTorch:
-- products (`linear`): gx = gy @ W and gW = gy^T @ x, torch matmuls in the operands' dtype (as nn.Linear's under
-  autocast);
+- products (`linear`): the exact backend's invariant_matmul has its own (kernels/invariant_matmul.py: gx = gy @ W
+  and gW = gy^T @ x, torch matmuls in the operands' dtype, as nn.Linear's under autocast), which the MoE layer's
+  shared experts take through ExactCompute.linear too;
 - norms, the q/k norms with the rotary embedding, the norm with the router product: recomputed at the saved inputs
   through the trainer's fused training norm (kernels/norm_training.py, one kernel each way, float32 inside: what
   the fast forward's norms run under autocast) and differentiated;
@@ -49,22 +50,6 @@ class _Recomputed(torch.autograd.Function):
         found = iter(torch.autograd.grad(outputs, [t for t in inputs if t.requires_grad],
                                          [g.to(o.dtype) for o, g in zip(outputs, grads)], allow_unused=True))
         return None, None, *(next(found) if w else None for w in wanted)
-
-
-class _Linear(torch.autograd.Function):
-    """forward: `product(x, weight)` (x @ weight.T); backward: the two torch matmuls."""
-
-    @staticmethod
-    def forward(ctx, product: Callable, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return product(x, weight)
-
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        gx = gy @ weight if ctx.needs_input_grad[1] else None
-        gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
-        return None, gx, gw
 
 
 def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -125,7 +110,7 @@ class DifferentiableKernels:
                                  reference, qk, weights)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(self.exact.linear, x, weight)
+        return self.exact.linear(x, weight)  # invariant_matmul: differentiable itself
 
     def prefill_tiles(self, segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor | None:
         return self.exact.prefill_tiles(segments, device)
