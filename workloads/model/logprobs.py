@@ -67,6 +67,7 @@ def logit_grads_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
     return dz.div_(temperature).to(logits.dtype)
 
 
+@torch.no_grad()  # values only: _ChunkedLogProbs' backward makes the gradient
 def chunked_softmax_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
                           temperature: float, chunk: int) -> torch.Tensor:
     """hidden [n, h] -> float32 [3, n]: (log p[target], entropy, lse) per row, as softmax_stats of head(hidden)
