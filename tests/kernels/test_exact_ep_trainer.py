@@ -1,8 +1,8 @@
 """The trainer in the exact numerics mode with expert parallelism (2 gloo ranks, each holding half the experts)
 against one rank, under Triton's interpreter: each rank's exact scorer, loaded from the version it publishes,
 gives its samples the one-rank scorer's logprobs bitwise, and an RL step (a batch of one optimizer step, through the
-scorer's differentiable forward, its gradient handed to each rank's policy) gives the one rank's loss and gradient
-norm."""
+scorer's differentiable forward, its gradient handed to each rank's policy; under activation checkpointing each
+layer's backward the policy's own, recomputed) gives the one rank's loss and gradient norm."""
 from pathlib import Path
 
 import pytest
@@ -29,9 +29,13 @@ def batch() -> Batch:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU, the exact kernels under the interpreter")
-def test_two_expert_parallel_trainer_ranks_score_each_sample_with_the_one_rank_trainers_bits(tmp_path):
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+def test_two_expert_parallel_trainer_ranks_score_each_sample_with_the_one_rank_trainers_bits(tmp_path,
+                                                                                            checkpointing):
     data = yaml.safe_load(LOCAL_RUN.read_text())
     data["numerics"] = "exact"
+    # "full": the step's backward recomputes the policy's layers, their all-to-alls on every rank
+    data["rl"]["training"]["activation_checkpointing"] = checkpointing
     data["rl"]["algorithm"]["kl_coef"] = 0.0  # a reference model comes with the warm-up, which this trainer skips
     data["rl"]["training"]["output_dir"] = str(tmp_path / "out")
     run = parse(RunConfig, data, source=str(LOCAL_RUN))

@@ -13,6 +13,8 @@ from moe_rl_eks.kernels._triton import INTERPRET
 from moe_rl_eks.tools.bench.rollout import QWEN3_30B_A3B, TINY
 from moe_rl_eks.workloads.model import MoETransformer
 from moe_rl_eks.workloads.model.logprobs import token_logprobs_and_entropy
+from moe_rl_eks.workloads.model.parallelize import checkpoint_layers
+from moe_rl_eks.workloads.model.transformer import DecoderLayer
 from moe_rl_eks.workloads.rl.protocol import TrainingSample, VersionRef, one_version
 from moe_rl_eks.workloads.trainer.microbatch import Sequences
 from moe_rl_eks.workloads.trainer.numerics import ExactScorer
@@ -101,7 +103,7 @@ def step_twice(policy: MoETransformer, differentiable: bool, monkeypatch) -> tup
     model.register_forward_hook(lambda module, args, output: forwards.append(1))
     scored = []
     exact_forward = scorer.forward
-    monkeypatch.setattr(scorer, "forward", lambda *a: scored.append(1) or exact_forward(*a))
+    monkeypatch.setattr(scorer, "forward", lambda *a, **k: scored.append(1) or exact_forward(*a, **k))
     microbatches = [microbatch(SHAPES["grouped"], seed=1), microbatch(SHAPES["few_tokens"], seed=2)]
 
     def loss_fn(j, mb, fwd):
@@ -125,19 +127,55 @@ def test_a_batchs_first_step_runs_one_forward_per_microbatch_and_steps_as_the_tw
         assert (update - twin_update).norm() <= GRAD_RTOL * twin_update.norm(), name
 
 
+@ON_THE_INTERPRETER
+@pytest.mark.parametrize("mode", ["full", "save_attention"])
+def test_under_activation_checkpointing_the_exact_layers_backward_is_the_policys_recomputed_layers(policy, mode,
+                                                                                                   monkeypatch):
+    model = MoETransformer(CONFIG)
+    model.load_state_dict(policy.state_dict())
+    checkpoint_layers(model, mode)
+    scorer = scorer_of(model)
+    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=0.0), ep=None, world=1, rank=0,
+                     device=torch.device("cpu"), grad_clip=1.0, bf16=False, exact=scorer)
+    attends, recomputed = [], []
+    attend, layer_forward = scorer.kernels.attend, DecoderLayer.forward
+    monkeypatch.setattr(scorer.kernels, "attend", lambda *a: attends.append(1) or attend(*a))
+    monkeypatch.setattr(DecoderLayer, "forward", lambda *a: recomputed.append(1) or layer_forward(*a))
+    mb = microbatch(SHAPES["grouped"], seed=4)
+    fwd = step.forward(model, mb, temperature=TEMPERATURE, replay=False, exact_values=True)
+    assert torch.equal(fwd.logprobs, scorer.logprobs(mb, TEMPERATURE)[0])
+    assert not recomputed
+    objective(fwd.logprobs, fwd.entropy, fwd.aux_loss, mb).backward()
+    # each policy layer once, in the backward; the exact layers never again (the forward's and the scoring's)
+    assert len(recomputed) == CONFIG.num_hidden_layers and len(attends) == 2 * CONFIG.num_hidden_layers
+    exact_grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(p.grad is None for p in scorer.model.parameters()), "the copy kept a gradient"
+
+    model.zero_grad(set_to_none=True)
+    checkpoint_layers(model, "off")
+    ref = model(mb.packed_inputs(), sequence_lengths=mb.lengths, logits=False)
+    ref_logprobs, ref_entropy = token_logprobs_and_entropy(ref.hidden[0], model.lm_head.weight, mb.packed_targets(),
+                                                           temperature=TEMPERATURE)
+    objective(mb.unpack(ref_logprobs), mb.unpack(ref_entropy), ref.aux_loss, mb).backward()
+    for name, p in model.named_parameters():
+        assert (exact_grads[name] - p.grad).norm() <= GRAD_RTOL * p.grad.norm(), name
+
+
 # the compiled kernels: tools/gpu_runs/h200-exact.sh runs tests/kernels with --noconftest
 ON_A_GPU = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="compiled on a GPU")
 
 
 @ON_A_GPU
-def test_at_the_30b_layer_shape_the_exact_forwards_gradients_are_the_autocast_forwards():
+@pytest.mark.parametrize("checkpointing", ["off", "save_attention"])
+def test_at_the_30b_layer_shape_the_exact_forwards_gradients_are_the_autocast_forwards(checkpointing):
     """Qwen3-30B-A3B's layers (2 of 48) and vocabulary: float32 masters under bf16 autocast against the exact
-    forward of their bf16 copy. The two differ by bf16 rounding of different activations (the copy's residual
-    stream is bf16, autocast's float32): each gradient within 10 % of the other's norm, where a wrong term would be
-    ~100 %."""
+    forward of their bf16 copy (its own backward, or the policy's recomputed layers'). The two differ by bf16
+    rounding of different activations (the copy's residual stream is bf16, autocast's float32): each gradient
+    within 10 % of the other's norm, where a wrong term would be ~100 %."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         policy = MoETransformer(dataclasses.replace(QWEN3_30B_A3B, num_hidden_layers=2), compute="triton")
+    checkpoint_layers(policy, checkpointing)
     scorer = scorer_of(policy)
     step = TrainStep(policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), ep=None, world=1, rank=0,
                      device=torch.device("cuda"), grad_clip=1.0, bf16=True, exact=scorer)
@@ -150,5 +188,5 @@ def test_at_the_30b_layer_shape_the_exact_forwards_gradients_are_the_autocast_fo
         policy.zero_grad(set_to_none=True)
     for name, fast in grads[1].items():
         relative = float((grads[0][name] - fast).norm() / fast.norm())
-        print(f"{name}: |exact - autocast| / |autocast| = {relative:.4f}")
+        print(f"{checkpointing} {name}: |exact - autocast| / |autocast| = {relative:.4f}")
         assert relative <= 0.1, name

@@ -20,8 +20,9 @@ against the dense bf16 matmul rate measured in the same run (8192^3).
 optimizer step runs it under `numerics: exact` (trainer/numerics.py): the ExactScorer's differentiable forward (a
 served-dtype copy of the policy on the batch-invariant kernels, its log-probabilities chunked) for the values and
 the gradient, its backward the standard formulas' (model/exact_autograd.py; under FSDP or context parallelism the
-exact forward for the values, then the fast forward and backward for the gradient). It keeps its activations
-whatever --checkpointing says (it has no activation checkpointing): its peak is the `off` row's or more. Its MFU
+exact forward for the values, then the fast forward and backward for the gradient). Under --checkpointing full or
+save_attention each exact layer keeps its input and its backward recomputes the policy's layer (the standard step
+with its first forward on the exact kernels). Its MFU
 counts the same model FLOPs; the scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. Under --ranks the
 scorer holds each rank's experts and dispatches over the all-to-all, as the trainer's does (a run refuses exact mode
 with DeepEP); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch

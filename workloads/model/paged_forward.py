@@ -12,7 +12,7 @@ with decode=True; `mlp.gate.weight` for a norm fused with the router product).
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -87,21 +87,25 @@ def paged_forward(model: MoETransformer, packed: PackedAttention, kernels: Forwa
 
 def paged_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, pool: KVPool,
                  slot: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                 key_len: int, tiles: torch.Tensor | None = None, training: bool = False
-                 ) -> tuple[torch.Tensor, list[MoEOutput]]:
+                 key_len: int, tiles: torch.Tensor | None = None, training: bool = False,
+                 run_layer: Callable | None = None) -> tuple[torch.Tensor, list[MoEOutput]]:
     """`paged_forward` up to the LM head: (the final normed hidden states [R, hidden] after tokens `last` [R],
     whose product with `lm_head.weight` (kernels.linear, row by row) is the logits; each MoE layer's output).
     `training` (the exact mode's differentiable trainer forward): the MoE layers compute their balance loss and
     expert load, and never take the decode kernels, which have no backward (the grouped path they would replace
-    gives a token the same bits on the exact backend: kernels/backend.py's ExactCompute)."""
+    gives a token the same bits on the exact backend: kernels/backend.py's ExactCompute). `run_layer`: how each
+    layer runs, run_layer(layer_forward, i, h, delta) -> (h, delta, MoEOutput) (default: called; the trainer's
+    passes activation checkpointing's recomputation)."""
     c = model.config
     n = tokens.shape[0]
     block, offset = pool.locate(slot, positions)
     h = model.model.embed_tokens(tokens)
     cos, sin = (t[:, 0, 0] for t in rotary(positions[:, None], c.head_dim, c.rope_theta, h.dtype))
     seen = positions + 1  # what decode attention reads, once for all layers
-    layers, delta = [], None
-    for i, layer in enumerate(model.model.layers):
+
+    def layer_forward(i: int, h: torch.Tensor, delta: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, MoEOutput]:
+        layer = model.model.layers[i]
         attn = layer.self_attn
         x, h = kernels.add_norm(layer.input_layernorm, h, delta)
         q, k, v = attention_inputs(kernels, packed, i, attn, x, cos, sin)  # [N, heads, D]
@@ -111,7 +115,11 @@ def paged_hidden(model: MoETransformer, packed: PackedAttention, kernels: Forwar
                                                kernels.linear(out.reshape(n, attn.heads * attn.head_dim),
                                                               attn.o_proj.weight))
         moe = layer.mlp(x, statistics=training, decode=not training, router_logits=logits)
-        delta = moe.out.view(n, c.hidden_size)
+        return h, moe.out.view(n, c.hidden_size), moe
+
+    layers, delta = [], None
+    for i in range(len(model.model.layers)):
+        h, delta, moe = layer_forward(i, h, delta) if run_layer is None else run_layer(layer_forward, i, h, delta)
         layers.append(moe)
     pool.routing[block, offset] = torch.stack([moe.ids for moe in layers], 1).view(
         n, len(layers), c.num_experts_per_tok).to(pool.routing.dtype)
@@ -152,11 +160,11 @@ class SequencePool:
 
 
 def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
-                    sequence_lengths: list[int], training: bool = False
+                    sequence_lengths: list[int], training: bool = False, run_layer: Callable | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[MoEOutput]]:
     """tokens [N] of sequences packed back to back (their lengths sum to N) -> (the final normed hidden states
     [N, hidden] after every token, routed expert ids [N, L, k], each MoE layer's output (paged_hidden's
-    `training`)): each token attends causally within its own sequence, its positions from 0, through the engine's
+    `training`; `run_layer` its)): each token attends causally within its own sequence, its positions from 0, through the engine's
     paged forward. Their logits are kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any
     chunk of rows on the `exact` backend (so a caller need never hold [N, vocabulary] at once). No sequences
     (N = 0) is a forward too: under expert parallelism a rank without tokens still joins every MoE layer's
@@ -172,5 +180,5 @@ def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: For
     segments = [(int(s), n) for s, n in zip(pool.starts.tolist(), lengths)]
     hidden, layers = paged_hidden(model, packed, kernels, pool, slot, tokens, positions,
                                   torch.arange(tokens.shape[0], device=device), max(lengths, default=1),
-                                  kernels.prefill_tiles(segments, device), training)
+                                  kernels.prefill_tiles(segments, device), training, run_layer)
     return hidden, pool.routing[:, 0], layers

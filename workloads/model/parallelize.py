@@ -187,6 +187,11 @@ def _recomputed_forward(forward, context: dict, *args):
         return recomputed(forward, *args, use_reentrant=False, **context)
 
 
+def checkpointed(model: MoETransformer) -> bool:
+    """Whether checkpoint_layers recomputes the model's layers (any mode but "off")."""
+    return any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
 def checkpoint_layers(model: MoETransformer, mode: Checkpointing) -> None:
     """Recompute each decoder layer's activations in the backward instead of keeping them ("off" undoes it). The
     layer's own forward is wrapped in place rather than the layer in a wrapper module, so parameter names stay

@@ -25,9 +25,11 @@ exact expert GEMM and combine have their own backward; the LM head's values from
 gradient from model/logprobs.py's chunked backward). The gradient is the copy's, in its served dtype, as autocast's
 bf16 products give the fast forward's: each of the copy's parameters hands it, as it is accumulated, to the
 policy's float32 master parameter of the same name (`hand_gradients_to`), before the step's replicated-gradient
-sync; under expert parallelism both hold this rank's experts. It keeps every layer's activations (no activation
-checkpointing), and the attention forward runs a second time in its backward (the exact kernel keeps no
-log-sum-exp for flash attention's backward to read). Where FSDP shards the policy or context parallelism splits a
+sync; under expert parallelism both hold this rank's experts. It keeps every layer's activations, and its
+attention forward runs once more in its backward (the exact kernel keeps no log-sum-exp for flash attention's
+backward to read). Where the policy checkpoints its layers (activation_checkpointing full or save_attention), each
+exact layer keeps its input alone and its backward is the policy's own layer's, recomputed from that input with
+the exact routing replayed (exact_recompute.py): the standard step with its first forward on the exact kernels. Where FSDP shards the policy or context parallelism splits a
 micro-batch (`trains_on_the_copy` says why), the step runs two forwards instead: the exact one for the values, the
 fast one for the gradient, joined by `values_with_gradient`. `moerl bench-train --exact` measures the first step
 and the scoring both ways.
@@ -140,16 +142,18 @@ class ExactScorer:
                                                  mb.packed_targets(), temperature, self.chunk_tokens)
         return mb.unpack(logp), mb.unpack(entropy)
 
-    def forward(self, mb: Sequences, temperature: float) -> ExactForward:
+    def forward(self, mb: Sequences, temperature: float, run_layer: Callable | None = None) -> ExactForward:
         """`logprobs`' values, bit for bit (the same kernels, called alike), with autograd where grad is enabled
         (model/exact_autograd.py: each op's backward is the standard formula's), the MoE layers' balance loss and
         expert load too. Its gradient reaches the policy's parameters' .grad (`hand_gradients_to`), only where
-        `differentiable`."""
+        `differentiable`. `run_layer`: paged_hidden's (exact_recompute.policy_recompute: each layer's backward the
+        policy's own layer, recomputed)."""
         self._loaded()
         config, head = self.model.config, self.model.lm_head.weight
         hidden, _, layers = sequence_hidden(self.model, PackedAttention.differentiable(self.model),
                                             DifferentiableKernels(self.kernels, mb.lengths), mb.packed_inputs()[0],
-                                            mb.lengths, training=True)
+                                            mb.lengths, training=True,
+                                            run_layer=run_layer)
         logp, entropy = token_logprobs_and_entropy(hidden, head, mb.packed_targets(), temperature=temperature,
                                                    head=lambda rows: self.kernels.linear(rows, head))
         return ExactForward(mb.unpack(logp), mb.unpack(entropy), hidden, aux_loss(config, [m.aux_loss for m in layers]),

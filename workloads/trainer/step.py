@@ -22,9 +22,10 @@ from moe_rl_eks.core.rl_config import TrainingConfig
 
 from ..model import MoETransformer
 from ..model.logprobs import token_logprobs_and_entropy
-from ..model.parallelize import is_sharded, local
+from ..model.parallelize import checkpointed, is_sharded, local
 from ..moe.parallel import ExpertParallel
 from .critic import Critic, CriticInputs, prefix_features
+from .exact_recompute import policy_recompute
 from .microbatch import Sequences
 from .numerics import ExactScorer, values_with_gradient
 
@@ -144,7 +145,9 @@ class TrainStep:
         values are its bits, its gradient is handed to the policy's parameters by its copy's, and the critic reads
         its hidden states."""
         with torch.set_grad_enabled(policy_grad and torch.is_grad_enabled()):
-            out = self.exact.forward(mb, temperature)
+            # where the policy recomputes its layers, they recompute the exact ones' backward (exact_recompute.py)
+            run_layer = policy_recompute(self.model, mb.lengths, self.bf16) if checkpointed(self.model) else None
+            out = self.exact.forward(mb, temperature, run_layer)
         value = kept = None
         if values:
             features = prefix_features(out.logprobs, mb.mask, self.critic.max_tokens)[mb.valid]
