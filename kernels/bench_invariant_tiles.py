@@ -20,7 +20,7 @@ import triton.testing
 from .bench import SHAPES
 from .bench_exact import HEADS, HEAD_DIM, KV_HEADS, VOCAB
 from . import grouped_gemm
-from .invariant_matmul import PERSISTENT_TILE, TILES, launch, persistent, tile
+from .invariant_matmul import TILES, launch, tile
 
 # the one tile exact mode used for every size before TILES (the bits the others are held to)
 REFERENCE = (64, 64, 64, 4, 4)
@@ -35,10 +35,6 @@ FEW_ROWS = 64
 FEW_ROW_CANDIDATES = [(16, 16, 256, 4, 4), (16, 16, 512, 4, 3), (16, 32, 256, 4, 4), (16, 32, 512, 4, 3),
                       (32, 16, 256, 4, 4), (64, 16, 256, 4, 3), (64, 32, 256, 4, 3), (16, 16, 256, 2, 6),
                       (16, 64, 256, 4, 3), (16, 16, 128, 4, 6)]
-
-# Above a decode step's rows: the persistent kernel's (grouped_gemm.dense) tiles, the experts' exact ones first
-PERSISTENT_CANDIDATES = list(dict.fromkeys([PERSISTENT_TILE, *grouped_gemm.EXACT_TILES[2], (128, 256, 64, 8, 3),
-                                            (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3)]))
 
 
 def _ms(fn) -> float:
@@ -56,18 +52,14 @@ def cases(rows: list[int]):
             want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             launch(x, w, want, REFERENCE)
             row = {"case": f"{name} [{n}x{k}]", "rows": m, "cublas_ms": _ms(lambda: F.linear(x, w)),
-                   "chosen": f"persistent {PERSISTENT_TILE}" if persistent(m, k, 2) else str(tile(m, n, 2, x.device))}
-            runs = {str(t): (launch, t) for t in dict.fromkeys(
-                [REFERENCE, *CANDIDATES, *(FEW_ROW_CANDIDATES if m <= FEW_ROWS else [])])}
-            if m > FEW_ROWS:
-                runs |= {f"persistent {t}": (grouped_gemm.dense, t) for t in PERSISTENT_CANDIDATES}
-            for label, (kernel, t) in runs.items():
+                   "chosen": str(tile(m, n, 2, x.device))}
+            for t in dict.fromkeys([REFERENCE, *CANDIDATES, *(FEW_ROW_CANDIDATES if m <= FEW_ROWS else [])]):
                 out = torch.empty_like(want)
                 try:
-                    kernel(x, w, out, t)
-                    row[label] = {"ms": _ms(lambda: kernel(x, w, out, t)), "same_bits": torch.equal(out, want)}
+                    launch(x, w, out, t)
+                    row[str(t)] = {"ms": _ms(lambda: launch(x, w, out, t)), "same_bits": torch.equal(out, want)}
                 except Exception as e:  # a tile over the GPU's shared memory: recorded, not fatal
-                    row[label] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                    row[str(t)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
             yield row
 
 

@@ -192,7 +192,6 @@ _gemm_plain = triton.autotune(_configs(wide_ok=True, persistent=True), key=_KEY,
 EXACT_TILES = {2: ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4)), 4: (FALLBACK,)}
 
 
-@functools.cache
 def _fixed(tile: tuple[int, int, int, int, int], flatten: bool = False):
     """A kernel of one config (autotune's wrapper only for its pre-hook: the TMA descriptors' block shapes)."""
     bm, bn, bk, warps, stages = (16, 16, 16, 4, 1) if INTERPRET else tile
@@ -349,13 +348,6 @@ class _SwiGLUExperts(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dw2 = _grouped_wgrad(dy, act, counts, num_experts, w2.dtype)
         return dx, None, dw13, dw2, None, None
-
-
-def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int, int, int]) -> None:
-    """out [M, N] = x [M, K] @ w [N, K].T (contiguous, 16-bit, rows of TMA_ROW_BYTES multiples) on this kernel at
-    `tile`, as one expert's product: the exact mode's dense products at many rows (invariant_matmul.py)."""
-    counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
-    _grouped_gemm(_fixed(tile), x, w.unsqueeze(0), counts, w.shape[0], out, b_nk=True)
 
 
 def swiglu_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,

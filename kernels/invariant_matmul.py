@@ -13,10 +13,7 @@ like any GEMM's: on the H200 every tile of TILES, and every other one measured f
 64 or 128 deep, gives a 16-bit product's every element the same bits (kernels/bench_invariant_tiles.py;
 tests/kernels/test_invariant_matmul.py holds TILES to it on the GPU). A row's result is a chain of the same
 tensor-core products over K whatever tile it sits in. fp32 operands keep one tile (their products are not the
-tensor cores', and nothing measured them across tiles). From PERSISTENT_ROWS rows (a prefill's, the trainer's) a
-16-bit product runs instead on the experts' grouped kernel as one expert's product (grouped_gemm.dense): the same
-chain of tensor-core products over K from 0, its operands read through TMA by one persistent program per
-multiprocessor, where the plain tiles' masked loads ran 1.3-1.5x cuBLAS at thousands of rows. Under the interpreter the tests' dot accumulates each
+tensor cores', and nothing measured them across tiles). Under the interpreter the tests' dot accumulates each
 element's products in order as the tensor cores do (tests/kernels/conftest.py), so its tiles differ in rows and
 columns but not in depth: a step of BLOCK_K products is added to the accumulator at once there.
 """
@@ -26,9 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_rl_eks.core.hardware import TMA_ROW_BYTES
-
-from . import grouped_gemm
 from ._triton import INTERPRET, check_device, dot_acc, multiprocessors
 
 # 16-bit operands' tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), largest first: `tile` takes the first that fills
@@ -41,10 +35,6 @@ from ._triton import INTERPRET, check_device, dot_acc, multiprocessors
 TILES = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3),
          (16, 64, 256, 4, 3), (16, 32, 256, 4, 4), (16, 16, 256, 2, 6))
 FP32_TILE = (32, 64, 32, 4, 3)
-# From this many rows (fewer under the interpreter, so CPU tests cross it) a 16-bit product with TMA-aligned rows
-# takes grouped_gemm.dense on PERSISTENT_TILE.
-PERSISTENT_ROWS = 64 if INTERPRET else 512
-PERSISTENT_TILE = (128, 128, 64, 8, 4)
 # Small under the interpreter, so CPU tests cover partial and several tiles in every direction, and the choice
 # between two of them (over its 3 "multiprocessors").
 INTERPRET_TILES = ((32, 32, 16, 4, 1), (16, 16, 16, 4, 1))
@@ -116,16 +106,8 @@ def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, N = flat.shape[0], w.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M and N:
-        if persistent(M, K, x.element_size()):
-            grouped_gemm.dense(flat, w, out, PERSISTENT_TILE)
-        else:
-            launch(flat, w, out, tile(M, N, x.element_size(), x.device))
+        launch(flat, w, out, tile(M, N, x.element_size(), x.device))
     return out.view(*x.shape[:-1], N)
-
-
-def persistent(M: int, K: int, element_size: int) -> bool:
-    """Whether an [M, K] @ [K, N] product runs on the persistent kernel (grouped_gemm.dense)."""
-    return M >= PERSISTENT_ROWS and element_size == 2 and K * element_size % TMA_ROW_BYTES == 0
 
 
 def tile(M: int, N: int, element_size: int, device: torch.device) -> tuple[int, int, int, int, int]:
