@@ -26,6 +26,9 @@ from moe_rl_eks.workloads.trainer.step import TrainStep
 
 from exact_ranks import exact_scores, exact_server, run_ep_ranks
 
+# the module's exact rollout under the interpreter (~20 s) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("exact_rollout_trainer")
+
 # one layer and a small vocabulary: the interpreter runs every program of every kernel on the CPU; top-3, since two
 # expert outputs add to the same bits in either order and a combine's order would go unseen
 CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96, num_experts_per_tok=3)
