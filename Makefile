@@ -61,8 +61,11 @@ run: $(STAMP)
 	$(MAKE) --no-print-directory manifests-examples
 	$(MAKE) --no-print-directory local-run
 
+# Two workers, one a core (pytest-xdist); the tests of one xdist_group run on one worker, one after another: the
+# real RL loop's multi-process runs (timing-sensitive: never two at once) and tests that share an expensive module
+# or session fixture (built once, not once a worker).
 test: $(STAMP) $(CHECKOV)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(PY) -m pytest tests -k "lint or nag or checkov"

@@ -15,6 +15,9 @@ import yaml
 from infra_helpers import ENVIRONMENTS, REPO, offline_env
 from moe_rl_eks.infra.checks import cluster_violations
 
+# the session's `cdk synth` of every environment (conftest.cdk_out) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("cdk_out")
+
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
 SKIPS = yaml.safe_load((Path(__file__).parent / "checkov_skips.yaml").read_text())
 TOOL_TIMEOUT_S = 240

@@ -14,6 +14,9 @@ from moe_rl_eks.infra.services import CHARTS, KUBERNETES_PINS
 from infra_helpers import (CDK, REPO, STACK_CORE_KINDS, SYNTH_TIMEOUT_S, helm_charts, offline_env, resources_of,
                            strictly_validated_kinds)
 
+# the session's `cdk synth` of every environment (conftest.cdk_out) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("cdk_out")
+
 
 @pytest.fixture(scope="module")
 def template_1_36(tmp_path_factory) -> dict:

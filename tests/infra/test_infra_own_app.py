@@ -17,6 +17,9 @@ import pytest
 
 from infra_helpers import REPO, SYNTH_TIMEOUT_S, helm_charts, kubernetes_objects, offline_env, resources_of
 
+# the module's wheel, fresh environment and synth are built once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("infra_own_app")
+
 APP = Path(__file__).parent / "own_app" / "app.py"
 SOURCES = ("core", "infra", "k8s", "workloads", "kernels", "tools", "pyproject.toml", "README.md")
 

@@ -19,6 +19,9 @@ from moe_rl_eks.infra.services import CHARTS, CHART_TIMEOUT, KUBERNETES_PINS, pi
 from infra_helpers import (REPO, STACK_CORE_KINDS, helm_charts, join_string, kubernetes_objects, pool, resources_of,
                            strictly_validated_kinds)
 
+# the session's `cdk synth` of every environment (conftest.cdk_out) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("cdk_out")
+
 
 @pytest.mark.parametrize("env,role,instance_type,efa", [
     ("dev", "trainer", "p5.48xlarge", 32),

@@ -4,7 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from infra_helpers import REPO
+
+# the session's `cdk synth` of every environment (conftest.cdk_out) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("cdk_out")
 
 
 def test_synth_summary_lists_stacks_and_pools_with_efa_and_placement(cdk_out):

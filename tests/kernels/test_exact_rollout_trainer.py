@@ -27,9 +27,15 @@ from moe_rl_eks.workloads.trainer.step import TrainStep
 
 from exact_ranks import exact_scores, exact_server, run_ep_ranks
 
-# one layer and a small vocabulary: the interpreter runs every program of every kernel on the CPU; top-3, since two
-# expert outputs add to the same bits in either order and a combine's order would go unseen
-CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96, num_experts_per_tok=3)
+# the module's exact rollout under the interpreter (~20 s) runs once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("exact_rollout_trainer")
+
+# one layer, a small vocabulary, hidden and expert widths of two of the interpreter's 16-wide blocks (every product
+# still sums over several blocks, and the MoE kernels, most of the time here, run a program per 16 columns): the
+# interpreter runs every program of every kernel on the CPU; top-3, since two expert outputs add to the same bits in
+# either order and a combine's order would go unseen
+CONFIG = dataclasses.replace(TINY, num_hidden_layers=1, vocab_size=96, num_experts_per_tok=3, hidden_size=32,
+                             moe_intermediate_size=32)
 TEMPERATURE = 0.8
 MAX_LEN = 16
 DEVICE = "cpu" if INTERPRET else "cuda"  # compiled on a GPU with --noconftest

@@ -11,6 +11,9 @@ from moe_rl_eks.tools.bench.rl_gpu import (fitting_layers, generating_spans, mai
                                            targets, training_spans)
 from moe_rl_eks.workloads.rl.data import RandomTokenSource
 
+# the real RL loop's processes on a 2-core machine: never beside another such run (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
+
 TINY = ["--tiny", "--steps", "2", "--samples", "8", "--n", "4", "--prompt-tokens", "8", "--mean-tokens", "6",
         "--max-tokens", "16", "--batch-size", "8", "--microbatch-tokens", "256"]
 

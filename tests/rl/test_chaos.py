@@ -9,12 +9,16 @@ restarted server time to come back (about 7 s here) before the next kill takes a
 2-core machine."""
 import json
 
+import pytest
 from rl_helpers import call, sample_accounting, trained_steps, write_run
 
 from moe_rl_eks.core.run import load_run
 from moe_rl_eks.tools.bench.rl import chaos
 from moe_rl_eks.tools.local_run import LocalCluster
 from moe_rl_eks.workloads.rl.checkpoint_dirs import latest as latest_checkpoint
+
+# the real RL loop's processes on a 2-core machine: never beside another such run (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
 
 
 def test_rollout_servers_killed_every_10_s_lose_and_duplicate_no_sample(tmp_path):

@@ -78,6 +78,7 @@ def test_a_countdown_run_that_cannot_be_scored_fully_is_refused_at_load(tmp_path
     assert field in str(err.value) and fragment in str(err.value), str(err.value)
 
 
+@pytest.mark.xdist_group("rl_loop")  # the real RL loop's processes: never beside another such run
 def test_the_gpu_runs_loop_runs_at_a_tiny_size_on_the_cpu_through_local_run_quick(tmp_path, capsys):
     """configs/runs/gpu.yaml's code path (the countdown task, its warm-up, GRPO, the paired evaluation), shrunk
     to this machine: the CPU, short countdowns, two RL steps in --quick form."""

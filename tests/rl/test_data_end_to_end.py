@@ -5,11 +5,15 @@ teaches the answer format only; RL itself must raise the reward on the evaluatio
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from moe_rl_eks.tools import local_run
 from moe_rl_eks.workloads.orchestrator.evaluation import read_records
 from moe_rl_eks.tools.example_data import write_example
+
+# the real RL loop's processes on a 2-core machine: never beside another such run (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
 
 LOCAL_WORDS = Path(__file__).resolve().parents[2] / "configs" / "runs" / "local-words.yaml"
 

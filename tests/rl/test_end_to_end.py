@@ -2,9 +2,13 @@
 with EP=2 over gloo) on an easier task, seeded; RL must raise the evaluation reward over the post-warm-up policy."""
 import json
 
+import pytest
 from rl_helpers import write_run
 
 from moe_rl_eks.tools import local_run
+
+# the real RL loop's processes on a 2-core machine: never beside another such run (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
 
 
 def test_short_seeded_local_run_raises_the_evaluation_reward(tmp_path, capsys):

@@ -20,6 +20,9 @@ from moe_rl_eks.workloads.orchestrator.state_file import STATE_FILE
 from moe_rl_eks.workloads.rl.protocol import request_of
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
+# the real RL loop's processes on a 2-core machine: never beside another such run (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
+
 SHORT = {"prompts_per_step": 4, "warmup_sft_steps": 2}
 
 

@@ -12,10 +12,15 @@ import random
 import time
 import urllib.parse
 
+import pytest
 from rl_helpers import KeepAlive, fuzz_openapi, tiny_run
 
 from moe_rl_eks.workloads.orchestrator.app import build, make_app
 from moe_rl_eks.workloads.rl.runtime import BackgroundServer
+
+# 10,000 requests against a clock (the dispatcher waited out): never beside the real RL loop's runs on a 2-core
+# machine (make test's workers)
+pytestmark = pytest.mark.xdist_group("rl_loop")
 
 REQUESTS = 10_000
 SCHEMA_EXAMPLES_PER_MODE = 200  # schemathesis draws ~15 ms a case here: the bulk comes from hostile_requests

@@ -26,6 +26,9 @@ from moe_rl_eks.workloads.rl.runtime import BackgroundServer, wait_for
 from moe_rl_eks.workloads.rl.tokenizer import CharTokenizer
 from moe_rl_eks.workloads.rl.weights import DirectoryStore
 
+# the module's sharded server (two gloo ranks) starts once, not once a worker (make test's workers)
+pytestmark = pytest.mark.xdist_group("sharded_rollout")
+
 REQUESTS = [  # uneven rows: 1, 3, 4, 2 and 1 -> the ranks' shares differ, and a lone row leaves a rank idle
     {"prompt": "3+4=", "n": 1, "max_tokens": 3, "temperature": 0.0},
     {"prompt": "1+2=", "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 11, "return_routing": True},
