@@ -78,6 +78,7 @@ class RolloutEngine:
         self.replica = replica or Replica(run)
         self.metrics = Registry()
         self.busy_seconds = 0.0
+        self._step_device_seconds = 0.0  # the last step's, until _count_busy counts it
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -232,8 +233,7 @@ class RolloutEngine:
             if produced:
                 self._step_seconds = elapsed if self._step_seconds is None else (
                     STEP_AVERAGE_WEIGHT * elapsed + (1 - STEP_AVERAGE_WEIGHT) * self._step_seconds)
-            self.busy_seconds += elapsed
-            self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
+            self._count_busy(elapsed)
             self.metrics[M.ROLLOUT_STEPS].inc()
             self.metrics[M.ROLLOUT_TOKENS_PER_SECOND].set(produced / max(elapsed, 1e-9))
         self._last_step = time.monotonic()
@@ -243,13 +243,22 @@ class RolloutEngine:
         return True
 
     def _report_ranks(self, reports: list[RankReport]) -> None:
-        """The ranks' decoders after a step: rows for health(), KV-cache blocks, preemptions and device seconds (the
-        slowest rank's: the ranks step together) for the metrics."""
+        """The ranks' decoders after a step: rows for health(), KV-cache blocks, preemptions for the metrics, and
+        the step's device seconds (the slowest rank's: the ranks step together), counted with its busy time."""
         self._in_ranks = (sum(r.running for r in reports), sum(r.waiting for r in reports))
-        self.metrics[M.ROLLOUT_DEVICE_SECONDS].inc(max((r.device_seconds for r in reports), default=0.0))
+        self._step_device_seconds = max((r.device_seconds for r in reports), default=0.0)
         total = sum(r.blocks_total for r in reports)
         self.metrics[M.ROLLOUT_KV_CACHE_USAGE].set(sum(r.blocks_used for r in reports) / total if total else 0)
         self.metrics[M.ROLLOUT_PREEMPTIONS].inc(sum(r.preemptions for r in reports))
+
+    def _count_busy(self, elapsed: float) -> None:
+        """A step's wall seconds, then its device seconds: a reader of the counters between the two increments
+        (the metrics are read from other threads; a step's rows are delivered before it is counted) sees no more
+        device time than busy time, as it would not if the device's were counted inside the step."""
+        self.busy_seconds += elapsed
+        self.metrics[M.ROLLOUT_BUSY_SECONDS].inc(elapsed)
+        self.metrics[M.ROLLOUT_DEVICE_SECONDS].inc(self._step_device_seconds)
+        self._step_device_seconds = 0.0
 
     def _fail_running(self, message: str) -> int:
         """Finish every row sent to the replica with finish_reason "error" (with the tokens it had, where the
