@@ -1,9 +1,9 @@
 """The exact numerics mode's differentiable forward (trainer/numerics.py's ExactScorer.forward over
 model/exact_autograd.py's kernels): its logprobs and entropies are the no-grad scorer's bits (and so the rollout
-engine's: test_exact_rollout_trainer.py), its gradients of every parameter (experts and router included) the float32
-model's (a shared expert's too), and a batch's first optimizer step runs it as its only forward per micro-batch, stepping the policy as
-the two-forward path did. A tiny model under Triton's interpreter; its dtype float32 (TINY's), so the standard
-formulas' gradients differ from float32 autograd's by float32 rounding alone."""
+engine's: test_exact_rollout_trainer.py), its gradients of every parameter (experts, router and a shared expert
+included) the float32 model's, and a batch's first optimizer step runs it as its only forward per micro-batch,
+stepping the policy as the two-forward path did. A tiny model under Triton's interpreter; its dtype float32
+(TINY's), so the standard formulas' gradients differ from float32 autograd's by float32 rounding alone."""
 import dataclasses
 
 import pytest

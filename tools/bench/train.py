@@ -22,12 +22,12 @@ served-dtype copy of the policy on the batch-invariant kernels, its log-probabil
 the gradient, its backward the standard formulas' (model/exact_autograd.py; under FSDP or context parallelism the
 exact forward for the values, then the fast forward and backward for the gradient). Under --checkpointing full or
 save_attention each exact layer keeps its input and its backward recomputes the policy's layer (the standard step
-with its first forward on the exact kernels). Its MFU
-counts the same model FLOPs; the scorer's weights are reported apart (`exact_scorer_gib`), not in the weights + AdamW state. Under --ranks the
-scorer holds each rank's experts and dispatches over the all-to-all, as the trainer's does (a run refuses exact mode
-with DeepEP); with --tiny, under TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch
-that takes several optimizer steps instead pays the exact scorer's forward in place of the standard scoring's fast
-one, once (its first step takes the scoring's logprobs): the column's last cell, each scoring's median seconds.
+with its first forward on the exact kernels). Its MFU counts the same model FLOPs; the scorer's weights are reported
+apart (`exact_scorer_gib`), not in the weights + AdamW state. Under --ranks the scorer holds each rank's experts and
+dispatches over the all-to-all, as the trainer's does (a run refuses exact mode with DeepEP); with --tiny, under
+TRITON_INTERPRET=1 (the interpreter runs the exact kernels on the CPU). A batch that takes several optimizer steps
+instead pays the exact scorer's forward in place of the standard scoring's fast one, once (its first step takes the
+scoring's logprobs): the column's last cell, each scoring's median seconds.
 
 `--ranks N` runs the step under expert parallelism as the trainer does on one node: N processes over NCCL, one
 per GPU (gloo on the CPU with --tiny), each holding E / N experts and training its own micro-batch of the given

@@ -162,13 +162,13 @@ class SequencePool:
 def sequence_hidden(model: MoETransformer, packed: PackedAttention, kernels: ForwardKernels, tokens: torch.Tensor,
                     sequence_lengths: list[int], training: bool = False, run_layer: Callable | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[MoEOutput]]:
-    """tokens [N] of sequences packed back to back (their lengths sum to N) -> (the final normed hidden states
-    [N, hidden] after every token, routed expert ids [N, L, k], each MoE layer's output (paged_hidden's
-    `training`; `run_layer` its)): each token attends causally within its own sequence, its positions from 0, through the engine's
-    paged forward. Their logits are kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any
-    chunk of rows on the `exact` backend (so a caller need never hold [N, vocabulary] at once). No sequences
-    (N = 0) is a forward too: under expert parallelism a rank without tokens still joins every MoE layer's
-    exchange with the ranks that have some."""
+    """tokens [N] of sequences packed back to back (their lengths sum to N) -> (the final normed hidden states [N,
+    hidden] after every token, routed expert ids [N, L, k], each MoE layer's output; `training` and `run_layer` as
+    paged_hidden's): each token attends causally within its own sequence, its positions from 0, through the engine's
+    paged forward. Their logits are kernels.linear(hidden, model.lm_head.weight), a row's bits the same in any chunk
+    of rows on the `exact` backend (so a caller need never hold [N, vocabulary] at once). No sequences (N = 0) is a
+    forward too: under expert parallelism a rank without tokens still joins every MoE layer's exchange with the
+    ranks that have some."""
     lengths = [int(n) for n in sequence_lengths]
     if min(lengths, default=1) < 1 or sum(lengths) != tokens.shape[0]:
         raise ValueError(f"sequence_lengths {lengths} must be >= 1 each and sum to the {tokens.shape[0]} tokens")

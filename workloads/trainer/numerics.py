@@ -20,19 +20,19 @@ costs it the exact forward in place of the standard scoring's fast one.
 A batch of one optimizer step is not scored: its step's one forward per micro-batch is the exact one, made
 differentiable (`ExactScorer.forward`): the same kernels called alike, so the same bits as `logprobs`, each op an
 autograd Function whose backward is the standard formula (model/exact_autograd.py: torch matmuls for the products,
-the fast forward's fused training norms recomputed, SDPA recomputed per sequence for the attention; the MoE layers' route, permute,
-exact expert GEMM and combine have their own backward; the LM head's values from the invariant product, its
-gradient from model/logprobs.py's chunked backward). The gradient is the copy's, in its served dtype, as autocast's
-bf16 products give the fast forward's: each of the copy's parameters hands it, as it is accumulated, to the
-policy's float32 master parameter of the same name (`hand_gradients_to`), before the step's replicated-gradient
-sync; under expert parallelism both hold this rank's experts. It keeps every layer's activations, and its
-attention forward runs once more in its backward (the exact kernel keeps no log-sum-exp for flash attention's
-backward to read). Where the policy checkpoints its layers (activation_checkpointing full or save_attention), each
-exact layer keeps its input alone and its backward is the policy's own layer's, recomputed from that input with
-the exact routing replayed (exact_recompute.py): the standard step with its first forward on the exact kernels. Where FSDP shards the policy or context parallelism splits a
-micro-batch (`trains_on_the_copy` says why), the step runs two forwards instead: the exact one for the values, the
-fast one for the gradient, joined by `values_with_gradient`. `moerl bench-train --exact` measures the first step
-and the scoring both ways.
+the fast forward's fused training norms recomputed, SDPA recomputed per sequence for the attention; the MoE layers'
+route, permute, exact expert GEMM and combine have their own backward; the LM head's values from the invariant
+product, its gradient from model/logprobs.py's chunked backward). The gradient is the copy's, in its served dtype,
+as autocast's bf16 products give the fast forward's: each of the copy's parameters hands it, as it is accumulated,
+to the policy's float32 master parameter of the same name (`hand_gradients_to`), before the step's
+replicated-gradient sync; under expert parallelism both hold this rank's experts. It keeps every layer's
+activations, and its attention forward runs once more in its backward (the exact kernel keeps no log-sum-exp for
+flash attention's backward to read). Where the policy checkpoints its layers (activation_checkpointing full or
+save_attention), each exact layer keeps its input alone and its backward is the policy's own layer's, recomputed
+from that input with the exact routing replayed (exact_recompute.py): the standard step with its first forward on
+the exact kernels. Where FSDP shards the policy or context parallelism splits a micro-batch (`trains_on_the_copy`
+says why), the step runs two forwards instead: the exact one for the values, the fast one for the gradient, joined
+by `values_with_gradient`. `moerl bench-train --exact` measures the first step and the scoring both ways.
 """
 from __future__ import annotations
 
@@ -152,12 +152,11 @@ class ExactScorer:
         config, head = self.model.config, self.model.lm_head.weight
         hidden, _, layers = sequence_hidden(self.model, PackedAttention.differentiable(self.model),
                                             DifferentiableKernels(self.kernels, mb.lengths), mb.packed_inputs()[0],
-                                            mb.lengths, training=True,
-                                            run_layer=run_layer)
+                                            mb.lengths, training=True, run_layer=run_layer)
         logp, entropy = token_logprobs_and_entropy(hidden, head, mb.packed_targets(), temperature=temperature,
                                                    head=lambda rows: self.kernels.linear(rows, head))
-        return ExactForward(mb.unpack(logp), mb.unpack(entropy), hidden, aux_loss(config, [m.aux_loss for m in layers]),
-                            torch.stack([m.load for m in layers]))
+        return ExactForward(mb.unpack(logp), mb.unpack(entropy), hidden,
+                            aux_loss(config, [m.aux_loss for m in layers]), torch.stack([m.load for m in layers]))
 
 
 def values_with_gradient(values: torch.Tensor, differentiable: torch.Tensor) -> torch.Tensor:
