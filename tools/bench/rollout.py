@@ -403,6 +403,18 @@ def run_sharded(args: argparse.Namespace) -> int:
 
 
 def _sharded_rank(rank: int, world: int, args: argparse.Namespace, config: ModelConfig, tmp: str, port: int) -> None:
+    try:
+        _serve_sharded(rank, world, args, config, tmp, port)
+    finally:
+        # a rank that exits with its process group's threads running can abort at exit (SIGABRT, "terminate
+        # called without an active exception": seen once in make test)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _serve_sharded(rank: int, world: int, args: argparse.Namespace, config: ModelConfig, tmp: str, port: int
+                   ) -> None:
+    """One rank of run_sharded's server: rank 0 drives the engine and writes the rows, the others follow."""
     import os
     from pathlib import Path
 
